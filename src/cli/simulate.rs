@@ -1,0 +1,94 @@
+//! `model-residency simulate`: replay a trace or a list of model names.
+
+use super::Failure;
+use clap::ValueEnum;
+use indicatif::{ProgressBar, ProgressStyle};
+use model_residency::quantity::parse_bytes;
+use model_residency::registry;
+use model_residency::simulate::trace::TraceReader;
+use model_residency::simulate::{Report, replay_names, replay_trace};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// VRAM budget: a Kubernetes quantity (16000Mi, 80Gi) or plain bytes.
+    #[arg(long)]
+    budget: String,
+    /// YAML list of models: `- {name: zimage, size: 10900Mi, pinned: false}`.
+    #[arg(long)]
+    registry: Option<PathBuf>,
+    /// CSV trace `time,model[,size]` (optional header; gzip or zstd allowed).
+    #[arg(long, conflicts_with = "models")]
+    trace: Option<PathBuf>,
+    /// Models to request, one request each, in order.
+    #[arg(value_name = "MODEL")]
+    models: Vec<String>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Output::Text)]
+    output: Output,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Output {
+    Text,
+    Json,
+}
+
+pub fn run(args: Args) -> Result<(), Failure> {
+    let budget =
+        parse_bytes(&args.budget).map_err(|e| Failure::bad_input(format!("--budget: {e}")))?;
+    let models = match &args.registry {
+        Some(path) => registry::load(path).map_err(Failure::bad_input)?,
+        None => Vec::new(),
+    };
+    let mut engine = registry::build_engine(budget, &models).map_err(Failure::bad_input)?;
+    let report = match &args.trace {
+        Some(path) => {
+            let mut trace = TraceReader::open(path).map_err(Failure::bad_input)?;
+            let bar = progress_bar(&trace);
+            let report = replay_trace(&mut engine, &mut trace, |t| {
+                if let Some(bar) = &bar {
+                    bar.set_position(t.progress().0);
+                }
+            })
+            .map_err(Failure::bad_input)?;
+            if let Some(bar) = bar {
+                bar.finish_and_clear();
+            }
+            report
+        }
+        None if args.models.is_empty() => {
+            return Err(Failure::bad_input(
+                "nothing to simulate: give --trace FILE or model names",
+            ));
+        }
+        None => replay_names(&mut engine, &args.models).map_err(Failure::bad_input)?,
+    };
+    print_report(&report, args.output);
+    Ok(())
+}
+
+/// A byte-based progress bar on stderr, only when a person is watching.
+fn progress_bar(trace: &TraceReader) -> Option<ProgressBar> {
+    let total = trace.progress().1?;
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .expect("static template"),
+    );
+    Some(bar)
+}
+
+fn print_report(report: &Report, output: Output) {
+    match output {
+        Output::Text => print!("{}", report.to_text()),
+        Output::Json => println!(
+            "{}",
+            serde_json::to_string(report).expect("report serializes")
+        ),
+    }
+}

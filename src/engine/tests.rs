@@ -1,0 +1,218 @@
+//! The extensions a cluster needs: pinned, unload, budget change, registry
+//! change, unknown models. The seed's cases are in tests/engine_seed.rs.
+
+use super::*;
+
+fn engine(budget: Bytes, models: &[(&str, Bytes, bool)]) -> (Engine, Vec<ModelId>) {
+    let mut e = Engine::new(budget);
+    let ids = models
+        .iter()
+        .map(|&(n, s, p)| e.register(n, s, p).unwrap())
+        .collect();
+    (e, ids)
+}
+
+fn names(e: &Engine) -> Vec<&str> {
+    e.residents().iter().map(|&id| e.name(id)).collect()
+}
+
+#[test]
+fn pinned_models_are_skipped_as_victims() {
+    let (mut e, m) = engine(
+        10,
+        &[
+            ("p", 4, true),
+            ("a", 3, false),
+            ("b", 3, false),
+            ("c", 3, false),
+        ],
+    );
+    e.request(m[0]); // p is the LRU, but pinned
+    e.request(m[1]);
+    e.request(m[2]);
+    assert_eq!(e.request(m[3]), Admission::Loaded { evicted: &[m[1]] });
+    assert_eq!(names(&e), ["p", "b", "c"]);
+    assert_eq!(e.pinned_used(), 4);
+}
+
+#[test]
+fn a_load_that_needs_pinned_room_is_refused_with_its_own_reason() {
+    let (mut e, m) = engine(10, &[("p", 7, true), ("a", 2, false), ("big", 4, false)]);
+    e.request(m[0]);
+    e.request(m[1]);
+    let want = RefuseReason::NoEvictableRoom {
+        size: 4,
+        budget: 10,
+        pinned: 7,
+    };
+    assert_eq!(e.request(m[2]), Admission::Refused(want));
+    assert_eq!(e.plan_load(m[2]), Err(want));
+    // Refused means nothing was evicted.
+    assert_eq!(names(&e), ["p", "a"]);
+    assert_eq!(e.counters().evictions, 0);
+    assert_eq!(e.counters().refusals, 1);
+    assert_eq!(want.as_str(), "NoEvictableRoom");
+}
+
+#[test]
+fn unload_frees_vram_and_is_not_an_eviction() {
+    let (mut e, m) = engine(10, &[("a", 6, false), ("b", 4, false)]);
+    e.request(m[0]);
+    e.request(m[1]);
+    assert!(e.unload(m[0]));
+    assert!(!e.unload(m[0]), "second unload is a no-op");
+    assert_eq!(e.used(), 4);
+    let c = e.counters();
+    assert_eq!((c.unloads, c.evictions), (1, 0));
+    // Unloading a pinned model is allowed: pinning stops eviction only.
+    let (mut e, m) = engine(10, &[("p", 6, true)]);
+    e.request(m[0]);
+    assert!(e.unload(m[0]));
+    assert_eq!(e.pinned_used(), 0);
+}
+
+#[test]
+fn budget_shrink_evicts_lru_until_the_invariant_holds() {
+    let (mut e, m) = engine(12, &[("a", 4, false), ("b", 4, false), ("c", 4, false)]);
+    for &id in &m {
+        e.request(id);
+    }
+    e.request(m[0]); // order now b, c, a
+    assert_eq!(e.set_budget(8), &[m[1]]);
+    assert_eq!(names(&e), ["c", "a"]);
+    assert_eq!(e.set_budget(100), &[] as &[ModelId]);
+    assert_eq!(e.counters().evictions, 1);
+}
+
+#[test]
+fn budget_shrink_below_pinned_evicts_pinned_last() {
+    let (mut e, m) = engine(12, &[("p", 5, true), ("q", 5, true), ("a", 2, false)]);
+    for &id in &m {
+        e.request(id);
+    }
+    // Unpinned first, then pinned in LRU order: the invariant outranks pins.
+    assert_eq!(e.set_budget(6), &[m[2], m[0]]);
+    assert_eq!(names(&e), ["q"]);
+    assert_eq!((e.used(), e.pinned_used()), (5, 5));
+}
+
+#[test]
+fn a_grown_resident_model_is_readmitted_by_the_same_rules() {
+    let (mut e, m) = engine(10, &[("a", 3, false), ("b", 3, false), ("c", 3, false)]);
+    for &id in &m {
+        e.request(id);
+    }
+    // c grows 3 -> 6: evict the LRU (a) to make room; c keeps its recency.
+    assert_eq!(e.resize(m[2], 6), Ok(Resize::Kept { evicted: &[m[0]] }));
+    assert_eq!(names(&e), ["b", "c"]);
+    assert_eq!(e.used(), 9);
+    // a, the LRU, grows past what is left: it is evicted first if resident.
+    // Here: b grows 3 -> 5 and would need c gone, which is allowed.
+    assert_eq!(e.resize(m[1], 5), Ok(Resize::Kept { evicted: &[m[2]] }));
+    assert_eq!(names(&e), ["b"]);
+    // Growing beyond the budget drops it as a refusal.
+    assert_eq!(
+        e.resize(m[1], 11),
+        Ok(Resize::Dropped(RefuseReason::LargerThanBudget {
+            size: 11,
+            budget: 10
+        }))
+    );
+    assert_eq!(e.used(), 0);
+    assert_eq!(e.counters().refusals, 1);
+    // Shrinking or resizing a non-resident model never evicts.
+    assert_eq!(e.resize(m[0], 1), Ok(Resize::NotResident));
+    assert_eq!(e.size(m[0]), 1);
+    assert!(matches!(e.resize(m[0], 0), Err(RegistryError::ZeroSize(_))));
+}
+
+#[test]
+fn a_grown_model_that_needs_pinned_room_is_dropped_without_evictions() {
+    let (mut e, m) = engine(10, &[("p", 6, true), ("a", 1, false), ("b", 2, false)]);
+    for &id in &m {
+        e.request(id);
+    }
+    assert_eq!(
+        e.resize(m[2], 5),
+        Ok(Resize::Dropped(RefuseReason::NoEvictableRoom {
+            size: 5,
+            budget: 10,
+            pinned: 6
+        }))
+    );
+    assert_eq!(names(&e), ["p", "a"]);
+    assert_eq!(e.counters().evictions, 0);
+}
+
+#[test]
+fn a_removed_model_is_unloaded() {
+    let (mut e, m) = engine(10, &[("a", 6, false), ("b", 4, false)]);
+    e.request(m[0]);
+    assert!(e.deregister(m[0]));
+    assert_eq!(e.id("a"), None);
+    assert_eq!(e.used(), 0);
+    assert_eq!(e.counters().unloads, 1);
+    assert_eq!(e.models().collect::<Vec<_>>(), [m[1]]);
+    // The name can be registered again.
+    e.register("a", 2, false).unwrap();
+}
+
+#[test]
+fn unknown_models_are_refused_never_a_crash() {
+    let mut e = Engine::new(10);
+    assert_eq!(
+        e.request_named("ghost"),
+        Admission::Refused(RefuseReason::UnknownModel)
+    );
+    assert_eq!(e.counters().refusals, 1);
+}
+
+#[test]
+fn registry_rejects_bad_entries() {
+    let mut e = Engine::new(10);
+    assert_eq!(e.register("", 1, false), Err(RegistryError::EmptyName));
+    assert_eq!(
+        e.register("a", 0, false),
+        Err(RegistryError::ZeroSize("a".into()))
+    );
+    e.register("a", 1, false).unwrap();
+    assert_eq!(
+        e.register("a", 2, false),
+        Err(RegistryError::Duplicate("a".into()))
+    );
+}
+
+#[test]
+fn pinning_keeps_recency_and_protects_from_eviction() {
+    let (mut e, m) = engine(
+        9,
+        &[
+            ("a", 3, false),
+            ("b", 3, false),
+            ("c", 3, false),
+            ("d", 3, false),
+        ],
+    );
+    for &id in &m[..3] {
+        e.request(id);
+    }
+    e.set_pinned(m[0], true);
+    assert_eq!(names(&e), ["a", "b", "c"]);
+    assert_eq!(e.pinned_used(), 3);
+    assert_eq!(e.plan_load(m[3]), Ok(vec![m[1]]));
+    assert_eq!(e.request(m[3]), Admission::Loaded { evicted: &[m[1]] });
+    e.set_pinned(m[0], false);
+    assert_eq!(e.pinned_used(), 0);
+    assert_eq!(e.plan_load(m[1]), Ok(vec![m[0]]));
+}
+
+#[test]
+fn restore_rebuilds_lru_order_without_counting() {
+    let (mut e, m) = engine(6, &[("a", 3, false), ("b", 3, false), ("c", 3, false)]);
+    e.restore(m[1]).unwrap();
+    e.restore(m[0]).unwrap();
+    assert!(e.restore(m[2]).is_err(), "restore never breaks the budget");
+    assert_eq!(names(&e), ["b", "a"]);
+    assert_eq!(e.counters(), Counters::default());
+    assert_eq!(e.request(m[2]), Admission::Loaded { evicted: &[m[1]] });
+}

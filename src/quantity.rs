@@ -1,0 +1,199 @@
+//! Kubernetes quantities as whole bytes.
+//!
+//! VRAM budgets and model sizes are written as Kubernetes quantities
+//! (`16000Mi`, `80Gi`, `1.5G`, `12e9`, or plain bytes). The engine works in
+//! `u64` bytes, so this module converts both ways, exactly: no floats.
+//! Fractions of a byte round up, as `resource.Quantity.Value()` does.
+
+use crate::engine::Bytes;
+
+/// Why a string is not a byte quantity.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum QuantityError {
+    #[error("empty quantity")]
+    Empty,
+    #[error(
+        "{0:?} is not a quantity: expected a number with an optional unit (Ki, Mi, Gi, Ti, Pi, Ei, k, M, G, T, P, E)"
+    )]
+    Malformed(String),
+    #[error(
+        "{input:?} has an unknown unit {unit:?}; use one of Ki, Mi, Gi, Ti, Pi, Ei, k, M, G, T, P, E"
+    )]
+    UnknownUnit { input: String, unit: String },
+    #[error("{0:?} is negative; sizes must be positive")]
+    Negative(String),
+    #[error("{0:?} is too large (more than 2^64 - 1 bytes)")]
+    Overflow(String),
+}
+
+/// Parses a Kubernetes quantity into whole bytes (rounded up).
+pub fn parse_bytes(input: &str) -> Result<Bytes, QuantityError> {
+    let s = input.trim();
+    if s.is_empty() {
+        return Err(QuantityError::Empty);
+    }
+    // Fast path for plain byte counts, as in long traces.
+    if s.len() <= 19 && s.bytes().all(|b| b.is_ascii_digit()) {
+        return s
+            .parse()
+            .map_err(|_| QuantityError::Overflow(input.to_owned()));
+    }
+    let malformed = || QuantityError::Malformed(input.to_owned());
+    let (negative, rest) = match s.as_bytes()[0] {
+        b'-' => (true, &s[1..]),
+        b'+' => (false, &s[1..]),
+        _ => (false, s),
+    };
+    let number_len = rest
+        .bytes()
+        .position(|b| !(b.is_ascii_digit() || b == b'.'))
+        .unwrap_or(rest.len());
+    let (number, unit) = rest.split_at(number_len);
+    let (int_part, frac_part) = number.split_once('.').unwrap_or((number, ""));
+    if int_part.is_empty() && frac_part.is_empty() || frac_part.contains('.') {
+        return Err(malformed());
+    }
+    // mantissa / 10^frac_digits, in u128 so 38 significant digits are exact.
+    let digits = format!("{int_part}{frac_part}");
+    let digits = digits.trim_start_matches('0');
+    if digits.len() > 38 {
+        return Err(QuantityError::Overflow(input.to_owned()));
+    }
+    let mantissa: u128 = if digits.is_empty() {
+        0
+    } else {
+        digits.parse().map_err(|_| malformed())?
+    };
+    if negative && mantissa != 0 {
+        return Err(QuantityError::Negative(input.to_owned()));
+    }
+    let (mut num, mut den) = (1u128, 10u128.pow(frac_part.len() as u32));
+    match unit {
+        "" => {}
+        "Ki" | "Mi" | "Gi" | "Ti" | "Pi" | "Ei" => {
+            let power = 1 + "KMGTPE".find(&unit[..1]).unwrap_or(0) as u32;
+            num = 1u128 << (10 * power);
+        }
+        "n" => den *= 1_000_000_000,
+        "u" => den *= 1_000_000,
+        "m" => den *= 1_000,
+        "k" | "M" | "G" | "T" | "P" | "E" => {
+            let power = 1 + "kMGTPE".find(unit).unwrap_or(0) as u32;
+            num = 10u128.pow(3 * power);
+        }
+        _ if unit.starts_with(['e', 'E']) => {
+            let exp: i32 = unit[1..].parse().map_err(|_| malformed())?;
+            if exp.unsigned_abs() > 30 {
+                return Err(QuantityError::Overflow(input.to_owned()));
+            }
+            if exp >= 0 {
+                num = 10u128.pow(exp as u32);
+            } else {
+                den *= 10u128.pow(exp.unsigned_abs());
+            }
+        }
+        _ if unit.chars().all(|c| c.is_ascii_alphabetic()) => {
+            return Err(QuantityError::UnknownUnit {
+                input: input.to_owned(),
+                unit: unit.to_owned(),
+            });
+        }
+        _ => return Err(malformed()),
+    }
+    let scaled = mantissa
+        .checked_mul(num)
+        .ok_or_else(|| QuantityError::Overflow(input.to_owned()))?;
+    Bytes::try_from(scaled.div_ceil(den)).map_err(|_| QuantityError::Overflow(input.to_owned()))
+}
+
+/// Formats bytes as the shortest exact binary quantity: `16000Mi`, `80Gi`,
+/// or plain bytes when no binary unit divides evenly.
+pub fn format_bytes(bytes: Bytes) -> String {
+    const UNITS: [&str; 6] = ["Ki", "Mi", "Gi", "Ti", "Pi", "Ei"];
+    if bytes == 0 {
+        return "0".to_owned();
+    }
+    let mut value = bytes;
+    let mut unit = None;
+    for u in UNITS {
+        if !value.is_multiple_of(1024) {
+            break;
+        }
+        value /= 1024;
+        unit = Some(u);
+    }
+    match unit {
+        Some(u) => format!("{value}{u}"),
+        None => value.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MI: u64 = 1 << 20;
+
+    #[test]
+    fn parses_the_units_kubernetes_uses() {
+        let cases: &[(&str, u64)] = &[
+            ("0", 0),
+            ("123", 123),
+            ("16000Mi", 16000 * MI),
+            ("80Gi", 80 << 30),
+            ("1Ki", 1024),
+            ("1Ei", 1 << 60),
+            ("1k", 1000),
+            ("1.5G", 1_500_000_000),
+            ("12e9", 12_000_000_000),
+            ("12E3", 12_000),
+            ("1.5Ki", 1536),
+            ("0.5", 1),   // a fraction of a byte rounds up
+            ("1500m", 2), // 1.5 bytes rounds up
+            (" 7Mi ", 7 * MI),
+            ("+3", 3),
+            ("-0", 0),
+            ("18446744073709551615", u64::MAX),
+        ];
+        for &(input, want) in cases {
+            assert_eq!(parse_bytes(input), Ok(want), "{input}");
+        }
+    }
+
+    #[test]
+    fn rejects_what_is_not_a_byte_quantity() {
+        assert_eq!(parse_bytes(""), Err(QuantityError::Empty));
+        assert!(matches!(
+            parse_bytes("-5Mi"),
+            Err(QuantityError::Negative(_))
+        ));
+        assert!(matches!(
+            parse_bytes("16000MB"),
+            Err(QuantityError::UnknownUnit { unit, .. }) if unit == "MB"
+        ));
+        for bad in ["Mi", "1.2.3", "abc", "1 Mi", "1e", "..", "1e99"] {
+            assert!(parse_bytes(bad).is_err(), "{bad} should be rejected");
+        }
+        assert!(matches!(
+            parse_bytes("16Ei"),
+            Err(QuantityError::Overflow(_))
+        ));
+        assert!(matches!(
+            parse_bytes("18446744073709551616"),
+            Err(QuantityError::Overflow(_))
+        ));
+    }
+
+    #[test]
+    fn formats_the_shortest_exact_binary_unit() {
+        assert_eq!(format_bytes(0), "0");
+        assert_eq!(format_bytes(1000), "1000");
+        assert_eq!(format_bytes(16000 * MI), "16000Mi");
+        assert_eq!(format_bytes(80 << 30), "80Gi");
+        assert_eq!(format_bytes(1536), "1536");
+        assert_eq!(format_bytes(1 << 60), "1Ei");
+        for b in [1u64, 1023, 1024, 10900 * MI, u64::MAX, 3 << 40] {
+            assert_eq!(parse_bytes(&format_bytes(b)), Ok(b));
+        }
+    }
+}
