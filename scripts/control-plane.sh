@@ -20,9 +20,11 @@
 set -euo pipefail
 
 K8S_VERSION=v1.20.2
+# Bump when the build recipe changes, so stale caches are rebuilt.
+BUILD_REV=r2
 DEB_VERSION='1.20.5+really1.20.2-1.1+deb12u1'
 CACHE_ROOT=${MODEL_RESIDENCY_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/model-residency}
-ASSETS=${MODEL_RESIDENCY_ASSETS:-$CACHE_ROOT/control-plane/$K8S_VERSION}
+ASSETS=${MODEL_RESIDENCY_ASSETS:-$CACHE_ROOT/control-plane/$K8S_VERSION-$BUILD_REV}
 BINARIES=(etcd kube-apiserver kube-controller-manager)
 
 log() { printf '[control-plane] %s\n' "$*" >&2; }
@@ -118,8 +120,14 @@ build() {
   mkdir -p "$work/gopath/src/k8s.io"
   ln -s "$tree" "$work/gopath/src/k8s.io/kubernetes"
   export GOPATH="$work/gopath:$tree/_output/local/go"
-  local pkg=k8s.io/kubernetes/vendor/k8s.io/component-base/version
-  local ldflags="-s -w -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=20 -X $pkg.gitTreeState=clean"
+  # Stamp the version wherever it is read: --version uses component-base,
+  # the /version endpoint client-go's copy. Unknown packages are ignored.
+  local ldflags="-s -w" pkg
+  for pkg in k8s.io/kubernetes/vendor/k8s.io/component-base/version \
+             k8s.io/kubernetes/vendor/k8s.io/client-go/pkg/version \
+             k8s.io/kubernetes/pkg/version; do
+    ldflags+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=20 -X $pkg.gitTreeState=clean"
+  done
   mkdir -p "$work/bin"
   for b in kube-apiserver kube-controller-manager; do
     log "go build $b (5-7 minutes on 2 cores)"
@@ -132,6 +140,10 @@ build() {
   rm -rf "$out"
   mv "$work/bin" "$out"
   rm -rf "$work"
+  # Older recipes' entries are dead weight (150 MB each).
+  for old in "$(dirname "$out")"/*; do
+    [ "$old" = "$out" ] || rm -rf "$old"
+  done
   log "built in $((SECONDS - t0)) s -> $out"
 }
 

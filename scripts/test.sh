@@ -16,4 +16,8 @@ fi
 
 cargo fmt --all -- --check
 cargo clippy --locked --all-targets -- -D warnings
-cargo test --locked
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo test --locked 2>&1 | tee "$log"
+# One closing line over every test binary.
+awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "total: %d passed, %d failed, %d skipped\n", p, f, i }' "$log"

@@ -1,11 +1,17 @@
 //! model-residency: per-GPU model residency for Kubernetes.
 //!
+//! - [`api`]: the `ModelResidency` custom resource.
 //! - [`engine`]: the pure VRAM-budgeted LRU admission policy.
 //! - [`quantity`]: Kubernetes quantities as whole bytes.
 //! - [`registry`]: registry files (`{name, size, pinned}` lists).
 //! - [`simulate`]: replaying request traces through the engine.
+//! - [`labels`]: label and annotation keys on model pods.
+//! - [`local`]: a local control plane and kubelet stand-in (tests, demo).
 
+pub mod api;
 pub mod engine;
+pub mod labels;
+pub mod local;
 pub mod quantity;
 pub mod registry;
 pub mod simulate;

@@ -25,7 +25,7 @@ struct Entry {
     pinned: bool,
     #[serde(default)]
     #[allow(dead_code)] // accepted so CRD model lists load unchanged
-    template: Option<serde_yaml::Value>,
+    template: Option<serde_json::Value>,
 }
 
 /// A size as YAML writes it: a quantity string or a bare number.
@@ -48,7 +48,7 @@ pub enum RegistryFileError {
     #[error("{path}: {source}")]
     Yaml {
         path: String,
-        source: serde_yaml::Error,
+        source: Box<serde_saphyr::Error>,
     },
     #[error("{path}: model {name:?}: size: {source}")]
     Size {
@@ -73,9 +73,9 @@ pub fn load(path: &Path) -> Result<Vec<RegistryModel>, RegistryFileError> {
 /// Parses registry YAML; `origin` names the source in errors.
 pub fn parse(text: &str, origin: &str) -> Result<Vec<RegistryModel>, RegistryFileError> {
     let entries: Vec<Entry> =
-        serde_yaml::from_str(text).map_err(|source| RegistryFileError::Yaml {
+        serde_saphyr::from_str(text).map_err(|source| RegistryFileError::Yaml {
             path: origin.to_owned(),
-            source,
+            source: Box::new(source),
         })?;
     let mut models = Vec::with_capacity(entries.len());
     for e in entries {

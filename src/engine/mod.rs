@@ -315,6 +315,13 @@ impl Engine {
         &self.evicted
     }
 
+    /// Carries totals over from an earlier run (e.g. a stored status), so a
+    /// rebuilt engine keeps counting where the last one stopped.
+    pub fn resume(&mut self, counters: Counters, peak: Bytes) {
+        self.counters = counters;
+        self.peak = self.peak.max(peak);
+    }
+
     // ---- requests -------------------------------------------------------
 
     /// A request for a model by name; unknown names are refused.

@@ -1,2 +1,5 @@
-//! Shared test support.
+//! Shared test support. Each test binary uses part of it.
+#![allow(dead_code)]
+
+pub mod cluster;
 pub mod reference;

@@ -1,0 +1,263 @@
+//! The `ModelResidency` custom resource (`residency.dev/v1alpha1`): one
+//! object per GPU. `crds/modelresidency.yaml` is generated from these types
+//! by `model-residency crd`; a test fails when the two drift apart.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::CustomResource;
+use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
+use serde::{Deserialize, Deserializer, Serialize};
+
+/// DNS label: lowercase alphanumerics and '-', starting and ending with an
+/// alphanumeric. Model names become pod-name parts and label values.
+const DNS_LABEL: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
+/// A positive Kubernetes quantity without sign or milli-units.
+const POSITIVE_QUANTITY: &str = r"^\+?(0*[1-9][0-9]*(\.[0-9]*)?|0*\.0*[1-9][0-9]*)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE]\+?[0-9]+)?$";
+
+/// Desired residency of models on one GPU.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "residency.dev",
+    version = "v1alpha1",
+    kind = "ModelResidency",
+    doc = "One GPU's VRAM budget, its model registry and the demand for those models.",
+    plural = "modelresidencies",
+    singular = "modelresidency",
+    shortname = "mres",
+    namespaced,
+    status = "ModelResidencyStatus",
+    printcolumn = r#"{"name":"Node","type":"string","jsonPath":".spec.nodeName"}"#,
+    printcolumn = r#"{"name":"Device","type":"string","jsonPath":".spec.device"}"#,
+    printcolumn = r#"{"name":"Budget","type":"string","jsonPath":".spec.budget"}"#,
+    printcolumn = r#"{"name":"Used","type":"string","jsonPath":".status.used"}"#,
+    printcolumn = r#"{"name":"Resident","type":"integer","jsonPath":".status.resident"}"#,
+    printcolumn = r#"{"name":"Refused","type":"integer","jsonPath":".status.refused"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelResidencySpec {
+    /// The node that holds the GPU. Every model pod is bound to it.
+    #[schemars(length(min = 1, max = 253))]
+    pub node_name: String,
+    /// The GPU on that node: an index ("0") or a UUID ("GPU-..."). Model pods
+    /// get it as NVIDIA_VISIBLE_DEVICES.
+    #[schemars(length(min = 1, max = 128))]
+    pub device: String,
+    /// VRAM budget: the most the resident models may declare together. A
+    /// positive Kubernetes quantity (16000Mi, 80Gi) or bytes.
+    pub budget: ByteQuantity,
+    /// The model registry: every model this GPU may serve. Keyed by name.
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub models: Vec<ModelSpec>,
+    /// Requests for models, written by autoscalers, routers and the
+    /// `model-residency demand` CLI. An entry whose lastRequested is newer
+    /// than the model's last processed request is a new request; removing
+    /// an entry unloads the model. Keyed by model.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["model"]))]
+    pub demand: Vec<Demand>,
+}
+
+/// One model in the registry.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelSpec {
+    /// Model name: a DNS label (it names the model's pod and labels it).
+    #[schemars(length(min = 1, max = 63), regex(pattern = DNS_LABEL))]
+    pub name: String,
+    /// The model's VRAM footprint: a positive quantity (10900Mi) or bytes.
+    pub size: ByteQuantity,
+    /// A pinned model, once loaded, is never evicted to make room for
+    /// another (only a budget shrink below the pinned models' total, an
+    /// unload or a registry removal takes it out).
+    #[serde(default)]
+    pub pinned: bool,
+    /// Pod template of the model server (containers, volumes, ...). The
+    /// operator sets the node, the GPU (NVIDIA_VISIBLE_DEVICES), labels,
+    /// an owner reference and the size annotation. Checked when the model
+    /// loads; a template without containers fails the load.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "template_schema")]
+    pub template: Option<serde_json::Value>,
+}
+
+/// A request for a model.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Demand {
+    /// The requested model's name.
+    #[schemars(length(min = 1, max = 63))]
+    pub model: String,
+    /// When the model was last requested (RFC 3339, sub-second precision
+    /// allowed). A newer value than the one last processed is a new request.
+    #[schemars(extend("format" = "date-time"))]
+    pub last_requested: String,
+}
+
+/// What the operator decided and observed.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelResidencyStatus {
+    /// The spec generation this status reflects.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// The budget this status was computed against.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<String>,
+    /// VRAM declared by the resident models.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub used: Option<String>,
+    /// The most VRAM ever declared at once by resident models.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak: Option<String>,
+    /// Number of resident models (Loaded, Loading or Failed).
+    #[serde(default)]
+    pub resident: u32,
+    /// Number of models whose last request was refused.
+    #[serde(default)]
+    pub refused: u32,
+    /// One entry per registry model, plus one per demanded unknown model.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub models: Vec<ModelStatus>,
+    /// Running totals since the object was created.
+    #[serde(default)]
+    pub counters: Counters,
+    /// Ready, Refused and Degraded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}
+
+/// The state of one model on this GPU.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelStatus {
+    /// Model name.
+    pub name: String,
+    /// Loaded, Loading, Evicted, Refused, Unloaded or Failed.
+    pub state: ModelState,
+    /// Declared size the state was computed with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<String>,
+    /// lastRequested of the newest request processed for this model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_requested: Option<String>,
+    /// lastRequested of the request that last hit or loaded it: the LRU key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_used: Option<String>,
+    /// When its pod became Ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loaded_at: Option<String>,
+    /// The model's pod, while it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
+    /// Load failures in a row (reset when a pod becomes Ready).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub failures: u32,
+    /// A CamelCase reason for the state (e.g. LargerThanBudget, MadeRoom).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// A human-readable explanation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// Where a model stands.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum ModelState {
+    /// Resident and its pod is Ready.
+    Loaded,
+    /// Resident; its pod is starting, or waiting for evicted pods to go.
+    Loading,
+    /// Taken out to make room for another model or by a budget shrink.
+    Evicted,
+    /// Its last request was refused (see reason).
+    Refused,
+    /// Never loaded, or unloaded by demand removal.
+    #[default]
+    Unloaded,
+    /// Resident but its pod failed; retried with backoff.
+    Failed,
+}
+
+impl ModelState {
+    /// Whether the model holds (or is about to hold) VRAM.
+    pub fn is_resident(self) -> bool {
+        matches!(
+            self,
+            ModelState::Loaded | ModelState::Loading | ModelState::Failed
+        )
+    }
+}
+
+/// Running totals.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub struct Counters {
+    pub hits: u64,
+    pub loads: u64,
+    pub evictions: u64,
+    pub refusals: u64,
+    pub unloads: u64,
+}
+
+/// A VRAM quantity as written in the spec: a string like `16000Mi`, or an
+/// integer number of bytes. Parsed to bytes by the reconciler.
+#[derive(Serialize, Clone, Debug, PartialEq, Eq)]
+pub struct ByteQuantity(pub String);
+
+impl<'de> Deserialize<'de> for ByteQuantity {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Int(i64),
+            UInt(u64),
+            Str(String),
+        }
+        Ok(ByteQuantity(match Raw::deserialize(d)? {
+            Raw::Int(i) => i.to_string(),
+            Raw::UInt(u) => u.to_string(),
+            Raw::Str(s) => s,
+        }))
+    }
+}
+
+impl JsonSchema for ByteQuantity {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "ByteQuantity".into()
+    }
+    fn inline_schema() -> bool {
+        true
+    }
+    fn json_schema(_: &mut SchemaGenerator) -> Schema {
+        // `minimum` only constrains integers and `pattern` only strings, so
+        // both sit at the top (kube drops types inside `anyOf`).
+        json_schema!({
+            "x-kubernetes-int-or-string": true,
+            "minimum": 1,
+            "pattern": POSITIVE_QUANTITY,
+        })
+    }
+}
+
+fn template_schema(_: &mut SchemaGenerator) -> Schema {
+    // The full PodTemplateSpec schema would make the CRD too large for
+    // client-side `kubectl apply`; the reconciler checks the template.
+    json_schema!({
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": true,
+    })
+}
+
+/// The CRD as YAML, exactly as committed in `crds/modelresidency.yaml`.
+pub fn crd_yaml() -> String {
+    use kube::CustomResourceExt;
+    let crd = serde_json::to_value(ModelResidency::crd()).expect("CRD serializes");
+    let body = serde_saphyr::to_string(&crd).expect("CRD serializes to YAML");
+    format!("# Generated by `model-residency crd`; do not edit.\n---\n{body}")
+}

@@ -1,0 +1,504 @@
+//! A real, local Kubernetes control plane: etcd, kube-apiserver and
+//! kube-controller-manager (garbage collector and namespace controllers only)
+//! on free loopback ports, in a temporary directory.
+//!
+//! The binaries come from `scripts/control-plane.sh` (built once from Debian's
+//! sources and cached) or from a directory named by `MODEL_RESIDENCY_ASSETS`
+//! or `KUBEBUILDER_ASSETS`. There is no kubelet and no scheduler: see
+//! [`super::kubelet`] for the stand-in.
+//!
+//! Nothing outlives its owner: every process is started with
+//! `PR_SET_PDEATHSIG` from a thread that lives as long as the process, and a
+//! small janitor process (immune to Ctrl-C) kills them by pid and removes the
+//! temporary directory as soon as the owning process is gone, whether it
+//! exited, panicked or was killed.
+
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use std::fs;
+use std::io::Write;
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// The Kubernetes version the cached binaries are built at.
+pub const KUBERNETES_VERSION: &str = "v1.20.2";
+/// The cache entry `scripts/control-plane.sh` builds (version + recipe rev).
+const CACHE_KEY: &str = "v1.20.2-r2";
+const ADMIN_TOKEN: &str = "model-residency-admin-token";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControlPlaneError {
+    #[error(
+        "no control-plane binaries found ({0}). Install them with `bash scripts/control-plane.sh` \
+         (builds kube-apiserver {KUBERNETES_VERSION} once, about 5 minutes, cached in \
+         ~/.cache/model-residency), or point MODEL_RESIDENCY_ASSETS at a directory holding \
+         etcd, kube-apiserver and kube-controller-manager"
+    )]
+    NoAssets(String),
+    #[error("control plane: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("{process} did not become ready within {seconds} s; last log lines:\n{log}")]
+    NotReady {
+        process: &'static str,
+        seconds: u64,
+        log: String,
+    },
+    #[error("control plane: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("control plane kubeconfig: {0}")]
+    Config(String),
+}
+
+/// Finds the directory holding `etcd`, `kube-apiserver` and
+/// `kube-controller-manager`.
+pub fn find_assets() -> Result<PathBuf, ControlPlaneError> {
+    let mut tried = Vec::new();
+    let mut candidates: Vec<PathBuf> = ["MODEL_RESIDENCY_ASSETS", "KUBEBUILDER_ASSETS"]
+        .iter()
+        .filter_map(|v| std::env::var_os(v).map(PathBuf::from))
+        .collect();
+    let cache = std::env::var_os("MODEL_RESIDENCY_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/model-residency")));
+    if let Some(cache) = cache {
+        candidates.push(cache.join("control-plane").join(CACHE_KEY));
+    }
+    for dir in candidates {
+        let complete = ["etcd", "kube-apiserver", "kube-controller-manager"]
+            .iter()
+            .all(|b| dir.join(b).is_file());
+        if complete {
+            return Ok(dir);
+        }
+        tried.push(dir.display().to_string());
+    }
+    Err(ControlPlaneError::NoAssets(format!(
+        "looked in: {}",
+        if tried.is_empty() {
+            "nothing".to_owned()
+        } else {
+            tried.join(", ")
+        }
+    )))
+}
+
+/// A running control plane. Dropping it stops every process and removes
+/// its directory.
+pub struct ControlPlane {
+    dir: tempfile::TempDir,
+    assets: PathBuf,
+    etcd: Process,
+    apiserver: Process,
+    controller_manager: Process,
+    apiserver_port: u16,
+    etcd_port: u16,
+    kubeconfig: PathBuf,
+    janitor: Option<Child>,
+    /// Time from start to `/readyz` answering `ok`.
+    pub startup: Duration,
+}
+
+/// A child process started by this module.
+struct Process {
+    name: &'static str,
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Process {
+    fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn exited(&mut self) -> bool {
+        match &mut self.child {
+            Some(c) => !matches!(c.try_wait(), Ok(None)),
+            None => true,
+        }
+    }
+
+    fn log_tail(&self) -> String {
+        let text = fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+}
+
+/// Spawns processes from one thread that never exits, so that
+/// `PR_SET_PDEATHSIG` (which fires when the *spawning thread* dies) only
+/// fires when the whole test or demo process is gone.
+fn spawn_owned(mut cmd: Command) -> std::io::Result<Child> {
+    type Request = (Command, mpsc::Sender<std::io::Result<Child>>);
+    static SPAWNER: std::sync::OnceLock<std::sync::Mutex<mpsc::Sender<Request>>> =
+        std::sync::OnceLock::new();
+    let sender = SPAWNER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<Request>();
+        std::thread::Builder::new()
+            .name("control-plane-spawner".into())
+            .spawn(move || {
+                for (mut cmd, reply) in rx {
+                    let _ = reply.send(cmd.spawn());
+                }
+                // The sender lives in a static: the loop only ends at exit.
+            })
+            .expect("spawn thread");
+        std::sync::Mutex::new(tx)
+    });
+    // SAFETY: prctl is async-signal-safe; no allocation happens in the hook.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let (tx, rx) = mpsc::channel();
+    sender
+        .lock()
+        .map_err(|_| std::io::Error::other("spawner lock poisoned"))?
+        .send((cmd, tx))
+        .map_err(|_| std::io::Error::other("spawner thread gone"))?;
+    rx.recv()
+        .map_err(|_| std::io::Error::other("spawner thread gone"))?
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn start_process(
+    name: &'static str,
+    binary: &Path,
+    args: &[String],
+    dir: &Path,
+) -> std::io::Result<Process> {
+    let log = dir.join(format!("{name}.log"));
+    let out = fs::File::create(&log)?;
+    let mut cmd = Command::new(binary);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out)
+        // Not in the terminal's process group: Ctrl-C reaches the owner,
+        // whose death then takes these down in order.
+        .process_group(0);
+    let child = spawn_owned(cmd).map_err(|e| {
+        std::io::Error::new(e.kind(), format!("cannot start {}: {e}", binary.display()))
+    })?;
+    Ok(Process {
+        name,
+        child: Some(child),
+        log,
+    })
+}
+
+impl ControlPlane {
+    /// Starts etcd, kube-apiserver and kube-controller-manager and waits for
+    /// `/readyz` (blocking, for up to a minute).
+    pub fn start() -> Result<Self, ControlPlaneError> {
+        let assets = find_assets()?;
+        let t0 = Instant::now();
+        // etcd fsyncs every write; on tmpfs that costs nothing.
+        let base = Path::new("/dev/shm");
+        let dir = if base.is_dir() {
+            tempfile::Builder::new()
+                .prefix("model-residency-cp.")
+                .tempdir_in(base)?
+        } else {
+            tempfile::Builder::new()
+                .prefix("model-residency-cp.")
+                .tempdir()?
+        };
+        let d = dir.path();
+        let etcd_port = free_port()?;
+        let peer_port = free_port()?;
+        let apiserver_port = free_port()?;
+
+        // Credentials: a static admin token and a service-account key.
+        fs::write(
+            d.join("tokens.csv"),
+            format!("{ADMIN_TOKEN},admin,admin,\"system:masters\"\n"),
+        )?;
+        let status = Command::new("openssl")
+            .args(["genrsa", "-out"])
+            .arg(d.join("sa.key"))
+            .arg("2048")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()?;
+        if !status.success() {
+            return Err(std::io::Error::other("openssl genrsa failed").into());
+        }
+        let kubeconfig = d.join("kubeconfig");
+        write_kubeconfig(&kubeconfig, apiserver_port)?;
+
+        let mut plane = ControlPlane {
+            etcd: start_process(
+                "etcd",
+                &assets.join("etcd"),
+                &etcd_args(d, etcd_port, peer_port),
+                d,
+            )?,
+            apiserver: Process {
+                name: "kube-apiserver",
+                child: None,
+                log: d.join("kube-apiserver.log"),
+            },
+            controller_manager: Process {
+                name: "kube-controller-manager",
+                child: None,
+                log: d.join("kube-controller-manager.log"),
+            },
+            janitor: None,
+            assets,
+            apiserver_port,
+            etcd_port,
+            kubeconfig,
+            dir,
+            startup: Duration::ZERO,
+        };
+        plane.start_janitor()?;
+        plane.start_apiserver()?;
+        plane.wait_ready(Duration::from_secs(60))?;
+        plane.controller_manager = start_process(
+            "kube-controller-manager",
+            &plane.assets.join("kube-controller-manager"),
+            &[
+                format!("--kubeconfig={}", plane.kubeconfig.display()),
+                "--controllers=garbagecollector,namespace".into(),
+                "--leader-elect=false".into(),
+                "--use-service-account-credentials=false".into(),
+                // No serving: parallel control planes must not share ports.
+                "--port=0".into(),
+                "--secure-port=0".into(),
+                "--concurrent-gc-syncs=5".into(),
+            ],
+            plane.dir.path(),
+        )?;
+        plane.start_janitor()?;
+        plane.startup = t0.elapsed();
+        Ok(plane)
+    }
+
+    fn start_apiserver(&mut self) -> Result<(), ControlPlaneError> {
+        let d = self.dir.path();
+        let args = vec![
+            format!("--etcd-servers=http://127.0.0.1:{}", self.etcd_port),
+            format!("--cert-dir={}", d.join("certs").display()),
+            format!("--secure-port={}", self.apiserver_port),
+            "--bind-address=127.0.0.1".into(),
+            "--advertise-address=127.0.0.1".into(),
+            format!("--token-auth-file={}", d.join("tokens.csv").display()),
+            "--authorization-mode=RBAC".into(),
+            format!("--service-account-key-file={}", d.join("sa.key").display()),
+            format!(
+                "--service-account-signing-key-file={}",
+                d.join("sa.key").display()
+            ),
+            "--service-account-issuer=https://kubernetes.default.svc".into(),
+            "--service-cluster-ip-range=10.0.0.0/24".into(),
+            "--disable-admission-plugins=ServiceAccount".into(),
+            "--allow-privileged=true".into(),
+            "--profiling=false".into(),
+            "--enable-priority-and-fairness=false".into(),
+        ];
+        self.apiserver = start_process(
+            "kube-apiserver",
+            &self.assets.join("kube-apiserver"),
+            &args,
+            d,
+        )?;
+        self.start_janitor()?;
+        Ok(())
+    }
+
+    /// Restarts the janitor so it knows the current pids.
+    fn start_janitor(&mut self) -> std::io::Result<()> {
+        if let Some(mut old) = self.janitor.take() {
+            let _ = old.kill();
+            let _ = old.wait();
+        }
+        let pids: Vec<String> = [&self.etcd, &self.apiserver, &self.controller_manager]
+            .iter()
+            .filter_map(|p| p.pid())
+            .map(|p| p.to_string())
+            .collect();
+        let script = format!(
+            "trap '' INT TERM HUP; while kill -0 {owner} 2>/dev/null; do sleep 0.5; done; \
+             kill -9 {pids} 2>/dev/null; sleep 0.2; rm -rf '{dir}'",
+            owner = std::process::id(),
+            pids = pids.join(" "),
+            dir = self.dir.path().display(),
+        );
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0);
+        self.janitor = Some(cmd.spawn()?);
+        Ok(())
+    }
+
+    /// Polls `/readyz`. Runs its own runtime on a scoped thread, so it can be
+    /// called from synchronous code and from inside an async test alike.
+    fn wait_ready(&mut self, timeout: Duration) -> Result<(), ControlPlaneError> {
+        std::thread::scope(|s| {
+            s.spawn(|| self.poll_ready(timeout))
+                .join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("readiness probe panicked").into()))
+        })
+    }
+
+    fn poll_ready(&mut self, timeout: Duration) -> Result<(), ControlPlaneError> {
+        let deadline = Instant::now() + timeout;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let client = runtime.block_on(client_from(&self.kubeconfig))?;
+        loop {
+            if self.etcd.exited() {
+                return Err(self.not_ready(0));
+            }
+            if self.apiserver.exited() {
+                return Err(self.not_ready(1));
+            }
+            let req = http::Request::get("/readyz")
+                .body(Vec::new())
+                .expect("static request");
+            if let Ok(Ok(body)) = runtime.block_on(async {
+                tokio::time::timeout(Duration::from_secs(2), client.request_text(req)).await
+            }) && body.trim() == "ok"
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(self.not_ready(1));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn not_ready(&self, which: usize) -> ControlPlaneError {
+        let p = if which == 0 {
+            &self.etcd
+        } else {
+            &self.apiserver
+        };
+        ControlPlaneError::NotReady {
+            process: p.name,
+            seconds: 60,
+            log: p.log_tail(),
+        }
+    }
+
+    /// An admin (`system:masters`) client. Each tokio runtime needs its own.
+    pub async fn client(&self) -> Result<kube::Client, ControlPlaneError> {
+        client_from(&self.kubeconfig).await
+    }
+
+    /// The kubeconfig file, for kubectl (`KUBECONFIG=...`).
+    pub fn kubeconfig(&self) -> &Path {
+        &self.kubeconfig
+    }
+
+    /// `https://127.0.0.1:PORT`.
+    pub fn server_url(&self) -> String {
+        format!("https://127.0.0.1:{}", self.apiserver_port)
+    }
+
+    /// Kills kube-apiserver (SIGKILL) and starts it again on the same etcd
+    /// and port, waiting for `/readyz`: for fault tests.
+    pub fn restart_apiserver(&mut self) -> Result<Duration, ControlPlaneError> {
+        let t0 = Instant::now();
+        self.apiserver.kill();
+        self.start_apiserver()?;
+        self.wait_ready(Duration::from_secs(60))?;
+        Ok(t0.elapsed())
+    }
+
+    /// Resident memory of the three processes together, in bytes.
+    pub fn rss_bytes(&self) -> u64 {
+        [&self.etcd, &self.apiserver, &self.controller_manager]
+            .iter()
+            .filter_map(|p| p.pid())
+            .filter_map(|pid| fs::read_to_string(format!("/proc/{pid}/status")).ok())
+            .filter_map(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmRSS:"))
+                    .and_then(|l| l.split_whitespace().nth(1))
+                    .and_then(|kb| kb.parse::<u64>().ok())
+            })
+            .sum::<u64>()
+            * 1024
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        // Reverse order of start; the TempDir removes the directory.
+        self.controller_manager.kill();
+        self.apiserver.kill();
+        self.etcd.kill();
+        if let Some(mut j) = self.janitor.take() {
+            let _ = j.kill();
+            let _ = j.wait();
+        }
+    }
+}
+
+fn etcd_args(dir: &Path, port: u16, peer: u16) -> Vec<String> {
+    vec![
+        "--name=default".into(),
+        format!("--data-dir={}", dir.join("etcd").display()),
+        format!("--listen-client-urls=http://127.0.0.1:{port}"),
+        format!("--advertise-client-urls=http://127.0.0.1:{port}"),
+        format!("--listen-peer-urls=http://127.0.0.1:{peer}"),
+        format!("--initial-advertise-peer-urls=http://127.0.0.1:{peer}"),
+        format!("--initial-cluster=default=http://127.0.0.1:{peer}"),
+        "--log-level=warn".into(),
+    ]
+}
+
+fn write_kubeconfig(path: &Path, port: u16) -> std::io::Result<()> {
+    let mut f = fs::File::create(path)?;
+    write!(
+        f,
+        "apiVersion: v1
+kind: Config
+clusters:
+- name: local
+  cluster:
+    server: https://127.0.0.1:{port}
+    insecure-skip-tls-verify: true
+users:
+- name: admin
+  user:
+    token: {ADMIN_TOKEN}
+contexts:
+- name: local
+  context: {{cluster: local, user: admin, namespace: default}}
+current-context: local
+"
+    )
+}
+
+async fn client_from(kubeconfig: &Path) -> Result<kube::Client, ControlPlaneError> {
+    let kc =
+        Kubeconfig::read_from(kubeconfig).map_err(|e| ControlPlaneError::Config(e.to_string()))?;
+    let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .map_err(|e| ControlPlaneError::Config(e.to_string()))?;
+    Ok(kube::Client::try_from(config)?)
+}

@@ -1,0 +1,314 @@
+//! The kubelet stand-in: plays the kubelet for fake GPU nodes on the local
+//! control plane, where no kubelet (and no container runtime) can run.
+//!
+//! What it fakes, and nothing more:
+//! - **Nodes.** Registers each declared node with a `Ready` condition and a
+//!   capacity of `nvidia.com/gpu: <gpus>` (plus nominal cpu, memory, pods).
+//!   No heartbeats: nothing here watches node leases.
+//! - **Starting pods.** A pod bound to one of its nodes (`spec.nodeName`) that
+//!   is still `Pending` is marked `Running` and `Ready` (pod conditions and
+//!   one running status per container) after `load_delay`, plus
+//!   `delay_per_gib` for each GiB in the pod's `residency.dev/size`
+//!   annotation, to mimic a model loading into VRAM. No container runs; no
+//!   probe is evaluated; no image is pulled.
+//! - **Failing pods.** A pod annotated `kubelet-standin.residency.dev/fail:
+//!   <message>` is marked `Failed` (reason `StandInFailure`) instead, and
+//!   [`fail_pod`] fails a running pod on request.
+//! - **Finishing deletions.** A bound pod whose `deletionTimestamp` is set is
+//!   deleted with grace period 0, as the kubelet does once containers stop
+//!   (`terminating_delay` later). Finalizers are left alone.
+//!
+//! Pods on other nodes, and unbound pods, are never touched.
+
+use crate::labels::SIZE_ANNOTATION;
+use crate::quantity::parse_bytes;
+use futures::TryStreamExt;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+use kube::runtime::{WatchStreamExt, watcher};
+use serde_json::json;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::task::JoinHandle;
+
+/// Pod annotation that makes the stand-in fail the pod with this message.
+pub const FAIL_ANNOTATION: &str = "kubelet-standin.residency.dev/fail";
+/// Node label marking nodes registered by the stand-in.
+pub const FAKE_NODE_LABEL: &str = "kubelet-standin.residency.dev/fake";
+const MANAGER: &str = "kubelet-standin";
+
+/// A node the stand-in plays the kubelet for.
+#[derive(Clone, Debug)]
+pub struct FakeNode {
+    pub name: String,
+    pub gpus: u32,
+}
+
+#[derive(Clone, Debug)]
+pub struct KubeletConfig {
+    pub nodes: Vec<FakeNode>,
+    /// Time from seeing a pending pod to marking it Ready.
+    pub load_delay: Duration,
+    /// Extra load time per GiB of the pod's `residency.dev/size`.
+    pub delay_per_gib: Duration,
+    /// Time from `deletionTimestamp` to the final delete.
+    pub terminating_delay: Duration,
+}
+
+impl KubeletConfig {
+    /// Nodes with one GPU each, pods ready at once.
+    pub fn instant(nodes: &[&str]) -> Self {
+        KubeletConfig {
+            nodes: nodes
+                .iter()
+                .map(|n| FakeNode {
+                    name: (*n).to_owned(),
+                    gpus: 1,
+                })
+                .collect(),
+            load_delay: Duration::ZERO,
+            delay_per_gib: Duration::ZERO,
+            terminating_delay: Duration::ZERO,
+        }
+    }
+}
+
+/// A running stand-in; stops when dropped.
+pub struct FakeKubelet {
+    task: JoinHandle<()>,
+}
+
+impl Drop for FakeKubelet {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl FakeKubelet {
+    /// Registers the nodes and starts playing their kubelet.
+    pub async fn start(client: kube::Client, config: KubeletConfig) -> Result<Self, kube::Error> {
+        let nodes: Api<Node> = Api::all(client.clone());
+        for node in &config.nodes {
+            register_node(&nodes, node).await?;
+        }
+        let config = Arc::new(config);
+        let task = tokio::spawn(run(client, config));
+        Ok(FakeKubelet { task })
+    }
+}
+
+async fn register_node(nodes: &Api<Node>, node: &FakeNode) -> Result<(), kube::Error> {
+    let now = chrono_now();
+    let capacity = json!({
+        "cpu": "16", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": node.gpus.to_string(),
+    });
+    let body = json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": node.name, "labels": {
+            "kubernetes.io/hostname": node.name, FAKE_NODE_LABEL: "true",
+        }},
+    });
+    let pp = PatchParams::apply(MANAGER).force();
+    nodes.patch(&node.name, &pp, &Patch::Apply(&body)).await?;
+    let status = json!({
+        "apiVersion": "v1", "kind": "Node",
+        "status": {
+            "capacity": capacity, "allocatable": capacity,
+            "conditions": [{
+                "type": "Ready", "status": "True", "reason": "KubeletReady",
+                "message": "kubelet stand-in (no containers run)",
+                "lastHeartbeatTime": now, "lastTransitionTime": now,
+            }],
+        },
+    });
+    nodes
+        .patch_status(&node.name, &pp, &Patch::Apply(&status))
+        .await?;
+    Ok(())
+}
+
+async fn run(client: kube::Client, config: Arc<KubeletConfig>) {
+    let names: HashSet<String> = config.nodes.iter().map(|n| n.name.clone()).collect();
+    // Pods we are already starting or deleting, by uid.
+    let busy: Arc<Mutex<HashSet<String>>> = Arc::default();
+    let pods: Api<Pod> = Api::all(client.clone());
+    let stream = watcher(pods, watcher::Config::default())
+        .default_backoff()
+        .applied_objects();
+    let mut stream = std::pin::pin!(stream);
+    loop {
+        let pod = match stream.try_next().await {
+            Ok(Some(pod)) => pod,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "kubelet stand-in watch error");
+                continue;
+            }
+        };
+        let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) else {
+            continue;
+        };
+        if !names.contains(node) {
+            continue;
+        }
+        let (Some(uid), Some(name), Some(ns)) = (
+            pod.metadata.uid.clone(),
+            pod.metadata.name.clone(),
+            pod.metadata.namespace.clone(),
+        ) else {
+            continue;
+        };
+        let deleting = pod.metadata.deletion_timestamp.is_some();
+        let pending = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.phase.as_deref())
+            .is_none_or(|p| p == "Pending");
+        if !(deleting || pending) {
+            continue;
+        }
+        let key = format!("{uid}/{deleting}");
+        if !busy.lock().expect("busy lock").insert(key.clone()) {
+            continue;
+        }
+        let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+        let busy = busy.clone();
+        let config = config.clone();
+        tokio::spawn(async move {
+            let result = if deleting {
+                tokio::time::sleep(config.terminating_delay).await;
+                finish_deletion(&api, &name, &uid).await
+            } else {
+                tokio::time::sleep(load_time(&config, &pod)).await;
+                start_pod(&api, &pod).await
+            };
+            if let Err(e) = result {
+                tracing::debug!(pod = %name, error = %e, "kubelet stand-in action skipped");
+            }
+            busy.lock().expect("busy lock").remove(&key);
+        });
+    }
+}
+
+fn load_time(config: &KubeletConfig, pod: &Pod) -> Duration {
+    let bytes = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(SIZE_ANNOTATION))
+        .and_then(|s| parse_bytes(s).ok())
+        .unwrap_or(0);
+    config.load_delay
+        + config
+            .delay_per_gib
+            .mul_f64(bytes as f64 / (1u64 << 30) as f64)
+}
+
+async fn finish_deletion(api: &Api<Pod>, name: &str, uid: &str) -> Result<(), kube::Error> {
+    let dp = DeleteParams {
+        grace_period_seconds: Some(0),
+        preconditions: Some(Preconditions {
+            uid: Some(uid.to_owned()),
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    };
+    api.delete(name, &dp).await.map(|_| ())
+}
+
+async fn start_pod(api: &Api<Pod>, pod: &Pod) -> Result<(), kube::Error> {
+    let name = pod.metadata.name.as_deref().unwrap_or_default();
+    // Re-read: the pod may have been deleted or replaced while "loading".
+    let Some(current) = api.get_opt(name).await? else {
+        return Ok(());
+    };
+    if current.metadata.uid != pod.metadata.uid || current.metadata.deletion_timestamp.is_some() {
+        return Ok(());
+    }
+    let fail = current
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(FAIL_ANNOTATION))
+        .cloned();
+    match fail {
+        Some(message) => set_failed(api, &current, &message).await,
+        None => set_running(api, &current).await,
+    }
+}
+
+fn containers(pod: &Pod) -> Vec<(String, String)> {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.containers.iter())
+        .map(|c| (c.name.clone(), c.image.clone().unwrap_or_default()))
+        .collect()
+}
+
+async fn set_running(api: &Api<Pod>, pod: &Pod) -> Result<(), kube::Error> {
+    let now = chrono_now();
+    let statuses: Vec<_> = containers(pod)
+        .into_iter()
+        .map(|(name, image)| {
+            json!({
+                "name": name, "image": image, "imageID": "", "ready": true, "started": true,
+                "restartCount": 0, "state": {"running": {"startedAt": now}},
+            })
+        })
+        .collect();
+    let cond = |t: &str| json!({"type": t, "status": "True", "lastTransitionTime": now});
+    let status = json!({"status": {
+        "phase": "Running", "hostIP": "127.0.0.1", "podIP": "127.0.0.1", "startTime": now,
+        "conditions": [cond("PodScheduled"), cond("Initialized"), cond("ContainersReady"), cond("Ready")],
+        "containerStatuses": statuses,
+    }});
+    patch_status(api, pod, status).await
+}
+
+/// Marks a pod `Failed` with `message`, as a crashed model server would be.
+pub async fn fail_pod(api: &Api<Pod>, name: &str, message: &str) -> Result<(), kube::Error> {
+    let pod = api.get(name).await?;
+    set_failed(api, &pod, message).await
+}
+
+async fn set_failed(api: &Api<Pod>, pod: &Pod, message: &str) -> Result<(), kube::Error> {
+    let now = chrono_now();
+    let statuses: Vec<_> = containers(pod)
+        .into_iter()
+        .map(|(name, image)| {
+            json!({
+                "name": name, "image": image, "imageID": "", "ready": false, "started": false,
+                "restartCount": 0,
+                "state": {"terminated": {"exitCode": 1, "reason": "Error", "message": message,
+                                         "startedAt": now, "finishedAt": now}},
+            })
+        })
+        .collect();
+    let status = json!({"status": {
+        "phase": "Failed", "reason": "StandInFailure", "message": message,
+        "hostIP": "127.0.0.1", "startTime": now,
+        "conditions": [{"type": "Ready", "status": "False", "reason": "PodFailed", "lastTransitionTime": now}],
+        "containerStatuses": statuses,
+    }});
+    patch_status(api, pod, status).await
+}
+
+async fn patch_status(
+    api: &Api<Pod>,
+    pod: &Pod,
+    status: serde_json::Value,
+) -> Result<(), kube::Error> {
+    let name = pod.metadata.name.as_deref().unwrap_or_default();
+    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .map(|_| ())
+}
+
+/// Now as an RFC 3339 timestamp, second precision (as the kubelet writes).
+fn chrono_now() -> String {
+    k8s_openapi::jiff::Timestamp::now()
+        .round(k8s_openapi::jiff::Unit::Second)
+        .map(|t| t.to_string())
+        .unwrap_or_default()
+}

@@ -1,0 +1,201 @@
+//! Smoke tests of the local control plane and the kubelet stand-in: a real
+//! kube-apiserver + etcd + garbage collector, started by this test binary.
+
+mod support;
+
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use model_residency::local::kubelet::{FAIL_ANNOTATION, FakeKubelet, KubeletConfig, fail_pod};
+use serde_json::json;
+use support::cluster::{eventually, test_env};
+
+fn pod(name: &str, node: &str, annotations: serde_json::Value) -> Pod {
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "annotations": annotations},
+        "spec": {"nodeName": node, "containers": [{"name": "server", "image": "example/model:1"}]},
+    }))
+    .unwrap()
+}
+
+async fn phase(api: &Api<Pod>, name: &str) -> Option<String> {
+    api.get_opt(name)
+        .await
+        .unwrap()
+        .and_then(|p| p.status)
+        .and_then(|s| s.phase)
+}
+
+fn ready(p: &Pod) -> bool {
+    p.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+#[tokio::test]
+async fn crd_apply_create_and_watch() {
+    let Some(env) = test_env("crd-watch").await else {
+        return;
+    };
+    let out = env.kubectl(&["apply", "-f", "tests/fixtures/smoke-crd.yaml"]);
+    assert!(
+        out.status.success(),
+        "kubectl apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = env.kubectl(&[
+        "wait",
+        "--for=condition=established",
+        "--timeout=30s",
+        "crd/widgets.smoke.residency.dev",
+    ]);
+    assert!(
+        out.status.success(),
+        "kubectl wait: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
+        "smoke.residency.dev",
+        "v1",
+        "Widget",
+    ));
+    let widgets: Api<DynamicObject> = Api::namespaced_with(env.client.clone(), &env.namespace, &ar);
+    let mut events = watcher(widgets.clone(), watcher::Config::default())
+        .applied_objects()
+        .boxed();
+    let mut w = DynamicObject::new("w1", &ar);
+    w.data = json!({"spec": {"size": 7}});
+    widgets.create(&PostParams::default(), &w).await.unwrap();
+
+    let seen = tokio::time::timeout(std::time::Duration::from_secs(20), async {
+        while let Some(obj) = events.try_next().await.unwrap() {
+            if obj.metadata.name.as_deref() == Some("w1") {
+                return obj;
+            }
+        }
+        panic!("watch ended");
+    })
+    .await
+    .expect("watch event for the created widget");
+    assert_eq!(seen.data["spec"]["size"], 7);
+
+    // kubectl sees it too.
+    let out = env.kubectl(&["get", "widgets", "-o", "name"]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "widget.smoke.residency.dev/w1"
+    );
+}
+
+#[tokio::test]
+async fn garbage_collector_removes_an_owned_pod_with_the_standin_finishing_deletion() {
+    let Some(env) = test_env("gc").await else {
+        return;
+    };
+    let node = env.node("gpu");
+    let _kubelet = FakeKubelet::start(env.client.clone(), KubeletConfig::instant(&[&node]))
+        .await
+        .unwrap();
+    let cms: Api<ConfigMap> = Api::namespaced(env.client.clone(), &env.namespace);
+    let pods: Api<Pod> = Api::namespaced(env.client.clone(), &env.namespace);
+    let owner: ConfigMap = serde_json::from_value(json!({"metadata": {"name": "owner"}})).unwrap();
+    let owner = cms.create(&PostParams::default(), &owner).await.unwrap();
+
+    let mut child = pod("child", &node, json!({}));
+    child.metadata.owner_references = Some(vec![
+        serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "ConfigMap", "name": "owner",
+            "uid": owner.metadata.uid.clone().unwrap(),
+        }))
+        .unwrap(),
+    ]);
+    pods.create(&PostParams::default(), &child).await.unwrap();
+    eventually(
+        20,
+        "the stand-in to mark the pod Running and Ready",
+        || async {
+            pods.get_opt("child")
+                .await
+                .unwrap()
+                .filter(ready)
+                .map(|_| ())
+        },
+    )
+    .await;
+
+    cms.delete("owner", &DeleteParams::default()).await.unwrap();
+    // The garbage collector deletes the pod (graceful, since it is bound to
+    // a node); the stand-in finishes the deletion as a kubelet would.
+    eventually(60, "the owned pod to be garbage collected", || async {
+        pods.get_opt("child").await.unwrap().is_none().then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn standin_fails_pods_on_request_and_ignores_other_nodes() {
+    let Some(env) = test_env("standin").await else {
+        return;
+    };
+    let node = env.node("gpu");
+    let _kubelet = FakeKubelet::start(env.client.clone(), KubeletConfig::instant(&[&node]))
+        .await
+        .unwrap();
+    let pods: Api<Pod> = Api::namespaced(env.client.clone(), &env.namespace);
+    let pp = PostParams::default();
+    pods.create(
+        &pp,
+        &pod(
+            "doomed",
+            &node,
+            json!({FAIL_ANNOTATION: "CUDA out of memory"}),
+        ),
+    )
+    .await
+    .unwrap();
+    pods.create(&pp, &pod("healthy", &node, json!({})))
+        .await
+        .unwrap();
+    pods.create(&pp, &pod("elsewhere", "some-other-node", json!({})))
+        .await
+        .unwrap();
+
+    eventually(20, "the annotated pod to fail", || async {
+        (phase(&pods, "doomed").await.as_deref() == Some("Failed")).then_some(())
+    })
+    .await;
+    let doomed = pods.get("doomed").await.unwrap();
+    assert_eq!(
+        doomed.status.unwrap().message.as_deref(),
+        Some("CUDA out of memory")
+    );
+
+    eventually(20, "the healthy pod to run", || async {
+        (phase(&pods, "healthy").await.as_deref() == Some("Running")).then_some(())
+    })
+    .await;
+    fail_pod(&pods, "healthy", "Xid 79: GPU fell off the bus")
+        .await
+        .unwrap();
+    assert_eq!(phase(&pods, "healthy").await.as_deref(), Some("Failed"));
+
+    // A pod on a node the stand-in does not play stays Pending.
+    assert_eq!(phase(&pods, "elsewhere").await.as_deref(), Some("Pending"));
+}
+
+#[tokio::test]
+async fn control_plane_reports_its_version() {
+    let Some(env) = test_env("version").await else {
+        return;
+    };
+    let info = env.client.apiserver_version().await.unwrap();
+    assert_eq!(info.git_version, "v1.20.2");
+    eprintln!(
+        "control plane: started in {:.2} s, {} MiB resident (etcd + apiserver + controller-manager)",
+        env.plane.startup.as_secs_f64(),
+        env.plane.rss_bytes() >> 20
+    );
+}

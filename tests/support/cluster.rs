@@ -1,0 +1,104 @@
+//! One real control plane per test binary, a namespace per test.
+//!
+//! The control plane starts on first use and is shared by the binary's
+//! tests (which run in parallel, each in its own namespace and with its own
+//! client, since a client belongs to the runtime that made it). It is torn
+//! down by the janitor process when the test binary exits, however it exits.
+//!
+//! When it cannot start: under `CI=true` the test fails with the reason;
+//! elsewhere it is skipped with a loud message saying how to install it.
+
+use model_residency::local::control_plane::ControlPlane;
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+static PLANE: OnceLock<Result<ControlPlane, String>> = OnceLock::new();
+
+/// The shared control plane, started on first use.
+pub fn plane() -> Result<&'static ControlPlane, &'static str> {
+    PLANE
+        .get_or_init(|| ControlPlane::start().map_err(|e| e.to_string()))
+        .as_ref()
+        .map_err(String::as_str)
+}
+
+/// What a control-plane test gets: an admin client and its own namespace.
+pub struct TestEnv {
+    pub client: kube::Client,
+    pub namespace: String,
+    pub plane: &'static ControlPlane,
+}
+
+/// Starts (or reuses) the control plane and creates a fresh namespace named
+/// after the test. `None` means "skip" (only possible outside CI).
+pub async fn test_env(test: &str) -> Option<TestEnv> {
+    let plane = match plane() {
+        Ok(p) => p,
+        Err(e) => {
+            if std::env::var("CI").is_ok_and(|v| v == "true") {
+                panic!("CI=true and the local control plane could not start: {e}");
+            }
+            eprintln!(
+                "\n!!! SKIPPING {test}: the local control plane could not start.\n!!! {e}\n\
+                 !!! Run `bash scripts/control-plane.sh` once to build it.\n"
+            );
+            return None;
+        }
+    };
+    let client = plane.client().await.expect("admin client");
+    static SEQ: AtomicU32 = AtomicU32::new(0);
+    let namespace = format!(
+        "{}-{}",
+        test.replace('_', "-").chars().take(50).collect::<String>(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    );
+    let ns: kube::Api<k8s_openapi::api::core::v1::Namespace> = kube::Api::all(client.clone());
+    let body: k8s_openapi::api::core::v1::Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": namespace}})).unwrap();
+    ns.create(&Default::default(), &body)
+        .await
+        .expect("create test namespace");
+    Some(TestEnv {
+        client,
+        namespace,
+        plane,
+    })
+}
+
+impl TestEnv {
+    /// Runs kubectl against this control plane (in the test's namespace
+    /// unless the arguments say otherwise).
+    pub fn kubectl(&self, args: &[&str]) -> Output {
+        Command::new("kubectl")
+            .env("KUBECONFIG", self.plane.kubeconfig())
+            .args(["-n", &self.namespace])
+            .args(args)
+            .output()
+            .expect("run kubectl")
+    }
+
+    /// A name for a fake node private to this test.
+    pub fn node(&self, suffix: &str) -> String {
+        format!("{}-{suffix}", self.namespace)
+    }
+}
+
+/// Polls `check` every 50 ms until it returns `Some`, or panics after
+/// `secs` seconds with `what`.
+pub async fn eventually<T, F, Fut>(secs: u64, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out after {secs} s waiting for {what}");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
