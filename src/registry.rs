@@ -1,7 +1,7 @@
-//! Model registry files: the YAML list of `{name, size, pinned}` models that
-//! `simulate --registry` reads. The shape is the CRD's `spec.models` list, so
-//! the same list can be pasted between the two (a `template` is accepted and
-//! ignored here).
+//! Model registry files for `simulate --registry`: either a YAML list of
+//! `{name, size, pinned}` models, or a whole `ModelResidency` manifest whose
+//! `spec.models` is that list (so one file serves `kubectl apply` and the
+//! simulator; templates are accepted and ignored here).
 
 use crate::engine::{Bytes, Engine, RegistryError};
 use crate::quantity::{QuantityError, parse_bytes};
@@ -26,6 +26,17 @@ struct Entry {
     #[serde(default)]
     #[allow(dead_code)] // accepted so CRD model lists load unchanged
     template: Option<serde_json::Value>,
+}
+
+/// A `ModelResidency` manifest; only `spec.models` matters here.
+#[derive(Deserialize)]
+struct Manifest {
+    spec: ManifestSpec,
+}
+
+#[derive(Deserialize)]
+struct ManifestSpec {
+    models: Vec<Entry>,
 }
 
 /// A size as YAML writes it: a quantity string or a bare number.
@@ -72,11 +83,24 @@ pub fn load(path: &Path) -> Result<Vec<RegistryModel>, RegistryFileError> {
 
 /// Parses registry YAML; `origin` names the source in errors.
 pub fn parse(text: &str, origin: &str) -> Result<Vec<RegistryModel>, RegistryFileError> {
-    let entries: Vec<Entry> =
-        serde_saphyr::from_str(text).map_err(|source| RegistryFileError::Yaml {
-            path: origin.to_owned(),
-            source: Box::new(source),
-        })?;
+    let yaml_error = |source| RegistryFileError::Yaml {
+        path: origin.to_owned(),
+        source: Box::new(source),
+    };
+    // A list starts with `-` or `[`; anything else is read as a manifest.
+    let is_list = text
+        .lines()
+        .map(str::trim_start)
+        .find(|l| !l.is_empty() && !l.starts_with('#') && *l != "---")
+        .is_some_and(|l| l.starts_with('-') || l.starts_with('['));
+    let entries: Vec<Entry> = if is_list {
+        serde_saphyr::from_str(text).map_err(yaml_error)?
+    } else {
+        serde_saphyr::from_str::<Manifest>(text)
+            .map_err(yaml_error)?
+            .spec
+            .models
+    };
     let mut models = Vec::with_capacity(entries.len());
     for e in entries {
         let size = match e.size {
@@ -146,6 +170,20 @@ mod tests {
     }
 
     #[test]
+    fn reads_the_models_of_a_modelresidency_manifest() {
+        let text = "# a GPU\napiVersion: residency.dev/v1alpha1\nkind: ModelResidency\nmetadata: {name: g}\nspec:\n  nodeName: n\n  budget: 1Gi\n  models:\n  - {name: a, size: 1Mi, pinned: true}\n";
+        let models = parse(text, "m.yaml").unwrap();
+        assert_eq!(
+            models,
+            vec![RegistryModel {
+                name: "a".into(),
+                size: 1 << 20,
+                pinned: true
+            }]
+        );
+    }
+
+    #[test]
     fn bad_files_name_the_file_and_the_problem() {
         let cases = [
             (
@@ -163,7 +201,11 @@ mod tests {
                 "\"a\" is already registered",
             ),
             ("- {name: a, size: 0}\n", "size 0"),
-            ("name: a\n", "test.yaml"),
+            ("name: a\n", "missing field `spec`"),
+            (
+                "kind: ModelResidency\nspec: {models: [{name: a, size: 2, sise: 1}]}\n",
+                "unknown field `sise`",
+            ),
         ];
         for (yaml, want) in cases {
             let err = parse(yaml, "test.yaml").unwrap_err().to_string();

@@ -20,6 +20,9 @@ enum Command {
     /// Replay requests through the residency engine and report hits, loads,
     /// evictions, refusals and peak VRAM.
     Simulate(simulate::Args),
+    /// Print the ModelResidency CustomResourceDefinition as YAML
+    /// (`model-residency crd | kubectl apply -f -`).
+    Crd,
 }
 
 /// A command's failure: the message for stderr and the exit code
@@ -41,5 +44,9 @@ impl Failure {
 pub fn run(cli: Cli) -> Result<(), Failure> {
     match cli.command {
         Command::Simulate(args) => simulate::run(args),
+        Command::Crd => {
+            print!("{}", model_residency::api::crd_yaml());
+            Ok(())
+        }
     }
 }

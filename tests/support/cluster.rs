@@ -69,19 +69,56 @@ pub async fn test_env(test: &str) -> Option<TestEnv> {
 impl TestEnv {
     /// Runs kubectl against this control plane (in the test's namespace
     /// unless the arguments say otherwise).
+    /// Each call gets a fresh discovery cache, so a CRD installed a moment
+    /// ago is always found.
     pub fn kubectl(&self, args: &[&str]) -> Output {
+        let cache = tempfile::tempdir().expect("kubectl cache dir");
         Command::new("kubectl")
             .env("KUBECONFIG", self.plane.kubeconfig())
+            .arg(format!("--cache-dir={}", cache.path().display()))
             .args(["-n", &self.namespace])
             .args(args)
             .output()
             .expect("run kubectl")
     }
 
+    /// Installs `crds/` once per test binary (tests race otherwise) and
+    /// waits until discovery serves the new types.
+    pub fn install_crds(&self) {
+        static INSTALLED: OnceLock<()> = OnceLock::new();
+        INSTALLED.get_or_init(|| {
+            let out = self.kubectl(&["apply", "-f", "crds/"]);
+            assert!(
+                out.status.success(),
+                "kubectl apply -f crds/: {}",
+                stderr(&out)
+            );
+            let out = self.kubectl(&[
+                "wait",
+                "--for=condition=established",
+                "--timeout=30s",
+                "crd/modelresidencies.residency.dev",
+            ]);
+            assert!(out.status.success(), "kubectl wait: {}", stderr(&out));
+            // Established comes a moment before discovery serves the type.
+            for _ in 0..200 {
+                if self.kubectl(&["get", "mres"]).status.success() {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            panic!("discovery never served modelresidencies");
+        });
+    }
+
     /// A name for a fake node private to this test.
     pub fn node(&self, suffix: &str) -> String {
         format!("{}-{suffix}", self.namespace)
     }
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 /// Polls `check` every 50 ms until it returns `Some`, or panics after

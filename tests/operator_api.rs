@@ -1,0 +1,124 @@
+//! The CRD against a real API server: it installs, the examples apply,
+//! `kubectl get mres` shows the printer columns, and invalid objects are
+//! rejected at admission with a message that names the problem.
+
+mod support;
+
+use support::cluster::test_env;
+
+fn text(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+const VALID: &str = r#"
+apiVersion: residency.dev/v1alpha1
+kind: ModelResidency
+metadata: {name: gpu}
+spec:
+  nodeName: node-a
+  device: "0"
+  budget: BUDGET
+  models:
+  - {name: a, size: SIZE}
+  - {name: b, size: 1Gi}
+"#;
+
+fn object(budget: &str, size: &str) -> String {
+    VALID.replace("BUDGET", budget).replace("SIZE", size)
+}
+
+fn apply(env: &support::cluster::TestEnv, yaml: &str) -> std::process::Output {
+    let path = std::env::temp_dir().join(format!("{}-{}.yaml", env.namespace, rand_suffix()));
+    std::fs::write(&path, yaml).unwrap();
+    let out = env.kubectl(&["apply", "-f", path.to_str().unwrap()]);
+    let _ = std::fs::remove_file(path);
+    out
+}
+
+fn rand_suffix() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+#[tokio::test]
+async fn crd_and_examples_apply_and_print_columns() {
+    let Some(env) = test_env("api-columns").await else {
+        return;
+    };
+    env.install_crds();
+    let out = env.kubectl(&["apply", "-f", "examples/"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = env.kubectl(&["get", "mres"]);
+    let table = text(&out);
+    let header = table.lines().next().unwrap_or_default();
+    for col in [
+        "NAME", "NODE", "DEVICE", "BUDGET", "USED", "RESIDENT", "REFUSED", "READY", "AGE",
+    ] {
+        assert!(header.contains(col), "missing column {col} in:\n{table}");
+    }
+    assert!(
+        table.contains("seed-gpu") && table.contains("16000Mi"),
+        "{table}"
+    );
+    // Every field is documented.
+    let out = env.kubectl(&["explain", "mres.spec.models.pinned"]);
+    assert!(text(&out).contains("never evicted"), "{}", text(&out));
+}
+
+#[tokio::test]
+async fn invalid_objects_are_rejected_at_admission() {
+    let Some(env) = test_env("api-invalid").await else {
+        return;
+    };
+    env.install_crds();
+    // Valid forms first, so the table below really tests the rules.
+    for (budget, size) in [
+        ("16000Mi", "10900Mi"),
+        ("80Gi", "1.5Gi"),
+        ("17179869184", "1000"),
+        ("12e9", "1k"),
+    ] {
+        let out = apply(&env, &object(budget, size));
+        assert!(
+            out.status.success(),
+            "{budget}/{size} should be valid: {}",
+            text(&out)
+        );
+    }
+    let cases: Vec<(&str, String, &str)> = vec![
+        ("zero budget", object("0", "1Gi"), "spec.budget"),
+        ("negative budget", object("-16Gi", "1Gi"), "spec.budget"),
+        ("malformed budget", object("16 GB", "1Gi"), "spec.budget"),
+        ("unknown unit", object("16GB", "1Gi"), "spec.budget"),
+        ("zero size", object("16Gi", "0Mi"), "spec.models.size"),
+        ("negative size", object("16Gi", "-1"), "spec.models.size"),
+        ("malformed size", object("16Gi", "lots"), "spec.models.size"),
+        ("uppercase name", VALID.replace("{name: a,", "{name: Zimage,").replace("BUDGET", "1Gi").replace("SIZE", "1"), "spec.models.name"),
+        ("name with dot", VALID.replace("{name: a,", "{name: a.b,").replace("BUDGET", "1Gi").replace("SIZE", "1"), "spec.models.name"),
+        ("missing budget", VALID.replace("  budget: BUDGET\n", "").replace("SIZE", "1"), "budget"),
+        ("missing models", "apiVersion: residency.dev/v1alpha1\nkind: ModelResidency\nmetadata: {name: gpu}\nspec: {nodeName: n, device: \"0\", budget: 1Gi}\n".into(), "models"),
+        ("unknown field", object("16Gi", "1Gi").replace("  device: \"0\"", "  device: \"0\"\n  budgte: 5Gi"), "budgte"),
+        ("duplicate model", VALID.replace("{name: b, size: 1Gi}", "{name: a, size: 1Gi}").replace("BUDGET", "1Gi").replace("SIZE", "1"), "Duplicate value"),
+        ("budget as bool", object("true", "1Gi"), "spec.budget"),
+        ("empty device", object("1Gi", "1").replace("device: \"0\"", "device: \"\""), "spec.device"),
+        ("demand for bad name", object("16Gi", "1Gi") + "  demand:\n  - {model: \"\", lastRequested: \"2026-11-30T03:00:00Z\"}\n", "spec.demand.model"),
+        ("bad demand time", object("16Gi", "1Gi") + "  demand:\n  - {model: a, lastRequested: yesterday}\n", "lastRequested"),
+    ];
+    let mut failures = Vec::new();
+    for (what, yaml, want) in &cases {
+        let out = apply(&env, yaml);
+        let msg = text(&out);
+        if out.status.success() || !msg.contains(want) {
+            failures.push(format!(
+                "{what}: expected rejection mentioning {want:?}, got: {msg}"
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
