@@ -155,6 +155,9 @@ pub struct ModelStatus {
     /// Load failures in a row (reset when a pod becomes Ready).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub failures: u32,
+    /// After a failure: when the next load attempt is due.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_at: Option<String>,
     /// A CamelCase reason for the state (e.g. LargerThanBudget, MadeRoom).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,

@@ -1,6 +1,8 @@
 //! model-residency: per-GPU model residency for Kubernetes.
 //!
 //! - [`api`]: the `ModelResidency` custom resource.
+//! - [`controller`]: the reconciler (fetch, decide, apply, status).
+//! - [`demand`]: load/unload requests (server-side apply, JSON patch).
 //! - [`engine`]: the pure VRAM-budgeted LRU admission policy.
 //! - [`quantity`]: Kubernetes quantities as whole bytes.
 //! - [`registry`]: registry files (`{name, size, pinned}` lists).
@@ -9,6 +11,8 @@
 //! - [`local`]: a local control plane and kubelet stand-in (tests, demo).
 
 pub mod api;
+pub mod controller;
+pub mod demand;
 pub mod engine;
 pub mod labels;
 pub mod local;

@@ -1,5 +1,7 @@
 //! Command-line surface: argument definitions and dispatch.
 
+mod demand;
+mod operator;
 mod simulate;
 
 use clap::{Parser, Subcommand};
@@ -23,6 +25,23 @@ enum Command {
     /// Print the ModelResidency CustomResourceDefinition as YAML
     /// (`model-residency crd | kubectl apply -f -`).
     Crd,
+    /// Run the controller (watches ModelResidencies and their model pods).
+    Run(operator::Args),
+    /// Load or unload a model by writing spec.demand.
+    Demand {
+        #[command(flatten)]
+        target: demand::Target,
+        #[command(subcommand)]
+        command: demand::DemandCommand,
+    },
+    /// Show a residency: resident models in LRU order, used/budget, and what
+    /// loading each other model would evict.
+    Status {
+        #[command(flatten)]
+        target: demand::Target,
+        /// The ModelResidency's name.
+        residency: String,
+    },
 }
 
 /// A command's failure: the message for stderr and the exit code
@@ -42,11 +61,35 @@ impl Failure {
 }
 
 pub fn run(cli: Cli) -> Result<(), Failure> {
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(|e| Failure {
+                message: format!("cannot start the async runtime: {e}"),
+                code: 1,
+            })
+    };
     match cli.command {
+        Command::Run(args) => {
+            init_logging();
+            runtime()?.block_on(operator::run(args))
+        }
+        Command::Demand { target, command } => runtime()?.block_on(demand::demand(target, command)),
+        Command::Status { target, residency } => {
+            runtime()?.block_on(demand::status(target, residency))
+        }
         Command::Simulate(args) => simulate::run(args),
         Command::Crd => {
             print!("{}", model_residency::api::crd_yaml());
             Ok(())
         }
     }
+}
+
+fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).init();
 }

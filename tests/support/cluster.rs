@@ -100,14 +100,20 @@ impl TestEnv {
                 "crd/modelresidencies.residency.dev",
             ]);
             assert!(out.status.success(), "kubectl wait: {}", stderr(&out));
-            // Established comes a moment before discovery serves the type.
-            for _ in 0..200 {
-                if self.kubectl(&["get", "mres"]).status.success() {
+            // Established comes a moment before discovery and the published
+            // OpenAPI (which kubectl apply validates against) serve the type.
+            for _ in 0..300 {
+                if self.kubectl(&["get", "mres"]).status.success()
+                    && self
+                        .kubectl(&["explain", "mres.spec.budget"])
+                        .status
+                        .success()
+                {
                     return;
                 }
                 std::thread::sleep(std::time::Duration::from_millis(100));
             }
-            panic!("discovery never served modelresidencies");
+            panic!("discovery or OpenAPI never served modelresidencies");
         });
     }
 

@@ -2,4 +2,5 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod operator;
 pub mod reference;

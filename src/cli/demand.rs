@@ -1,0 +1,198 @@
+//! `model-residency demand load|unload` and `model-residency status`:
+//! the cluster-facing commands people and scripts use. Also works as a
+//! kubectl plugin when the binary is installed as `kubectl-residency`.
+
+use super::Failure;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::Api;
+use model_residency::api::{ModelResidency, ModelState};
+use model_residency::controller::decide::rebuild_engine;
+use model_residency::demand;
+use model_residency::quantity::{format_bytes, parse_bytes};
+
+#[derive(clap::Args, Debug)]
+pub struct Target {
+    /// Namespace of the ModelResidency (default: the kubeconfig's).
+    #[arg(short, long, global = true)]
+    namespace: Option<String>,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum DemandCommand {
+    /// Request a model: set its demand entry's lastRequested to now.
+    Load { residency: String, model: String },
+    /// Stop demanding a model: remove its demand entry, which unloads it.
+    Unload { residency: String, model: String },
+}
+
+fn failure(e: impl std::fmt::Display) -> Failure {
+    Failure {
+        message: e.to_string(),
+        code: 1,
+    }
+}
+
+async fn api(target: &Target) -> Result<Api<ModelResidency>, Failure> {
+    let client = kube::Client::try_default()
+        .await
+        .map_err(|e| failure(format!("cannot reach the cluster: {e}")))?;
+    Ok(match &target.namespace {
+        Some(ns) => Api::namespaced(client, ns),
+        None => Api::default_namespaced(client),
+    })
+}
+
+fn not_found(e: kube::Error, residency: &str) -> Failure {
+    match e {
+        kube::Error::Api(s) if s.code == 404 => Failure::bad_input(format!(
+            "ModelResidency {residency:?} not found (is the CRD installed and the namespace right?)"
+        )),
+        e => failure(e),
+    }
+}
+
+pub async fn demand(target: Target, command: DemandCommand) -> Result<(), Failure> {
+    let api = api(&target).await?;
+    match command {
+        DemandCommand::Load { residency, model } => {
+            let r = api
+                .get(&residency)
+                .await
+                .map_err(|e| not_found(e, &residency))?;
+            if !r.spec.models.iter().any(|m| m.name == model) {
+                eprintln!(
+                    "warning: {model:?} is not in {residency}'s registry; it will be refused (UnknownModel)"
+                );
+            }
+            let at = Timestamp::now();
+            demand::load(&api, &residency, &model, at)
+                .await
+                .map_err(|e| not_found(e, &residency))?;
+            println!("requested {model} on {residency} at {at}");
+        }
+        DemandCommand::Unload { residency, model } => {
+            if demand::unload(&api, &residency, &model)
+                .await
+                .map_err(|e| not_found(e, &residency))?
+            {
+                println!("removed the demand for {model} on {residency}; it will be unloaded");
+            } else {
+                println!("{model} was not demanded on {residency}; nothing to do");
+            }
+        }
+    }
+    Ok(())
+}
+
+pub async fn status(target: Target, residency: String) -> Result<(), Failure> {
+    let api = api(&target).await?;
+    let r = api
+        .get(&residency)
+        .await
+        .map_err(|e| not_found(e, &residency))?;
+    print!("{}", render_status(&r));
+    Ok(())
+}
+
+/// The human view: resident models in LRU order, used/budget, and what the
+/// next load of each other model would evict.
+pub fn render_status(r: &ModelResidency) -> String {
+    let mut out = String::new();
+    let status = r.status.clone().unwrap_or_default();
+    let budget = parse_bytes(&r.spec.budget.0).unwrap_or(0);
+    let used = status
+        .used
+        .as_deref()
+        .and_then(|u| parse_bytes(u).ok())
+        .unwrap_or(0);
+    out += &format!(
+        "{} on node {} GPU {}: used {} of {} ({:.0}%), peak {}\n",
+        r.metadata.name.as_deref().unwrap_or("?"),
+        r.spec.node_name,
+        r.spec.device,
+        format_bytes(used),
+        format_bytes(budget),
+        if budget == 0 {
+            0.0
+        } else {
+            100.0 * used as f64 / budget as f64
+        },
+        status.peak.as_deref().unwrap_or("0"),
+    );
+    let engine = match rebuild_engine(r) {
+        Ok(e) => e,
+        Err(problem) => {
+            out += &format!("the spec is invalid: {problem}\n");
+            return out;
+        }
+    };
+    let by_name = |n: &str| status.models.iter().find(|m| m.name == n);
+    out += "resident, least recently used first:\n";
+    let residents = engine.residents();
+    if residents.is_empty() {
+        out += "  (none)\n";
+    }
+    for id in &residents {
+        let name = engine.name(*id);
+        let m = by_name(name);
+        out += &format!(
+            "  {:<20} {:>10}  {:<8} {}{}\n",
+            name,
+            format_bytes(engine.size(*id)),
+            m.map(|m| format!("{:?}", m.state)).unwrap_or_default(),
+            m.and_then(|m| m.last_used.clone())
+                .map(|t| format!("last used {t}"))
+                .unwrap_or_default(),
+            if engine.is_pinned(*id) {
+                ", pinned"
+            } else {
+                ""
+            },
+        );
+    }
+    out += "not resident, and what loading it would do:\n";
+    let mut any = false;
+    for id in engine.models() {
+        if engine.is_resident(id) {
+            continue;
+        }
+        any = true;
+        let name = engine.name(id);
+        let state = by_name(name)
+            .map(|m| m.state)
+            .unwrap_or(ModelState::Unloaded);
+        let plan = match engine.plan_load(id) {
+            Ok(v) if v.is_empty() => "fits without evictions".to_owned(),
+            Ok(v) => format!(
+                "evicts {}",
+                v.iter()
+                    .map(|&e| engine.name(e))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            Err(reason) => format!("refused ({})", reason.as_str()),
+        };
+        out += &format!(
+            "  {:<20} {:>10}  {:<8} {}\n",
+            name,
+            format_bytes(engine.size(id)),
+            format!("{state:?}"),
+            plan
+        );
+    }
+    if !any {
+        out += "  (none)\n";
+    }
+    let c = status.counters;
+    out += &format!(
+        "counters: hits {} loads {} evictions {} refusals {} unloads {}\n",
+        c.hits, c.loads, c.evictions, c.refusals, c.unloads
+    );
+    for c in &status.conditions {
+        out += &format!(
+            "condition {}={} ({}): {}\n",
+            c.type_, c.status, c.reason, c.message
+        );
+    }
+    out
+}

@@ -1,0 +1,160 @@
+//! Status conditions: named constructors, and a lastTransitionTime that
+//! moves only when a condition's status does.
+
+use crate::api::{ModelState, ModelStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+
+pub const READY: &str = "Ready";
+pub const REFUSED: &str = "Refused";
+pub const DEGRADED: &str = "Degraded";
+
+/// Builds conditions against the previous ones, keeping each one's
+/// `lastTransitionTime` unless its status flips.
+pub struct ConditionSet<'a> {
+    previous: &'a [Condition],
+    generation: Option<i64>,
+    now: Timestamp,
+    out: Vec<Condition>,
+}
+
+impl<'a> ConditionSet<'a> {
+    pub fn new(previous: &'a [Condition], generation: Option<i64>, now: Timestamp) -> Self {
+        ConditionSet {
+            previous,
+            generation,
+            now,
+            out: Vec::new(),
+        }
+    }
+
+    pub fn set(&mut self, type_: &str, status: bool, reason: &str, message: String) {
+        let status = if status { "True" } else { "False" };
+        let since = self
+            .previous
+            .iter()
+            .find(|c| c.type_ == type_ && c.status == status)
+            .map(|c| c.last_transition_time.clone())
+            .unwrap_or(Time(self.now));
+        self.out.push(Condition {
+            type_: type_.into(),
+            status: status.into(),
+            reason: reason.into(),
+            message,
+            observed_generation: self.generation,
+            last_transition_time: since,
+        });
+    }
+
+    /// Keeps a previous condition as it was (for an invalid spec, where only
+    /// Ready is re-evaluated).
+    pub fn keep(&mut self, type_: &str) {
+        if let Some(c) = self.previous.iter().find(|c| c.type_ == type_) {
+            self.out.push(c.clone());
+        }
+    }
+
+    pub fn finish(self) -> Vec<Condition> {
+        self.out
+    }
+}
+
+/// Ready, Refused and Degraded for a set of model states.
+pub fn model_conditions(set: &mut ConditionSet<'_>, models: &[ModelStatus]) {
+    let resident: Vec<&ModelStatus> = models.iter().filter(|m| m.state.is_resident()).collect();
+    let loaded = resident
+        .iter()
+        .filter(|m| m.state == ModelState::Loaded)
+        .count();
+    if loaded == resident.len() {
+        let message = match loaded {
+            0 => "no models resident".to_owned(),
+            n => format!("{n} resident model(s) ready"),
+        };
+        set.set(READY, true, "AllResidentModelsReady", message);
+    } else {
+        let waiting: Vec<&str> = resident
+            .iter()
+            .filter(|m| m.state != ModelState::Loaded)
+            .map(|m| m.name.as_str())
+            .collect();
+        set.set(
+            READY,
+            false,
+            "ModelsNotReady",
+            format!(
+                "{loaded} of {} resident models ready; waiting for {}",
+                resident.len(),
+                waiting.join(", ")
+            ),
+        );
+    }
+
+    let mut refused: Vec<&ModelStatus> = models
+        .iter()
+        .filter(|m| m.state == ModelState::Refused)
+        .collect();
+    // The newest refusal names the condition's reason.
+    refused.sort_by(|a, b| {
+        b.last_requested
+            .cmp(&a.last_requested)
+            .then(a.name.cmp(&b.name))
+    });
+    match refused.first() {
+        None => set.set(REFUSED, false, "NoRefusals", "no refused models".into()),
+        Some(newest) => set.set(
+            REFUSED,
+            true,
+            newest.reason.as_deref().unwrap_or("Refused"),
+            join_messages(&refused),
+        ),
+    }
+
+    let failed: Vec<&ModelStatus> = models
+        .iter()
+        .filter(|m| m.state == ModelState::Failed)
+        .collect();
+    match failed.first() {
+        None => set.set(DEGRADED, false, "NoLoadFailures", "no failed loads".into()),
+        Some(first) => set.set(
+            DEGRADED,
+            true,
+            first.reason.as_deref().unwrap_or("LoadFailed"),
+            join_messages(&failed),
+        ),
+    }
+}
+
+fn join_messages(models: &[&ModelStatus]) -> String {
+    models
+        .iter()
+        .map(|m| m.message.clone().unwrap_or_else(|| m.name.clone()))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(s: &str) -> Timestamp {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn transition_time_moves_only_when_status_flips() {
+        let t0 = at("2026-11-30T03:00:00Z");
+        let t1 = at("2026-11-30T04:00:00Z");
+        let mut first = ConditionSet::new(&[], Some(1), t0);
+        first.set(READY, true, "AllResidentModelsReady", "a".into());
+        let first = first.finish();
+
+        let mut same = ConditionSet::new(&first, Some(2), t1);
+        same.set(READY, true, "AllResidentModelsReady", "b".into());
+        assert_eq!(same.finish()[0].last_transition_time, Time(t0));
+
+        let mut flipped = ConditionSet::new(&first, Some(2), t1);
+        flipped.set(READY, false, "ModelsNotReady", "c".into());
+        assert_eq!(flipped.finish()[0].last_transition_time, Time(t1));
+    }
+}

@@ -1,0 +1,232 @@
+//! Model pods: building one from a model's template (pure), and reading back
+//! what the reconciler needs from the pods it owns.
+
+use crate::api::{ModelResidency, ModelSpec};
+use crate::engine::Bytes;
+use crate::labels::{MODEL_LABEL, RESIDENCY_LABEL, SIZE_ANNOTATION};
+use k8s_openapi::api::core::v1::{EnvVar, Pod, PodTemplateSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+
+/// The environment variable that tells a model server which GPU to use.
+pub const DEVICE_ENV: &str = "NVIDIA_VISIBLE_DEVICES";
+
+/// The pod name for a model: `<residency>-<model>`.
+pub fn pod_name(residency: &str, model: &str) -> String {
+    format!("{residency}-{model}")
+}
+
+/// Where a model pod stands, as far as VRAM is concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PodPhase {
+    /// Exists and may hold VRAM: pending, running or unknown.
+    Live,
+    /// Terminated: `Failed`, or `Succeeded` (a model server should not
+    /// exit, so that is a failure too). Holds no VRAM.
+    Finished,
+}
+
+/// What the reconciler needs to know about one of its model pods.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelPod {
+    pub name: String,
+    pub uid: String,
+    pub model: String,
+    /// Declared size from the pod's annotation.
+    pub size: Option<Bytes>,
+    pub phase: PodPhase,
+    /// `lastTransitionTime` of a true `Ready` condition.
+    pub ready_since: Option<String>,
+    /// `deletionTimestamp` is set: terminating, still holding VRAM.
+    pub deleting: bool,
+    /// Why a finished pod stopped.
+    pub failure: Option<String>,
+}
+
+impl ModelPod {
+    /// Reads a pod the reconciler owns; `None` when it lacks the model label.
+    pub fn from_pod(pod: &Pod) -> Option<ModelPod> {
+        let meta = &pod.metadata;
+        let model = meta.labels.as_ref()?.get(MODEL_LABEL)?.clone();
+        let status = pod.status.as_ref();
+        let phase = status.and_then(|s| s.phase.as_deref());
+        let finished = matches!(phase, Some("Failed" | "Succeeded"));
+        let ready_since = status
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready" && c.status == "True"))
+            .map(|c| {
+                c.last_transition_time
+                    .as_ref()
+                    .map(|t| t.0.to_string())
+                    .unwrap_or_default()
+            });
+        let failure = finished.then(|| {
+            let s = status.expect("a phase implies a status");
+            s.message
+                .clone()
+                .or_else(|| s.reason.clone())
+                .unwrap_or_else(|| format!("pod {}", phase.unwrap_or("stopped")))
+        });
+        Some(ModelPod {
+            name: meta.name.clone()?,
+            uid: meta.uid.clone().unwrap_or_default(),
+            model,
+            size: meta
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(SIZE_ANNOTATION))
+                .and_then(|s| s.parse().ok()),
+            phase: if finished {
+                PodPhase::Finished
+            } else {
+                PodPhase::Live
+            },
+            ready_since: if finished { None } else { ready_since },
+            deleting: meta.deletion_timestamp.is_some(),
+            failure,
+        })
+    }
+}
+
+/// Builds the pod for `model` from its template: bound to the residency's
+/// node, given the GPU, labelled, annotated with its size and owned by the
+/// residency. Fails with a message when the template is unusable.
+pub fn build_pod(
+    residency: &ModelResidency,
+    owner: &OwnerReference,
+    model: &ModelSpec,
+    size: Bytes,
+) -> Result<Pod, String> {
+    let template: PodTemplateSpec = match &model.template {
+        None => return Err("the model has no pod template".into()),
+        Some(t) => serde_json::from_value(t.clone())
+            .map_err(|e| format!("the pod template is not a valid PodTemplateSpec: {e}"))?,
+    };
+    let mut spec = template.spec.ok_or("the pod template has no spec")?;
+    if spec.containers.is_empty() {
+        return Err("the pod template has no containers".into());
+    }
+    let residency_name = residency.metadata.name.clone().unwrap_or_default();
+    spec.node_name = Some(residency.spec.node_name.clone());
+    // The operator retries failed loads itself (with backoff, reported in
+    // status); a kubelet restart loop would hide failures from it.
+    spec.restart_policy.get_or_insert_with(|| "Never".into());
+    for c in &mut spec.containers {
+        let env = c.env.get_or_insert_with(Vec::new);
+        env.retain(|e| e.name != DEVICE_ENV);
+        env.push(EnvVar {
+            name: DEVICE_ENV.into(),
+            value: Some(residency.spec.device.clone()),
+            value_from: None,
+        });
+    }
+    let mut meta = template.metadata.unwrap_or_default();
+    meta.name = Some(pod_name(&residency_name, &model.name));
+    meta.namespace = residency.metadata.namespace.clone();
+    meta.generate_name = None;
+    let labels = meta.labels.get_or_insert_with(Default::default);
+    labels.insert(MODEL_LABEL.into(), model.name.clone());
+    labels.insert(RESIDENCY_LABEL.into(), residency_name);
+    meta.annotations
+        .get_or_insert_with(Default::default)
+        .insert(SIZE_ANNOTATION.into(), size.to_string());
+    meta.owner_references = Some(vec![owner.clone()]);
+    Ok(Pod {
+        metadata: meta,
+        spec: Some(spec),
+        status: None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{ByteQuantity, ModelResidencySpec};
+    use serde_json::json;
+
+    fn residency() -> ModelResidency {
+        let mut r = ModelResidency::new(
+            "gpu0",
+            ModelResidencySpec {
+                node_name: "node-a".into(),
+                device: "GPU-1234".into(),
+                budget: ByteQuantity("16Gi".into()),
+                models: vec![],
+                demand: vec![],
+            },
+        );
+        r.metadata.namespace = Some("models".into());
+        r
+    }
+
+    fn model(template: serde_json::Value) -> ModelSpec {
+        ModelSpec {
+            name: "zimage".into(),
+            size: ByteQuantity("1Gi".into()),
+            pinned: false,
+            template: Some(template),
+        }
+    }
+
+    fn owner() -> OwnerReference {
+        OwnerReference {
+            api_version: "residency.dev/v1alpha1".into(),
+            kind: "ModelResidency".into(),
+            name: "gpu0".into(),
+            uid: "u-1".into(),
+            controller: Some(true),
+            block_owner_deletion: Some(true),
+        }
+    }
+
+    #[test]
+    fn builds_a_bound_labelled_owned_pod_with_the_device() {
+        let t = json!({"metadata": {"labels": {"app": "z"}}, "spec": {"containers": [
+            {"name": "server", "image": "img", "env": [{"name": DEVICE_ENV, "value": "all"}]}
+        ]}});
+        let pod = build_pod(&residency(), &owner(), &model(t), 1 << 30).unwrap();
+        let meta = &pod.metadata;
+        assert_eq!(meta.name.as_deref(), Some("gpu0-zimage"));
+        assert_eq!(meta.namespace.as_deref(), Some("models"));
+        let labels = meta.labels.as_ref().unwrap();
+        assert_eq!(labels[MODEL_LABEL], "zimage");
+        assert_eq!(labels[RESIDENCY_LABEL], "gpu0");
+        assert_eq!(labels["app"], "z");
+        assert_eq!(
+            meta.annotations.as_ref().unwrap()[SIZE_ANNOTATION],
+            "1073741824"
+        );
+        assert_eq!(meta.owner_references.as_ref().unwrap()[0].uid, "u-1");
+        let spec = pod.spec.unwrap();
+        assert_eq!(spec.node_name.as_deref(), Some("node-a"));
+        assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
+        let env = spec.containers[0].env.as_ref().unwrap();
+        assert_eq!(
+            env.len(),
+            1,
+            "the template's own device setting is replaced"
+        );
+        assert_eq!(env[0].value.as_deref(), Some("GPU-1234"));
+    }
+
+    #[test]
+    fn unusable_templates_are_reported() {
+        for (t, want) in [
+            (json!({"spec": {"containers": []}}), "no containers"),
+            (json!({"metadata": {}}), "no spec"),
+            (
+                json!({"spec": {"containers": "x"}}),
+                "not a valid PodTemplateSpec",
+            ),
+        ] {
+            let err = build_pod(&residency(), &owner(), &model(t), 1).unwrap_err();
+            assert!(err.contains(want), "{err}");
+        }
+        let mut m = model(json!({}));
+        m.template = None;
+        assert!(
+            build_pod(&residency(), &owner(), &m, 1)
+                .unwrap_err()
+                .contains("no pod template")
+        );
+    }
+}

@@ -1,0 +1,505 @@
+//! The operator end to end: the real controller against a real API server,
+//! with the kubelet stand-in playing the GPU node. Every scenario drives the
+//! cluster through demand patches and checks status, pods and events.
+
+mod support;
+
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use model_residency::api::{ModelResidency, ModelState, ModelStatus};
+use model_residency::engine::Engine;
+use model_residency::local::kubelet::fail_pod;
+use serde_json::json;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::Ordering;
+use support::cluster::eventually;
+use support::operator::{Harness, Model};
+
+const MI: u64 = 1 << 20;
+
+const SEED: &[Model<'static>] = &[
+    ("zimage", "10900Mi", false),
+    ("qwen-llm", "3000Mi", false),
+    ("sdxl", "6000Mi", false),
+    ("oversized", "20000Mi", false),
+    ("small-a", "4000Mi", false),
+    ("small-b", "4000Mi", false),
+    ("small-c", "4000Mi", false),
+];
+
+fn model<'a>(r: &'a ModelResidency, name: &str) -> &'a ModelStatus {
+    r.status
+        .as_ref()
+        .and_then(|s| s.models.iter().find(|m| m.name == name))
+        .unwrap_or_else(|| panic!("no status for {name}: {:?}", r.status))
+}
+
+fn condition<'a>(
+    r: &'a ModelResidency,
+    type_: &str,
+) -> &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+    r.status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == type_))
+        .unwrap_or_else(|| panic!("no {type_} condition"))
+}
+
+fn seed_engine(budget_mb: u64) -> Engine {
+    let mut e = Engine::new(budget_mb * MI);
+    for (n, s, _) in SEED {
+        let mb: u64 = s.trim_end_matches("Mi").parse().unwrap();
+        e.register(n, mb * MI, false).unwrap();
+    }
+    e
+}
+
+async fn events_for(h: &Harness, name: &str) -> Vec<(String, String)> {
+    let api: Api<Event> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    api.list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .map(|e| (e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
+        .collect()
+}
+
+#[tokio::test]
+async fn seed_cases_through_demand_patches_match_the_engine() {
+    let Some(h) = Harness::start("seed-cases").await else {
+        return;
+    };
+    let cases: &[(u64, &[&str])] = &[
+        (14000, &["zimage", "zimage", "qwen-llm"]),
+        (11000, &["zimage", "qwen-llm", "zimage", "qwen-llm"]),
+        (16000, &["oversized"]),
+        (
+            9000,
+            &["small-a", "small-b", "small-a", "small-c", "small-a"],
+        ),
+        (16000, &["zimage", "sdxl", "qwen-llm", "zimage", "sdxl"]),
+    ];
+    let mut budgets = BTreeMap::new();
+    for (i, (budget, _)) in cases.iter().enumerate() {
+        budgets.insert(format!("case-{i}"), budget * MI);
+    }
+    let watcher = h.budget_watcher(budgets);
+    for (i, (budget, requests)) in cases.iter().enumerate() {
+        let name = format!("case-{i}");
+        h.create(&name, &format!("{budget}Mi"), SEED).await;
+        let mut engine = seed_engine(*budget);
+        let mut last = None;
+        for req in *requests {
+            engine.request_named(req);
+            last = Some(h.request(&name, req).await);
+        }
+        let r = last.unwrap();
+        let s = r.status.as_ref().unwrap();
+        let c = engine.counters();
+        assert_eq!(
+            (
+                s.counters.hits,
+                s.counters.loads,
+                s.counters.evictions,
+                s.counters.refusals
+            ),
+            (c.hits, c.loads, c.evictions, c.refusals),
+            "{name} counters"
+        );
+        let want: BTreeSet<String> = engine
+            .residents()
+            .iter()
+            .map(|&id| engine.name(id).to_owned())
+            .collect();
+        let resident: BTreeSet<String> = s
+            .models
+            .iter()
+            .filter(|m| m.state.is_resident())
+            .map(|m| m.name.clone())
+            .collect();
+        assert_eq!(resident, want, "{name} resident set");
+        assert_eq!(h.pods_of(&name).await.0, want, "{name} live pods");
+        assert_eq!(
+            s.used.as_deref(),
+            Some(model_residency::quantity::format_bytes(engine.used()).as_str())
+        );
+        assert_eq!(
+            s.peak.as_deref(),
+            Some(model_residency::quantity::format_bytes(engine.peak()).as_str())
+        );
+    }
+    assert!(
+        *watcher.events.lock().unwrap() > 0,
+        "the budget watcher saw nothing"
+    );
+    assert_eq!(
+        watcher.violations.lock().unwrap().clone(),
+        Vec::<String>::new()
+    );
+}
+
+#[tokio::test]
+async fn oversized_model_is_refused_with_sizes_no_pod_and_an_event() {
+    let Some(h) = Harness::start("oversized").await else {
+        return;
+    };
+    h.create("gpu", "16000Mi", SEED).await;
+    h.request("gpu", "zimage").await;
+    let r = h.request("gpu", "oversized").await;
+    let m = model(&r, "oversized");
+    assert_eq!(m.state, ModelState::Refused);
+    assert_eq!(m.reason.as_deref(), Some("LargerThanBudget"));
+    let refused = condition(&r, "Refused");
+    assert_eq!(
+        (refused.status.as_str(), refused.reason.as_str()),
+        ("True", "LargerThanBudget")
+    );
+    assert!(
+        refused.message.contains("20000Mi") && refused.message.contains("16000Mi"),
+        "{}",
+        refused.message
+    );
+    // Nothing evicted, no pod for it.
+    assert_eq!(model(&r, "zimage").state, ModelState::Loaded);
+    assert_eq!(r.status.as_ref().unwrap().counters.evictions, 0);
+    assert_eq!(
+        h.pods_of("gpu").await.0,
+        BTreeSet::from(["zimage".to_owned()])
+    );
+    eventually(10, "a Refused event", || async {
+        events_for(&h, "gpu")
+            .await
+            .into_iter()
+            .find(|(reason, note)| reason == "Refused" && note.contains("20000Mi"))
+    })
+    .await;
+    // kubectl shows the refusal count.
+    let out = h.env.kubectl(&["get", "mres", "gpu", "--no-headers"]);
+    let line = String::from_utf8_lossy(&out.stdout).to_string();
+    let cols: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(cols[4..7], ["10900Mi", "1", "1"], "{line}");
+}
+
+#[tokio::test]
+async fn pinned_models_are_never_evicted() {
+    let Some(h) = Harness::start("pinned").await else {
+        return;
+    };
+    h.create(
+        "gpu",
+        "10Gi",
+        &[
+            ("base", "6Gi", true),
+            ("a", "3Gi", false),
+            ("b", "3Gi", false),
+            ("big", "5Gi", false),
+        ],
+    )
+    .await;
+    h.request("gpu", "base").await;
+    h.request("gpu", "a").await;
+    let r = h.request("gpu", "b").await; // evicts a, never base
+    assert_eq!(model(&r, "a").state, ModelState::Evicted);
+    assert_eq!(model(&r, "base").state, ModelState::Loaded);
+    let r = h.request("gpu", "big").await; // would need base's room
+    let m = model(&r, "big");
+    assert_eq!(
+        (m.state, m.reason.as_deref()),
+        (ModelState::Refused, Some("NoEvictableRoom"))
+    );
+    assert_eq!(model(&r, "base").state, ModelState::Loaded);
+    assert_eq!(
+        model(&r, "b").state,
+        ModelState::Loaded,
+        "a refusal evicts nothing"
+    );
+    assert_eq!(condition(&r, "Refused").reason, "NoEvictableRoom");
+}
+
+#[tokio::test]
+async fn removing_demand_unloads_and_is_not_an_eviction() {
+    let Some(h) = Harness::start("unload").await else {
+        return;
+    };
+    h.create("gpu", "16000Mi", SEED).await;
+    h.request("gpu", "zimage").await;
+    h.request("gpu", "qwen-llm").await;
+    assert!(
+        model_residency::demand::unload(&h.api, "gpu", "zimage")
+            .await
+            .unwrap()
+    );
+    let r = eventually(30, "zimage to unload", || async {
+        let r = h.api.get("gpu").await.unwrap();
+        (model(&r, "zimage").state == ModelState::Unloaded).then_some(r)
+    })
+    .await;
+    let c = r.status.as_ref().unwrap().counters;
+    assert_eq!((c.unloads, c.evictions), (1, 0));
+    h.converged("gpu").await;
+    assert_eq!(
+        h.pods_of("gpu").await.0,
+        BTreeSet::from(["qwen-llm".to_owned()])
+    );
+    eventually(10, "an Unloaded event", || async {
+        events_for(&h, "gpu")
+            .await
+            .into_iter()
+            .find(|(reason, _)| reason == "Unloaded")
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn budget_shrink_evicts_lru_until_it_fits() {
+    let Some(h) = Harness::start("shrink").await else {
+        return;
+    };
+    h.create("gpu", "12000Mi", SEED).await;
+    for m in ["small-a", "small-b", "small-c", "small-a"] {
+        h.request("gpu", m).await;
+    }
+    // LRU order is now b, c, a: shrinking to 8000Mi evicts b.
+    h.api
+        .patch(
+            "gpu",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"budget": "8000Mi"}})),
+        )
+        .await
+        .unwrap();
+    let r = eventually(30, "the shrink to apply", || async {
+        let r = h.api.get("gpu").await.unwrap();
+        (r.status.as_ref()?.budget.as_deref() == Some("8000Mi")).then_some(r)
+    })
+    .await;
+    let b = model(&r, "small-b");
+    assert_eq!(
+        (b.state, b.reason.as_deref()),
+        (ModelState::Evicted, Some("BudgetShrunk"))
+    );
+    h.converged("gpu").await;
+    assert_eq!(
+        h.pods_of("gpu").await.0,
+        BTreeSet::from(["small-a".to_owned(), "small-c".to_owned()])
+    );
+}
+
+#[tokio::test]
+async fn a_grown_model_is_readmitted_and_a_removed_one_unloaded() {
+    let Some(h) = Harness::start("registry-edit").await else {
+        return;
+    };
+    h.create(
+        "gpu",
+        "10Gi",
+        &[
+            ("a", "3Gi", false),
+            ("b", "3Gi", false),
+            ("c", "3Gi", false),
+        ],
+    )
+    .await;
+    for m in ["a", "b", "c"] {
+        h.request("gpu", m).await;
+    }
+    // c grows to 6Gi: the LRU (a) makes room; c restarts with its new size.
+    let r = h.api.get("gpu").await.unwrap();
+    let mut models = serde_json::to_value(&r.spec.models).unwrap();
+    models[2]["size"] = json!("6Gi");
+    h.api
+        .patch(
+            "gpu",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"models": models}})),
+        )
+        .await
+        .unwrap();
+    let r = eventually(30, "c to be re-admitted at 6Gi", || async {
+        let r = h.api.get("gpu").await.unwrap();
+        (model(&r, "c").size.as_deref() == Some("6Gi")
+            && model(&r, "c").state == ModelState::Loaded)
+            .then_some(r)
+    })
+    .await;
+    assert_eq!(model(&r, "a").state, ModelState::Evicted);
+    let pod = h.pods.get("gpu-c").await.unwrap();
+    assert_eq!(
+        pod.metadata.annotations.unwrap()["residency.dev/size"],
+        (6u64 << 30).to_string()
+    );
+    // b is removed from the registry: unloaded, its pod deleted.
+    let models = json!([r.spec.models[0], r.spec.models[2]]);
+    h.api
+        .patch(
+            "gpu",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"models": models}})),
+        )
+        .await
+        .unwrap();
+    let r = h.converged("gpu").await;
+    // Still demanded, so it keeps a status entry saying what happened.
+    let b = model(&r, "b");
+    assert_eq!(
+        (b.state, b.reason.as_deref()),
+        (ModelState::Unloaded, Some("RemovedFromRegistry"))
+    );
+    assert_eq!(r.status.as_ref().unwrap().counters.unloads, 1);
+    assert_eq!(h.pods_of("gpu").await.0, BTreeSet::from(["c".to_owned()]));
+}
+
+#[tokio::test]
+async fn a_deleted_pod_is_recreated_and_a_failed_one_degrades() {
+    let Some(h) = Harness::start("pod-faults").await else {
+        return;
+    };
+    h.create("gpu", "16000Mi", SEED).await;
+    h.request("gpu", "zimage").await;
+    let old = h.pods.get("gpu-zimage").await.unwrap().metadata.uid;
+    h.pods
+        .delete("gpu-zimage", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(30, "the pod to be recreated", || async {
+        let p: Pod = h.pods.get_opt("gpu-zimage").await.unwrap()?;
+        (p.metadata.uid != old && p.metadata.deletion_timestamp.is_none()).then_some(())
+    })
+    .await;
+    h.converged("gpu").await;
+
+    fail_pod(&h.pods, "gpu-zimage", "CUDA error: out of memory")
+        .await
+        .unwrap();
+    let r = eventually(30, "zimage to be Failed", || async {
+        let r = h.api.get("gpu").await.unwrap();
+        (model(&r, "zimage").state == ModelState::Failed).then_some(r)
+    })
+    .await;
+    let degraded = condition(&r, "Degraded");
+    assert_eq!(degraded.status, "True");
+    assert!(
+        degraded.message.contains("CUDA error"),
+        "{}",
+        degraded.message
+    );
+    assert_eq!(model(&r, "zimage").failures, 1);
+    eventually(10, "a LoadFailed event", || async {
+        events_for(&h, "gpu")
+            .await
+            .into_iter()
+            .find(|(reason, _)| reason == "LoadFailed")
+    })
+    .await;
+    // Retried with backoff: a new pod comes up and the model recovers.
+    let r = eventually(40, "zimage to recover", || async {
+        let r = h.api.get("gpu").await.unwrap();
+        (model(&r, "zimage").state == ModelState::Loaded).then_some(r)
+    })
+    .await;
+    assert_eq!(condition(&r, "Degraded").status, "False");
+}
+
+#[tokio::test]
+async fn unknown_model_demand_gives_its_condition() {
+    let Some(h) = Harness::start("unknown").await else {
+        return;
+    };
+    h.create("gpu", "16000Mi", SEED).await;
+    let r = h.request("gpu", "ghost").await;
+    let m = model(&r, "ghost");
+    assert_eq!(
+        (m.state, m.reason.as_deref()),
+        (ModelState::Refused, Some("UnknownModel"))
+    );
+    assert_eq!(condition(&r, "Refused").reason, "UnknownModel");
+    assert_eq!(r.status.as_ref().unwrap().counters.refusals, 1);
+}
+
+#[tokio::test]
+async fn a_converged_residency_is_not_written_again() {
+    let Some(h) = Harness::start("idempotent").await else {
+        return;
+    };
+    h.create("gpu", "16000Mi", SEED).await;
+    h.request("gpu", "zimage").await;
+    h.request("gpu", "qwen-llm").await;
+    h.request("gpu", "oversized").await;
+    h.converged("gpu").await;
+    // Let the last watch events settle, then force reconciles with metadata
+    // changes that do not touch the spec.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let writes = h.ctx.writes.total();
+    let reconciles = h.ctx.writes.reconciles.load(Ordering::Relaxed);
+    for i in 0..5 {
+        h.api
+            .patch(
+                "gpu",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"annotations": {"poke": i.to_string()}}})),
+            )
+            .await
+            .unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    eventually(10, "the pokes to be reconciled", || async {
+        (h.ctx.writes.reconciles.load(Ordering::Relaxed) >= reconciles + 3).then_some(())
+    })
+    .await;
+    assert_eq!(
+        h.ctx.writes.total(),
+        writes,
+        "a reconcile with nothing new wrote something"
+    );
+}
+
+#[tokio::test]
+async fn a_random_demand_storm_never_exceeds_the_budget() {
+    let Some(h) = Harness::start("storm").await else {
+        return;
+    };
+    let models: &[Model<'static>] = &[
+        ("m1", "3Gi", false),
+        ("m2", "5Gi", false),
+        ("m3", "2Gi", false),
+        ("m4", "7Gi", false),
+        ("m5", "4Gi", true),
+        ("m6", "1Gi", false),
+    ];
+    h.create("gpu", "12Gi", models).await;
+    let watcher = h.budget_watcher(BTreeMap::from([("gpu".to_owned(), 12u64 << 30)]));
+    // splitmix64: deterministic "random" so a failure reproduces.
+    let mut state = 0x5eedu64;
+    let mut next = move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    for _ in 0..80 {
+        let m = models[(next() % models.len() as u64) as usize].0;
+        if next() % 5 == 0 {
+            model_residency::demand::unload(&h.api, "gpu", m)
+                .await
+                .unwrap();
+        } else {
+            h.request_nowait("gpu", m).await;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(next() % 40)).await;
+    }
+    let r = h.converged("gpu").await;
+    let s = r.status.as_ref().unwrap();
+    let used = model_residency::quantity::parse_bytes(s.used.as_deref().unwrap()).unwrap();
+    assert!(used <= 12 << 30);
+    assert!(
+        *watcher.events.lock().unwrap() > 10,
+        "the watcher saw too little"
+    );
+    assert_eq!(
+        watcher.violations.lock().unwrap().clone(),
+        Vec::<String>::new()
+    );
+}

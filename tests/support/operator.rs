@@ -1,0 +1,285 @@
+//! An operator under test: the real controller, run in-process against the
+//! shared control plane and watching only the test's namespace, a kubelet
+//! stand-in for the test's fake node, and helpers to drive demand and wait
+//! for convergence.
+
+use super::cluster::{TestEnv, eventually, test_env};
+use futures::TryStreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use model_residency::api::{ModelResidency, ModelState};
+use model_residency::controller::{self, Context};
+use model_residency::demand;
+use model_residency::labels::{RESIDENCY_LABEL, SIZE_ANNOTATION};
+use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
+use model_residency::quantity::parse_bytes;
+use serde_json::json;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+pub struct Harness {
+    pub env: TestEnv,
+    pub api: Api<ModelResidency>,
+    pub pods: Api<Pod>,
+    pub ctx: Arc<Context>,
+    pub node: String,
+    last_time: Mutex<Timestamp>,
+    _kubelet: FakeKubelet,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+/// A model for `Harness::create`: (name, size, pinned).
+pub type Model<'a> = (&'a str, &'a str, bool);
+
+impl Harness {
+    pub async fn start(test: &str) -> Option<Harness> {
+        Self::start_with(test, Duration::from_millis(30)).await
+    }
+
+    pub async fn start_with(test: &str, load_delay: Duration) -> Option<Harness> {
+        let env = test_env(test).await?;
+        env.install_crds();
+        let node = env.node("gpu");
+        let mut config = KubeletConfig::instant(&[&node]);
+        config.load_delay = load_delay;
+        let kubelet = FakeKubelet::start(env.client.clone(), config)
+            .await
+            .unwrap();
+        let ctx = Context::new(env.client.clone());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let ns = env.namespace.clone();
+        let task = tokio::spawn({
+            let ctx = ctx.clone();
+            async move {
+                controller::run(ctx, Some(&ns), async {
+                    let _ = stopped.await;
+                })
+                .await
+            }
+        });
+        Some(Harness {
+            api: Api::namespaced(env.client.clone(), &env.namespace),
+            pods: Api::namespaced(env.client.clone(), &env.namespace),
+            ctx,
+            node,
+            env,
+            last_time: Mutex::new(Timestamp::UNIX_EPOCH),
+            _kubelet: kubelet,
+            stop: Some(stop),
+            task: Some(task),
+        })
+    }
+
+    /// Creates a residency on the test's node with a server template per model.
+    pub async fn create(&self, name: &str, budget: &str, models: &[Model<'_>]) -> ModelResidency {
+        let models: Vec<_> = models
+            .iter()
+            .map(|(n, size, pinned)| {
+                json!({"name": n, "size": size, "pinned": pinned, "template": {"spec": {
+                    "containers": [{"name": "server", "image": format!("example/{n}:1")}]
+                }}})
+            })
+            .collect();
+        let r: ModelResidency = serde_json::from_value(json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+            "metadata": {"name": name},
+            "spec": {"nodeName": self.node, "device": "0", "budget": budget, "models": models},
+        }))
+        .unwrap();
+        self.api.create(&PostParams::default(), &r).await.unwrap()
+    }
+
+    /// A strictly increasing request time.
+    fn next_time(&self) -> Timestamp {
+        let mut last = self.last_time.lock().unwrap();
+        let now = Timestamp::now().max(*last + Duration::from_micros(1));
+        *last = now;
+        now
+    }
+
+    /// Requests `model` and waits until the operator has processed it and
+    /// converged.
+    pub async fn request(&self, name: &str, model: &str) -> ModelResidency {
+        let at = self.next_time();
+        demand::load(&self.api, name, model, at).await.unwrap();
+        let want = at.to_string();
+        eventually(
+            30,
+            &format!("{name} to process the request for {model}"),
+            || async {
+                let r = self.api.get(name).await.unwrap();
+                let seen = r
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.models.iter().find(|m| m.name == model))
+                    .and_then(|m| m.last_requested.clone());
+                (seen.as_deref() == Some(want.as_str())).then_some(())
+            },
+        )
+        .await;
+        self.converged(name).await
+    }
+
+    /// Requests `model` without waiting.
+    pub async fn request_nowait(&self, name: &str, model: &str) {
+        let at = self.next_time();
+        demand::load(&self.api, name, model, at).await.unwrap();
+    }
+
+    /// Waits until the status reflects the current spec, every resident
+    /// model is Loaded (or Failed), and the live pods are exactly the
+    /// resident models' pods.
+    pub async fn converged(&self, name: &str) -> ModelResidency {
+        let last = Mutex::new(String::new());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while tokio::time::Instant::now() < deadline {
+            if let Some(r) = self.converged_now(name, &last).await {
+                return r;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!(
+            "{name} did not converge in 60 s; last seen:\n{}",
+            last.lock().unwrap()
+        );
+    }
+
+    async fn converged_now(&self, name: &str, last: &Mutex<String>) -> Option<ModelResidency> {
+        {
+            let r = self.api.get(name).await.unwrap();
+            let (live, terminating) = self.pods_of(name).await;
+            *last.lock().unwrap() = format!(
+                "generation {:?}\nstatus {}\nlive pods {live:?}, terminating {terminating}",
+                r.metadata.generation,
+                serde_json::to_string_pretty(&r.status).unwrap()
+            );
+            let status = r.status.as_ref()?;
+            if status.observed_generation != r.metadata.generation {
+                return None;
+            }
+            if status.models.iter().any(|m| m.state == ModelState::Loading) {
+                return None;
+            }
+            let loaded: BTreeSet<String> = status
+                .models
+                .iter()
+                .filter(|m| m.state == ModelState::Loaded)
+                .map(|m| m.name.clone())
+                .collect();
+            (terminating == 0 && live == loaded).then_some(r)
+        }
+    }
+
+    /// Models of live, non-deleting pods of a residency, and the number of
+    /// terminating ones.
+    pub async fn pods_of(&self, name: &str) -> (BTreeSet<String>, usize) {
+        let lp = kube::api::ListParams::default().labels(&format!("{RESIDENCY_LABEL}={name}"));
+        let pods = self.pods.list(&lp).await.unwrap();
+        let mut live = BTreeSet::new();
+        let mut terminating = 0;
+        for p in pods.items {
+            if p.metadata.deletion_timestamp.is_some() {
+                terminating += 1;
+            } else if p.status.as_ref().and_then(|s| s.phase.as_deref()) != Some("Failed") {
+                live.insert(p.metadata.labels.unwrap()["residency.dev/model"].clone());
+            }
+        }
+        (live, terminating)
+    }
+
+    /// Starts the independent budget watcher over this namespace's pods.
+    pub fn budget_watcher(&self, budgets: BTreeMap<String, u64>) -> BudgetWatcher {
+        BudgetWatcher::start(self.pods.clone(), budgets)
+    }
+}
+
+/// Watches every model pod and, after each event, checks that the declared
+/// sizes of each residency's live pods (terminating included; Succeeded and
+/// Failed excluded) stay within its budget.
+pub struct BudgetWatcher {
+    pub violations: Arc<Mutex<Vec<String>>>,
+    pub events: Arc<Mutex<u64>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for BudgetWatcher {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl BudgetWatcher {
+    fn start(pods: Api<Pod>, budgets: BTreeMap<String, u64>) -> Self {
+        let violations: Arc<Mutex<Vec<String>>> = Arc::default();
+        let events: Arc<Mutex<u64>> = Arc::default();
+        let (v, e) = (violations.clone(), events.clone());
+        let task = tokio::spawn(async move {
+            // pod name -> (residency, declared size) for live pods.
+            let mut live: BTreeMap<String, (String, u64)> = BTreeMap::new();
+            let cfg = watcher::Config::default().labels(RESIDENCY_LABEL);
+            let mut stream = std::pin::pin!(watcher(pods, cfg).default_backoff());
+            while let Ok(Some(event)) = stream.try_next().await {
+                let mut touch = |p: &Pod, deleted: bool| {
+                    let name = p.metadata.name.clone().unwrap_or_default();
+                    let finished = matches!(
+                        p.status.as_ref().and_then(|s| s.phase.as_deref()),
+                        Some("Failed" | "Succeeded")
+                    );
+                    if deleted || finished {
+                        live.remove(&name);
+                    } else {
+                        let labels = p.metadata.labels.clone().unwrap_or_default();
+                        let size = p
+                            .metadata
+                            .annotations
+                            .as_ref()
+                            .and_then(|a| a.get(SIZE_ANNOTATION))
+                            .and_then(|s| parse_bytes(s).ok())
+                            .unwrap_or(u64::MAX / 4);
+                        live.insert(name, (labels[RESIDENCY_LABEL].clone(), size));
+                    }
+                };
+                match &event {
+                    watcher::Event::Apply(p) | watcher::Event::InitApply(p) => touch(p, false),
+                    watcher::Event::Delete(p) => touch(p, true),
+                    watcher::Event::Init => live.clear(),
+                    watcher::Event::InitDone => {}
+                }
+                *e.lock().unwrap() += 1;
+                let mut per: BTreeMap<&str, u64> = BTreeMap::new();
+                for (res, size) in live.values() {
+                    *per.entry(res.as_str()).or_default() += size;
+                }
+                for (res, used) in per {
+                    if let Some(&budget) = budgets.get(res)
+                        && used > budget
+                    {
+                        v.lock().unwrap().push(format!(
+                            "{res}: live pods declare {used} bytes, budget {budget}"
+                        ));
+                    }
+                }
+            }
+        });
+        BudgetWatcher {
+            violations,
+            events,
+            task,
+        }
+    }
+}
