@@ -1,6 +1,8 @@
 //! Command-line surface: argument definitions and dispatch.
 
 mod demand;
+mod demo;
+mod local_cluster;
 mod operator;
 mod simulate;
 
@@ -25,6 +27,11 @@ enum Command {
     /// Print the ModelResidency CustomResourceDefinition as YAML
     /// (`model-residency crd | kubectl apply -f -`).
     Crd,
+    /// Run the whole thing end to end on a local control plane, explained.
+    Demo(demo::Args),
+    /// Start a local control plane with fake GPU nodes (until Ctrl-C), to
+    /// try the operator by hand.
+    LocalCluster(local_cluster::Args),
     /// Run the controller (watches ModelResidencies and their model pods).
     Run(operator::Args),
     /// Load or unload a model by writing spec.demand.
@@ -72,6 +79,8 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
             })
     };
     match cli.command {
+        Command::Demo(args) => demo::run(args),
+        Command::LocalCluster(args) => local_cluster::run(args),
         Command::Run(args) => {
             init_logging();
             runtime()?.block_on(operator::run(args))

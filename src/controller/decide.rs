@@ -37,6 +37,10 @@ pub struct Observed<'a> {
 /// An event to publish once the status is written.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Note {
+    /// The model it is about; its pod becomes the event's related object,
+    /// which also keeps events about different models from being merged
+    /// into one series.
+    pub model: Option<String>,
     pub warning: bool,
     pub reason: &'static str,
     pub action: &'static str,
@@ -166,6 +170,7 @@ fn invalid(input: &Observed<'_>, previous: ModelResidencyStatus, problem: String
         delete: Vec::new(),
         notes: changed
             .then_some(Note {
+                model: None,
                 warning: true,
                 reason: "InvalidSpec",
                 action: "Validate",
@@ -337,6 +342,7 @@ impl<'a> Decider<'a> {
                 // transition makes the event; otherwise say it here.
                 if !self.valid.demand.iter().any(|&(_, m)| m == name) {
                     self.notes.push(Note {
+                        model: Some(name.clone()),
                         warning: false,
                         reason: "Unloaded",
                         action: "Unload",
@@ -737,6 +743,7 @@ fn transition_notes(
         let message = m.message.clone().unwrap_or_default();
         let note = match m.state {
             ModelState::Loaded if was != Some(ModelState::Loaded) => Some(Note {
+                model: Some(m.name.clone()),
                 warning: false,
                 reason: "Loaded",
                 action: "Load",
@@ -749,12 +756,14 @@ fn transition_notes(
                 ),
             }),
             ModelState::Evicted if was.is_some_and(ModelState::is_resident) => Some(Note {
+                model: Some(m.name.clone()),
                 warning: false,
                 reason: "Evicted",
                 action: "Evict",
                 message,
             }),
             ModelState::Unloaded if was.is_some_and(ModelState::is_resident) => Some(Note {
+                model: Some(m.name.clone()),
                 warning: false,
                 reason: "Unloaded",
                 action: "Unload",
@@ -766,6 +775,7 @@ fn transition_notes(
                         != m.last_requested.as_ref() =>
             {
                 Some(Note {
+                    model: Some(m.name.clone()),
                     warning: true,
                     reason: "Refused",
                     action: "Admit",
@@ -777,6 +787,7 @@ fn transition_notes(
                     || before.is_some_and(|b| b.failures != m.failures) =>
             {
                 Some(Note {
+                    model: Some(m.name.clone()),
                     warning: true,
                     reason: "LoadFailed",
                     action: "Load",

@@ -10,7 +10,7 @@ use crate::api::ModelResidency;
 use crate::labels::RESIDENCY_LABEL;
 use decide::{Decision, Observed, decide};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
@@ -157,6 +157,13 @@ async fn write_status(
 async fn publish(d: &Decision, r: &ModelResidency, ctx: &Context) {
     let reference = r.object_ref(&());
     for n in &d.notes {
+        let secondary = n.model.as_ref().map(|m| ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            name: Some(pods::pod_name(&r.name_any(), m)),
+            namespace: r.namespace(),
+            ..ObjectReference::default()
+        });
         let ev = Event {
             type_: if n.warning {
                 EventType::Warning
@@ -166,7 +173,7 @@ async fn publish(d: &Decision, r: &ModelResidency, ctx: &Context) {
             reason: n.reason.into(),
             note: Some(n.message.clone()),
             action: n.action.into(),
-            secondary: None,
+            secondary,
         };
         if let Err(e) = ctx.recorder.publish(&ev, &reference).await {
             tracing::warn!(error = %e, "could not publish event");

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The README's "run it" command: the operator end to end on a local control
+# plane (built once and cached), explaining itself. Cleans up after itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_BUILD_JOBS=${CARGO_BUILD_JOBS:-2}
+MODEL_RESIDENCY_ASSETS=$(bash scripts/control-plane.sh install)
+export MODEL_RESIDENCY_ASSETS
+command -v kubectl >/dev/null || echo "note: kubectl not found; the demo prints its own views only" >&2
+echo "[demo] building model-residency (release)..." >&2
+cargo build --release --locked --quiet
+exec ./target/release/model-residency demo "$@"

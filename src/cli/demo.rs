@@ -1,0 +1,333 @@
+//! `model-residency demo`: the whole product on a local control plane, in
+//! about half a minute, explaining itself as it goes.
+//!
+//! Starts a real kube-apiserver + etcd + garbage collector, installs the
+//! CRD, starts the controller and a kubelet stand-in for one fake GPU node,
+//! applies `examples/seed-registry.yaml` (the seed's models on a 16000Mi
+//! GPU) and drives demand: loads, a hit, LRU evictions, an oversized model
+//! refused, an unload. Everything it started is stopped at the end.
+
+use super::Failure;
+use super::demand::render_status;
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::jiff::Timestamp;
+use kube::CustomResourceExt;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use model_residency::api::{ModelResidency, ModelState};
+use model_residency::controller::{self, Context};
+use model_residency::demand;
+use model_residency::local::control_plane::ControlPlane;
+use model_residency::local::kubelet::{FakeKubelet, FakeNode, KubeletConfig};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const NAMESPACE: &str = "models";
+const NAME: &str = "seed-gpu";
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The manifest to apply (a ModelResidency on node-a).
+    #[arg(long, default_value = "examples/seed-registry.yaml")]
+    manifest: PathBuf,
+    /// Seconds the stand-in kubelet takes to "load" each GiB of a model.
+    #[arg(long, default_value_t = 0.05)]
+    load_secs_per_gib: f64,
+}
+
+fn fail(what: &str) -> impl Fn(kube::Error) -> Failure + '_ {
+    move |e| Failure {
+        message: format!("{what}: {e}"),
+        code: 1,
+    }
+}
+
+pub fn run(args: Args) -> Result<(), Failure> {
+    let manifest = std::fs::read_to_string(&args.manifest)
+        .map_err(|e| Failure::bad_input(format!("{}: {e}", args.manifest.display())))?;
+    let residency: ModelResidency = serde_saphyr::from_str(&manifest)
+        .map_err(|e| Failure::bad_input(format!("{}: {e}", args.manifest.display())))?;
+    say("Starting a local Kubernetes control plane (etcd, kube-apiserver, garbage collector)...");
+    let plane = ControlPlane::start().map_err(|e| Failure {
+        message: e.to_string(),
+        code: 1,
+    })?;
+    println!(
+        "   ready in {:.1} s at {} (kubeconfig {})",
+        plane.startup.as_secs_f64(),
+        plane.server_url(),
+        plane.kubeconfig().display()
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Failure {
+            message: e.to_string(),
+            code: 1,
+        })?;
+    let started = Instant::now();
+    let result = runtime.block_on(story(&plane, residency, args.load_secs_per_gib));
+    runtime.shutdown_timeout(Duration::from_secs(2));
+    drop(plane);
+    if result.is_ok() {
+        say(&format!(
+            "Done in {:.0} s. The control plane, the controller and the stand-in kubelet are stopped and their files removed.",
+            started.elapsed().as_secs_f64()
+        ));
+    }
+    result
+}
+
+fn say(text: &str) {
+    println!("\n== {text}");
+}
+
+/// Runs kubectl against the demo's control plane and prints the command and
+/// its output, as a person would see them.
+fn kubectl(kubeconfig: &Path, args: &[&str]) {
+    println!("$ kubectl {}", args.join(" "));
+    let cache = tempfile::tempdir().ok();
+    let mut cmd = Command::new("kubectl");
+    cmd.env("KUBECONFIG", kubeconfig).args(args);
+    if let Some(c) = &cache {
+        cmd.arg(format!("--cache-dir={}", c.path().display()));
+    }
+    match cmd.output() {
+        Ok(out) => {
+            print!("{}", String::from_utf8_lossy(&out.stdout));
+            let err = String::from_utf8_lossy(&out.stderr);
+            // kubectl 1.32 warns about the 1.20 server's version skew.
+            for line in err.lines().filter(|l| !l.contains("version difference")) {
+                println!("{line}");
+            }
+        }
+        Err(e) => println!("(kubectl is not available here: {e})"),
+    }
+}
+
+async fn story(
+    plane: &ControlPlane,
+    residency: ModelResidency,
+    secs_per_gib: f64,
+) -> Result<(), Failure> {
+    let client = plane.client().await.map_err(|e| Failure {
+        message: e.to_string(),
+        code: 1,
+    })?;
+    let kc = plane.kubeconfig();
+
+    say("Installing the ModelResidency CRD (model-residency crd | kubectl apply -f -)");
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    crds.patch(
+        "modelresidencies.residency.dev",
+        &PatchParams::apply("model-residency-demo").force(),
+        &Patch::Apply(ModelResidency::crd()),
+    )
+    .await
+    .map_err(fail("install the CRD"))?;
+    wait_for_crd(plane).await?;
+
+    let node = residency.spec.node_name.clone();
+    say(&format!(
+        "Registering fake GPU node {node} with the kubelet stand-in (pods become Ready after {secs_per_gib} s per GiB)"
+    ));
+    let _kubelet = FakeKubelet::start(
+        client.clone(),
+        KubeletConfig {
+            nodes: vec![FakeNode {
+                name: node.clone(),
+                gpus: 1,
+            }],
+            load_delay: Duration::from_millis(100),
+            delay_per_gib: Duration::from_secs_f64(secs_per_gib.max(0.0)),
+            terminating_delay: Duration::from_millis(200),
+        },
+    )
+    .await
+    .map_err(fail("register the node"))?;
+
+    say("Starting the controller (model-residency run)");
+    let ctx = Context::new(client.clone());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let controller = tokio::spawn(controller::run(ctx, None, async {
+        let _ = stopped.await;
+    }));
+
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let ns: Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": NAMESPACE}}))
+            .expect("static namespace");
+    namespaces
+        .create(&PostParams::default(), &ns)
+        .await
+        .map_err(fail("create the namespace"))?;
+    say(&format!(
+        "Applying {NAME}: a 16000Mi GPU with the seed's models (zimage 10900Mi, qwen-llm 3000Mi, sdxl 6000Mi, oversized 20000Mi, small-a/b/c 4000Mi)"
+    ));
+    let api: Api<ModelResidency> = Api::namespaced(client.clone(), NAMESPACE);
+    api.create(&PostParams::default(), &residency)
+        .await
+        .map_err(fail("create the ModelResidency"))?;
+    let name = residency
+        .metadata
+        .name
+        .clone()
+        .unwrap_or_else(|| NAME.into());
+    settle(&api, &name).await?;
+    kubectl(kc, &["get", "mres", "-n", NAMESPACE]);
+
+    let steps: &[(&str, &str, &str)] = &[
+        (
+            "load",
+            "zimage",
+            "zimage (10900Mi) fits in the empty 16000Mi budget: a load.",
+        ),
+        (
+            "load",
+            "qwen-llm",
+            "qwen-llm (3000Mi) fits next to it: 13900Mi used.",
+        ),
+        (
+            "load",
+            "qwen-llm",
+            "qwen-llm again: already resident, a hit; it becomes the most recently used.",
+        ),
+        (
+            "load",
+            "sdxl",
+            "sdxl (6000Mi) does not fit: the least recently used model (zimage) is evicted first, and sdxl's pod starts only once zimage's pod is gone.",
+        ),
+        ("load", "small-a", "small-a (4000Mi) fits: 13000Mi used."),
+        (
+            "load",
+            "oversized",
+            "oversized (20000Mi) is larger than the whole budget: refused, nothing evicted.",
+        ),
+        (
+            "load",
+            "zimage",
+            "zimage comes back: qwen-llm and sdxl are the least recently used, so both go.",
+        ),
+        (
+            "unload",
+            "small-a",
+            "An autoscaler scales small-a down: its demand entry is removed, the model unloaded (not an eviction).",
+        ),
+    ];
+    for (i, (verb, model, why)) in steps.iter().enumerate() {
+        say(&format!("Step {}: {why}", i + 1));
+        println!("$ model-residency demand {verb} {name} {model} -n {NAMESPACE}");
+        match *verb {
+            "load" => demand::load(&api, &name, model, Timestamp::now())
+                .await
+                .map_err(fail("write demand"))?,
+            _ => {
+                demand::unload(&api, &name, model)
+                    .await
+                    .map_err(fail("write demand"))?;
+            }
+        }
+        let r = settle(&api, &name).await?;
+        kubectl(kc, &["get", "mres", "-n", NAMESPACE]);
+        if matches!(i, 3 | 5 | 6) {
+            println!("$ model-residency status {name} -n {NAMESPACE}");
+            print!("{}", render_status(&r));
+        }
+    }
+
+    say("What happened, as events (kubectl get events)");
+    kubectl(
+        kc,
+        &[
+            "get",
+            "events",
+            "-n",
+            NAMESPACE,
+            "--sort-by=.metadata.creationTimestamp",
+            "-o",
+            "custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message",
+        ],
+    );
+    say("Model pods now (one per resident model, bound to the GPU's node)");
+    kubectl(
+        kc,
+        &[
+            "get",
+            "pods",
+            "-n",
+            NAMESPACE,
+            "-L",
+            "residency.dev/model",
+            "-o",
+            "wide",
+        ],
+    );
+
+    let r = api
+        .get(&name)
+        .await
+        .map_err(fail("read the ModelResidency"))?;
+    let s = r.status.unwrap_or_default();
+    let c = s.counters;
+    say("Summary");
+    println!(
+        "   hits {} | loads {} | evictions {} | refusals {} | unloads {} | used {} of {} | peak {}",
+        c.hits,
+        c.loads,
+        c.evictions,
+        c.refusals,
+        c.unloads,
+        s.used.as_deref().unwrap_or("0"),
+        r.spec.budget.0,
+        s.peak.as_deref().unwrap_or("0"),
+    );
+    let _ = stop.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(5), controller).await;
+    Ok(())
+}
+
+async fn wait_for_crd(plane: &ControlPlane) -> Result<(), Failure> {
+    let kc = plane.kubeconfig().to_path_buf();
+    for _ in 0..200 {
+        let ok = Command::new("kubectl")
+            .env("KUBECONFIG", &kc)
+            .args(["get", "mres", "-A"])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(true);
+        if ok {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err(Failure {
+        message: "the CRD never became served".into(),
+        code: 1,
+    })
+}
+
+/// Waits until the status reflects the spec and nothing is loading.
+async fn settle(api: &Api<ModelResidency>, name: &str) -> Result<ModelResidency, Failure> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let r = api
+            .get(name)
+            .await
+            .map_err(fail("read the ModelResidency"))?;
+        if let Some(s) = &r.status
+            && s.observed_generation == r.metadata.generation
+            && s.models.iter().all(|m| m.state != ModelState::Loading)
+        {
+            return Ok(r);
+        }
+        if Instant::now() > deadline {
+            return Err(Failure {
+                message: format!("{name} did not settle within 60 s"),
+                code: 1,
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -1,0 +1,63 @@
+//! `model-residency local-cluster`: a local control plane plus a kubelet
+//! stand-in for fake GPU nodes, kept up until Ctrl-C, for trying the
+//! operator by hand with kubectl (`export KUBECONFIG=...` as printed).
+
+use super::Failure;
+use model_residency::local::control_plane::ControlPlane;
+use model_residency::local::kubelet::{FakeKubelet, FakeNode, KubeletConfig};
+use std::time::Duration;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Fake GPU nodes to register (repeatable).
+    #[arg(long = "node", default_values_t = ["node-a".to_string()])]
+    nodes: Vec<String>,
+    /// Seconds a pod takes to become Ready, per GiB of its model.
+    #[arg(long, default_value_t = 0.2)]
+    load_secs_per_gib: f64,
+}
+
+pub fn run(args: Args) -> Result<(), Failure> {
+    let plane = ControlPlane::start().map_err(|e| Failure {
+        message: e.to_string(),
+        code: 1,
+    })?;
+    let runtime = tokio::runtime::Runtime::new().map_err(|e| Failure {
+        message: e.to_string(),
+        code: 1,
+    })?;
+    runtime.block_on(async {
+        let client = plane.client().await.map_err(|e| Failure {
+            message: e.to_string(),
+            code: 1,
+        })?;
+        let config = KubeletConfig {
+            nodes: args
+                .nodes
+                .iter()
+                .map(|n| FakeNode {
+                    name: n.clone(),
+                    gpus: 1,
+                })
+                .collect(),
+            load_delay: Duration::from_millis(200),
+            delay_per_gib: Duration::from_secs_f64(args.load_secs_per_gib.max(0.0)),
+            terminating_delay: Duration::from_millis(200),
+        };
+        let _kubelet = FakeKubelet::start(client, config)
+            .await
+            .map_err(|e| Failure {
+                message: format!("register the nodes: {e}"),
+                code: 1,
+            })?;
+        println!(
+            "local control plane ready in {:.1} s; fake GPU nodes: {}",
+            plane.startup.as_secs_f64(),
+            args.nodes.join(", ")
+        );
+        println!("export KUBECONFIG={}", plane.kubeconfig().display());
+        println!("(Ctrl-C stops it and removes its files)");
+        let _ = tokio::signal::ctrl_c().await;
+        Ok(())
+    })
+}

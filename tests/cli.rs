@@ -1,0 +1,119 @@
+//! The `model-residency` binary as a user runs it: output, exit codes.
+
+use std::process::{Command, Output};
+
+fn run(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_model-residency"))
+        .args(args)
+        .output()
+        .expect("run model-residency")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[test]
+fn simulate_reports_the_seed_lru_case() {
+    let out = run(&[
+        "simulate",
+        "--budget",
+        "9000Mi",
+        "--registry",
+        "examples/seed-registry.yaml",
+        "small-a",
+        "small-b",
+        "small-a",
+        "small-c",
+        "small-a",
+    ]);
+    assert!(out.status.success());
+    let text = stdout(&out);
+    for want in [
+        "hits               2",
+        "loads              3",
+        "evictions          1",
+        "refusals           0",
+    ] {
+        assert!(text.contains(want), "{text}");
+    }
+}
+
+#[test]
+fn simulate_json_has_the_documented_keys() {
+    let out = run(&[
+        "simulate",
+        "--budget",
+        "16000Mi",
+        "--registry",
+        "examples/seed-registry.yaml",
+        "--output",
+        "json",
+        "zimage",
+        "oversized",
+    ]);
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+    let mut want = vec![
+        "requests",
+        "hits",
+        "loads",
+        "evictions",
+        "refusals",
+        "unloads",
+        "peak_bytes",
+        "budget_bytes",
+        "over_budget_steps",
+    ];
+    want.sort();
+    let mut got = keys.clone();
+    got.sort();
+    assert_eq!(got, want);
+    assert_eq!(v["refusals"], 1);
+    assert_eq!(v["peak_bytes"], 10900u64 << 20);
+}
+
+#[test]
+fn bad_input_exits_2_with_file_line_and_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.csv");
+    std::fs::write(&trace, "time,model,size\n0,a,1Gi\n1,b,1.2.3\n").unwrap();
+    let out = run(&[
+        "simulate",
+        "--budget",
+        "2Gi",
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("t.csv:3:") && err.contains("1.2.3"), "{err}");
+
+    let out = run(&["simulate", "--budget", "9000MB", "a"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown unit"));
+}
+
+#[test]
+fn crd_prints_the_committed_crd() {
+    let out = run(&["crd"]);
+    assert!(out.status.success());
+    assert_eq!(
+        stdout(&out),
+        std::fs::read_to_string("crds/modelresidency.yaml").unwrap()
+    );
+}
+
+#[test]
+fn works_as_a_kubectl_plugin_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = dir.path().join("kubectl-residency");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_model-residency"), &plugin).unwrap();
+    let out = Command::new(&plugin)
+        .args(["demand", "--help"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(stdout(&out).contains("Usage: kubectl-residency demand"));
+}
