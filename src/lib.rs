@@ -7,15 +7,21 @@
 //! - [`quantity`]: Kubernetes quantities as whole bytes.
 //! - [`registry`]: registry files (`{name, size, pinned}` lists).
 //! - [`simulate`]: replaying request traces through the engine.
+//! - [`http`]: `/healthz`, `/readyz`, `/metrics`.
+//! - [`lease`]: leader election on a Lease.
 //! - [`labels`]: label and annotation keys on model pods.
+//! - [`metrics`]: Prometheus metrics.
 //! - [`local`]: a local control plane and kubelet stand-in (tests, demo).
 
 pub mod api;
 pub mod controller;
 pub mod demand;
 pub mod engine;
+pub mod http;
 pub mod labels;
+pub mod lease;
 pub mod local;
+pub mod metrics;
 pub mod quantity;
 pub mod registry;
 pub mod simulate;

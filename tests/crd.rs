@@ -1,11 +1,17 @@
-//! The committed CRD must be exactly what the Rust types generate.
+//! The committed CRD, and the chart's copy, must be exactly what the Rust
+//! types generate.
 
 #[test]
-fn committed_crd_matches_the_types() {
-    let committed =
-        std::fs::read_to_string("crds/modelresidency.yaml").expect("crds/modelresidency.yaml");
-    assert!(
-        committed == model_residency::api::crd_yaml(),
-        "crds/modelresidency.yaml is stale: run `cargo run -- crd > crds/modelresidency.yaml`"
-    );
+fn committed_crds_match_the_types() {
+    let generated = model_residency::api::crd_yaml();
+    for path in [
+        "crds/modelresidency.yaml",
+        "charts/model-residency/crds/modelresidency.yaml",
+    ] {
+        let committed = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert!(
+            committed == generated,
+            "{path} is stale: run `cargo run -- crd > {path}`"
+        );
+    }
 }

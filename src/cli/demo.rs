@@ -151,9 +151,14 @@ async fn story(
     say("Starting the controller (model-residency run)");
     let ctx = Context::new(client.clone());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let controller = tokio::spawn(controller::run(ctx, None, async {
-        let _ = stopped.await;
-    }));
+    let controller = tokio::spawn(controller::run(
+        ctx,
+        None,
+        async {
+            let _ = stopped.await;
+        },
+        Default::default(),
+    ));
 
     let namespaces: Api<Namespace> = Api::all(client.clone());
     let ns: Namespace =

@@ -82,7 +82,7 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
         Command::Demo(args) => demo::run(args),
         Command::LocalCluster(args) => local_cluster::run(args),
         Command::Run(args) => {
-            init_logging();
+            operator::init_logging(args.log_format());
             runtime()?.block_on(operator::run(args))
         }
         Command::Demand { target, command } => runtime()?.block_on(demand::demand(target, command)),
@@ -95,10 +95,4 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
             Ok(())
         }
     }
-}
-
-fn init_logging() {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).init();
 }

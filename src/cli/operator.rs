@@ -1,25 +1,208 @@
-//! `model-residency run`: the controller process.
+//! `model-residency run`: the controller process. Serves `/healthz`,
+//! `/readyz` and `/metrics`, checks at start-up that it can do its job
+//! (CRD installed, RBAC allows the watches), optionally elects a leader, and
+//! stops cleanly on SIGTERM or Ctrl-C.
 
 use super::Failure;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams};
+use model_residency::api::ModelResidency;
 use model_residency::controller::{self, Context};
+use model_residency::http::{Health, serve};
+use model_residency::lease::{LeaderElector, LeaseConfig};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use tokio::sync::watch;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Watch only this namespace (default: all namespaces).
     #[arg(long, env = "WATCH_NAMESPACE")]
     namespace: Option<String>,
+    /// Address of /healthz, /readyz and /metrics.
+    #[arg(long, env = "HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    http_addr: SocketAddr,
+    /// Log format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    /// Elect a leader among replicas through a Lease; only the leader writes.
+    #[arg(long, env = "LEADER_ELECT")]
+    leader_elect: bool,
+    /// Namespace of the Lease (default: POD_NAMESPACE, else the kubeconfig's).
+    #[arg(long, env = "POD_NAMESPACE")]
+    lease_namespace: Option<String>,
+    /// Name of the Lease.
+    #[arg(long, default_value = "model-residency")]
+    lease_name: String,
+    /// This replica's identity in the Lease (default: POD_NAME, else the host name).
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
+    /// Seconds a Lease stays valid without renewal.
+    #[arg(long, default_value_t = 15)]
+    lease_seconds: u64,
+}
+
+impl Args {
+    pub fn log_format(&self) -> LogFormat {
+        self.log_format
+    }
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+pub fn init_logging(format: LogFormat) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn fatal(message: String) -> Failure {
+    tracing::error!("{message}");
+    Failure { message, code: 1 }
+}
+
+/// Fails fast, with the fix, when the CRD is missing or RBAC forbids what
+/// the controller must watch.
+async fn preflight(client: &kube::Client, namespace: Option<&str>) -> Result<(), Failure> {
+    let (residencies, pods): (Api<ModelResidency>, Api<Pod>) = match namespace {
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    };
+    let lp = ListParams::default().limit(1);
+    match residencies.list_metadata(&lp).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 404 => {
+            return Err(fatal(
+                "the ModelResidency CRD is not installed: run `model-residency crd | kubectl apply -f -` \
+                 (or install the Helm chart, which carries it)"
+                    .into(),
+            ));
+        }
+        Err(kube::Error::Api(s)) if s.code == 403 => {
+            return Err(fatal(format!(
+                "RBAC forbids listing modelresidencies.residency.dev: {}. Grant list/watch on \
+                 modelresidencies and patch on modelresidencies/status (the chart's ClusterRole does)",
+                s.message
+            )));
+        }
+        Err(e) => return Err(fatal(format!("cannot reach the cluster: {e}"))),
+    }
+    match pods.list_metadata(&lp).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 403 => Err(fatal(format!(
+            "RBAC forbids listing pods: {}. Grant list/watch/create/delete on pods \
+             (the chart's ClusterRole does)",
+            s.message
+        ))),
+        Err(e) => Err(fatal(format!("cannot list pods: {e}"))),
+    }
+}
+
+/// Completes on SIGTERM or Ctrl-C.
+async fn termination() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = async {
+            match term.as_mut() {
+                Some(t) => { t.recv().await; }
+                None => std::future::pending::<()>().await,
+            }
+        } => {}
+    }
 }
 
 pub async fn run(args: Args) -> Result<(), Failure> {
-    let client = kube::Client::try_default().await.map_err(|e| Failure {
-        message: format!("cannot reach the cluster: {e}"),
-        code: 1,
+    let client = kube::Client::try_default().await.map_err(|e| {
+        fatal(format!(
+            "cannot load a kubeconfig or in-cluster config: {e}"
+        ))
     })?;
-    let ctx = Context::new(client);
-    let shutdown = async {
-        let _ = tokio::signal::ctrl_c().await;
+    preflight(&client, args.namespace.as_deref()).await?;
+
+    let health = Arc::new(Health::default());
+    let listener = tokio::net::TcpListener::bind(args.http_addr)
+        .await
+        .map_err(|e| fatal(format!("cannot listen on {}: {e}", args.http_addr)))?;
+    tracing::info!(addr = %args.http_addr, "serving /healthz, /readyz, /metrics");
+    let http = tokio::spawn(serve(listener, health.clone()));
+
+    // Shutdown fans out to whatever is running.
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        termination().await;
+        tracing::info!("shutting down");
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
     };
-    tracing::info!("model-residency controller starting");
-    controller::run(ctx, args.namespace.as_deref(), shutdown).await;
+
+    let ctx = Context::with_metrics(client.clone(), health.metrics.clone());
+    let synced = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if !args.leader_elect {
+        let watcher = spawn_ready_mirror(synced.clone(), health.clone());
+        controller::run(ctx, args.namespace.clone(), stopped(stop_rx), synced).await;
+        watcher.abort();
+        http.abort();
+        return Ok(());
+    }
+
+    let identity = args.identity.clone().unwrap_or_else(|| {
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_owned())
+            .unwrap_or_else(|_| format!("model-residency-{}", std::process::id()))
+    });
+    let lease_ns = args
+        .lease_namespace
+        .clone()
+        .unwrap_or_else(|| client.default_namespace().to_owned());
+    let elector = LeaderElector::new(
+        client.clone(),
+        LeaseConfig::new(
+            &lease_ns,
+            &args.lease_name,
+            &identity,
+            Duration::from_secs(args.lease_seconds),
+        ),
+    );
+    // A standby is healthy and ready to take over.
+    health.ready.store(true, Ordering::Relaxed);
+    controller::run_elected(
+        ctx,
+        args.namespace.clone(),
+        elector,
+        stop_rx,
+        synced,
+        Arc::default(),
+    )
+    .await;
+    http.abort();
     Ok(())
+}
+
+/// Mirrors the controller's first sync into `/readyz`.
+fn spawn_ready_mirror(
+    synced: Arc<std::sync::atomic::AtomicBool>,
+    health: Arc<Health>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        while !synced.load(Ordering::Relaxed) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        health.ready.store(true, Ordering::Relaxed);
+    })
 }

@@ -57,6 +57,8 @@ pub struct Decision {
     pub notes: Vec<Note>,
     /// When to look again even if nothing changes (a retry falls due).
     pub requeue_after: Option<Duration>,
+    /// Seconds from pod creation to Ready of the models that became Loaded.
+    pub load_seconds: Vec<f64>,
 }
 
 /// First retry after a failed load; doubles per failure up to the cap.
@@ -179,6 +181,7 @@ fn invalid(input: &Observed<'_>, previous: ModelResidencyStatus, problem: String
             .into_iter()
             .collect(),
         requeue_after: None,
+        load_seconds: Vec::new(),
     }
 }
 
@@ -456,6 +459,7 @@ impl<'a> Decider<'a> {
         let mut create = Vec::new();
         let mut delete = Vec::new();
         let mut requeue: Option<Duration> = None;
+        let mut load_seconds = Vec::new();
 
         // Pods by model; VRAM held by every pod that has not finished.
         let mut pods: BTreeMap<&str, Vec<&ModelPod>> = BTreeMap::new();
@@ -535,6 +539,12 @@ impl<'a> Decider<'a> {
                         Some(since) => {
                             st.state = ModelState::Loaded;
                             st.loaded_at = Some(since.clone());
+                            if prev.is_none_or(|p| p.state != ModelState::Loaded)
+                                && let (Some(ready), Some(created)) =
+                                    (parse_time(Some(since)), parse_time(p.created.as_deref()))
+                            {
+                                load_seconds.push(created.duration_until(ready).as_secs_f64());
+                            }
                         }
                         None => {
                             st.state = ModelState::Loading;
@@ -701,6 +711,7 @@ impl<'a> Decider<'a> {
             delete,
             notes: self.notes,
             requeue_after: requeue,
+            load_seconds,
         }
     }
 }

@@ -65,6 +65,7 @@ fn live(model: &str, size: u64, ready: bool, deleting: bool) -> ModelPod {
         ready_since: ready.then(|| T0.to_owned()),
         deleting,
         failure: None,
+        created: None,
     }
 }
 

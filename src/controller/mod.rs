@@ -8,6 +8,7 @@ pub mod pods;
 
 use crate::api::ModelResidency;
 use crate::labels::RESIDENCY_LABEL;
+use crate::metrics::Metrics;
 use decide::{Decision, Observed, decide};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
@@ -68,10 +69,15 @@ pub struct Context {
     pub client: kube::Client,
     pub recorder: Recorder,
     pub writes: Writes,
+    pub metrics: Arc<Metrics>,
 }
 
 impl Context {
     pub fn new(client: kube::Client) -> Arc<Self> {
+        Self::with_metrics(client, Arc::default())
+    }
+
+    pub fn with_metrics(client: kube::Client, metrics: Arc<Metrics>) -> Arc<Self> {
         let recorder = Recorder::new(
             client.clone(),
             Reporter {
@@ -83,6 +89,7 @@ impl Context {
             client,
             recorder,
             writes: Writes::default(),
+            metrics,
         })
     }
 }
@@ -184,6 +191,7 @@ async fn publish(d: &Decision, r: &ModelResidency, ctx: &Context) {
 #[tracing::instrument(skip(r, ctx), fields(residency = %r.name_any()))]
 pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Action> {
     ctx.writes.reconciles.fetch_add(1, Ordering::Relaxed);
+    let _timer = ctx.metrics.reconcile_timer();
     let ns = r.namespace().ok_or(Error::Incomplete("namespace"))?;
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
     let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), &ns);
@@ -199,6 +207,11 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
     });
     let retry_soon = apply(&pods, &decision, &ctx).await?;
     write_status(&residencies, &r, &decision, &ctx).await?;
+    ctx.metrics
+        .observe_status(&ns, &r.name_any(), &decision.status);
+    for seconds in &decision.load_seconds {
+        ctx.metrics.model_loaded(*seconds);
+    }
     publish(&decision, &r, &ctx).await;
     Ok(match (retry_soon, decision.requeue_after) {
         (true, _) => Action::requeue(Duration::from_millis(500)),
@@ -209,8 +222,9 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
 }
 
 /// Transient errors retry with a short backoff; conflicts at once.
-pub fn error_policy(_r: Arc<ModelResidency>, error: &Error, _ctx: Arc<Context>) -> Action {
+pub fn error_policy(_r: Arc<ModelResidency>, error: &Error, ctx: Arc<Context>) -> Action {
     tracing::warn!(error = %error, reason = error.metric_label(), "reconcile failed");
+    ctx.metrics.reconcile_error(error.metric_label());
     match error {
         Error::Kube(kube::Error::Api(s)) if s.code == 409 => {
             Action::requeue(Duration::from_millis(200))
@@ -220,21 +234,29 @@ pub fn error_policy(_r: Arc<ModelResidency>, error: &Error, _ctx: Arc<Context>) 
 }
 
 /// Runs the controller for `namespace` (all namespaces when `None`) until
-/// `shutdown` completes.
+/// `shutdown` completes. `synced` is set once the first watch list is in.
 pub async fn run(
     ctx: Arc<Context>,
-    namespace: Option<&str>,
+    namespace: Option<String>,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+    synced: Arc<std::sync::atomic::AtomicBool>,
 ) {
     let client = ctx.client.clone();
-    let (residencies, pods): (Api<ModelResidency>, Api<Pod>) = match namespace {
+    let (residencies, pods): (Api<ModelResidency>, Api<Pod>) = match namespace.as_deref() {
         Some(ns) => (
             Api::namespaced(client.clone(), ns),
             Api::namespaced(client, ns),
         ),
         None => (Api::all(client.clone()), Api::all(client)),
     };
-    Controller::new(residencies, watcher::Config::default())
+    let controller = Controller::new(residencies, watcher::Config::default());
+    let store = controller.store();
+    let sync = tokio::spawn(async move {
+        if store.wait_until_ready().await.is_ok() {
+            synced.store(true, Ordering::Relaxed);
+        }
+    });
+    controller
         .owns(pods, watcher::Config::default().labels(RESIDENCY_LABEL))
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
@@ -244,4 +266,69 @@ pub async fn run(
             }
         })
         .await;
+    sync.abort();
+}
+
+/// A term of leadership: dropping it (stepping down, or the whole task being
+/// cancelled) aborts the controller at once, rather than draining it, and
+/// clears the `leading` flag.
+struct Term {
+    controller: tokio::task::JoinHandle<()>,
+    leading: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Drop for Term {
+    fn drop(&mut self) {
+        self.controller.abort();
+        self.leading.store(false, Ordering::SeqCst);
+    }
+}
+
+/// Runs the controller only while this replica holds the lease, standing by
+/// otherwise, until `stop` turns true. `leading` tells who leads right now.
+pub async fn run_elected(
+    ctx: Arc<Context>,
+    namespace: Option<String>,
+    elector: crate::lease::LeaderElector,
+    stop: tokio::sync::watch::Receiver<bool>,
+    synced: Arc<std::sync::atomic::AtomicBool>,
+    leading: Arc<std::sync::atomic::AtomicBool>,
+) {
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let identity = elector.config().identity.clone();
+    loop {
+        tracing::info!(identity, "waiting for leadership");
+        tokio::select! {
+            _ = elector.acquire() => {}
+            _ = stopped(stop.clone()) => return,
+        }
+        tracing::info!(identity, "leading");
+        let (lead_tx, lead_rx) = tokio::sync::watch::channel(false);
+        let mut term = Term {
+            controller: tokio::spawn(run(
+                ctx.clone(),
+                namespace.clone(),
+                stopped(lead_rx),
+                synced.clone(),
+            )),
+            leading: leading.clone(),
+        };
+        leading.store(true, Ordering::SeqCst);
+        let shutting_down = tokio::select! {
+            _ = elector.hold() => false,
+            _ = stopped(stop.clone()) => true,
+            _ = &mut term.controller => false,
+        };
+        let _ = lead_tx.send(true);
+        drop(term);
+        if shutting_down {
+            if let Err(e) = elector.release().await {
+                tracing::warn!(error = %e, "could not release the lease");
+            }
+            return;
+        }
+        tracing::warn!(identity, "lost leadership; standing by");
+    }
 }

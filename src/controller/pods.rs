@@ -40,6 +40,8 @@ pub struct ModelPod {
     pub deleting: bool,
     /// Why a finished pod stopped.
     pub failure: Option<String>,
+    /// `creationTimestamp`, to time loads.
+    pub created: Option<String>,
 }
 
 impl ModelPod {
@@ -83,6 +85,7 @@ impl ModelPod {
             ready_since: if finished { None } else { ready_since },
             deleting: meta.deletion_timestamp.is_some(),
             failure,
+            created: meta.creation_timestamp.as_ref().map(|t| t.0.to_string()),
         })
     }
 }

@@ -408,6 +408,24 @@ impl ControlPlane {
         client_from(&self.kubeconfig).await
     }
 
+    /// A client that impersonates `user` in `groups` (the admin may), to
+    /// run code with exactly a ServiceAccount's permissions.
+    pub async fn client_as(
+        &self,
+        user: &str,
+        groups: &[&str],
+    ) -> Result<kube::Client, ControlPlaneError> {
+        let kc = Kubeconfig::read_from(&self.kubeconfig)
+            .map_err(|e| ControlPlaneError::Config(e.to_string()))?;
+        let mut config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+            .await
+            .map_err(|e| ControlPlaneError::Config(e.to_string()))?;
+        config.auth_info.impersonate = Some(user.to_owned());
+        config.auth_info.impersonate_groups =
+            Some(groups.iter().map(|g| (*g).to_owned()).collect());
+        Ok(kube::Client::try_from(config)?)
+    }
+
     /// The kubeconfig file, for kubectl (`KUBECONFIG=...`).
     pub fn kubeconfig(&self) -> &Path {
         &self.kubeconfig

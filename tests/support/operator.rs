@@ -66,9 +66,14 @@ impl Harness {
         let task = tokio::spawn({
             let ctx = ctx.clone();
             async move {
-                controller::run(ctx, Some(&ns), async {
-                    let _ = stopped.await;
-                })
+                controller::run(
+                    ctx,
+                    Some(ns),
+                    async {
+                        let _ = stopped.await;
+                    },
+                    Arc::default(),
+                )
                 .await
             }
         });
