@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS=${CARGO_BUILD_JOBS:-2}
 MODEL_RESIDENCY_ASSETS=$(bash scripts/control-plane.sh install)
 export MODEL_RESIDENCY_ASSETS
+HELM=$(bash scripts/helm.sh)
+export HELM
 command -v kubectl >/dev/null || echo "note: kubectl not found; the demo prints its own views only" >&2
 echo "[demo] building model-residency (release)..." >&2
 cargo build --release --locked --quiet

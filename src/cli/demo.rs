@@ -2,10 +2,13 @@
 //! about half a minute, explaining itself as it goes.
 //!
 //! Starts a real kube-apiserver + etcd + garbage collector, installs the
-//! CRD, starts the controller and a kubelet stand-in for one fake GPU node,
-//! applies `examples/seed-registry.yaml` (the seed's models on a 16000Mi
-//! GPU) and drives demand: loads, a hit, LRU evictions, an oversized model
-//! refused, an unload. Everything it started is stopped at the end.
+//! CRD and the chart's RBAC, runs `model-residency run --leader-elect` as a
+//! separate process with the chart's ServiceAccount permissions, plays the
+//! kubelet for one fake GPU node, applies `examples/seed-registry.yaml` (the
+//! seed's models on a 16000Mi GPU) and drives demand: loads, a hit, LRU
+//! evictions, an oversized model refused, an unload. It ends with events,
+//! pods, counters and the operator's metrics, and stops everything it
+//! started.
 
 use super::Failure;
 use super::demand::render_status;
@@ -15,7 +18,6 @@ use k8s_openapi::jiff::Timestamp;
 use kube::CustomResourceExt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use model_residency::api::{ModelResidency, ModelState};
-use model_residency::controller::{self, Context};
 use model_residency::demand;
 use model_residency::local::control_plane::ControlPlane;
 use model_residency::local::kubelet::{FakeKubelet, FakeNode, KubeletConfig};
@@ -73,7 +75,7 @@ pub fn run(args: Args) -> Result<(), Failure> {
     drop(plane);
     if result.is_ok() {
         say(&format!(
-            "Done in {:.0} s. The control plane, the controller and the stand-in kubelet are stopped and their files removed.",
+            "Done in {:.0} s. The control plane, the operator and the stand-in kubelet are stopped and their files removed.",
             started.elapsed().as_secs_f64()
         ));
     }
@@ -148,17 +150,7 @@ async fn story(
     .await
     .map_err(fail("register the node"))?;
 
-    say("Starting the controller (model-residency run)");
-    let ctx = Context::new(client.clone());
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let controller = tokio::spawn(controller::run(
-        ctx,
-        None,
-        async {
-            let _ = stopped.await;
-        },
-        Default::default(),
-    ));
+    let operator = start_operator(plane)?;
 
     let namespaces: Api<Namespace> = Api::all(client.clone());
     let ns: Namespace =
@@ -288,9 +280,191 @@ async fn story(
         r.spec.budget.0,
         s.peak.as_deref().unwrap_or("0"),
     );
-    let _ = stop.send(());
-    let _ = tokio::time::timeout(Duration::from_secs(5), controller).await;
+    say(&format!(
+        "The operator's metrics (curl http://{}/metrics | grep seed-gpu)",
+        operator.addr
+    ));
+    for line in http_get(&operator.addr, "/metrics")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("residency=\"seed-gpu\""))
+    {
+        println!("   {line}");
+    }
+    operator.stop();
     Ok(())
+}
+
+/// The operator as a separate process, with only the chart's RBAC.
+struct Operator {
+    child: std::process::Child,
+    addr: String,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Operator {
+    fn stop(mut self) {
+        say("Stopping the operator with SIGTERM (a Deployment's pod shutdown)");
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let status = self.child.wait();
+        println!(
+            "   exited: {}; its last log line: {}",
+            status
+                .map(|s| s.to_string())
+                .unwrap_or_else(|e| e.to_string()),
+            std::fs::read_to_string(&self.log)
+                .unwrap_or_default()
+                .lines()
+                .last()
+                .unwrap_or("")
+        );
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const OPERATOR_NS: &str = "model-residency-system";
+
+fn http_get(addr: &str, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nhost: localhost\r\n\r\n").ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+/// Renders the chart's RBAC with helm, applies it, and runs
+/// `model-residency run --leader-elect` as the chart's ServiceAccount.
+fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
+    let helm = std::env::var("HELM").ok().or_else(|| {
+        Command::new("bash")
+            .arg("scripts/helm.sh")
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .map(|s| s.trim().to_owned())
+    });
+    let dir = tempfile::tempdir().map_err(|e| Failure::bad_input(e.to_string()))?;
+    let kc = plane.kubeconfig();
+    let Some(helm) = helm else {
+        return Err(Failure {
+            message: "helm is needed to render the chart's RBAC: run `bash scripts/helm.sh` (or set HELM)".into(),
+            code: 1,
+        });
+    };
+    say(
+        "Installing the chart's ServiceAccount and RBAC (helm template charts/model-residency | kubectl apply)",
+    );
+    let rendered = Command::new(&helm)
+        .args([
+            "template",
+            "model-residency",
+            "charts/model-residency",
+            "--namespace",
+            OPERATOR_NS,
+        ])
+        .output()
+        .map_err(|e| Failure::bad_input(format!("helm: {e}")))?;
+    if !rendered.status.success() {
+        return Err(Failure::bad_input(format!(
+            "helm template: {}",
+            String::from_utf8_lossy(&rendered.stderr)
+        )));
+    }
+    let rbac_kinds = [
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
+    ];
+    let rbac: Vec<&str> = std::str::from_utf8(&rendered.stdout)
+        .unwrap_or_default()
+        .split("\n---")
+        .filter(|doc| {
+            doc.lines().any(|l| {
+                rbac_kinds
+                    .iter()
+                    .any(|k| l.strip_prefix("kind: ") == Some(*k))
+            })
+        })
+        .collect();
+    let rbac_file = dir.path().join("rbac.yaml");
+    std::fs::write(&rbac_file, rbac.join("\n---"))
+        .map_err(|e| Failure::bad_input(e.to_string()))?;
+    kubectl(kc, &["create", "namespace", OPERATOR_NS]);
+    kubectl(kc, &["apply", "-f", rbac_file.to_str().unwrap_or_default()]);
+
+    say("Starting the operator: model-residency run --leader-elect, as the chart's ServiceAccount");
+    let sa = format!("system:serviceaccount:{OPERATOR_NS}:model-residency");
+    let sa_groups = [
+        "system:serviceaccounts",
+        "system:serviceaccounts:model-residency-system",
+        "system:authenticated",
+    ];
+    let sa_kubeconfig = dir.path().join("operator.kubeconfig");
+    plane
+        .write_kubeconfig_as(&sa_kubeconfig, &sa, &sa_groups)
+        .map_err(|e| Failure::bad_input(e.to_string()))?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| Failure::bad_input(e.to_string()))?;
+    let addr = format!("127.0.0.1:{port}");
+    let log = dir.path().join("operator.log");
+    let log_file = std::fs::File::create(&log).map_err(|e| Failure::bad_input(e.to_string()))?;
+    let exe = std::env::current_exe().map_err(|e| Failure::bad_input(e.to_string()))?;
+    let child = Command::new(exe)
+        .env("KUBECONFIG", &sa_kubeconfig)
+        .env("POD_NAME", "model-residency-demo")
+        .args([
+            "run",
+            "--leader-elect",
+            "--lease-namespace",
+            OPERATOR_NS,
+            "--http-addr",
+            &addr,
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(log_file)
+        .spawn()
+        .map_err(|e| Failure::bad_input(format!("start the operator: {e}")))?;
+    let operator = Operator {
+        child,
+        addr: addr.clone(),
+        log,
+        _dir: dir,
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if http_get(&addr, "/readyz").is_some_and(|r| r.starts_with("HTTP/1.1 200")) {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err(Failure {
+                message: format!(
+                    "the operator did not become ready; its log:\n{}",
+                    std::fs::read_to_string(&operator.log).unwrap_or_default()
+                ),
+                code: 1,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    println!("   ready: http://{addr}/readyz answers 200");
+    Ok(operator)
 }
 
 async fn wait_for_crd(plane: &ControlPlane) -> Result<(), Failure> {

@@ -252,8 +252,19 @@ pub async fn run(
     let controller = Controller::new(residencies, watcher::Config::default());
     let store = controller.store();
     let sync = tokio::spawn(async move {
-        if store.wait_until_ready().await.is_ok() {
-            synced.store(true, Ordering::Relaxed);
+        // The store's readiness wakes only its latest waiter (the
+        // controller's own), so poll again now and then instead of waiting.
+        loop {
+            let attempt =
+                tokio::time::timeout(Duration::from_millis(200), store.wait_until_ready()).await;
+            match attempt {
+                Ok(Ok(())) => {
+                    synced.store(true, Ordering::Relaxed);
+                    return;
+                }
+                Ok(Err(_)) => return,
+                Err(_) => {}
+            }
         }
     });
     controller

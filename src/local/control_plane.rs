@@ -426,6 +426,28 @@ impl ControlPlane {
         Ok(kube::Client::try_from(config)?)
     }
 
+    /// Writes a kubeconfig that acts as `user` in `groups` (impersonation by
+    /// the admin), e.g. to run `model-residency run` with exactly a
+    /// ServiceAccount's permissions.
+    pub fn write_kubeconfig_as(
+        &self,
+        path: &Path,
+        user: &str,
+        groups: &[&str],
+    ) -> std::io::Result<()> {
+        write_kubeconfig(path, self.apiserver_port)?;
+        let mut text = fs::read_to_string(path)?;
+        let groups: Vec<String> = groups.iter().map(|g| format!("\"{g}\"")).collect();
+        text = text.replace(
+            &format!("    token: {ADMIN_TOKEN}\n"),
+            &format!(
+                "    token: {ADMIN_TOKEN}\n    as: \"{user}\"\n    as-groups: [{}]\n",
+                groups.join(", ")
+            ),
+        );
+        fs::write(path, text)
+    }
+
     /// The kubeconfig file, for kubectl (`KUBECONFIG=...`).
     pub fn kubeconfig(&self) -> &Path {
         &self.kubeconfig

@@ -1,0 +1,157 @@
+//! `model-residency run` as a process, the way a Deployment runs it: it
+//! refuses to start without the CRD (saying how to install it), serves
+//! /healthz, /readyz and /metrics, reconciles, and exits cleanly on SIGTERM.
+//! One test, in order, because "no CRD yet" must come first.
+
+mod support;
+
+use kube::api::{Api, PostParams};
+use model_residency::api::{ModelResidency, ModelState};
+use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
+use serde_json::json;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+use support::cluster::{eventually, test_env};
+
+fn http_get(port: u16, path: &str) -> Option<String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nhost: localhost\r\n\r\n").ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_checks_serves_reconciles_and_stops_on_sigterm() {
+    let Some(env) = test_env("process").await else {
+        return;
+    };
+    let bin = env!("CARGO_BIN_EXE_model-residency");
+
+    // 1. Without the CRD: exit 1 with the fix.
+    let out = Command::new(bin)
+        .env("KUBECONFIG", env.plane.kubeconfig())
+        .args(["run", "--http-addr", &format!("127.0.0.1:{}", free_port())])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("CRD is not installed")
+            && err.contains("model-residency crd | kubectl apply -f -"),
+        "{err}"
+    );
+
+    // 2. With it: endpoints, readiness after the first sync, reconciling.
+    env.install_crds();
+    let port = free_port();
+    let mut child = Command::new(bin)
+        .env("KUBECONFIG", env.plane.kubeconfig())
+        .args(["run", "--namespace", &env.namespace, "--log-format", "json"])
+        .args(["--http-addr", &format!("127.0.0.1:{port}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ready = eventually(20, "/readyz to answer 200", || async {
+        http_get(port, "/readyz").filter(|r| r.starts_with("HTTP/1.1 200"))
+    })
+    .await;
+    assert!(ready.ends_with("ok\n"));
+    assert!(
+        http_get(port, "/healthz")
+            .unwrap()
+            .starts_with("HTTP/1.1 200")
+    );
+
+    let node = env.node("gpu");
+    let _kubelet = FakeKubelet::start(env.client.clone(), KubeletConfig::instant(&[&node]))
+        .await
+        .unwrap();
+    let api: Api<ModelResidency> = Api::namespaced(env.client.clone(), &env.namespace);
+    let r: ModelResidency = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": "gpu"},
+        "spec": {"nodeName": node, "device": "0", "budget": "8Gi",
+                 "models": [{"name": "a", "size": "6Gi",
+                             "template": {"spec": {"containers": [{"name": "s", "image": "i"}]}}}]},
+    }))
+    .unwrap();
+    api.create(&PostParams::default(), &r).await.unwrap();
+    model_residency::demand::load(&api, "gpu", "a", k8s_openapi::jiff::Timestamp::now())
+        .await
+        .unwrap();
+    eventually(30, "a to load", || async {
+        let r = api.get("gpu").await.unwrap();
+        let s = r.status?;
+        (s.models.iter().find(|m| m.name == "a")?.state == ModelState::Loaded).then_some(())
+    })
+    .await;
+    let metrics = eventually(10, "metrics for the residency", || async {
+        http_get(port, "/metrics").filter(|m| m.contains("model_residency_loads_total{"))
+    })
+    .await;
+    let labels = format!(r#"{{namespace="{}",residency="gpu"}}"#, env.namespace);
+    for want in [
+        format!("model_residency_budget_bytes{labels} {}", 8u64 << 30),
+        format!("model_residency_used_bytes{labels} {}", 6u64 << 30),
+        format!("model_residency_resident_models{labels} 1"),
+        format!("model_residency_loads_total{labels} 1"),
+        "model_residency_reconcile_duration_seconds_count".to_owned(),
+        "model_residency_model_load_duration_seconds_count 1".to_owned(),
+    ] {
+        assert!(metrics.contains(&want), "{want} missing in:\n{metrics}");
+    }
+    assert!(http_get(port, "/metrics").is_some());
+    let post = {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(s, "POST /metrics HTTP/1.1\r\nhost: x\r\n\r\n").unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    };
+    assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+
+    // 3. SIGTERM: a clean exit.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let status = tokio::task::spawn_blocking(move || {
+        for _ in 0..100 {
+            if let Some(s) = child.try_wait().unwrap() {
+                let mut err = String::new();
+                child
+                    .stderr
+                    .take()
+                    .unwrap()
+                    .read_to_string(&mut err)
+                    .unwrap();
+                return (s, err);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = child.kill();
+        panic!("no exit within 10 s of SIGTERM");
+    })
+    .await
+    .unwrap();
+    assert!(status.0.success(), "exit status {:?}", status.0);
+    // JSON logs, one object per line.
+    let first = status.1.lines().next().unwrap_or_default();
+    assert!(
+        serde_json::from_str::<serde_json::Value>(first).is_ok(),
+        "not JSON: {first}"
+    );
+    assert!(status.1.contains("shutting down"));
+}
