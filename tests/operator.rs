@@ -481,7 +481,7 @@ async fn a_random_demand_storm_never_exceeds_the_budget() {
     };
     for _ in 0..80 {
         let m = models[(next() % models.len() as u64) as usize].0;
-        if next() % 5 == 0 {
+        if next().is_multiple_of(5) {
             model_residency::demand::unload(&h.api, "gpu", m)
                 .await
                 .unwrap();

@@ -108,8 +108,23 @@ async fn invalid_objects_are_rejected_at_admission() {
         ("budget as bool", object("true", "1Gi"), "spec.budget"),
         ("empty device", object("1Gi", "1").replace("device: \"0\"", "device: \"\""), "spec.device"),
         ("demand for bad name", object("16Gi", "1Gi") + "  demand:\n  - {model: \"\", lastRequested: \"2026-11-30T03:00:00Z\"}\n", "spec.demand.model"),
+        ("missing nodeName", object("16Gi", "1Gi").replace("  nodeName: node-a\n", ""), "nodeName"),
+        ("empty nodeName", object("16Gi", "1Gi").replace("nodeName: node-a", "nodeName: \"\""), "spec.nodeName"),
+        ("model name too long", VALID.replace("{name: a,", &format!("{{name: {},", "a".repeat(64))).replace("BUDGET", "1Gi").replace("SIZE", "1"), "spec.models.name"),
+        ("pinned not a bool", VALID.replace("{name: a, size: SIZE}", "{name: a, size: SIZE, pinned: maybe}").replace("BUDGET", "1Gi").replace("SIZE", "1"), "pinned"),
+        ("models not a list", "apiVersion: residency.dev/v1alpha1\nkind: ModelResidency\nmetadata: {name: gpu}\nspec: {nodeName: n, device: \"0\", budget: 1Gi, models: {name: a}}\n".into(), "models"),
+        ("demand without lastRequested", object("16Gi", "1Gi") + "  demand:\n  - {model: a}\n", "lastRequested"),
+        ("duplicate demand", object("16Gi", "1Gi") + "  demand:\n  - {model: a, lastRequested: \"2026-11-30T03:00:00Z\"}\n  - {model: a, lastRequested: \"2026-11-30T04:00:00Z\"}\n", "Duplicate value"),
+        ("milli-bytes budget", object("1500m", "1"), "spec.budget"),
+        ("size with a space", object("16Gi", "10 Gi"), "spec.models.size"),
+        ("template not an object", VALID.replace("{name: b, size: 1Gi}", "{name: b, size: 1Gi, template: oops}").replace("BUDGET", "1Gi").replace("SIZE", "1"), "template"),
+        ("demand model too long", object("16Gi", "1Gi") + &format!("  demand:\n  - {{model: {}, lastRequested: \"2026-11-30T03:00:00Z\"}}\n", "m".repeat(64)), "spec.demand.model"),
         ("bad demand time", object("16Gi", "1Gi") + "  demand:\n  - {model: a, lastRequested: yesterday}\n", "lastRequested"),
     ];
+    assert!(
+        cases.len() >= 25,
+        "the table should cover at least 25 cases"
+    );
     let mut failures = Vec::new();
     for (what, yaml, want) in &cases {
         let out = apply(&env, yaml);

@@ -236,6 +236,8 @@ impl<'a> Decider<'a> {
             .filter(|m| m.state.is_resident())
             .and_then(|m| m.size.as_deref())
             .and_then(|s| parse_bytes(s).ok())
+            // A hand-edited status may say anything; zero is no size.
+            .filter(|&s| s > 0)
     }
 
     /// Rebuilds the engine as the previous status left it. Returns the

@@ -195,7 +195,13 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
     let ns = r.namespace().ok_or(Error::Incomplete("namespace"))?;
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
     let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), &ns);
-    let owned = fetch_pods(&pods, &r).await?;
+    // A name that cannot be a label value cannot select pods either; decide
+    // reports it as InvalidSpec and touches no pods.
+    let owned = if r.name_any().len() <= 63 {
+        fetch_pods(&pods, &r).await?
+    } else {
+        Vec::new()
+    };
     let owner = r
         .controller_owner_ref(&())
         .ok_or(Error::Incomplete("uid"))?;

@@ -229,7 +229,7 @@ impl Drop for BudgetWatcher {
 }
 
 impl BudgetWatcher {
-    fn start(pods: Api<Pod>, budgets: BTreeMap<String, u64>) -> Self {
+    pub fn start(pods: Api<Pod>, budgets: BTreeMap<String, u64>) -> Self {
         let violations: Arc<Mutex<Vec<String>>> = Arc::default();
         let events: Arc<Mutex<u64>> = Arc::default();
         let (v, e) = (violations.clone(), events.clone());

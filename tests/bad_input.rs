@@ -1,0 +1,202 @@
+//! Objects the schema admits but that cannot be served as asked: each one
+//! becomes a status condition (and no crash, no lost data, nothing over
+//! budget), through the real operator.
+
+mod support;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::api::{Patch, PatchParams, PostParams};
+use model_residency::api::{ModelResidency, ModelState};
+use serde_json::json;
+use support::cluster::eventually;
+use support::operator::Harness;
+
+fn condition(r: &ModelResidency, type_: &str) -> Condition {
+    r.status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == type_))
+        .cloned()
+        .unwrap_or_else(|| panic!("no {type_} condition in {:?}", r.status))
+}
+
+fn state(r: &ModelResidency, model: &str) -> (ModelState, Option<String>) {
+    let m = r
+        .status
+        .as_ref()
+        .and_then(|s| s.models.iter().find(|m| m.name == model))
+        .unwrap_or_else(|| panic!("no status for {model}"));
+    (m.state, m.reason.clone())
+}
+
+#[tokio::test]
+async fn pinned_models_that_exceed_the_budget_are_refused() {
+    let Some(h) = Harness::start("bad-pinned").await else {
+        return;
+    };
+    h.create(
+        "gpu",
+        "10Gi",
+        &[
+            ("p1", "6Gi", true),
+            ("p2", "6Gi", true),
+            ("huge", "11Gi", true),
+        ],
+    )
+    .await;
+    h.request("gpu", "p1").await;
+    let r = h.request("gpu", "p2").await;
+    assert_eq!(
+        state(&r, "p2"),
+        (ModelState::Refused, Some("NoEvictableRoom".into()))
+    );
+    let r = h.request("gpu", "huge").await;
+    assert_eq!(
+        state(&r, "huge"),
+        (ModelState::Refused, Some("LargerThanBudget".into()))
+    );
+    assert_eq!(state(&r, "p1").0, ModelState::Loaded);
+    let c = condition(&r, "Refused");
+    assert!(
+        c.message.contains("pinned models hold 6Gi"),
+        "{}",
+        c.message
+    );
+}
+
+#[tokio::test]
+async fn a_node_that_does_not_exist_leaves_the_model_loading_and_not_ready() {
+    let Some(h) = Harness::start("bad-node").await else {
+        return;
+    };
+    let mut r = h.create("gpu", "10Gi", &[("a", "1Gi", false)]).await;
+    r.spec.node_name = "no-such-node".into();
+    h.api
+        .patch(
+            "gpu",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"nodeName": "no-such-node"}})),
+        )
+        .await
+        .unwrap();
+    h.request_nowait("gpu", "a").await;
+    let r = eventually(30, "a to be Loading", || async {
+        let r = h.api.get("gpu").await.unwrap();
+        let s = r.status.as_ref()?;
+        (s.models
+            .iter()
+            .any(|m| m.name == "a" && m.state == ModelState::Loading))
+        .then_some(r)
+    })
+    .await;
+    let ready = condition(&r, "Ready");
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("False", "ModelsNotReady")
+    );
+    assert!(ready.message.contains("waiting for a"), "{}", ready.message);
+}
+
+#[tokio::test]
+async fn a_template_without_containers_fails_the_load_and_degrades() {
+    let Some(h) = Harness::start("bad-template").await else {
+        return;
+    };
+    h.create("gpu", "10Gi", &[("a", "1Gi", false)]).await;
+    h.api
+        .patch(
+            "gpu",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"models": [
+            {"name": "a", "size": "1Gi", "template": {"spec": {"containers": []}}}]}})),
+        )
+        .await
+        .unwrap();
+    h.request_nowait("gpu", "a").await;
+    let r = eventually(30, "a to fail", || async {
+        let r = h.api.get("gpu").await.unwrap();
+        (r.status
+            .as_ref()?
+            .models
+            .iter()
+            .any(|m| m.name == "a" && m.state == ModelState::Failed))
+        .then_some(r)
+    })
+    .await;
+    assert_eq!(state(&r, "a").1.as_deref(), Some("InvalidTemplate"));
+    let degraded = condition(&r, "Degraded");
+    assert_eq!(degraded.status, "True");
+    assert!(
+        degraded.message.contains("no containers"),
+        "{}",
+        degraded.message
+    );
+    assert!(h.pods_of("gpu").await.0.is_empty());
+}
+
+#[tokio::test]
+async fn a_one_byte_budget_refuses_everything() {
+    let Some(h) = Harness::start("bad-budget").await else {
+        return;
+    };
+    h.create("gpu", "1", &[("a", "1Gi", false)]).await;
+    let r = h.request("gpu", "a").await;
+    assert_eq!(
+        state(&r, "a"),
+        (ModelState::Refused, Some("LargerThanBudget".into()))
+    );
+    assert!(condition(&r, "Refused").message.contains("budget is 1"));
+}
+
+#[tokio::test]
+async fn a_name_too_long_for_labels_is_an_invalid_spec() {
+    let Some(h) = Harness::start("bad-name").await else {
+        return;
+    };
+    let name = "g".repeat(70);
+    let r: ModelResidency = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": name},
+        "spec": {"nodeName": h.node, "device": "0", "budget": "1Gi", "models": [{"name": "a", "size": "1"}]},
+    }))
+    .unwrap();
+    h.api.create(&PostParams::default(), &r).await.unwrap();
+    let r = eventually(30, "an InvalidSpec condition", || async {
+        let r = h.api.get(&name).await.unwrap();
+        r.status.is_some().then_some(r)
+    })
+    .await;
+    let ready = condition(&r, "Ready");
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("False", "InvalidSpec")
+    );
+    assert!(
+        ready.message.contains("longer than 63"),
+        "{}",
+        ready.message
+    );
+}
+
+#[tokio::test]
+async fn ten_thousand_models() {
+    let Some(h) = Harness::start("bad-many").await else {
+        return;
+    };
+    let models: Vec<_> = (0..10_000)
+        .map(|i| json!({"name": format!("m{i}"), "size": "1Gi"}))
+        .chain(std::iter::once(json!({"name": "served", "size": "1Gi",
+            "template": {"spec": {"containers": [{"name": "s", "image": "i"}]}}})))
+        .collect();
+    let r: ModelResidency = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": "gpu"},
+        "spec": {"nodeName": h.node, "device": "0", "budget": "80Gi", "models": models},
+    }))
+    .unwrap();
+    h.api.create(&PostParams::default(), &r).await.unwrap();
+    let r = h.request("gpu", "served").await;
+    let s = r.status.as_ref().unwrap();
+    assert_eq!(s.models.len(), 10_001);
+    assert_eq!(state(&r, "served").0, ModelState::Loaded);
+    assert_eq!(condition(&r, "Ready").status, "True");
+}

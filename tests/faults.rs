@@ -1,0 +1,390 @@
+//! Faults under load: the API server killed and restarted, the operator
+//! killed and replaced, and writers racing the reconciler. Each scenario
+//! runs its own control plane (the API server restart needs one of its own),
+//! an independent budget watcher, and checks that nothing was lost.
+
+mod support;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use model_residency::api::{ModelResidency, ModelState};
+use model_residency::controller::{self, Context};
+use model_residency::demand;
+use model_residency::engine::Engine;
+use model_residency::local::control_plane::ControlPlane;
+use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
+use serde_json::json;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+const NS: &str = "faults";
+const GI: u64 = 1 << 30;
+/// (name, size in GiB); budget 12 GiB.
+const MODELS: &[(&str, u64)] = &[
+    ("m1", 3),
+    ("m2", 5),
+    ("m3", 2),
+    ("m4", 7),
+    ("m5", 4),
+    ("m6", 1),
+];
+const BUDGET_GI: u64 = 12;
+
+/// A control plane of the test's own, or `None` to skip (never under CI).
+fn own_plane() -> Option<ControlPlane> {
+    match ControlPlane::start() {
+        Ok(p) => Some(p),
+        Err(e) if std::env::var("CI").is_ok_and(|v| v == "true") => {
+            panic!("CI=true and the control plane could not start: {e}")
+        }
+        Err(e) => {
+            eprintln!("\n!!! SKIPPING: no control plane: {e}\n");
+            None
+        }
+    }
+}
+
+struct Rig {
+    client: kube::Client,
+    api: Api<ModelResidency>,
+    pods: Api<Pod>,
+    _kubelet: FakeKubelet,
+}
+
+async fn rig(plane: &ControlPlane) -> Rig {
+    let client = plane.client().await.unwrap();
+    let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
+        Api::all(client.clone());
+    use kube::CustomResourceExt;
+    crds.patch(
+        "modelresidencies.residency.dev",
+        &PatchParams::apply("faults-test").force(),
+        &Patch::Apply(ModelResidency::crd()),
+    )
+    .await
+    .unwrap();
+    let nss: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
+    nss.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({"metadata": {"name": NS}})).unwrap(),
+    )
+    .await
+    .unwrap();
+    let api: Api<ModelResidency> = Api::namespaced(client.clone(), NS);
+    // Discovery of a fresh CRD takes a moment.
+    let models: Vec<_> = MODELS
+        .iter()
+        .map(|(n, s)| {
+            json!({"name": n, "size": format!("{s}Gi"),
+            "template": {"spec": {"containers": [{"name": "s", "image": "i"}]}}})
+        })
+        .collect();
+    let r: ModelResidency = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": "gpu"},
+        "spec": {"nodeName": "node-f", "device": "0", "budget": format!("{BUDGET_GI}Gi"), "models": models},
+    }))
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while let Err(e) = api.create(&PostParams::default(), &r).await {
+        assert!(Instant::now() < deadline, "create the residency: {e}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut cfg = KubeletConfig::instant(&["node-f"]);
+    cfg.load_delay = Duration::from_millis(20);
+    let kubelet = FakeKubelet::start(client.clone(), cfg).await.unwrap();
+    Rig {
+        pods: Api::namespaced(client.clone(), NS),
+        api,
+        client,
+        _kubelet: kubelet,
+    }
+}
+
+fn start_operator(client: kube::Client) -> (Arc<Context>, tokio::task::JoinHandle<()>) {
+    let ctx = Context::new(client);
+    let task = tokio::spawn(controller::run(
+        ctx.clone(),
+        Some(NS.into()),
+        std::future::pending(),
+        Arc::default(),
+    ));
+    (ctx, task)
+}
+
+/// splitmix64, so a failing storm replays the same way.
+fn rng(seed: u64) -> impl FnMut() -> u64 {
+    let mut state = seed;
+    move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+/// Random loads and unloads until `stop`; errors (an API server that is
+/// down) are retried by moving on, as an autoscaler would.
+fn storm(
+    api: Api<ModelResidency>,
+    seed: u64,
+    stop: Arc<AtomicBool>,
+    ok: Arc<AtomicU64>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut next = rng(seed);
+        while !stop.load(Ordering::Relaxed) {
+            let m = MODELS[(next() % MODELS.len() as u64) as usize].0;
+            let result = if next().is_multiple_of(5) {
+                demand::unload(&api, "gpu", m).await.map(|_| ())
+            } else {
+                demand::load(&api, "gpu", m, k8s_openapi::jiff::Timestamp::now()).await
+            };
+            if result.is_ok() {
+                ok.fetch_add(1, Ordering::Relaxed);
+            }
+            tokio::time::sleep(Duration::from_millis(next() % 30)).await;
+        }
+    })
+}
+
+/// Budget watcher (see tests/support/operator.rs): declared sizes of live
+/// pods never above the budget, checked after every pod event.
+fn watch_budget(pods: Api<Pod>) -> support::operator::BudgetWatcher {
+    support::operator::BudgetWatcher::start(
+        pods,
+        BTreeMap::from([("gpu".to_owned(), BUDGET_GI * GI)]),
+    )
+}
+
+/// Waits for convergence and checks the end state: status matches spec,
+/// every demand entry processed, one live pod per Loaded model and nothing
+/// else, and (with `replay`, when the budget never changed) the engine's
+/// replay of the final demand agrees on the resident set.
+async fn check_converged(rig: &Rig, within: Duration, replay: bool) -> Duration {
+    let t0 = Instant::now();
+    let mut last = String::new();
+    loop {
+        assert!(
+            t0.elapsed() < within,
+            "no convergence within {within:?}; last: {last}"
+        );
+        let r = rig.api.get("gpu").await.unwrap();
+        let pods = rig
+            .pods
+            .list(&ListParams::default().labels("residency.dev/residency=gpu"))
+            .await
+            .unwrap();
+        let live: Vec<String> = pods
+            .items
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) != Some("Failed"))
+            .map(|p| p.metadata.labels.as_ref().unwrap()["residency.dev/model"].clone())
+            .collect();
+        let terminating = pods.items.len() - live.len();
+        let Some(s) = r.status.clone() else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let loaded: BTreeSet<String> = s
+            .models
+            .iter()
+            .filter(|m| m.state == ModelState::Loaded)
+            .map(|m| m.name.clone())
+            .collect();
+        let settled = s.observed_generation == r.metadata.generation
+            && s.models.iter().all(|m| m.state != ModelState::Loading)
+            && terminating == 0
+            && live.iter().cloned().collect::<BTreeSet<_>>() == loaded;
+        last = format!(
+            "generation {:?}, status {:?}, live pods {live:?}",
+            r.metadata.generation, s
+        );
+        if settled {
+            let unique: BTreeSet<&String> = live.iter().collect();
+            assert_eq!(unique.len(), live.len(), "duplicate model pods: {live:?}");
+            // Every demand entry was processed.
+            for d in &r.spec.demand {
+                let st = s
+                    .models
+                    .iter()
+                    .find(|m| m.name == d.model)
+                    .expect("status for demanded model");
+                let seen: k8s_openapi::jiff::Timestamp =
+                    st.last_requested.as_deref().unwrap().parse().unwrap();
+                let want: k8s_openapi::jiff::Timestamp = d.last_requested.parse().unwrap();
+                assert_eq!(seen, want, "demand for {} lost", d.model);
+            }
+            if !replay {
+                return t0.elapsed();
+            }
+            // The engine replaying the final demand, oldest first.
+            let mut engine = Engine::new(BUDGET_GI * GI);
+            for (n, size) in MODELS {
+                engine.register(n, size * GI, false).unwrap();
+            }
+            let mut demand: Vec<_> = r
+                .spec
+                .demand
+                .iter()
+                .map(|d| {
+                    (
+                        d.last_requested
+                            .parse::<k8s_openapi::jiff::Timestamp>()
+                            .unwrap(),
+                        d.model.clone(),
+                    )
+                })
+                .collect();
+            demand.sort();
+            for (_, m) in &demand {
+                engine.request_named(m);
+            }
+            let replay: BTreeSet<String> = engine
+                .residents()
+                .iter()
+                .map(|&id| engine.name(id).to_owned())
+                .collect();
+            assert_eq!(
+                loaded, replay,
+                "resident set differs from the engine's replay of the demand"
+            );
+            return t0.elapsed();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_server_restart_mid_storm() {
+    let Some(plane) = own_plane() else { return };
+    let rig = rig(&plane).await;
+    let watcher = watch_budget(rig.pods.clone());
+    let (ctx, _operator) = start_operator(rig.client.clone());
+    let stop = Arc::new(AtomicBool::new(false));
+    let ok = Arc::new(AtomicU64::new(0));
+    let storm = storm(rig.api.clone(), 7, stop.clone(), ok.clone());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    // kill -9 and start again on the same etcd and port.
+    let (plane, down) = tokio::task::spawn_blocking(move || {
+        let mut plane = plane;
+        let down = plane.restart_apiserver().expect("restart the API server");
+        (plane, down)
+    })
+    .await
+    .unwrap();
+    let before = ctx.writes.reconciles.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::Relaxed);
+    storm.await.unwrap();
+    let converged = check_converged(&rig, Duration::from_secs(60), true).await;
+    assert!(
+        ctx.writes.reconciles.load(Ordering::Relaxed) > before,
+        "the operator never reconnected"
+    );
+    eprintln!(
+        "api server restart: down {:.2} s; {} demand writes succeeded; converged {:.2} s after the storm",
+        down.as_secs_f64(),
+        ok.load(Ordering::Relaxed),
+        converged.as_secs_f64()
+    );
+    assert!(*watcher.events.lock().unwrap() > 10);
+    assert_eq!(
+        watcher.violations.lock().unwrap().clone(),
+        Vec::<String>::new()
+    );
+    drop(plane);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_killed_mid_storm_and_replaced() {
+    let Some(plane) = own_plane() else { return };
+    let rig = rig(&plane).await;
+    let watcher = watch_budget(rig.pods.clone());
+    let (_, first) = start_operator(rig.client.clone());
+    let stop = Arc::new(AtomicBool::new(false));
+    let ok = Arc::new(AtomicU64::new(0));
+    let storm = storm(rig.api.clone(), 11, stop.clone(), ok.clone());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    first.abort(); // no cleanup, as a killed process gets
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let killed_for = Instant::now();
+    let (second, _task) = start_operator(plane.client().await.unwrap());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::Relaxed);
+    storm.await.unwrap();
+    let converged = check_converged(&rig, Duration::from_secs(60), true).await;
+    assert!(second.writes.total() > 0, "the replacement did nothing");
+    eprintln!(
+        "operator kill: replacement running {:.2} s later; converged {:.2} s after the storm ended",
+        (killed_for.elapsed() - converged).as_secs_f64(),
+        converged.as_secs_f64()
+    );
+    assert_eq!(
+        watcher.violations.lock().unwrap().clone(),
+        Vec::<String>::new()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn autoscaler_and_admin_race_the_reconciler() {
+    let Some(plane) = own_plane() else { return };
+    let rig = rig(&plane).await;
+    let (ctx, _operator) = start_operator(rig.client.clone());
+    let stop = Arc::new(AtomicBool::new(false));
+    let ok = Arc::new(AtomicU64::new(0));
+    // Two autoscalers...
+    let a = storm(rig.api.clone(), 21, stop.clone(), ok.clone());
+    let b = storm(rig.api.clone(), 22, stop.clone(), ok.clone());
+    // ...and an admin editing the budget and a model's size (merge patches
+    // of fields no autoscaler writes), also racing the status writes.
+    let admin = {
+        let api = rig.api.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut next = rng(23);
+            let mut edits = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let budget = format!("{}Gi", 9 + next() % 6);
+                let _ = api
+                    .patch(
+                        "gpu",
+                        &PatchParams::default(),
+                        &Patch::Merge(json!({"spec": {"budget": budget}})),
+                    )
+                    .await;
+                edits += 1;
+                tokio::time::sleep(Duration::from_millis(150)).await;
+            }
+            // Leave it as the test expects.
+            api.patch(
+                "gpu",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"budget": format!("{BUDGET_GI}Gi")}})),
+            )
+            .await
+            .unwrap();
+            edits
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    stop.store(true, Ordering::Relaxed);
+    a.await.unwrap();
+    b.await.unwrap();
+    let edits = admin.await.unwrap();
+    check_converged(&rig, Duration::from_secs(60), false).await;
+    let r = rig.api.get("gpu").await.unwrap();
+    let s = r.status.unwrap();
+    assert_eq!(s.budget.as_deref(), Some(format!("{BUDGET_GI}Gi").as_str()));
+    eprintln!(
+        "races: {} demand writes, {edits} budget edits, {} reconciles, {} writes",
+        ok.load(Ordering::Relaxed),
+        ctx.writes.reconciles.load(Ordering::Relaxed),
+        ctx.writes.total()
+    );
+}
