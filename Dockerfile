@@ -11,7 +11,7 @@ ENV CARGO_BUILD_JOBS=2
 # Dependencies first, so source edits reuse the cached layer.
 COPY Cargo.toml Cargo.lock ./
 RUN mkdir -p src benches && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
-    && echo 'fn main() {}' > benches/simulate.rs && echo 'fn main() {}' > benches/control_plane.rs \
+    && for b in simulate control_plane cluster; do echo 'fn main() {}' > benches/$b.rs; done \
     && cargo build --release --locked --bin model-residency \
     && rm -rf src benches
 COPY src ./src

@@ -208,6 +208,30 @@ pub struct Counters {
     pub unloads: u64,
 }
 
+impl From<crate::engine::Counters> for Counters {
+    fn from(c: crate::engine::Counters) -> Self {
+        Counters {
+            hits: c.hits,
+            loads: c.loads,
+            evictions: c.evictions,
+            refusals: c.refusals,
+            unloads: c.unloads,
+        }
+    }
+}
+
+impl From<Counters> for crate::engine::Counters {
+    fn from(c: Counters) -> Self {
+        crate::engine::Counters {
+            hits: c.hits,
+            loads: c.loads,
+            evictions: c.evictions,
+            refusals: c.refusals,
+            unloads: c.unloads,
+        }
+    }
+}
+
 /// A VRAM quantity as written in the spec: a string like `16000Mi`, or an
 /// integer number of bytes. Parsed to bytes by the reconciler.
 #[derive(Serialize, Clone, Debug, PartialEq, Eq)]

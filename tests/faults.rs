@@ -55,16 +55,7 @@ struct Rig {
 
 async fn rig(plane: &ControlPlane) -> Rig {
     let client = plane.client().await.unwrap();
-    let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
-        Api::all(client.clone());
-    use kube::CustomResourceExt;
-    crds.patch(
-        "modelresidencies.residency.dev",
-        &PatchParams::apply("faults-test").force(),
-        &Patch::Apply(ModelResidency::crd()),
-    )
-    .await
-    .unwrap();
+    model_residency::local::install_crd(&client).await.unwrap();
     let nss: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
     nss.create(
         &PostParams::default(),
@@ -73,7 +64,6 @@ async fn rig(plane: &ControlPlane) -> Rig {
     .await
     .unwrap();
     let api: Api<ModelResidency> = Api::namespaced(client.clone(), NS);
-    // Discovery of a fresh CRD takes a moment.
     let models: Vec<_> = MODELS
         .iter()
         .map(|(n, s)| {
@@ -87,11 +77,7 @@ async fn rig(plane: &ControlPlane) -> Rig {
         "spec": {"nodeName": "node-f", "device": "0", "budget": format!("{BUDGET_GI}Gi"), "models": models},
     }))
     .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while let Err(e) = api.create(&PostParams::default(), &r).await {
-        assert!(Instant::now() < deadline, "create the residency: {e}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    api.create(&PostParams::default(), &r).await.unwrap();
     let mut cfg = KubeletConfig::instant(&["node-f"]);
     cfg.load_delay = Duration::from_millis(20);
     let kubelet = FakeKubelet::start(client.clone(), cfg).await.unwrap();

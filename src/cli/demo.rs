@@ -13,14 +13,12 @@
 use super::Failure;
 use super::demand::render_status;
 use k8s_openapi::api::core::v1::Namespace;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::jiff::Timestamp;
-use kube::CustomResourceExt;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, PostParams};
 use model_residency::api::{ModelResidency, ModelState};
 use model_residency::demand;
 use model_residency::local::control_plane::ControlPlane;
-use model_residency::local::kubelet::{FakeKubelet, FakeNode, KubeletConfig};
+use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -121,34 +119,21 @@ async fn story(
     let kc = plane.kubeconfig();
 
     say("Installing the ModelResidency CRD (model-residency crd | kubectl apply -f -)");
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    crds.patch(
-        "modelresidencies.residency.dev",
-        &PatchParams::apply("model-residency-demo").force(),
-        &Patch::Apply(ModelResidency::crd()),
-    )
-    .await
-    .map_err(fail("install the CRD"))?;
-    wait_for_crd(plane).await?;
+    model_residency::local::install_crd(&client)
+        .await
+        .map_err(fail("install the CRD"))?;
 
     let node = residency.spec.node_name.clone();
     say(&format!(
         "Registering fake GPU node {node} with the kubelet stand-in (pods become Ready after {secs_per_gib} s per GiB)"
     ));
-    let _kubelet = FakeKubelet::start(
-        client.clone(),
-        KubeletConfig {
-            nodes: vec![FakeNode {
-                name: node.clone(),
-                gpus: 1,
-            }],
-            load_delay: Duration::from_millis(100),
-            delay_per_gib: Duration::from_secs_f64(secs_per_gib.max(0.0)),
-            terminating_delay: Duration::from_millis(200),
-        },
-    )
-    .await
-    .map_err(fail("register the node"))?;
+    let mut config = KubeletConfig::instant(&[&node]);
+    config.load_delay = Duration::from_millis(100);
+    config.delay_per_gib = Duration::from_secs_f64(secs_per_gib.max(0.0));
+    config.terminating_delay = Duration::from_millis(200);
+    let _kubelet = FakeKubelet::start(client.clone(), config)
+        .await
+        .map_err(fail("register the node"))?;
 
     let operator = start_operator(plane)?;
 
@@ -465,26 +450,6 @@ fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
     }
     println!("   ready: http://{addr}/readyz answers 200");
     Ok(operator)
-}
-
-async fn wait_for_crd(plane: &ControlPlane) -> Result<(), Failure> {
-    let kc = plane.kubeconfig().to_path_buf();
-    for _ in 0..200 {
-        let ok = Command::new("kubectl")
-            .env("KUBECONFIG", &kc)
-            .args(["get", "mres", "-A"])
-            .output()
-            .map(|o| o.status.success())
-            .unwrap_or(true);
-        if ok {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    Err(Failure {
-        message: "the CRD never became served".into(),
-        code: 1,
-    })
 }
 
 /// Waits until the status reflects the spec and nothing is loading.

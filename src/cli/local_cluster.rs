@@ -4,7 +4,7 @@
 
 use super::Failure;
 use model_residency::local::control_plane::ControlPlane;
-use model_residency::local::kubelet::{FakeKubelet, FakeNode, KubeletConfig};
+use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
 use std::time::Duration;
 
 #[derive(clap::Args, Debug)]
@@ -31,19 +31,11 @@ pub fn run(args: Args) -> Result<(), Failure> {
             message: e.to_string(),
             code: 1,
         })?;
-        let config = KubeletConfig {
-            nodes: args
-                .nodes
-                .iter()
-                .map(|n| FakeNode {
-                    name: n.clone(),
-                    gpus: 1,
-                })
-                .collect(),
-            load_delay: Duration::from_millis(200),
-            delay_per_gib: Duration::from_secs_f64(args.load_secs_per_gib.max(0.0)),
-            terminating_delay: Duration::from_millis(200),
-        };
+        let nodes: Vec<&str> = args.nodes.iter().map(String::as_str).collect();
+        let mut config = KubeletConfig::instant(&nodes);
+        config.load_delay = Duration::from_millis(200);
+        config.delay_per_gib = Duration::from_secs_f64(args.load_secs_per_gib.max(0.0));
+        config.terminating_delay = Duration::from_millis(200);
         let _kubelet = FakeKubelet::start(client, config)
             .await
             .map_err(|e| Failure {

@@ -696,13 +696,7 @@ impl<'a> Decider<'a> {
                 .filter(|m| m.state == ModelState::Refused)
                 .count() as u32,
             models,
-            counters: crate::api::Counters {
-                hits: c.hits,
-                loads: c.loads,
-                evictions: c.evictions,
-                refusals: c.refusals,
-                unloads: c.unloads,
-            },
+            counters: c.into(),
             conditions: set.finish(),
         };
         delete.sort();

@@ -16,7 +16,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::watcher;
+use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Resource, ResourceExt};
 use pods::ModelPod;
 use std::sync::Arc;
@@ -25,6 +25,9 @@ use std::time::Duration;
 
 /// The field manager of everything the operator writes.
 pub const MANAGER: &str = "model-residency";
+
+/// Reconciles running at once.
+const RECONCILE_CONCURRENCY: u16 = 8;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -47,16 +50,26 @@ impl Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Counts of the API calls that change something, for tests and metrics.
+/// Counts of the reconciler's API calls (watches aside), for tests and
+/// benchmarks: every call site below increments one of these.
 #[derive(Debug, Default)]
 pub struct Writes {
     pub pods_created: AtomicU64,
     pub pods_deleted: AtomicU64,
     pub status_patches: AtomicU64,
+    /// Events created or patched into a series.
+    pub events: AtomicU64,
+    /// Pod list reads (one per reconcile of a well-named residency).
+    pub pod_lists: AtomicU64,
     pub reconciles: AtomicU64,
 }
 
 impl Writes {
+    /// Every API request the reconciler made.
+    pub fn requests(&self) -> u64 {
+        self.total() + self.events.load(Ordering::Relaxed) + self.pod_lists.load(Ordering::Relaxed)
+    }
+
     /// Pod creates, pod deletes and status patches together.
     pub fn total(&self) -> u64 {
         self.pods_created.load(Ordering::Relaxed)
@@ -95,10 +108,11 @@ impl Context {
 }
 
 /// The pods this residency owns (by label, confirmed by owner uid).
-async fn fetch_pods(api: &Api<Pod>, r: &ModelResidency) -> Result<Vec<ModelPod>> {
+async fn fetch_pods(api: &Api<Pod>, r: &ModelResidency, ctx: &Context) -> Result<Vec<ModelPod>> {
     let uid = r.metadata.uid.as_deref().ok_or(Error::Incomplete("uid"))?;
     let lp = ListParams::default().labels(&format!("{RESIDENCY_LABEL}={}", r.name_any()));
     let pods = api.list(&lp).await?;
+    ctx.writes.pod_lists.fetch_add(1, Ordering::Relaxed);
     Ok(pods
         .items
         .iter()
@@ -182,6 +196,7 @@ async fn publish(d: &Decision, r: &ModelResidency, ctx: &Context) {
             action: n.action.into(),
             secondary,
         };
+        ctx.writes.events.fetch_add(1, Ordering::Relaxed);
         if let Err(e) = ctx.recorder.publish(&ev, &reference).await {
             tracing::warn!(error = %e, "could not publish event");
         }
@@ -198,7 +213,7 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
     // A name that cannot be a label value cannot select pods either; decide
     // reports it as InvalidSpec and touches no pods.
     let owned = if r.name_any().len() <= 63 {
-        fetch_pods(&pods, &r).await?
+        fetch_pods(&pods, &r, &ctx).await?
     } else {
         Vec::new()
     };
@@ -255,8 +270,21 @@ pub async fn run(
         ),
         None => (Api::all(client.clone()), Api::all(client)),
     };
-    let controller = Controller::new(residencies, watcher::Config::default());
-    let store = controller.store();
+    // The cache of residencies keeps no managedFields: they are the largest
+    // part of a stored object, and nothing here reads them.
+    let (store, writer) = reflector::store();
+    let residency_events = watcher(residencies, watcher::Config::default())
+        .default_backoff()
+        .modify(|r: &mut ModelResidency| r.managed_fields_mut().clear())
+        .reflect(writer)
+        .touched_objects();
+    // At most this many reconciles at once: each holds an API connection
+    // (TLS and HTTP buffers, pooled afterwards), so an unbounded burst at
+    // start-up over thousands of residencies costs memory and floods the
+    // API server for no gain.
+    let controller = Controller::for_stream(residency_events, store.clone()).with_config(
+        kube::runtime::controller::Config::default().concurrency(RECONCILE_CONCURRENCY),
+    );
     let sync = tokio::spawn(async move {
         // The store's readiness wakes only its latest waiter (the
         // controller's own), so poll again now and then instead of waiting.

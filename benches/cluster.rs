@@ -1,0 +1,468 @@
+//! The operator against the local control plane: latency, scale, memory.
+//!
+//! Run: `cargo bench --bench cluster -- <latency|scale|memory> [options]`
+//! (needs `bash scripts/control-plane.sh` once). Prints its figures; the
+//! ones in docs/performance.md came from these commands.
+//!
+//! - `latency [--samples N]`: apply-to-status (a demand patch until the
+//!   status shows it processed, seen through a watch) against the floor
+//!   measured in the same run (a ConfigMap annotation patch until a watch
+//!   sees it); p50, p99 and their ratios.
+//! - `scale [--counts 10,100,1000] [--models 20] [--nodes 100] [--steady S]`:
+//!   N residencies on fake nodes, a demand storm, time to converge, API
+//!   requests per reconcile, 409s, writes during S seconds of steady state.
+//! - `memory [--counts 1000,10000]`: `model-residency run` as a separate
+//!   process; its RSS once N residencies and their pods have converged.
+
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use model_residency::api::{ModelResidency, ModelState};
+use model_residency::controller::{self, Context};
+use model_residency::local::control_plane::ControlPlane;
+use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
+use serde_json::json;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+const NS: &str = "bench";
+
+fn arg(args: &[String], name: &str, default: &str) -> String {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+        .unwrap_or_else(|| default.to_owned())
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
+    let mode = args.first().cloned().unwrap_or_else(|| "latency".into());
+    let plane =
+        ControlPlane::start().expect("start the control plane (bash scripts/control-plane.sh)");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let client = plane.client().await.unwrap();
+        setup(&client).await;
+        match mode.as_str() {
+            "latency" => latency(&client, arg(&args, "--samples", "1000").parse().unwrap()).await,
+            "scale" => {
+                let counts: Vec<usize> = arg(&args, "--counts", "10,100,1000")
+                    .split(',')
+                    .map(|c| c.parse().unwrap())
+                    .collect();
+                let models: usize = arg(&args, "--models", "20").parse().unwrap();
+                let nodes: usize = arg(&args, "--nodes", "100").parse().unwrap();
+                let steady: u64 = arg(&args, "--steady", "60").parse().unwrap();
+                scale(&client, &counts, models, nodes, steady).await
+            }
+            "memory" => {
+                let counts: Vec<usize> = arg(&args, "--counts", "1000,10000")
+                    .split(',')
+                    .map(|c| c.parse().unwrap())
+                    .collect();
+                memory(&plane, &client, &counts).await
+            }
+            other => panic!("unknown mode {other}: latency, scale or memory"),
+        }
+    });
+    println!(
+        "control plane RSS at the end: {} MiB (etcd + apiserver + controller-manager)",
+        plane.rss_bytes() >> 20
+    );
+}
+
+async fn setup(client: &kube::Client) {
+    model_residency::local::install_crd(client).await.unwrap();
+    let nss: Api<Namespace> = Api::all(client.clone());
+    nss.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({"metadata": {"name": NS}})).unwrap(),
+    )
+    .await
+    .unwrap();
+}
+
+fn residency(name: &str, node: &str, budget: &str, models: &[(String, String)]) -> ModelResidency {
+    let models: Vec<_> = models
+        .iter()
+        .map(|(n, s)| json!({"name": n, "size": s,
+            "template": {"spec": {"containers": [{"name": "server", "image": format!("example/{n}:1")}]}}}))
+        .collect();
+    serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": name},
+        "spec": {"nodeName": node, "device": "0", "budget": budget, "models": models},
+    }))
+    .unwrap()
+}
+
+fn start_operator(client: &kube::Client) -> (Arc<Context>, tokio::task::JoinHandle<()>) {
+    let ctx = Context::new(client.clone());
+    let task = tokio::spawn(controller::run(
+        ctx.clone(),
+        Some(NS.into()),
+        std::future::pending(),
+        Arc::default(),
+    ));
+    (ctx, task)
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+async fn latency(client: &kube::Client, samples: usize) {
+    let _kubelet = FakeKubelet::start(client.clone(), KubeletConfig::instant(&["node-l"]))
+        .await
+        .unwrap();
+    let (_ctx, _op) = start_operator(client);
+    let api: Api<ModelResidency> = Api::namespaced(client.clone(), NS);
+    let models = [
+        ("a".to_owned(), "1Gi".to_owned()),
+        ("b".to_owned(), "1Gi".to_owned()),
+    ];
+    api.create(
+        &PostParams::default(),
+        &residency("lat", "node-l", "4Gi", &models),
+    )
+    .await
+    .unwrap();
+    for m in ["a", "b"] {
+        model_residency::demand::load(&api, "lat", m, Timestamp::now())
+            .await
+            .unwrap();
+    }
+    // Watch the residency: latest (model -> lastRequested) seen in status.
+    let (seen_tx, mut seen_rx) = tokio::sync::watch::channel(Vec::<(String, String)>::new());
+    let watch_api = api.clone();
+    tokio::spawn(async move {
+        let mut s = watcher(
+            watch_api,
+            watcher::Config::default().fields("metadata.name=lat"),
+        )
+        .applied_objects()
+        .boxed();
+        while let Ok(Some(r)) = s.try_next().await {
+            if let Some(st) = r
+                .status
+                .filter(|s| s.observed_generation == r.metadata.generation)
+            {
+                let _ = seen_tx.send(
+                    st.models
+                        .iter()
+                        .map(|m| (m.name.clone(), m.last_requested.clone().unwrap_or_default()))
+                        .collect(),
+                );
+            }
+        }
+    });
+    // The floor: a ConfigMap annotation through the same kind of watch.
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), NS);
+    cms.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({"metadata": {"name": "floor"}})).unwrap(),
+    )
+    .await
+    .unwrap();
+    let (cm_tx, mut cm_rx) = tokio::sync::watch::channel(String::new());
+    let watch_cms = cms.clone();
+    tokio::spawn(async move {
+        let mut s = watcher(
+            watch_cms,
+            watcher::Config::default().fields("metadata.name=floor"),
+        )
+        .applied_objects()
+        .boxed();
+        while let Ok(Some(cm)) = s.try_next().await {
+            let _ = cm_tx.send(cm.annotations().get("poke").cloned().unwrap_or_default());
+        }
+    });
+    // Wait until both models are loaded, then find their demand indexes.
+    loop {
+        let r = api.get("lat").await.unwrap();
+        let loaded = r.status.as_ref().map(|s| {
+            s.models
+                .iter()
+                .filter(|m| m.state == ModelState::Loaded)
+                .count()
+        });
+        if loaded == Some(2) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let r = api.get("lat").await.unwrap();
+    let index: Vec<(usize, String)> = r
+        .spec
+        .demand
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (i, d.model.clone()))
+        .collect();
+
+    let (mut apply, mut floor) = (Vec::with_capacity(samples), Vec::with_capacity(samples));
+    for i in 0..samples {
+        // Floor sample.
+        let value = i.to_string();
+        let t0 = Instant::now();
+        cms.patch(
+            "floor",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {"poke": value}}})),
+        )
+        .await
+        .unwrap();
+        cm_rx.wait_for(|v| *v == value).await.unwrap();
+        floor.push(t0.elapsed());
+
+        // Apply-to-status sample: one JSON patch (a request, a hit), then
+        // the status seen with the new generation and lastRequested.
+        let (idx, model) = &index[i % 2];
+        let at = Timestamp::now().to_string();
+        let patch: json_patch::Patch = serde_json::from_value(json!([
+            {"op": "replace", "path": format!("/spec/demand/{idx}/lastRequested"), "value": at}
+        ]))
+        .unwrap();
+        let t0 = Instant::now();
+        api.patch("lat", &PatchParams::default(), &Patch::<()>::Json(patch))
+            .await
+            .unwrap();
+        let want = at.parse::<Timestamp>().unwrap().to_string();
+        seen_rx
+            .wait_for(|v| v.iter().any(|(m, t)| m == model && *t == want))
+            .await
+            .unwrap();
+        apply.push(t0.elapsed());
+    }
+    apply.sort();
+    floor.sort();
+    let (a50, a99, f50, f99) = (
+        percentile(&apply, 0.5),
+        percentile(&apply, 0.99),
+        percentile(&floor, 0.5),
+        percentile(&floor, 0.99),
+    );
+    println!("latency over {samples} samples each (interleaved):");
+    println!(
+        "  floor (ConfigMap patch -> watch event):   p50 {:.2} ms  p99 {:.2} ms",
+        ms(f50),
+        ms(f99)
+    );
+    println!(
+        "  apply-to-status (demand patch -> status):  p50 {:.2} ms  p99 {:.2} ms",
+        ms(a50),
+        ms(a99)
+    );
+    println!(
+        "  ratio: p50 {:.2}x (goal <= 2x), p99 {:.2}x (goal <= 3x)",
+        a50.as_secs_f64() / f50.as_secs_f64(),
+        a99.as_secs_f64() / f99.as_secs_f64()
+    );
+}
+
+/// Waits until every residency's status reflects its spec, every demand
+/// entry is processed and nothing is loading.
+async fn wait_converged(api: &Api<ModelResidency>, count: usize) -> Duration {
+    let t0 = Instant::now();
+    loop {
+        let list = api.list(&ListParams::default()).await.unwrap();
+        let done = list.items.len() == count
+            && list.items.iter().all(|r| {
+                let Some(s) = &r.status else { return false };
+                s.observed_generation == r.metadata.generation
+                    && s.models.iter().all(|m| m.state != ModelState::Loading)
+                    && r.spec.demand.iter().all(|d| {
+                        s.models.iter().any(|m| {
+                            m.name == d.model
+                                && m.last_requested
+                                    .as_deref()
+                                    .and_then(|t| t.parse::<Timestamp>().ok())
+                                    == d.last_requested.parse::<Timestamp>().ok()
+                        })
+                    })
+            });
+        if done {
+            return t0.elapsed();
+        }
+        if t0.elapsed() > Duration::from_secs(1800) {
+            panic!("no convergence in 30 minutes");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+async fn create_all(api: &Api<ModelResidency>, objects: Vec<ModelResidency>) {
+    futures::stream::iter(objects)
+        .for_each_concurrent(16, |r| {
+            let api = api.clone();
+            async move {
+                api.create(&PostParams::default(), &r).await.unwrap();
+            }
+        })
+        .await;
+}
+
+fn fleet(prefix: &str, count: usize, models: usize, nodes: usize) -> Vec<ModelResidency> {
+    (0..count)
+        .map(|i| {
+            let ms: Vec<(String, String)> = (0..models)
+                .map(|m| (format!("model-{m}"), format!("{}Gi", 1 + (m * 7 + i) % 4)))
+                .collect();
+            residency(
+                &format!("{prefix}-{i}"),
+                &format!("node-{}", i % nodes),
+                "8Gi",
+                &ms,
+            )
+        })
+        .collect()
+}
+
+/// Five random requests per residency, concurrently across residencies.
+async fn storm(api: &Api<ModelResidency>, names: &[String], models: usize) {
+    futures::stream::iter(names.iter().enumerate())
+        .for_each_concurrent(16, |(i, name)| {
+            let api = api.clone();
+            async move {
+                for k in 0..5 {
+                    let m = format!("model-{}", (i * 31 + k * 17) % models);
+                    model_residency::demand::load(&api, name, &m, Timestamp::now())
+                        .await
+                        .unwrap();
+                }
+            }
+        })
+        .await;
+}
+
+async fn scale(client: &kube::Client, counts: &[usize], models: usize, nodes: usize, steady: u64) {
+    let node_names: Vec<String> = (0..nodes).map(|n| format!("node-{n}")).collect();
+    let node_refs: Vec<&str> = node_names.iter().map(String::as_str).collect();
+    let _kubelet = FakeKubelet::start(client.clone(), KubeletConfig::instant(&node_refs))
+        .await
+        .unwrap();
+    let api: Api<ModelResidency> = Api::namespaced(client.clone(), NS);
+    println!("scale: {models} models per residency, {nodes} fake nodes, 5 requests per residency");
+    println!(
+        "  count | create s | storm s | converge s (from storm start) | requests/reconcile | reconciles | 409s | writes in steady state"
+    );
+    for (round, &count) in counts.iter().enumerate() {
+        let (ctx, op) = start_operator(client);
+        let prefix = format!("r{round}");
+        let objects = fleet(&prefix, count, models, nodes);
+        let names: Vec<String> = objects.iter().map(|r| r.name_any()).collect();
+        let t0 = Instant::now();
+        create_all(&api, objects).await;
+        let created = t0.elapsed();
+        let scoped: Api<ModelResidency> = api.clone();
+        let total_before: usize = counts[..round].iter().sum();
+        wait_converged(&scoped, total_before + count).await;
+        let t1 = Instant::now();
+        storm(&api, &names, models).await;
+        let stormed = t1.elapsed();
+        let converged = wait_converged(&scoped, total_before + count).await + stormed;
+        let reconciles = ctx.writes.reconciles.load(Ordering::Relaxed).max(1);
+        let per = ctx.writes.requests() as f64 / reconciles as f64;
+        let conflicts = ctx
+            .metrics
+            .encode()
+            .lines()
+            .find(|l| l.starts_with("model_residency_reconcile_errors_total{reason=\"conflict\"}"))
+            .and_then(|l| l.split_whitespace().last().map(str::to_owned))
+            .unwrap_or_else(|| "0".into());
+        let before = ctx.writes.total();
+        let wait = if count >= 1000 {
+            steady
+        } else {
+            steady.min(10)
+        };
+        tokio::time::sleep(Duration::from_secs(wait)).await;
+        let steady_writes = ctx.writes.total() - before;
+        println!(
+            "  {count:>5} | {:>8.2} | {:>7.2} | {:>29.2} | {per:>18.2} | {reconciles:>10} | {conflicts:>4} | {steady_writes} in {wait} s",
+            created.as_secs_f64(),
+            stormed.as_secs_f64(),
+            converged.as_secs_f64(),
+        );
+        op.abort();
+    }
+}
+
+fn rss_of(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|k| k.parse::<u64>().ok())
+        })
+        .unwrap_or(0)
+        * 1024
+}
+
+async fn memory(plane: &ControlPlane, client: &kube::Client, counts: &[usize]) {
+    let nodes: Vec<String> = (0..100).map(|n| format!("node-{n}")).collect();
+    let node_refs: Vec<&str> = nodes.iter().map(String::as_str).collect();
+    let _kubelet = FakeKubelet::start(client.clone(), KubeletConfig::instant(&node_refs))
+        .await
+        .unwrap();
+    let mut op = std::process::Command::new(env!("CARGO_BIN_EXE_model-residency"))
+        .env("KUBECONFIG", plane.kubeconfig())
+        .args(["run", "--namespace", NS, "--http-addr", "127.0.0.1:0"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    println!(
+        "memory: `model-residency run` RSS, residencies with 3 models and one resident model (one pod) each"
+    );
+    println!("  idle: {} MiB", rss_of(op.id()) >> 20);
+    let api: Api<ModelResidency> = Api::namespaced(client.clone(), NS);
+    let mut total = 0;
+    for (round, &count) in counts.iter().enumerate() {
+        let add = count - total;
+        let objects = fleet(&format!("m{round}"), add, 3, nodes.len());
+        let names: Vec<String> = objects.iter().map(|r| r.name_any()).collect();
+        let t0 = Instant::now();
+        create_all(&api, objects).await;
+        futures::stream::iter(names)
+            .for_each_concurrent(16, |name| {
+                let api = api.clone();
+                async move {
+                    model_residency::demand::load(&api, &name, "model-0", Timestamp::now())
+                        .await
+                        .unwrap();
+                }
+            })
+            .await;
+        wait_converged(&api, count).await;
+        total = count;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        println!(
+            "  {count:>6} residencies + {count} pods: operator RSS {} MiB (converged in {:.0} s); control plane {} MiB",
+            rss_of(op.id()) >> 20,
+            t0.elapsed().as_secs_f64(),
+            plane.rss_bytes() >> 20
+        );
+    }
+    let _ = op.kill();
+    let _ = op.wait();
+}
