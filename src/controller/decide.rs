@@ -18,7 +18,7 @@
 use super::conditions::{ConditionSet, DEGRADED, READY, REFUSED, model_conditions};
 use super::pods::{ModelPod, PodPhase, build_pod, pod_name};
 use crate::api::{ModelResidency, ModelResidencyStatus, ModelSpec, ModelState, ModelStatus};
-use crate::engine::{Admission, Bytes, Counters, Engine, RefuseReason, Resize};
+use crate::engine::{Admission, Bytes, Engine, RefuseReason, Resize};
 use crate::quantity::{format_bytes, parse_bytes};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -294,23 +294,13 @@ impl<'a> Decider<'a> {
                 );
             }
         }
-        let c = self.previous.counters;
         let peak = self
             .previous
             .peak
             .as_deref()
             .and_then(|p| parse_bytes(p).ok())
             .unwrap_or(0);
-        self.engine.resume(
-            Counters {
-                hits: c.hits,
-                loads: c.loads,
-                evictions: c.evictions,
-                refusals: c.refusals,
-                unloads: c.unloads,
-            },
-            peak,
-        );
+        self.engine.resume(self.previous.counters.into(), peak);
         removed
     }
 
@@ -684,7 +674,6 @@ impl<'a> Decider<'a> {
         let generation = r.metadata.generation;
         let mut set = ConditionSet::new(&self.previous.conditions, generation, input.now);
         model_conditions(&mut set, &models);
-        let c = self.engine.counters();
         let status = ModelResidencyStatus {
             observed_generation: generation,
             budget: Some(format_bytes(budget)),
@@ -696,7 +685,7 @@ impl<'a> Decider<'a> {
                 .filter(|m| m.state == ModelState::Refused)
                 .count() as u32,
             models,
-            counters: c.into(),
+            counters: self.engine.counters().into(),
             conditions: set.finish(),
         };
         delete.sort();
