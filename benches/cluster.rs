@@ -18,7 +18,7 @@ use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use model_residency::api::{ModelResidency, ModelState};
 use model_residency::controller::{self, Context};
@@ -277,13 +277,21 @@ async fn latency(client: &kube::Client, samples: usize) {
 }
 
 /// Waits until every residency's status reflects its spec, every demand
-/// entry is processed and nothing is loading.
+/// entry is processed and nothing is loading. Reads a watch cache, not
+/// repeated lists, so that checking does not load the API server.
 async fn wait_converged(api: &Api<ModelResidency>, count: usize) -> Duration {
     let t0 = Instant::now();
+    let (reader, writer) = kube::runtime::reflector::store();
+    let feed = kube::runtime::reflector(
+        writer,
+        watcher(api.clone(), watcher::Config::default()).default_backoff(),
+    );
+    let task = tokio::spawn(feed.for_each(|_| futures::future::ready(())));
+    let _ = reader.wait_until_ready().await;
     loop {
-        let list = api.list(&ListParams::default()).await.unwrap();
-        let done = list.items.len() == count
-            && list.items.iter().all(|r| {
+        let items = reader.state();
+        let done = items.len() == count
+            && items.iter().all(|r| {
                 let Some(s) = &r.status else { return false };
                 s.observed_generation == r.metadata.generation
                     && s.models.iter().all(|m| m.state != ModelState::Loading)
@@ -298,12 +306,13 @@ async fn wait_converged(api: &Api<ModelResidency>, count: usize) -> Duration {
                     })
             });
         if done {
+            task.abort();
             return t0.elapsed();
         }
         if t0.elapsed() > Duration::from_secs(1800) {
             panic!("no convergence in 30 minutes");
         }
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 
@@ -423,13 +432,13 @@ async fn memory(plane: &ControlPlane, client: &kube::Client, counts: &[usize]) {
     let _kubelet = FakeKubelet::start(client.clone(), KubeletConfig::instant(&node_refs))
         .await
         .unwrap();
-    let mut op = std::process::Command::new(env!("CARGO_BIN_EXE_model-residency"))
-        .env("KUBECONFIG", plane.kubeconfig())
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_model-residency"));
+    cmd.env("KUBECONFIG", plane.kubeconfig())
         .args(["run", "--namespace", NS, "--http-addr", "127.0.0.1:0"])
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+        .stderr(std::process::Stdio::null());
+    // Dies with the benchmark, however it ends.
+    let mut op = model_residency::local::control_plane::spawn_owned(cmd).unwrap();
     tokio::time::sleep(Duration::from_secs(2)).await;
     println!(
         "memory: `model-residency run` RSS, residencies with 3 models and one resident model (one pod) each"

@@ -56,14 +56,14 @@ async fn run_checks_serves_reconciles_and_stops_on_sigterm() {
     // 2. With it: endpoints, readiness after the first sync, reconciling.
     env.install_crds();
     let port = free_port();
-    let mut child = Command::new(bin)
-        .env("KUBECONFIG", env.plane.kubeconfig())
+    let mut cmd = Command::new(bin);
+    cmd.env("KUBECONFIG", env.plane.kubeconfig())
         .args(["run", "--namespace", &env.namespace, "--log-format", "json"])
         .args(["--http-addr", &format!("127.0.0.1:{port}")])
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .stderr(Stdio::piped());
+    // Dies with the test binary, even when an assertion below panics.
+    let mut child = model_residency::local::control_plane::spawn_owned(cmd).unwrap();
     let ready = eventually(20, "/readyz to answer 200", || async {
         http_get(port, "/readyz").filter(|r| r.starts_with("HTTP/1.1 200"))
     })

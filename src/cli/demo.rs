@@ -411,8 +411,8 @@ fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
     let log = dir.path().join("operator.log");
     let log_file = std::fs::File::create(&log).map_err(|e| Failure::bad_input(e.to_string()))?;
     let exe = std::env::current_exe().map_err(|e| Failure::bad_input(e.to_string()))?;
-    let child = Command::new(exe)
-        .env("KUBECONFIG", &sa_kubeconfig)
+    let mut cmd = Command::new(exe);
+    cmd.env("KUBECONFIG", &sa_kubeconfig)
         .env("POD_NAME", "model-residency-demo")
         .args([
             "run",
@@ -423,8 +423,9 @@ fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
             &addr,
         ])
         .stdout(std::process::Stdio::null())
-        .stderr(log_file)
-        .spawn()
+        .stderr(log_file);
+    // Dies with the demo, however the demo ends.
+    let child = model_residency::local::control_plane::spawn_owned(cmd)
         .map_err(|e| Failure::bad_input(format!("start the operator: {e}")))?;
     let operator = Operator {
         child,

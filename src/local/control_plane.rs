@@ -134,10 +134,11 @@ impl Process {
     }
 }
 
-/// Spawns processes from one thread that never exits, so that
-/// `PR_SET_PDEATHSIG` (which fires when the *spawning thread* dies) only
-/// fires when the whole test or demo process is gone.
-fn spawn_owned(mut cmd: Command) -> std::io::Result<Child> {
+/// Spawns a process that is killed (SIGKILL) when this process dies, however
+/// it dies: for every helper process a test, benchmark or the demo starts.
+/// Spawning happens on one thread that never exits, because
+/// `PR_SET_PDEATHSIG` fires when the *spawning thread* dies.
+pub fn spawn_owned(mut cmd: Command) -> std::io::Result<Child> {
     type Request = (Command, mpsc::Sender<std::io::Result<Child>>);
     static SPAWNER: std::sync::OnceLock<std::sync::Mutex<mpsc::Sender<Request>>> =
         std::sync::OnceLock::new();
