@@ -109,14 +109,7 @@ fn residency(name: &str, node: &str, budget: &str, models: &[(String, String)]) 
 }
 
 fn start_operator(client: &kube::Client) -> (Arc<Context>, tokio::task::JoinHandle<()>) {
-    let ctx = Context::new(client.clone());
-    let task = tokio::spawn(controller::run(
-        ctx.clone(),
-        Some(NS.into()),
-        std::future::pending(),
-        Arc::default(),
-    ));
-    (ctx, task)
+    controller::spawn_for_namespace(client.clone(), NS)
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {

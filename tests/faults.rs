@@ -90,14 +90,7 @@ async fn rig(plane: &ControlPlane) -> Rig {
 }
 
 fn start_operator(client: kube::Client) -> (Arc<Context>, tokio::task::JoinHandle<()>) {
-    let ctx = Context::new(client);
-    let task = tokio::spawn(controller::run(
-        ctx.clone(),
-        Some(NS.into()),
-        std::future::pending(),
-        Arc::default(),
-    ));
-    (ctx, task)
+    controller::spawn_for_namespace(client, NS)
 }
 
 /// splitmix64, so a failing storm replays the same way.

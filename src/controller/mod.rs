@@ -314,6 +314,22 @@ pub async fn run(
     sync.abort();
 }
 
+/// Starts a controller for one namespace in the background (tests,
+/// benchmarks): its context, to read the counters, and its task.
+pub fn spawn_for_namespace(
+    client: kube::Client,
+    namespace: &str,
+) -> (Arc<Context>, tokio::task::JoinHandle<()>) {
+    let ctx = Context::new(client);
+    let task = tokio::spawn(run(
+        ctx.clone(),
+        Some(namespace.to_owned()),
+        std::future::pending(),
+        Arc::default(),
+    ));
+    (ctx, task)
+}
+
 /// A term of leadership: dropping it (stepping down, or the whole task being
 /// cancelled) aborts the controller at once, rather than draining it, and
 /// clears the `leading` flag.
