@@ -79,15 +79,7 @@ async fn a_node_that_does_not_exist_leaves_the_model_loading_and_not_ready() {
         .await
         .unwrap();
     h.request_nowait("gpu", "a").await;
-    let r = eventually(30, "a to be Loading", || async {
-        let r = h.api.get("gpu").await.unwrap();
-        let s = r.status.as_ref()?;
-        (s.models
-            .iter()
-            .any(|m| m.name == "a" && m.state == ModelState::Loading))
-        .then_some(r)
-    })
-    .await;
+    let r = h.until_state("gpu", "a", ModelState::Loading, 30).await;
     let ready = condition(&r, "Ready");
     assert_eq!(
         (ready.status.as_str(), ready.reason.as_str()),
@@ -112,16 +104,7 @@ async fn a_template_without_containers_fails_the_load_and_degrades() {
         .await
         .unwrap();
     h.request_nowait("gpu", "a").await;
-    let r = eventually(30, "a to fail", || async {
-        let r = h.api.get("gpu").await.unwrap();
-        (r.status
-            .as_ref()?
-            .models
-            .iter()
-            .any(|m| m.name == "a" && m.state == ModelState::Failed))
-        .then_some(r)
-    })
-    .await;
+    let r = h.until_state("gpu", "a", ModelState::Failed, 30).await;
     assert_eq!(state(&r, "a").1.as_deref(), Some("InvalidTemplate"));
     let degraded = condition(&r, "Degraded");
     assert_eq!(degraded.status, "True");

@@ -231,11 +231,9 @@ async fn removing_demand_unloads_and_is_not_an_eviction() {
             .await
             .unwrap()
     );
-    let r = eventually(30, "zimage to unload", || async {
-        let r = h.api.get("gpu").await.unwrap();
-        (model(&r, "zimage").state == ModelState::Unloaded).then_some(r)
-    })
-    .await;
+    let r = h
+        .until_state("gpu", "zimage", ModelState::Unloaded, 30)
+        .await;
     let c = r.status.as_ref().unwrap().counters;
     assert_eq!((c.unloads, c.evictions), (1, 0));
     h.converged("gpu").await;
@@ -373,11 +371,7 @@ async fn a_deleted_pod_is_recreated_and_a_failed_one_degrades() {
     fail_pod(&h.pods, "gpu-zimage", "CUDA error: out of memory")
         .await
         .unwrap();
-    let r = eventually(30, "zimage to be Failed", || async {
-        let r = h.api.get("gpu").await.unwrap();
-        (model(&r, "zimage").state == ModelState::Failed).then_some(r)
-    })
-    .await;
+    let r = h.until_state("gpu", "zimage", ModelState::Failed, 30).await;
     let degraded = condition(&r, "Degraded");
     assert_eq!(degraded.status, "True");
     assert!(
@@ -394,11 +388,7 @@ async fn a_deleted_pod_is_recreated_and_a_failed_one_degrades() {
     })
     .await;
     // Retried with backoff: a new pod comes up and the model recovers.
-    let r = eventually(40, "zimage to recover", || async {
-        let r = h.api.get("gpu").await.unwrap();
-        (model(&r, "zimage").state == ModelState::Loaded).then_some(r)
-    })
-    .await;
+    let r = h.until_state("gpu", "zimage", ModelState::Loaded, 40).await;
     assert_eq!(condition(&r, "Degraded").status, "False");
 }
 

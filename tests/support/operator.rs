@@ -140,6 +140,27 @@ impl Harness {
         self.converged(name).await
     }
 
+    /// Waits (up to `secs`) until `model` of residency `name` is in `state`.
+    pub async fn until_state(
+        &self,
+        name: &str,
+        model: &str,
+        state: ModelState,
+        secs: u64,
+    ) -> ModelResidency {
+        eventually(secs, &format!("{model} to be {state:?}"), || async {
+            let r = self.api.get(name).await.unwrap();
+            let reached = r
+                .status
+                .as_ref()?
+                .models
+                .iter()
+                .any(|m| m.name == model && m.state == state);
+            reached.then_some(r)
+        })
+        .await
+    }
+
     /// Requests `model` without waiting.
     pub async fn request_nowait(&self, name: &str, model: &str) {
         let at = self.next_time();
