@@ -1,9 +1,10 @@
-//! The reconciler: fetch (owned pods) -> decide (pure, with the engine) ->
-//! apply (delete, then create pods) -> status (server-side apply, only when
-//! it changed) -> events.
+//! The reconciler: owned pods (from the pod cache) -> decide (pure, with
+//! the engine) -> apply (delete, then create pods) -> status (only when it
+//! changed) -> events.
 
 pub mod conditions;
 pub mod decide;
+pub mod pod_cache;
 pub mod pods;
 
 use crate::api::ModelResidency;
@@ -13,12 +14,12 @@ use decide::{Decision, Observed, decide};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Resource, ResourceExt};
-use pods::ModelPod;
+use pod_cache::PodCache;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -59,15 +60,13 @@ pub struct Writes {
     pub status_patches: AtomicU64,
     /// Events created or patched into a series.
     pub events: AtomicU64,
-    /// Pod list reads (one per reconcile of a well-named residency).
-    pub pod_lists: AtomicU64,
     pub reconciles: AtomicU64,
 }
 
 impl Writes {
     /// Every API request the reconciler made.
     pub fn requests(&self) -> u64 {
-        self.total() + self.events.load(Ordering::Relaxed) + self.pod_lists.load(Ordering::Relaxed)
+        self.total() + self.events.load(Ordering::Relaxed)
     }
 
     /// Pod creates, pod deletes and status patches together.
@@ -83,6 +82,8 @@ pub struct Context {
     pub recorder: Recorder,
     pub writes: Writes,
     pub metrics: Arc<Metrics>,
+    /// Filled by [`run`]'s pod watch; reset when a run starts.
+    pub pods: PodCache,
 }
 
 impl Context {
@@ -103,26 +104,14 @@ impl Context {
             recorder,
             writes: Writes::default(),
             metrics,
+            pods: PodCache::default(),
         })
     }
 }
 
-/// The pods this residency owns (by label, confirmed by owner uid).
-async fn fetch_pods(api: &Api<Pod>, r: &ModelResidency, ctx: &Context) -> Result<Vec<ModelPod>> {
-    let uid = r.metadata.uid.as_deref().ok_or(Error::Incomplete("uid"))?;
-    let lp = ListParams::default().labels(&format!("{RESIDENCY_LABEL}={}", r.name_any()));
-    let pods = api.list(&lp).await?;
-    ctx.writes.pod_lists.fetch_add(1, Ordering::Relaxed);
-    Ok(pods
-        .items
-        .iter()
-        .filter(|p| p.owner_references().iter().any(|o| o.uid == uid))
-        .filter_map(ModelPod::from_pod)
-        .collect())
-}
-
 /// Deletes first (they free VRAM), then creates what fits.
-async fn apply(api: &Api<Pod>, d: &Decision, ctx: &Context) -> Result<bool> {
+async fn apply(api: &Api<Pod>, r: &ModelResidency, d: &Decision, ctx: &Context) -> Result<bool> {
+    let (ns, residency) = (r.namespace().unwrap_or_default(), r.name_any());
     let mut retry_soon = false;
     for (name, uid) in &d.delete {
         let dp = DeleteParams {
@@ -135,6 +124,7 @@ async fn apply(api: &Api<Pod>, d: &Decision, ctx: &Context) -> Result<bool> {
         match api.delete(name, &dp).await {
             Ok(_) => {
                 ctx.writes.pods_deleted.fetch_add(1, Ordering::Relaxed);
+                ctx.pods.deleting(&ns, &residency, name);
             }
             // Already gone, or replaced by another pod of that name.
             Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
@@ -143,8 +133,9 @@ async fn apply(api: &Api<Pod>, d: &Decision, ctx: &Context) -> Result<bool> {
     }
     for pod in &d.create {
         match api.create(&PostParams::default(), pod).await {
-            Ok(_) => {
+            Ok(created) => {
                 ctx.writes.pods_created.fetch_add(1, Ordering::Relaxed);
+                ctx.pods.created(&created);
             }
             // The previous pod of that name is still terminating.
             Err(kube::Error::Api(s)) if s.code == 409 => retry_soon = true,
@@ -213,7 +204,10 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
     // A name that cannot be a label value cannot select pods either; decide
     // reports it as InvalidSpec and touches no pods.
     let owned = if r.name_any().len() <= 63 {
-        fetch_pods(&pods, &r, &ctx).await?
+        let uid = r.metadata.uid.as_deref().ok_or(Error::Incomplete("uid"))?;
+        // Never decide on a partial view of the pods.
+        ctx.pods.wait_ready().await;
+        ctx.pods.owned(&ns, &r.name_any(), uid)
     } else {
         Vec::new()
     };
@@ -226,7 +220,7 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
         pods: &owned,
         now: Timestamp::now(),
     });
-    let retry_soon = apply(&pods, &decision, &ctx).await?;
+    let retry_soon = apply(&pods, &r, &decision, &ctx).await?;
     write_status(&residencies, &r, &decision, &ctx).await?;
     ctx.metrics
         .observe_status(&ns, &r.name_any(), &decision.status);
@@ -285,6 +279,23 @@ pub async fn run(
     let controller = Controller::for_stream(residency_events, store.clone()).with_config(
         kube::runtime::controller::Config::default().concurrency(RECONCILE_CONCURRENCY),
     );
+    // Model pods: one watch by label feeds the pod cache, and wakes the
+    // residency each event concerns (after the cache has it).
+    ctx.pods.reset();
+    let cache = ctx.clone();
+    let pod_events = watcher(pods, watcher::Config::default().labels(RESIDENCY_LABEL))
+        .default_backoff()
+        .flat_map(move |event| {
+            let touched = match event {
+                Ok(ev) => cache.pods.apply(&ev),
+                Err(e) => {
+                    tracing::debug!(error = %e, "pod watch");
+                    Vec::new()
+                }
+            };
+            futures::stream::iter(touched)
+        });
+    let ready = ctx.clone();
     let sync = tokio::spawn(async move {
         // The store's readiness wakes only its latest waiter (the
         // controller's own), so poll again now and then instead of waiting.
@@ -292,17 +303,16 @@ pub async fn run(
             let attempt =
                 tokio::time::timeout(Duration::from_millis(200), store.wait_until_ready()).await;
             match attempt {
-                Ok(Ok(())) => {
-                    synced.store(true, Ordering::Relaxed);
-                    return;
-                }
+                Ok(Ok(())) => break,
                 Ok(Err(_)) => return,
                 Err(_) => {}
             }
         }
+        ready.pods.wait_ready().await;
+        synced.store(true, Ordering::Relaxed);
     });
     controller
-        .owns(pods, watcher::Config::default().labels(RESIDENCY_LABEL))
+        .reconcile_on(pod_events)
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {

@@ -1,0 +1,283 @@
+//! What the reconciler knows of its model pods, kept from one watch of the
+//! pods that carry the residency label, instead of a pod list per reconcile.
+//!
+//! A list per reconcile was an API round trip on every request, and on the
+//! API server a label-selected list is served from etcd by reading every pod
+//! in the namespace, so reconciles got slower as residencies grew. The cache
+//! holds only [`ModelPod`] summaries (a few hundred bytes a pod), never whole
+//! pods.
+//!
+//! A watch lags the writes. The budget gate must never miss a pod that
+//! holds VRAM, so the reconciler also records its own writes here: a pod it
+//! created is added from the create response unless the watch has already
+//! gone past it (events arrive in resourceVersion order, so a watch that has
+//! seen a later version has delivered this pod too, and maybe its deletion),
+//! and a pod it deleted is marked terminating. A pod missing from a stale
+//! view can only be one created by someone else, which the watch delivers
+//! moments later.
+
+use super::pods::ModelPod;
+use crate::api::ModelResidency;
+use crate::labels::RESIDENCY_LABEL;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+
+/// (namespace, residency name).
+type Key = (String, String);
+
+#[derive(Clone, Debug)]
+struct Entry {
+    pod: ModelPod,
+    /// Uid of the ModelResidency named in the pod's owner references.
+    owner: Option<String>,
+}
+
+type Pods = HashMap<Key, BTreeMap<String, Entry>>;
+
+#[derive(Default)]
+struct Inner {
+    live: Pods,
+    /// Pods listed since the watch (re)started, until the list is complete.
+    relisting: Option<Pods>,
+    /// The highest resourceVersion the watch has delivered.
+    seen: u64,
+}
+
+/// The operator's view of its model pods, per residency.
+pub struct PodCache {
+    inner: Mutex<Inner>,
+    ready: tokio::sync::watch::Sender<bool>,
+}
+
+impl Default for PodCache {
+    fn default() -> Self {
+        PodCache {
+            inner: Mutex::default(),
+            ready: tokio::sync::watch::Sender::new(false),
+        }
+    }
+}
+
+fn resource_version(pod: &Pod) -> u64 {
+    pod.metadata
+        .resource_version
+        .as_deref()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The residency a pod belongs to, with its summary; `None` for pods the
+/// operator does not read (no residency or model label, no name).
+fn entry(pod: &Pod) -> Option<(Key, Entry)> {
+    let residency = pod.metadata.labels.as_ref()?.get(RESIDENCY_LABEL)?;
+    let key = (pod.metadata.namespace.clone()?, residency.clone());
+    let owner = pod
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.kind == "ModelResidency")
+        .map(|o| o.uid.clone());
+    Some((
+        key,
+        Entry {
+            pod: ModelPod::from_pod(pod)?,
+            owner,
+        },
+    ))
+}
+
+fn residency_ref(key: &Key) -> ObjectRef<ModelResidency> {
+    ObjectRef::new(&key.1).within(&key.0)
+}
+
+fn insert(pods: &mut Pods, key: Key, e: Entry) {
+    pods.entry(key).or_default().insert(e.pod.name.clone(), e);
+}
+
+fn remove(pods: &mut Pods, key: &Key, name: &str) {
+    if let Some(m) = pods.get_mut(key) {
+        m.remove(name);
+        if m.is_empty() {
+            pods.remove(key);
+        }
+    }
+}
+
+impl PodCache {
+    /// Forgets everything: a new watch is about to start.
+    pub fn reset(&self) {
+        *self.inner.lock().unwrap() = Inner::default();
+        self.ready.send_replace(false);
+    }
+
+    /// Waits until the first complete list is in.
+    pub async fn wait_ready(&self) {
+        let mut rx = self.ready.subscribe();
+        let _ = rx.wait_for(|r| *r).await;
+    }
+
+    pub fn is_ready(&self) -> bool {
+        *self.ready.borrow()
+    }
+
+    /// Applies one watch event; returns the residencies to reconcile.
+    pub fn apply(&self, event: &watcher::Event<Pod>) -> Vec<ObjectRef<ModelResidency>> {
+        let mut inner = self.inner.lock().unwrap();
+        let mut touched = Vec::new();
+        match event {
+            watcher::Event::Apply(pod) | watcher::Event::Delete(pod) => {
+                inner.seen = inner.seen.max(resource_version(pod));
+                if let Some((key, e)) = entry(pod) {
+                    touched.push(residency_ref(&key));
+                    if matches!(event, watcher::Event::Apply(_)) {
+                        insert(&mut inner.live, key, e);
+                    } else {
+                        remove(&mut inner.live, &key, &e.pod.name);
+                    }
+                }
+            }
+            watcher::Event::Init => inner.relisting = Some(Pods::new()),
+            watcher::Event::InitApply(pod) => {
+                inner.seen = inner.seen.max(resource_version(pod));
+                if let Some((key, e)) = entry(pod) {
+                    touched.push(residency_ref(&key));
+                    let buffer = inner.relisting.get_or_insert_with(Pods::new);
+                    insert(buffer, key.clone(), e.clone());
+                    // Newer than what the live view holds; pods gone since
+                    // the last watch are dropped when the list completes.
+                    insert(&mut inner.live, key, e);
+                }
+            }
+            watcher::Event::InitDone => {
+                let listed = inner.relisting.take().unwrap_or_default();
+                let old = std::mem::replace(&mut inner.live, listed);
+                // Residencies that lost pods while the watch was down get no
+                // other event for it.
+                touched.extend(
+                    old.into_iter()
+                        .filter(|(k, pods)| {
+                            inner
+                                .live
+                                .get(k)
+                                .is_none_or(|now| pods.keys().any(|n| !now.contains_key(n)))
+                        })
+                        .map(|(k, _)| residency_ref(&k)),
+                );
+                drop(inner);
+                self.ready.send_replace(true);
+            }
+        }
+        touched
+    }
+
+    /// The model pods of residency `name` in `namespace` owned by `uid`.
+    pub fn owned(&self, namespace: &str, name: &str, uid: &str) -> Vec<ModelPod> {
+        let inner = self.inner.lock().unwrap();
+        inner
+            .live
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .map(|pods| {
+                pods.values()
+                    .filter(|e| e.owner.as_deref() == Some(uid))
+                    .map(|e| e.pod.clone())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Records a pod the reconciler just created (the create response),
+    /// unless the watch has already delivered it.
+    pub fn created(&self, pod: &Pod) {
+        let mut inner = self.inner.lock().unwrap();
+        if resource_version(pod) > inner.seen
+            && let Some((key, e)) = entry(pod)
+        {
+            insert(&mut inner.live, key, e);
+        }
+    }
+
+    /// Records that the reconciler deleted this pod: until the watch says
+    /// more, it is terminating (and still holds VRAM).
+    pub fn deleting(&self, namespace: &str, residency: &str, pod: &str) {
+        let mut inner = self.inner.lock().unwrap();
+        if let Some(e) = inner
+            .live
+            .get_mut(&(namespace.to_owned(), residency.to_owned()))
+            .and_then(|m| m.get_mut(pod))
+        {
+            e.pod.deleting = true;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pod(name: &str, residency: &str, rv: u64, deleting: bool) -> Pod {
+        let mut meta = json!({
+            "name": name, "namespace": "ns", "resourceVersion": rv.to_string(), "uid": format!("p-{name}"),
+            "labels": {RESIDENCY_LABEL: residency, crate::labels::MODEL_LABEL: "m"},
+            "ownerReferences": [{"apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+                "name": residency, "uid": "owner", "controller": true}],
+        });
+        if deleting {
+            meta["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+        }
+        serde_json::from_value(json!({"metadata": meta})).unwrap()
+    }
+
+    fn names(c: &PodCache, residency: &str) -> Vec<(String, bool)> {
+        c.owned("ns", residency, "owner")
+            .into_iter()
+            .map(|p| (p.name, p.deleting))
+            .collect()
+    }
+
+    #[test]
+    fn a_created_pod_counts_until_the_watch_says_otherwise() {
+        let c = PodCache::default();
+        c.apply(&watcher::Event::Init);
+        c.apply(&watcher::Event::InitDone);
+        assert!(c.is_ready());
+        c.created(&pod("r-a", "r", 10, false));
+        assert_eq!(names(&c, "r"), [("r-a".to_owned(), false)]);
+        c.deleting("ns", "r", "r-a");
+        assert_eq!(names(&c, "r"), [("r-a".to_owned(), true)]);
+        // The watch catches up: created, then deleted.
+        c.apply(&watcher::Event::Apply(pod("r-a", "r", 10, false)));
+        c.apply(&watcher::Event::Delete(pod("r-a", "r", 12, true)));
+        assert!(names(&c, "r").is_empty());
+        assert!(c.owned("ns", "r", "someone-else").is_empty());
+    }
+
+    #[test]
+    fn a_create_response_the_watch_has_passed_is_not_revived() {
+        let c = PodCache::default();
+        c.apply(&watcher::Event::Apply(pod("r-a", "r", 10, false)));
+        c.apply(&watcher::Event::Delete(pod("r-a", "r", 11, true)));
+        c.created(&pod("r-a", "r", 10, false));
+        assert!(names(&c, "r").is_empty());
+    }
+
+    #[test]
+    fn a_relist_drops_pods_deleted_meanwhile_and_names_their_residency() {
+        let c = PodCache::default();
+        c.apply(&watcher::Event::Apply(pod("r-a", "r", 1, false)));
+        c.apply(&watcher::Event::Apply(pod("s-a", "s", 2, false)));
+        c.apply(&watcher::Event::Init);
+        let touched = c.apply(&watcher::Event::InitApply(pod("s-a", "s", 3, false)));
+        assert_eq!(touched, [ObjectRef::new("s").within("ns")]);
+        // Until the list completes, the last complete view stands.
+        assert_eq!(names(&c, "r").len(), 1);
+        let touched = c.apply(&watcher::Event::InitDone);
+        assert_eq!(touched, [ObjectRef::new("r").within("ns")]);
+        assert!(names(&c, "r").is_empty());
+        assert_eq!(names(&c, "s").len(), 1);
+    }
+}
