@@ -403,7 +403,7 @@ async fn scale(client: &kube::Client, counts: &[usize], models: usize, nodes: us
     let api: Api<ModelResidency> = Api::namespaced(client.clone(), NS);
     println!("scale: {models} models per residency, {nodes} fake nodes, 5 requests per residency");
     println!(
-        "  count | create s | storm s | converge s (from storm start) | requests/reconcile | reconciles | 409s | writes in steady state"
+        "  count | create s | storm s | converge s from storm start | after its last write | requests/reconcile | reconciles | creates/deletes/status/events | 409s | writes in steady state"
     );
     for (round, &count) in counts.iter().enumerate() {
         let (ctx, op) = start_operator(client);
@@ -419,7 +419,16 @@ async fn scale(client: &kube::Client, counts: &[usize], models: usize, nodes: us
         let t1 = Instant::now();
         storm(&api, &names, models).await;
         let stormed = t1.elapsed();
-        let converged = wait_converged(&scoped, total_before + count).await + stormed;
+        let after_storm = wait_converged(&scoped, total_before + count).await;
+        let converged = after_storm + stormed;
+        let w = &ctx.writes;
+        let breakdown = format!(
+            "{}/{}/{}/{}",
+            w.pods_created.load(Ordering::Relaxed),
+            w.pods_deleted.load(Ordering::Relaxed),
+            w.status_patches.load(Ordering::Relaxed),
+            w.events.load(Ordering::Relaxed)
+        );
         let reconciles = ctx.writes.reconciles.load(Ordering::Relaxed).max(1);
         let per = ctx.writes.requests() as f64 / reconciles as f64;
         let conflicts = ctx
@@ -438,12 +447,63 @@ async fn scale(client: &kube::Client, counts: &[usize], models: usize, nodes: us
         tokio::time::sleep(Duration::from_secs(wait)).await;
         let steady_writes = ctx.writes.total() - before;
         println!(
-            "  {count:>5} | {:>8.2} | {:>7.2} | {:>29.2} | {per:>18.2} | {reconciles:>10} | {conflicts:>4} | {steady_writes} in {wait} s",
+            "  {count:>5} | {:>8.2} | {:>7.2} | {:>26.2} | {:>20.2} | {per:>18.2} | {reconciles:>10} | {breakdown:>29} | {conflicts:>4} | {steady_writes} in {wait} s",
             created.as_secs_f64(),
             stormed.as_secs_f64(),
             converged.as_secs_f64(),
+            after_storm.as_secs_f64(),
         );
         op.abort();
+    }
+    api_server_time(client).await;
+}
+
+/// Where the API server spent its request time during the run, from its
+/// own `apiserver_request_duration_seconds` histogram: the top verb and
+/// resource pairs by total seconds.
+async fn api_server_time(client: &kube::Client) {
+    let req = http::Request::get("/metrics").body(Vec::new()).unwrap();
+    let Ok(text) = client.request_text(req).await else {
+        println!("(API server metrics not readable)");
+        return;
+    };
+    let label = |line: &str, key: &str| {
+        line.split(&format!("{key}=\"")[..])
+            .nth(1)
+            .and_then(|r| r.split('"').next())
+            .unwrap_or("")
+            .to_owned()
+    };
+    let mut rows: std::collections::HashMap<(String, String), (f64, f64)> = Default::default();
+    for line in text.lines() {
+        let sum = line.starts_with("apiserver_request_duration_seconds_sum{");
+        let count = line.starts_with("apiserver_request_duration_seconds_count{");
+        if !(sum || count) || label(line, "verb") == "WATCH" {
+            continue;
+        }
+        let value: f64 = line
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0);
+        let (resource, sub) = (label(line, "resource"), label(line, "subresource"));
+        let resource = if sub.is_empty() {
+            resource
+        } else {
+            format!("{resource}/{sub}")
+        };
+        let key = (label(line, "verb"), resource);
+        let e = rows.entry(key).or_default();
+        if sum { e.0 += value } else { e.1 += value }
+    }
+    let mut rows: Vec<_> = rows.into_iter().collect();
+    rows.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
+    println!("API server request time, all rounds (verb resource: requests, total s, mean ms):");
+    for ((verb, resource), (secs, n)) in rows.iter().take(10) {
+        println!(
+            "  {verb:<7} {resource:<28} {n:>8} {secs:>8.1} {:>8.2}",
+            secs / n.max(1.0) * 1e3
+        );
     }
 }
 

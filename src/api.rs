@@ -78,7 +78,43 @@ pub struct ModelSpec {
     /// loads; a template without containers fails the load.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "template_schema")]
-    pub template: Option<serde_json::Value>,
+    pub template: Option<PodTemplate>,
+}
+
+/// A model's pod template, kept as its compact JSON text.
+///
+/// The operator caches every residency; as a `serde_json::Value` tree a
+/// one-container template costs about 2 KiB (a B-tree node per JSON
+/// object), as text about a hundred bytes. It is parsed only when a pod is
+/// built from it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodTemplate(Box<str>);
+
+impl PodTemplate {
+    /// The template as JSON text.
+    pub fn json(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<serde_json::Value> for PodTemplate {
+    fn from(v: serde_json::Value) -> Self {
+        PodTemplate(v.to_string().into_boxed_str())
+    }
+}
+
+impl Serialize for PodTemplate {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        serde_json::from_str::<serde_json::Value>(&self.0)
+            .map_err(serde::ser::Error::custom)?
+            .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for PodTemplate {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        serde_json::Value::deserialize(d).map(PodTemplate::from)
+    }
 }
 
 /// A request for a model.

@@ -8,18 +8,19 @@
 
 use crate::api::{Counters, ModelResidencyStatus};
 use crate::quantity::parse_bytes;
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use std::collections::HashMap;
-use std::sync::Mutex;
-use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+#[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
 pub struct ResidencyLabels {
     pub namespace: String,
     pub residency: String,
@@ -30,22 +31,83 @@ pub struct ErrorLabels {
     pub reason: String,
 }
 
+/// What is exported for one residency.
+#[derive(Clone, Copy, Debug, Default)]
+struct Snapshot {
+    budget: u64,
+    used: u64,
+    peak: u64,
+    resident: u32,
+    /// Exported totals: they only grow, even when the object is recreated.
+    totals: Counters,
+    /// The status counters last seen, to add their growth to `totals`.
+    last: Counters,
+}
+
+/// The per-residency metrics, kept as one small record per residency and
+/// written out at scrape time: nine metric families of their own would
+/// cost about 1.5 KiB a residency (a map entry and label copy in each).
+#[derive(Debug, Default)]
+struct PerResidency(Mutex<HashMap<ResidencyLabels, Snapshot>>);
+
+type Field = fn(&Snapshot) -> u64;
+
+const GAUGES: [(&str, &str, Field); 4] = [
+    ("budget_bytes", "VRAM budget of the GPU", |s| s.budget),
+    ("used_bytes", "VRAM declared by resident models", |s| s.used),
+    ("peak_bytes", "Most VRAM ever declared at once", |s| s.peak),
+    (
+        "resident_models",
+        "Models holding VRAM (loaded, loading or failed)",
+        |s| u64::from(s.resident),
+    ),
+];
+
+const COUNTERS: [(&str, &str, Field); 5] = [
+    ("hits", "Requests for an already resident model", |s| {
+        s.totals.hits
+    }),
+    ("loads", "Models loaded", |s| s.totals.loads),
+    (
+        "evictions",
+        "Models evicted to make room or by a budget shrink",
+        |s| s.totals.evictions,
+    ),
+    ("refusals", "Requests refused", |s| s.totals.refusals),
+    (
+        "unloads",
+        "Models unloaded by demand removal or registry removal",
+        |s| s.totals.unloads,
+    ),
+];
+
+impl Collector for PerResidency {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let map = self.0.lock().expect("metrics lock");
+        let mut rows: Vec<(&ResidencyLabels, &Snapshot)> = map.iter().collect();
+        rows.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        for (name, help, field) in GAUGES {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (labels, snap) in &rows {
+                ConstGauge::new(field(snap)).encode(family.encode_family(*labels)?)?;
+            }
+        }
+        for (name, help, field) in COUNTERS {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for (labels, snap) in &rows {
+                ConstCounter::new(field(snap)).encode(family.encode_family(*labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
-    budget: Family<ResidencyLabels, Gauge<u64, AtomicU64>>,
-    used: Family<ResidencyLabels, Gauge<u64, AtomicU64>>,
-    peak: Family<ResidencyLabels, Gauge<u64, AtomicU64>>,
-    resident: Family<ResidencyLabels, Gauge>,
-    hits: Family<ResidencyLabels, Counter>,
-    loads: Family<ResidencyLabels, Counter>,
-    evictions: Family<ResidencyLabels, Counter>,
-    refusals: Family<ResidencyLabels, Counter>,
-    unloads: Family<ResidencyLabels, Counter>,
+    residencies: Arc<PerResidency>,
     reconcile_duration: Histogram,
     reconcile_errors: Family<ErrorLabels, Counter>,
     load_duration: Histogram,
-    /// The counters last exported per residency, to export deltas.
-    exported: Mutex<HashMap<ResidencyLabels, Counters>>,
 }
 
 impl Default for Metrics {
@@ -58,54 +120,13 @@ impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("model_residency");
         let m = Metrics {
-            budget: Family::default(),
-            used: Family::default(),
-            peak: Family::default(),
-            resident: Family::default(),
-            hits: Family::default(),
-            loads: Family::default(),
-            evictions: Family::default(),
-            refusals: Family::default(),
-            unloads: Family::default(),
+            residencies: Arc::default(),
             reconcile_duration: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
             reconcile_errors: Family::default(),
             load_duration: Histogram::new(exponential_buckets(0.1, 2.0, 14)),
-            exported: Mutex::default(),
             registry: Registry::default(),
         };
-        registry.register("budget_bytes", "VRAM budget of the GPU", m.budget.clone());
-        registry.register(
-            "used_bytes",
-            "VRAM declared by resident models",
-            m.used.clone(),
-        );
-        registry.register(
-            "peak_bytes",
-            "Most VRAM ever declared at once",
-            m.peak.clone(),
-        );
-        registry.register(
-            "resident_models",
-            "Models holding VRAM (loaded, loading or failed)",
-            m.resident.clone(),
-        );
-        registry.register(
-            "hits",
-            "Requests for an already resident model",
-            m.hits.clone(),
-        );
-        registry.register("loads", "Models loaded", m.loads.clone());
-        registry.register(
-            "evictions",
-            "Models evicted to make room or by a budget shrink",
-            m.evictions.clone(),
-        );
-        registry.register("refusals", "Requests refused", m.refusals.clone());
-        registry.register(
-            "unloads",
-            "Models unloaded by demand removal or registry removal",
-            m.unloads.clone(),
-        );
+        registry.register_collector(Box::new(m.residencies.clone()));
         registry.register(
             "reconcile_duration_seconds",
             "Time to reconcile one residency",
@@ -126,31 +147,29 @@ impl Metrics {
 
     /// Exports a residency's status.
     pub fn observe_status(&self, namespace: &str, residency: &str, s: &ModelResidencyStatus) {
+        let bytes =
+            |q: &Option<String>| q.as_deref().and_then(|q| parse_bytes(q).ok()).unwrap_or(0);
+        let mut map = self.residencies.0.lock().expect("metrics lock");
         let labels = ResidencyLabels {
             namespace: namespace.into(),
             residency: residency.into(),
         };
-        let bytes =
-            |q: &Option<String>| q.as_deref().and_then(|q| parse_bytes(q).ok()).unwrap_or(0);
-        self.budget.get_or_create(&labels).set(bytes(&s.budget));
-        self.used.get_or_create(&labels).set(bytes(&s.used));
-        self.peak.get_or_create(&labels).set(bytes(&s.peak));
-        self.resident
-            .get_or_create(&labels)
-            .set(i64::from(s.resident));
-        let mut exported = self.exported.lock().expect("metrics lock");
-        let last = exported.entry(labels.clone()).or_default();
+        let snap = map.entry(labels).or_default();
+        snap.budget = bytes(&s.budget);
+        snap.used = bytes(&s.used);
+        snap.peak = bytes(&s.peak);
+        snap.resident = s.resident;
         let c = s.counters;
-        for (family, now, before) in [
-            (&self.hits, c.hits, &mut last.hits),
-            (&self.loads, c.loads, &mut last.loads),
-            (&self.evictions, c.evictions, &mut last.evictions),
-            (&self.refusals, c.refusals, &mut last.refusals),
-            (&self.unloads, c.unloads, &mut last.unloads),
+        let (totals, last) = (&mut snap.totals, &mut snap.last);
+        for (total, now, before) in [
+            (&mut totals.hits, c.hits, &mut last.hits),
+            (&mut totals.loads, c.loads, &mut last.loads),
+            (&mut totals.evictions, c.evictions, &mut last.evictions),
+            (&mut totals.refusals, c.refusals, &mut last.refusals),
+            (&mut totals.unloads, c.unloads, &mut last.unloads),
         ] {
             // A lower value means the object was recreated: count on.
-            let delta = now.checked_sub(*before).unwrap_or(now);
-            family.get_or_create(&labels).inc_by(delta);
+            *total += now.checked_sub(*before).unwrap_or(now);
             *before = now;
         }
     }
@@ -161,20 +180,11 @@ impl Metrics {
             namespace: namespace.into(),
             residency: residency.into(),
         };
-        for f in [&self.budget, &self.used, &self.peak] {
-            f.remove(&labels);
-        }
-        self.resident.remove(&labels);
-        for f in [
-            &self.hits,
-            &self.loads,
-            &self.evictions,
-            &self.refusals,
-            &self.unloads,
-        ] {
-            f.remove(&labels);
-        }
-        self.exported.lock().expect("metrics lock").remove(&labels);
+        self.residencies
+            .0
+            .lock()
+            .expect("metrics lock")
+            .remove(&labels);
     }
 
     pub fn reconcile_error(&self, reason: &str) {

@@ -63,8 +63,8 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
         pinned,
         template: match t {
             0 => None,
-            1 => Some(json!({"spec": {"containers": []}})),
-            _ => Some(json!({"spec": {"containers": [{"name": "s", "image": "i"}]}})),
+            1 => Some(json!({"spec": {"containers": []}}).into()),
+            _ => Some(json!({"spec": {"containers": [{"name": "s", "image": "i"}]}}).into()),
         },
     });
     let demand = (name(), time()).prop_map(|(model, last_requested)| Demand {

@@ -28,7 +28,9 @@ fn residency(
                     name: (*n).into(),
                     size: ByteQuantity((*s).into()),
                     pinned: *p,
-                    template: Some(json!({"spec": {"containers": [{"name": "s", "image": "i"}]}})),
+                    template: Some(
+                        json!({"spec": {"containers": [{"name": "s", "image": "i"}]}}).into(),
+                    ),
                 })
                 .collect(),
             demand: demand
@@ -178,7 +180,7 @@ fn a_failed_pod_is_retried_after_a_backoff() {
 #[test]
 fn template_problems_fail_the_load_without_a_pod() {
     let mut r = residency("10Gi", &[("a", "6Gi", false)], &[("a", 1)]);
-    r.spec.models[0].template = Some(json!({"spec": {"containers": []}}));
+    r.spec.models[0].template = Some(json!({"spec": {"containers": []}}).into());
     let d = run(&r, &[], 2);
     assert!(d.create.is_empty());
     let a = d.status.models.iter().find(|m| m.name == "a").unwrap();

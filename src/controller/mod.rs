@@ -11,7 +11,7 @@ use crate::api::ModelResidency;
 use crate::labels::RESIDENCY_LABEL;
 use crate::metrics::Metrics;
 use decide::{Decision, Observed, decide};
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
@@ -79,7 +79,8 @@ impl Writes {
 
 pub struct Context {
     pub client: kube::Client,
-    pub recorder: Recorder,
+    /// Who the operator's events say reported them.
+    pub reporter: Reporter,
     pub writes: Writes,
     pub metrics: Arc<Metrics>,
     /// Filled by [`run`]'s pod watch; reset when a run starts.
@@ -92,16 +93,13 @@ impl Context {
     }
 
     pub fn with_metrics(client: kube::Client, metrics: Arc<Metrics>) -> Arc<Self> {
-        let recorder = Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: MANAGER.into(),
-                instance: std::env::var("POD_NAME").ok(),
-            },
-        );
+        let reporter = Reporter {
+            controller: MANAGER.into(),
+            instance: std::env::var("POD_NAME").ok(),
+        };
         Arc::new(Context {
             client,
-            recorder,
+            reporter,
             writes: Writes::default(),
             metrics,
             pods: PodCache::default(),
@@ -167,6 +165,15 @@ async fn write_status(
 }
 
 async fn publish(d: &Decision, r: &ModelResidency, ctx: &Context) {
+    if d.notes.is_empty() {
+        return;
+    }
+    // A recorder per reconcile, not one for the process: kube's recorder
+    // keeps every event it published for six minutes (to count repeats into
+    // a series) and scans them all on each publish, which at thousands of
+    // residencies is megabytes and a scan per event. The operator reports
+    // transitions, which do not repeat within a reconcile.
+    let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
     let reference = r.object_ref(&());
     for n in &d.notes {
         let secondary = n.model.as_ref().map(|m| ObjectReference {
@@ -188,7 +195,7 @@ async fn publish(d: &Decision, r: &ModelResidency, ctx: &Context) {
             secondary,
         };
         ctx.writes.events.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = ctx.recorder.publish(&ev, &reference).await {
+        if let Err(e) = recorder.publish(&ev, &reference).await {
             tracing::warn!(error = %e, "could not publish event");
         }
     }
@@ -270,6 +277,16 @@ pub async fn run(
     let residency_events = watcher(residencies, watcher::Config::default())
         .default_backoff()
         .modify(|r: &mut ModelResidency| r.managed_fields_mut().clear())
+        .inspect_ok({
+            // A deleted residency's metrics go with it. (One deleted while
+            // the watch was down keeps them until the operator restarts.)
+            let metrics = ctx.metrics.clone();
+            move |event| {
+                if let watcher::Event::Delete(r) = event {
+                    metrics.forget(&r.namespace().unwrap_or_default(), &r.name_any());
+                }
+            }
+        })
         .reflect(writer)
         .touched_objects();
     // At most this many reconciles at once: each holds an API connection

@@ -22,7 +22,7 @@ use crate::labels::RESIDENCY_LABEL;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Mutex;
 
 /// (namespace, residency name).
@@ -35,7 +35,9 @@ struct Entry {
     owner: Option<String>,
 }
 
-type Pods = HashMap<Key, BTreeMap<String, Entry>>;
+/// A residency has a handful of pods, so a vector (one slot each) rather
+/// than a map (a B-tree node is eleven slots, about 3 KiB, for one pod).
+type Pods = HashMap<Key, Vec<Entry>>;
 
 #[derive(Default)]
 struct Inner {
@@ -95,13 +97,17 @@ fn residency_ref(key: &Key) -> ObjectRef<ModelResidency> {
 }
 
 fn insert(pods: &mut Pods, key: Key, e: Entry) {
-    pods.entry(key).or_default().insert(e.pod.name.clone(), e);
+    let list = pods.entry(key).or_default();
+    match list.iter_mut().find(|old| old.pod.name == e.pod.name) {
+        Some(old) => *old = e,
+        None => list.push(e),
+    }
 }
 
 fn remove(pods: &mut Pods, key: &Key, name: &str) {
-    if let Some(m) = pods.get_mut(key) {
-        m.remove(name);
-        if m.is_empty() {
+    if let Some(list) = pods.get_mut(key) {
+        list.retain(|e| e.pod.name != name);
+        if list.is_empty() {
             pods.remove(key);
         }
     }
@@ -160,10 +166,10 @@ impl PodCache {
                 touched.extend(
                     old.into_iter()
                         .filter(|(k, pods)| {
-                            inner
-                                .live
-                                .get(k)
-                                .is_none_or(|now| pods.keys().any(|n| !now.contains_key(n)))
+                            inner.live.get(k).is_none_or(|now| {
+                                pods.iter()
+                                    .any(|e| now.iter().all(|n| n.pod.name != e.pod.name))
+                            })
                         })
                         .map(|(k, _)| residency_ref(&k)),
                 );
@@ -181,7 +187,7 @@ impl PodCache {
             .live
             .get(&(namespace.to_owned(), name.to_owned()))
             .map(|pods| {
-                pods.values()
+                pods.iter()
                     .filter(|e| e.owner.as_deref() == Some(uid))
                     .map(|e| e.pod.clone())
                     .collect()
@@ -207,7 +213,7 @@ impl PodCache {
         if let Some(e) = inner
             .live
             .get_mut(&(namespace.to_owned(), residency.to_owned()))
-            .and_then(|m| m.get_mut(pod))
+            .and_then(|list| list.iter_mut().find(|e| e.pod.name == pod))
         {
             e.pod.deleting = true;
         }

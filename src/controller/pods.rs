@@ -101,7 +101,7 @@ pub fn build_pod(
 ) -> Result<Pod, String> {
     let template: PodTemplateSpec = match &model.template {
         None => return Err("the model has no pod template".into()),
-        Some(t) => serde_json::from_value(t.clone())
+        Some(t) => serde_json::from_str(t.json())
             .map_err(|e| format!("the pod template is not a valid PodTemplateSpec: {e}"))?,
     };
     let mut spec = template.spec.ok_or("the pod template has no spec")?;
@@ -166,7 +166,7 @@ mod tests {
             name: "zimage".into(),
             size: ByteQuantity("1Gi".into()),
             pinned: false,
-            template: Some(template),
+            template: Some(template.into()),
         }
     }
 

@@ -1,0 +1,136 @@
+//! What the operator keeps in memory per residency, in heap bytes, counted
+//! by a global allocator wrapper (no cluster needed).
+//!
+//! Run: `cargo bench --bench heap`. Prints, for 1,000 residencies shaped
+//! like those of `cargo bench --bench cluster -- memory` (3 models, one
+//! resident with its pod): the cached residency, its metrics record and its
+//! pod-cache entry. RSS adds the allocator's own overhead and what is in
+//! flight; this is the floor under it.
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::watcher;
+use model_residency::api::{ModelResidency, ModelResidencyStatus};
+use model_residency::controller::pod_cache::PodCache;
+use model_residency::metrics::Metrics;
+use serde_json::json;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicIsize, Ordering};
+
+/// Counts the bytes currently allocated.
+struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+// SAFETY: forwards to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
+        // SAFETY: the caller's contract is passed on as is.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        LIVE.fetch_sub(l.size() as isize, Ordering::Relaxed);
+        // SAFETY: as above.
+        unsafe { System.dealloc(p, l) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+const N: usize = 1000;
+
+/// Heap bytes per item that `build` leaves allocated for N items.
+fn per_item<T>(build: impl FnMut(usize) -> T) -> isize {
+    let before = LIVE.load(Ordering::Relaxed);
+    let kept: Vec<T> = (0..N).map(build).collect();
+    let after = LIVE.load(Ordering::Relaxed);
+    let vec_itself = (kept.capacity() * std::mem::size_of::<T>()) as isize;
+    drop(kept);
+    (after - before - vec_itself) / N as isize
+}
+
+fn residency_json(i: usize) -> String {
+    let models: Vec<_> = (0..3)
+        .map(|m| json!({"name": format!("model-{m}"), "size": "2Gi",
+            "template": {"spec": {"containers": [{"name": "server", "image": format!("example/model-{m}:1")}]}}}))
+        .collect();
+    let condition = |t: &str, s: &str, reason: &str, message: &str| {
+        json!({"type": t, "status": s, "reason": reason, "message": message,
+            "lastTransitionTime": "2026-11-30T07:00:02Z", "observedGeneration": 2})
+    };
+    json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": format!("m0-{i}"), "namespace": "bench",
+            "uid": "0b6f6a55-3a4e-4d1e-9a57-2f1c9d7c2c11", "resourceVersion": "1234567",
+            "generation": 2, "creationTimestamp": "2026-11-30T07:00:00Z"},
+        "spec": {"nodeName": "node-34", "device": "0", "budget": "8Gi", "models": models,
+            "demand": [{"model": "model-0", "lastRequested": "2026-11-30T07:00:01.123456Z"}]},
+        "status": {"observedGeneration": 2, "budget": "8Gi", "used": "2Gi", "peak": "2Gi",
+            "resident": 1, "refused": 0,
+            "models": [
+                {"name": "model-0", "state": "Loaded", "size": "2Gi",
+                    "lastRequested": "2026-11-30T07:00:01.123456Z",
+                    "lastUsed": "2026-11-30T07:00:01.123456Z", "loadedAt": "2026-11-30T07:00:02Z",
+                    "pod": format!("m0-{i}-model-0"), "reason": "Loaded", "message": "ready"},
+                {"name": "model-1", "state": "Unloaded", "size": "2Gi"},
+                {"name": "model-2", "state": "Unloaded", "size": "2Gi"}],
+            "counters": {"hits": 0, "loads": 1, "evictions": 0, "refusals": 0, "unloads": 0},
+            "conditions": [
+                condition("Ready", "True", "AllResidentModelsReady", "1 resident model(s) ready"),
+                condition("Refused", "False", "NoRefusals", "no refused models"),
+                condition("Degraded", "False", "NoLoadFailures", "no failed loads")]}
+    })
+    .to_string()
+}
+
+fn pod(i: usize) -> Pod {
+    let residency = format!("m0-{i}");
+    serde_json::from_value(json!({
+        "metadata": {"name": format!("{residency}-model-0"), "namespace": "bench",
+            "uid": "0b6f6a55-3a4e-4d1e-9a57-2f1c9d7c2c11", "resourceVersion": (i + 1).to_string(),
+            "creationTimestamp": "2026-11-30T07:00:00Z",
+            "labels": {"residency.dev/residency": residency, "residency.dev/model": "model-0"},
+            "annotations": {"residency.dev/size": "2147483648"},
+            "ownerReferences": [{"apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+                "name": residency, "uid": "0b6f6a55-3a4e-4d1e-9a57-2f1c9d7c2c12", "controller": true}]},
+        "spec": {"nodeName": "node-34", "containers": [{"name": "server", "image": "example/model-0:1"}]},
+        "status": {"phase": "Running", "conditions": [
+            {"type": "Ready", "status": "True", "lastTransitionTime": "2026-11-30T07:00:02Z"}]}
+    }))
+    .unwrap()
+}
+
+fn main() {
+    let texts: Vec<String> = (0..N).map(residency_json).collect();
+    let residency =
+        per_item(|i| Arc::new(serde_json::from_str::<ModelResidency>(&texts[i]).unwrap()));
+    let status: ModelResidencyStatus = serde_json::from_str::<ModelResidency>(&texts[0])
+        .unwrap()
+        .status
+        .unwrap();
+    let names: Vec<String> = (0..N).map(|i| format!("m0-{i}")).collect();
+    let metrics = Metrics::new();
+    let before = LIVE.load(Ordering::Relaxed);
+    for n in &names {
+        metrics.observe_status("bench", n, &status);
+    }
+    let metric = (LIVE.load(Ordering::Relaxed) - before) / N as isize;
+    let pods: Vec<Pod> = (0..N).map(pod).collect();
+    let cache = PodCache::default();
+    let before = LIVE.load(Ordering::Relaxed);
+    for p in &pods {
+        cache.apply(&watcher::Event::Apply(p.clone()));
+    }
+    let pod_entry = (LIVE.load(Ordering::Relaxed) - before) / N as isize;
+    println!("heap per residency ({N} residencies, 3 models, one resident with its pod):");
+    println!("  cached ModelResidency:  {residency:>6} bytes");
+    println!("  metrics record:         {metric:>6} bytes");
+    println!("  pod cache entry:        {pod_entry:>6} bytes");
+    println!(
+        "  total:                  {:>6} bytes ({:.1} MiB at 10,000)",
+        residency + metric + pod_entry,
+        (residency + metric + pod_entry) as f64 * 10_000.0 / (1 << 20) as f64
+    );
+}
