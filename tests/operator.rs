@@ -409,6 +409,29 @@ async fn unknown_model_demand_gives_its_condition() {
 }
 
 #[tokio::test]
+async fn a_deleted_residency_takes_its_metrics_with_it() {
+    let Some(h) = Harness::start("metrics-gone").await else {
+        return;
+    };
+    h.create("gpu", "16000Mi", SEED).await;
+    h.request("gpu", "zimage").await;
+    let series = r#"model_residency_loads_total{namespace="NS",residency="gpu"} 1"#
+        .replace("NS", &h.env.namespace);
+    eventually(10, "the residency's metrics", || async {
+        h.ctx.metrics.encode().contains(&series).then_some(())
+    })
+    .await;
+    h.api
+        .delete("gpu", &kube::api::DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(10, "the metrics to go with the residency", || async {
+        (!h.ctx.metrics.encode().contains(r#"residency="gpu""#)).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn a_converged_residency_is_not_written_again() {
     let Some(h) = Harness::start("idempotent").await else {
         return;
