@@ -27,6 +27,9 @@ use std::time::Duration;
 /// The field manager of everything the operator writes.
 pub const MANAGER: &str = "model-residency";
 
+/// The annotation `kubectl apply` keeps its last applied copy in.
+const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
 /// Reconciles running at once.
 const RECONCILE_CONCURRENCY: u16 = 8;
 
@@ -238,8 +241,11 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
     Ok(match (retry_soon, decision.requeue_after) {
         (true, _) => Action::requeue(Duration::from_millis(500)),
         (false, Some(after)) => Action::requeue(after),
-        // Everything else arrives by watch; this is a safety net.
-        (false, None) => Action::requeue(Duration::from_secs(300)),
+        // Everything else arrives by watch (a watch that restarts lists
+        // again, which reconciles every residency). No periodic requeue: it
+        // would keep a scheduler entry per residency (about a kilobyte
+        // each) only to find nothing to do.
+        (false, None) => Action::await_change(),
     })
 }
 
@@ -271,12 +277,16 @@ pub async fn run(
         ),
         None => (Api::all(client.clone()), Api::all(client)),
     };
-    // The cache of residencies keeps no managedFields: they are the largest
-    // part of a stored object, and nothing here reads them.
+    // The cache of residencies keeps no managedFields and no kubectl
+    // last-applied copy: they are the largest parts of a stored object
+    // (the second a copy of the spec), and nothing here reads them.
     let (store, writer) = reflector::store();
     let residency_events = watcher(residencies, watcher::Config::default())
         .default_backoff()
-        .modify(|r: &mut ModelResidency| r.managed_fields_mut().clear())
+        .modify(|r: &mut ModelResidency| {
+            r.managed_fields_mut().clear();
+            r.annotations_mut().remove(LAST_APPLIED);
+        })
         .inspect_ok({
             // A deleted residency's metrics go with it. (One deleted while
             // the watch was down keeps them until the operator restarts.)
