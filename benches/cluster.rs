@@ -87,13 +87,57 @@ fn main() {
 
 async fn setup(client: &kube::Client) {
     model_residency::local::install_crd(client).await.unwrap();
+    create_namespace(client, NS).await;
+}
+
+async fn create_namespace(client: &kube::Client, name: &str) {
     let nss: Api<Namespace> = Api::all(client.clone());
     nss.create(
         &PostParams::default(),
-        &serde_json::from_value(json!({"metadata": {"name": NS}})).unwrap(),
+        &serde_json::from_value(json!({"metadata": {"name": name}})).unwrap(),
     )
     .await
     .unwrap();
+}
+
+/// The latest `poke` annotation of the object named `floor`, seen through
+/// a watch.
+fn watch_poke<K>(api: Api<K>) -> tokio::sync::watch::Receiver<String>
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::watch::channel(String::new());
+    tokio::spawn(async move {
+        let mut s = watcher(
+            api,
+            watcher::Config::default().fields("metadata.name=floor"),
+        )
+        .applied_objects()
+        .boxed();
+        while let Ok(Some(o)) = s.try_next().await {
+            let _ = tx.send(o.annotations().get("poke").cloned().unwrap_or_default());
+        }
+    });
+    rx
+}
+
+/// One floor sample: merge-patch `floor`'s `poke` annotation to `value`,
+/// until the watch sees it.
+async fn poke<K>(api: &Api<K>, seen: &tokio::sync::watch::Receiver<String>, value: &str) -> Duration
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned,
+{
+    let mut seen = seen.clone();
+    let t0 = Instant::now();
+    api.patch(
+        "floor",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"annotations": {"poke": value}}})),
+    )
+    .await
+    .unwrap();
+    seen.wait_for(|v| v == value).await.unwrap();
+    t0.elapsed()
 }
 
 fn residency(name: &str, node: &str, budget: &str, models: &[(String, String)]) -> ModelResidency {
@@ -177,13 +221,7 @@ async fn latency(client: &kube::Client, samples: usize) {
     .unwrap();
     // A second floor for the kind of object the operator writes: a
     // ModelResidency annotation, in a namespace no operator watches.
-    let nss: Api<Namespace> = Api::all(client.clone());
-    nss.create(
-        &PostParams::default(),
-        &serde_json::from_value(json!({"metadata": {"name": FLOOR_NS}})).unwrap(),
-    )
-    .await
-    .unwrap();
+    create_namespace(client, FLOOR_NS).await;
     let crs: Api<ModelResidency> = Api::namespaced(client.clone(), FLOOR_NS);
     crs.create(
         &PostParams::default(),
@@ -191,32 +229,8 @@ async fn latency(client: &kube::Client, samples: usize) {
     )
     .await
     .unwrap();
-    let (cr_tx, mut cr_rx) = tokio::sync::watch::channel(String::new());
-    let watch_crs = crs.clone();
-    tokio::spawn(async move {
-        let mut s = watcher(
-            watch_crs,
-            watcher::Config::default().fields("metadata.name=floor"),
-        )
-        .applied_objects()
-        .boxed();
-        while let Ok(Some(r)) = s.try_next().await {
-            let _ = cr_tx.send(r.annotations().get("poke").cloned().unwrap_or_default());
-        }
-    });
-    let (cm_tx, mut cm_rx) = tokio::sync::watch::channel(String::new());
-    let watch_cms = cms.clone();
-    tokio::spawn(async move {
-        let mut s = watcher(
-            watch_cms,
-            watcher::Config::default().fields("metadata.name=floor"),
-        )
-        .applied_objects()
-        .boxed();
-        while let Ok(Some(cm)) = s.try_next().await {
-            let _ = cm_tx.send(cm.annotations().get("poke").cloned().unwrap_or_default());
-        }
-    });
+    let cr_floor_seen = watch_poke(crs.clone());
+    let cm_floor_seen = watch_poke(cms.clone());
     // Wait until both models are loaded, then find their demand indexes.
     loop {
         let r = api.get("lat").await.unwrap();
@@ -245,29 +259,10 @@ async fn latency(client: &kube::Client, samples: usize) {
     let mut cr_floor = Vec::with_capacity(samples);
     let mut patched = Vec::with_capacity(samples);
     for i in 0..samples {
-        // Floor sample.
+        // Floor samples: a ConfigMap, then a ModelResidency no one watches.
         let value = i.to_string();
-        let t0 = Instant::now();
-        cms.patch(
-            "floor",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"annotations": {"poke": value}}})),
-        )
-        .await
-        .unwrap();
-        cm_rx.wait_for(|v| *v == value).await.unwrap();
-        floor.push(t0.elapsed());
-
-        let t0 = Instant::now();
-        crs.patch(
-            "floor",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"annotations": {"poke": value}}})),
-        )
-        .await
-        .unwrap();
-        cr_rx.wait_for(|v| *v == value).await.unwrap();
-        cr_floor.push(t0.elapsed());
+        floor.push(poke(&cms, &cm_floor_seen, &value).await);
+        cr_floor.push(poke(&crs, &cr_floor_seen, &value).await);
 
         // Apply-to-status sample: one JSON patch (a request, a hit), then
         // the status seen with the new generation and lastRequested.
