@@ -361,9 +361,15 @@ async fn a_deleted_pod_is_recreated_and_a_failed_one_degrades() {
         .delete("gpu-zimage", &DeleteParams::default())
         .await
         .unwrap();
-    eventually(30, "the pod to be recreated", || async {
+    // Recreated, and running (so that failing it below is a running model
+    // server failing, not one that has not started yet).
+    eventually(30, "the pod to be recreated and ready", || async {
         let p: Pod = h.pods.get_opt("gpu-zimage").await.unwrap()?;
-        (p.metadata.uid != old && p.metadata.deletion_timestamp.is_none()).then_some(())
+        let ready = p
+            .status
+            .and_then(|s| s.conditions)
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+        (p.metadata.uid != old && p.metadata.deletion_timestamp.is_none() && ready).then_some(())
     })
     .await;
     h.converged("gpu").await;

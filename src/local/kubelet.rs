@@ -226,6 +226,11 @@ async fn start_pod(api: &Api<Pod>, pod: &Pod) -> Result<(), kube::Error> {
     if current.metadata.uid != pod.metadata.uid || current.metadata.deletion_timestamp.is_some() {
         return Ok(());
     }
+    // Failed meanwhile (by `fail_pod`): a kubelet does not start it again.
+    let phase = current.status.as_ref().and_then(|s| s.phase.as_deref());
+    if phase.is_some_and(|p| p != "Pending") {
+        return Ok(());
+    }
     let fail = current
         .metadata
         .annotations
