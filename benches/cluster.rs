@@ -100,25 +100,38 @@ async fn create_namespace(client: &kube::Client, name: &str) {
     .unwrap();
 }
 
-/// The latest `poke` annotation of the object named `floor`, seen through
-/// a watch.
+/// What `read` makes of each version of the object `name` seen through a
+/// watch (versions it maps to `None` are skipped), latest first.
+fn watch_named<K, T>(
+    api: Api<K>,
+    name: &str,
+    read: impl Fn(K) -> Option<T> + Send + 'static,
+) -> tokio::sync::watch::Receiver<T>
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
+    T: Default + Send + Sync + 'static,
+{
+    let (tx, rx) = tokio::sync::watch::channel(T::default());
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    tokio::spawn(async move {
+        let mut s = watcher(api, config).applied_objects().boxed();
+        while let Ok(Some(o)) = s.try_next().await {
+            if let Some(v) = read(o) {
+                let _ = tx.send(v);
+            }
+        }
+    });
+    rx
+}
+
+/// The latest `poke` annotation of the object named `floor`.
 fn watch_poke<K>(api: Api<K>) -> tokio::sync::watch::Receiver<String>
 where
     K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
 {
-    let (tx, rx) = tokio::sync::watch::channel(String::new());
-    tokio::spawn(async move {
-        let mut s = watcher(
-            api,
-            watcher::Config::default().fields("metadata.name=floor"),
-        )
-        .applied_objects()
-        .boxed();
-        while let Ok(Some(o)) = s.try_next().await {
-            let _ = tx.send(o.annotations().get("poke").cloned().unwrap_or_default());
-        }
-    });
-    rx
+    watch_named(api, "floor", |o: K| {
+        Some(o.annotations().get("poke").cloned().unwrap_or_default())
+    })
 }
 
 /// One floor sample: merge-patch `floor`'s `poke` annotation to `value`,
@@ -188,28 +201,16 @@ async fn latency(client: &kube::Client, samples: usize) {
             .unwrap();
     }
     // Watch the residency: latest (model -> lastRequested) seen in status.
-    let (seen_tx, mut seen_rx) = tokio::sync::watch::channel(Vec::<(String, String)>::new());
-    let watch_api = api.clone();
-    tokio::spawn(async move {
-        let mut s = watcher(
-            watch_api,
-            watcher::Config::default().fields("metadata.name=lat"),
+    let mut seen_rx = watch_named(api.clone(), "lat", |r: ModelResidency| {
+        let st = r
+            .status
+            .filter(|s| s.observed_generation == r.metadata.generation)?;
+        Some(
+            st.models
+                .iter()
+                .map(|m| (m.name.clone(), m.last_requested.clone().unwrap_or_default()))
+                .collect::<Vec<_>>(),
         )
-        .applied_objects()
-        .boxed();
-        while let Ok(Some(r)) = s.try_next().await {
-            if let Some(st) = r
-                .status
-                .filter(|s| s.observed_generation == r.metadata.generation)
-            {
-                let _ = seen_tx.send(
-                    st.models
-                        .iter()
-                        .map(|m| (m.name.clone(), m.last_requested.clone().unwrap_or_default()))
-                        .collect(),
-                );
-            }
-        }
     });
     // The floor: a ConfigMap annotation through the same kind of watch.
     let cms: Api<ConfigMap> = Api::namespaced(client.clone(), NS);

@@ -126,10 +126,6 @@ impl PodCache {
         let _ = rx.wait_for(|r| *r).await;
     }
 
-    pub fn is_ready(&self) -> bool {
-        *self.ready.borrow()
-    }
-
     /// Applies one watch event; returns the residencies to reconcile.
     pub fn apply(&self, event: &watcher::Event<Pod>) -> Vec<ObjectRef<ModelResidency>> {
         let mut inner = self.inner.lock().unwrap();
@@ -248,9 +244,13 @@ mod tests {
     #[test]
     fn a_created_pod_counts_until_the_watch_says_otherwise() {
         let c = PodCache::default();
+        assert!(futures::FutureExt::now_or_never(c.wait_ready()).is_none());
         c.apply(&watcher::Event::Init);
         c.apply(&watcher::Event::InitDone);
-        assert!(c.is_ready());
+        assert!(
+            futures::FutureExt::now_or_never(c.wait_ready()).is_some(),
+            "ready once the list is complete"
+        );
         c.created(&pod("r-a", "r", 10, false));
         assert_eq!(names(&c, "r"), [("r-a".to_owned(), false)]);
         c.deleting("ns", "r", "r-a");
