@@ -24,9 +24,9 @@ use model_residency::api::{ModelResidency, ModelState};
 use model_residency::controller::{self, Context};
 use model_residency::local::control_plane::ControlPlane;
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
+use model_residency::metrics::{API_REQUESTS, RECONCILES};
 use serde_json::json;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 const NS: &str = "bench";
@@ -417,31 +417,31 @@ async fn scale(client: &kube::Client, counts: &[usize], models: usize, nodes: us
         let stormed = t1.elapsed();
         let after_storm = wait_converged(&scoped, total_before + count).await;
         let converged = after_storm + stormed;
-        let w = &ctx.writes;
+        let requests = |verb: &str, resource: &str| {
+            let labels = format!(r#"verb="{verb}",resource="{resource}""#);
+            ctx.metrics.sum_where(API_REQUESTS, &labels)
+        };
         let breakdown = format!(
             "{}/{}/{}/{}",
-            w.pods_created.load(Ordering::Relaxed),
-            w.pods_deleted.load(Ordering::Relaxed),
-            w.status_patches.load(Ordering::Relaxed),
-            w.events.load(Ordering::Relaxed)
+            requests("create", "pods"),
+            requests("delete", "pods"),
+            requests("patch", "modelresidencies/status"),
+            requests("create", "events")
         );
-        let reconciles = ctx.writes.reconciles.load(Ordering::Relaxed).max(1);
-        let per = ctx.writes.requests() as f64 / reconciles as f64;
-        let conflicts = ctx
-            .metrics
-            .encode()
-            .lines()
-            .find(|l| l.starts_with("model_residency_reconcile_errors_total{reason=\"conflict\"}"))
-            .and_then(|l| l.split_whitespace().last().map(str::to_owned))
-            .unwrap_or_else(|| "0".into());
-        let before = ctx.writes.total();
+        let reconciles = ctx.metrics.sum(RECONCILES).max(1);
+        let per = ctx.metrics.sum(API_REQUESTS) as f64 / reconciles as f64;
+        let conflicts = ctx.metrics.sum_where(
+            "model_residency_reconcile_errors_total",
+            r#"reason="conflict""#,
+        );
+        let before = ctx.metrics.sum(API_REQUESTS);
         let wait = if count >= 1000 {
             steady
         } else {
             steady.min(10)
         };
         tokio::time::sleep(Duration::from_secs(wait)).await;
-        let steady_writes = ctx.writes.total() - before;
+        let steady_writes = ctx.metrics.sum(API_REQUESTS) - before;
         println!(
             "  {count:>5} | {:>8.2} | {:>7.2} | {:>26.2} | {:>20.2} | {per:>18.2} | {reconciles:>10} | {breakdown:>29} | {conflicts:>4} | {steady_writes} in {wait} s",
             created.as_secs_f64(),

@@ -11,6 +11,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher;
 use model_residency::api::{ModelResidency, ModelResidencyStatus};
 use model_residency::controller::pod_cache::PodCache;
+use model_residency::controller::state::Usage;
 use model_residency::metrics::Metrics;
 use serde_json::json;
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -115,11 +116,18 @@ fn main() {
         .unwrap();
     let names: Vec<String> = (0..N).map(|i| format!("m0-{i}")).collect();
     let metrics = Metrics::new();
-    let metric = retained_per_item(|i| metrics.observe_status("bench", &names[i], &status));
+    let usage = Usage {
+        budget: 16 << 30,
+        used: 10 << 30,
+        peak: 10 << 30,
+        resident: status.resident,
+    };
+    let metric =
+        retained_per_item(|i| metrics.observe("bench", &names[i], &usage, status.counters));
     let pods: Vec<Pod> = (0..N).map(pod).collect();
     let cache = PodCache::default();
     let pod_entry = retained_per_item(|i| {
-        cache.apply(&watcher::Event::Apply(pods[i].clone()));
+        cache.record(&watcher::Event::Apply(pods[i].clone()));
     });
     println!("heap per residency ({N} residencies, 3 models, one resident with its pod):");
     println!("  cached ModelResidency:  {residency:>6} bytes");

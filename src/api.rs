@@ -234,39 +234,8 @@ impl ModelState {
     }
 }
 
-/// Running totals.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
-pub struct Counters {
-    pub hits: u64,
-    pub loads: u64,
-    pub evictions: u64,
-    pub refusals: u64,
-    pub unloads: u64,
-}
-
-impl From<crate::engine::Counters> for Counters {
-    fn from(c: crate::engine::Counters) -> Self {
-        Counters {
-            hits: c.hits,
-            loads: c.loads,
-            evictions: c.evictions,
-            refusals: c.refusals,
-            unloads: c.unloads,
-        }
-    }
-}
-
-impl From<Counters> for crate::engine::Counters {
-    fn from(c: Counters) -> Self {
-        crate::engine::Counters {
-            hits: c.hits,
-            loads: c.loads,
-            evictions: c.evictions,
-            refusals: c.refusals,
-            unloads: c.unloads,
-        }
-    }
-}
+/// Running totals, kept in status (one type with the engine's).
+pub use crate::engine::Counters;
 
 /// A VRAM quantity as written in the spec: a string like `16000Mi`, or an
 /// integer number of bytes. Parsed to bytes by the reconciler.

@@ -12,9 +12,9 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-/// What the endpoints report.
+/// What the endpoints serve: readiness and the metrics.
 #[derive(Default)]
-pub struct Health {
+pub struct Endpoints {
     /// Set once the controller's first watch list has been synced (and,
     /// with leader election, also while standing by: a standby is ready to
     /// take over).
@@ -23,10 +23,17 @@ pub struct Health {
 }
 
 /// Serves until the task is dropped.
-pub async fn serve(listener: TcpListener, health: Arc<Health>) {
+pub async fn serve(listener: TcpListener, health: Arc<Endpoints>) {
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors, most likely: retrying at once
+                // would spin a core until one frees up.
+                tracing::warn!(error = %e, "accepting a connection failed; pausing");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
         };
         let health = health.clone();
         tokio::spawn(async move {
@@ -35,7 +42,7 @@ pub async fn serve(listener: TcpListener, health: Arc<Health>) {
     }
 }
 
-async fn answer(mut stream: TcpStream, health: &Health) -> std::io::Result<()> {
+async fn answer(mut stream: TcpStream, health: &Endpoints) -> std::io::Result<()> {
     let mut buf = vec![0u8; 8192];
     let mut len = 0;
     // Read until the end of the headers (or the limit).
@@ -64,7 +71,7 @@ async fn answer(mut stream: TcpStream, health: &Health) -> std::io::Result<()> {
     stream.shutdown().await
 }
 
-fn route(method: &str, path: &str, health: &Health) -> (&'static str, &'static str, String) {
+fn route(method: &str, path: &str, health: &Endpoints) -> (&'static str, &'static str, String) {
     const TEXT: &str = "text/plain; charset=utf-8";
     let path = path.split('?').next().unwrap_or("");
     let known = matches!(path, "/healthz" | "/readyz" | "/metrics");
@@ -110,7 +117,7 @@ mod tests {
     async fn answers_only_reads_of_the_three_endpoints() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let health = Arc::new(Health::default());
+        let health = Arc::new(Endpoints::default());
         tokio::spawn(serve(listener, health.clone()));
         let req = |m: &str, p: &str| format!("{m} {p} HTTP/1.1\r\nhost: x\r\n\r\n");
         assert!(

@@ -7,3 +7,12 @@ pub const MODEL_LABEL: &str = "residency.dev/model";
 pub const RESIDENCY_LABEL: &str = "residency.dev/residency";
 /// Annotation on a model pod: the model's declared VRAM size in bytes.
 pub const SIZE_ANNOTATION: &str = "residency.dev/size";
+
+/// The longest a label value may be. A residency's name is a label value
+/// on its pods, so it is held to this too.
+pub const LABEL_VALUE_MAX: usize = 63;
+
+/// Whether `s` is short enough to be a label value.
+pub fn fits_label_value(s: &str) -> bool {
+    s.len() <= LABEL_VALUE_MAX
+}

@@ -1,8 +1,8 @@
 //! model-residency: per-GPU model residency for Kubernetes.
 //!
 //! - [`api`]: the `ModelResidency` custom resource.
-//! - [`controller`]: the reconciler (fetch, decide, apply, status).
-//! - [`demand`]: load/unload requests (server-side apply, JSON patch).
+//! - [`controller`]: the reconciler (validate, restore, decide, enact).
+//! - [`demand`]: load/unload requests (a guarded JSON patch of `spec.demand`).
 //! - [`engine`]: the pure VRAM-budgeted LRU admission policy.
 //! - [`quantity`]: Kubernetes quantities as whole bytes.
 //! - [`registry`]: registry files (`{name, size, pinned}` lists).

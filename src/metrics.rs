@@ -3,11 +3,14 @@
 //! Per residency (labels `namespace`, `residency`): budget, used and peak
 //! bytes, resident models, and the hits, loads, evictions, refusals and
 //! unloads totals (exported from status, so they survive restarts of the
-//! operator as one counter reset). Per controller: reconcile duration,
-//! reconcile errors by reason, model load duration (pod created to Ready).
+//! operator as one counter reset). Per controller: reconciles, reconcile
+//! duration, reconcile errors by reason, API requests by verb and resource
+//! (every request the reconciler makes; watches aside), model load duration
+//! (pod created to Ready). Tests and benchmarks read these too, through
+//! [`Metrics::sum`], so there is one count of everything.
 
-use crate::api::{Counters, ModelResidencyStatus};
-use crate::quantity::parse_bytes;
+use crate::api::Counters;
+use crate::controller::state::Usage;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::MetricType;
@@ -20,6 +23,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+/// The exposition names of the reconciler's own counts (for [`Metrics::sum`]).
+pub const API_REQUESTS: &str = "model_residency_api_requests_total";
+pub const RECONCILES: &str = "model_residency_reconciles_total";
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
 pub struct ResidencyLabels {
     pub namespace: String,
@@ -29,6 +36,12 @@ pub struct ResidencyLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
     pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub verb: &'static str,
+    pub resource: &'static str,
 }
 
 /// What is exported for one residency.
@@ -107,6 +120,8 @@ pub struct Metrics {
     residencies: Arc<PerResidency>,
     reconcile_duration: Histogram,
     reconcile_errors: Family<ErrorLabels, Counter>,
+    reconciles: Counter,
+    api_requests: Family<RequestLabels, Counter>,
     load_duration: Histogram,
 }
 
@@ -123,6 +138,8 @@ impl Metrics {
             residencies: Arc::default(),
             reconcile_duration: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
             reconcile_errors: Family::default(),
+            reconciles: Counter::default(),
+            api_requests: Family::default(),
             load_duration: Histogram::new(exponential_buckets(0.1, 2.0, 14)),
             registry: Registry::default(),
         };
@@ -137,6 +154,12 @@ impl Metrics {
             "Failed reconciles by reason",
             m.reconcile_errors.clone(),
         );
+        registry.register("reconciles", "Reconciles started", m.reconciles.clone());
+        registry.register(
+            "api_requests",
+            "API requests the reconciler made (pod creates and deletes, status patches, events), by verb and resource",
+            m.api_requests.clone(),
+        );
         registry.register(
             "model_load_duration_seconds",
             "Time from a model pod's creation to Ready",
@@ -145,21 +168,18 @@ impl Metrics {
         Metrics { registry, ..m }
     }
 
-    /// Exports a residency's status.
-    pub fn observe_status(&self, namespace: &str, residency: &str, s: &ModelResidencyStatus) {
-        let bytes =
-            |q: &Option<String>| q.as_deref().and_then(|q| parse_bytes(q).ok()).unwrap_or(0);
+    /// Exports a residency's decided usage and status counters.
+    pub fn observe(&self, namespace: &str, residency: &str, usage: &Usage, c: Counters) {
         let mut map = self.residencies.0.lock().expect("metrics lock");
         let labels = ResidencyLabels {
             namespace: namespace.into(),
             residency: residency.into(),
         };
         let snap = map.entry(labels).or_default();
-        snap.budget = bytes(&s.budget);
-        snap.used = bytes(&s.used);
-        snap.peak = bytes(&s.peak);
-        snap.resident = s.resident;
-        let c = s.counters;
+        snap.budget = usage.budget;
+        snap.used = usage.used;
+        snap.peak = usage.peak;
+        snap.resident = usage.resident;
         let (totals, last) = (&mut snap.totals, &mut snap.last);
         for (total, now, before) in [
             (&mut totals.hits, c.hits, &mut last.hits),
@@ -195,6 +215,17 @@ impl Metrics {
             .inc();
     }
 
+    pub fn reconciled(&self) {
+        self.reconciles.inc();
+    }
+
+    /// Counts one API request, made whatever its answer.
+    pub fn api_request(&self, verb: &'static str, resource: &'static str) {
+        self.api_requests
+            .get_or_create(&RequestLabels { verb, resource })
+            .inc();
+    }
+
     pub fn model_loaded(&self, seconds: f64) {
         self.load_duration.observe(seconds);
     }
@@ -205,6 +236,25 @@ impl Metrics {
             metrics: self,
             start: Instant::now(),
         }
+    }
+
+    /// The sum of a metric's samples over all its label sets, as the
+    /// exposition shows them: `sum(API_REQUESTS)`.
+    pub fn sum(&self, metric: &str) -> u64 {
+        self.sum_where(metric, "")
+    }
+
+    /// The sum of a metric's samples whose labels contain `labels`, as
+    /// exposed: `sum_where(API_REQUESTS, r#"verb="create",resource="pods""#)`.
+    pub fn sum_where(&self, metric: &str, labels: &str) -> u64 {
+        self.encode()
+            .lines()
+            .filter_map(|line| {
+                let (series, value) = line.rsplit_once(' ')?;
+                let (name, rest) = series.split_once('{').unwrap_or((series, ""));
+                (name == metric && rest.contains(labels)).then(|| value.parse::<f64>().ok())?
+            })
+            .sum::<f64>() as u64
     }
 
     /// The OpenMetrics text exposition.
@@ -236,17 +286,19 @@ mod tests {
     #[test]
     fn exports_status_and_counts_deltas() {
         let m = Metrics::new();
-        let mut s = ModelResidencyStatus {
-            budget: Some("16000Mi".into()),
-            used: Some("13900Mi".into()),
-            peak: Some("13900Mi".into()),
+        let usage = Usage {
+            budget: 16000 << 20,
+            used: 13900 << 20,
+            peak: 13900 << 20,
             resident: 2,
-            ..Default::default()
         };
-        s.counters.loads = 2;
-        m.observe_status("models", "gpu0", &s);
-        s.counters.loads = 3;
-        m.observe_status("models", "gpu0", &s);
+        let mut c = Counters {
+            loads: 2,
+            ..Counters::default()
+        };
+        m.observe("models", "gpu0", &usage, c);
+        c.loads = 3;
+        m.observe("models", "gpu0", &usage, c);
         let text = m.encode();
         let labels = r#"{namespace="models",residency="gpu0"}"#;
         for want in [
@@ -271,6 +323,15 @@ mod tests {
             text.contains(r#"model_residency_reconcile_errors_total{reason="kube"} 1"#),
             "{text}"
         );
+        m.reconciled();
+        m.api_request("create", "pods");
+        m.api_request("create", "pods");
+        m.api_request("create", "events");
+        assert_eq!(m.sum(API_REQUESTS), 3);
+        assert_eq!(m.sum(RECONCILES), 1);
+        let pods = r#"verb="create",resource="pods""#;
+        assert_eq!(m.sum_where(API_REQUESTS, pods), 2);
+        assert_eq!(m.sum("model_residency_loads_total"), 3);
         m.forget("models", "gpu0");
         assert!(!m.encode().contains("gpu0"));
     }

@@ -11,6 +11,7 @@ use model_residency::api::{ModelResidency, ModelState};
 use model_residency::controller::{self, Context};
 use model_residency::lease::{LeaderElector, LeaseConfig};
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
+use model_residency::metrics::API_REQUESTS;
 use serde_json::{Value, json};
 use std::process::Command;
 use std::sync::Arc;
@@ -296,7 +297,7 @@ async fn the_operator_does_its_job_with_only_the_charts_rbac() {
         .collect();
     assert_eq!(names, ["gpu-b"]);
     assert!(
-        ctx.writes.total() >= 4,
+        ctx.metrics.sum(API_REQUESTS) >= 4,
         "the operator wrote through its own credentials"
     );
 
@@ -407,13 +408,17 @@ async fn a_standby_takes_over_within_the_lease_and_never_writes_alongside() {
         admin.get("first").await.unwrap().status.map(|_| ())
     })
     .await;
-    assert!(replicas[leader].ctx.writes.total() > 0);
-    assert_eq!(replicas[standby].ctx.writes.total(), 0, "the standby wrote");
+    assert!(replicas[leader].ctx.metrics.sum(API_REQUESTS) > 0);
+    assert_eq!(
+        replicas[standby].ctx.metrics.sum(API_REQUESTS),
+        0,
+        "the standby wrote"
+    );
 
     // Kill the leader (no release: as if its pod died).
     replicas[leader].task.abort();
     let killed_at = Instant::now();
-    let leader_writes = replicas[leader].ctx.writes.total();
+    let leader_writes = replicas[leader].ctx.metrics.sum(API_REQUESTS);
     eventually(20, "the standby to take over", || async {
         replicas[standby]
             .leading
@@ -440,9 +445,9 @@ async fn a_standby_takes_over_within_the_lease_and_never_writes_alongside() {
         admin.get("second").await.unwrap().status.map(|_| ())
     })
     .await;
-    assert!(replicas[standby].ctx.writes.total() > 0);
+    assert!(replicas[standby].ctx.metrics.sum(API_REQUESTS) > 0);
     assert_eq!(
-        replicas[leader].ctx.writes.total(),
+        replicas[leader].ctx.metrics.sum(API_REQUESTS),
         leader_writes,
         "the dead leader wrote"
     );

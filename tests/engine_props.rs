@@ -43,10 +43,6 @@ fn reason(r: RefuseReason) -> &'static str {
     r.as_str()
 }
 
-fn ids(v: &[ModelId]) -> Vec<usize> {
-    v.iter().map(|id| id.index()).collect()
-}
-
 proptest! {
     #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
 
@@ -59,6 +55,10 @@ proptest! {
             .map(|(i, &(size, pinned))| engine.register(&format!("m{i}"), size, pinned).unwrap())
             .collect();
         let mut reference = Reference::new(budget, &models);
+        // The reference names models by registration index.
+        let ids = |v: &[ModelId]| -> Vec<usize> {
+            v.iter().map(|id| handles.iter().position(|h| h == id).unwrap()).collect()
+        };
 
         for (step, op) in ops.iter().enumerate() {
             let before = engine.residents();

@@ -13,6 +13,7 @@ use model_residency::demand;
 use model_residency::engine::Engine;
 use model_residency::local::control_plane::ControlPlane;
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
+use model_residency::metrics::{API_REQUESTS, RECONCILES};
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -296,13 +297,13 @@ async fn api_server_restart_mid_storm() {
     })
     .await
     .unwrap();
-    let before = ctx.writes.reconciles.load(Ordering::Relaxed);
+    let before = ctx.metrics.sum(RECONCILES);
     tokio::time::sleep(Duration::from_secs(3)).await;
     stop.store(true, Ordering::Relaxed);
     storm.await.unwrap();
     let converged = check_converged(&rig, Duration::from_secs(60), true).await;
     assert!(
-        ctx.writes.reconciles.load(Ordering::Relaxed) > before,
+        ctx.metrics.sum(RECONCILES) > before,
         "the operator never reconnected"
     );
     eprintln!(
@@ -337,7 +338,10 @@ async fn operator_killed_mid_storm_and_replaced() {
     stop.store(true, Ordering::Relaxed);
     storm.await.unwrap();
     let converged = check_converged(&rig, Duration::from_secs(60), true).await;
-    assert!(second.writes.total() > 0, "the replacement did nothing");
+    assert!(
+        second.metrics.sum(API_REQUESTS) > 0,
+        "the replacement did nothing"
+    );
     final_requests(&rig).await;
     eprintln!(
         "operator kill: replacement running {:.2} s later; converged {:.2} s after the storm ended",
@@ -403,7 +407,7 @@ async fn autoscaler_and_admin_race_the_reconciler() {
     eprintln!(
         "races: {} demand writes, {edits} budget edits, {} reconciles, {} writes",
         ok.load(Ordering::Relaxed),
-        ctx.writes.reconciles.load(Ordering::Relaxed),
-        ctx.writes.total()
+        ctx.metrics.sum(RECONCILES),
+        ctx.metrics.sum(API_REQUESTS)
     );
 }

@@ -10,9 +10,9 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use model_residency::api::{ModelResidency, ModelState, ModelStatus};
 use model_residency::engine::Engine;
 use model_residency::local::kubelet::fail_pod;
+use model_residency::metrics::{API_REQUESTS, RECONCILES};
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::Ordering;
 use support::cluster::eventually;
 use support::operator::{Harness, Model};
 
@@ -450,8 +450,8 @@ async fn a_converged_residency_is_not_written_again() {
     // Let the last watch events settle, then force reconciles with metadata
     // changes that do not touch the spec.
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-    let writes = h.ctx.writes.total();
-    let reconciles = h.ctx.writes.reconciles.load(Ordering::Relaxed);
+    let writes = h.ctx.metrics.sum(API_REQUESTS);
+    let reconciles = h.ctx.metrics.sum(RECONCILES);
     for i in 0..5 {
         h.api
             .patch(
@@ -464,11 +464,11 @@ async fn a_converged_residency_is_not_written_again() {
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
     eventually(10, "the pokes to be reconciled", || async {
-        (h.ctx.writes.reconciles.load(Ordering::Relaxed) >= reconciles + 3).then_some(())
+        (h.ctx.metrics.sum(RECONCILES) >= reconciles + 3).then_some(())
     })
     .await;
     assert_eq!(
-        h.ctx.writes.total(),
+        h.ctx.metrics.sum(API_REQUESTS),
         writes,
         "a reconcile with nothing new wrote something"
     );

@@ -6,9 +6,9 @@ use super::Failure;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::Api;
 use model_residency::api::{ModelResidency, ModelState};
-use model_residency::controller::decide::rebuild_engine;
+use model_residency::controller::state::{restore, validate};
 use model_residency::demand;
-use model_residency::quantity::{format_bytes, parse_bytes};
+use model_residency::quantity::format_bytes;
 
 #[derive(clap::Args, Debug)]
 pub struct Target {
@@ -99,33 +99,25 @@ pub async fn status(target: Target, residency: String) -> Result<(), Failure> {
 pub fn render_status(r: &ModelResidency) -> String {
     let mut out = String::new();
     let status = r.status.clone().unwrap_or_default();
-    let budget = parse_bytes(&r.spec.budget.0).unwrap_or(0);
-    let used = status
-        .used
-        .as_deref()
-        .and_then(|u| parse_bytes(u).ok())
-        .unwrap_or(0);
-    out += &format!(
-        "{} on node {} GPU {}: used {} of {} ({:.0}%), peak {}\n",
-        r.metadata.name.as_deref().unwrap_or("?"),
-        r.spec.node_name,
-        r.spec.device,
-        format_bytes(used),
-        format_bytes(budget),
-        if budget == 0 {
-            0.0
-        } else {
-            100.0 * used as f64 / budget as f64
-        },
-        status.peak.as_deref().unwrap_or("0"),
-    );
-    let engine = match rebuild_engine(r) {
-        Ok(e) => e,
+    let name = r.metadata.name.as_deref().unwrap_or("?");
+    let where_ = format!("{name} on node {} GPU {}", r.spec.node_name, r.spec.device);
+    let valid = match validate(r) {
+        Ok(v) => v,
         Err(problem) => {
-            out += &format!("the spec is invalid: {problem}\n");
+            out += &format!("{where_}\nthe spec is invalid: {problem}\n");
             return out;
         }
     };
+    // The engine as the status left it: its budget, residents, peak.
+    let engine = restore(&valid, &status).engine;
+    let (budget, used) = (valid.budget, engine.used());
+    out += &format!(
+        "{where_}: used {} of {} ({:.0}%), peak {}\n",
+        format_bytes(used),
+        format_bytes(budget),
+        100.0 * used as f64 / budget as f64,
+        format_bytes(engine.peak()),
+    );
     let by_name = |n: &str| status.models.iter().find(|m| m.name == n);
     out += "resident, least recently used first:\n";
     let residents = engine.residents();

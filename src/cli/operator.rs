@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 use model_residency::api::ModelResidency;
 use model_residency::controller::{self, Context};
-use model_residency::http::{Health, serve};
+use model_residency::http::{Endpoints, serve};
 use model_residency::lease::{LeaderElector, LeaseConfig};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -136,12 +136,12 @@ pub async fn run(args: Args) -> Result<(), Failure> {
     })?;
     preflight(&client, args.namespace.as_deref()).await?;
 
-    let health = Arc::new(Health::default());
+    let endpoints = Arc::new(Endpoints::default());
     let listener = tokio::net::TcpListener::bind(args.http_addr)
         .await
         .map_err(|e| fatal(format!("cannot listen on {}: {e}", args.http_addr)))?;
     tracing::info!(addr = %args.http_addr, "serving /healthz, /readyz, /metrics");
-    let http = tokio::spawn(serve(listener, health.clone()));
+    let http = tokio::spawn(serve(listener, endpoints.clone()));
 
     // Shutdown fans out to whatever is running.
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -154,10 +154,10 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         let _ = rx.wait_for(|s| *s).await;
     };
 
-    let ctx = Context::with_metrics(client.clone(), health.metrics.clone());
+    let ctx = Context::with_metrics(client.clone(), endpoints.metrics.clone());
     let synced = Arc::new(std::sync::atomic::AtomicBool::new(false));
     if !args.leader_elect {
-        let watcher = spawn_ready_mirror(synced.clone(), health.clone());
+        let watcher = spawn_ready_mirror(synced.clone(), endpoints.clone());
         controller::run(ctx, args.namespace.clone(), stopped(stop_rx), synced).await;
         watcher.abort();
         http.abort();
@@ -183,7 +183,7 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         ),
     );
     // A standby is healthy and ready to take over.
-    health.ready.store(true, Ordering::Relaxed);
+    endpoints.ready.store(true, Ordering::Relaxed);
     controller::run_elected(
         ctx,
         args.namespace.clone(),
@@ -200,12 +200,12 @@ pub async fn run(args: Args) -> Result<(), Failure> {
 /// Mirrors the controller's first sync into `/readyz`.
 fn spawn_ready_mirror(
     synced: Arc<std::sync::atomic::AtomicBool>,
-    health: Arc<Health>,
+    endpoints: Arc<Endpoints>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         while !synced.load(Ordering::Relaxed) {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        health.ready.store(true, Ordering::Relaxed);
+        endpoints.ready.store(true, Ordering::Relaxed);
     })
 }

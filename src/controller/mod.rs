@@ -1,27 +1,33 @@
-//! The reconciler: owned pods (from the pod cache) -> decide (pure, with
-//! the engine) -> apply (delete, then create pods) -> status (only when it
-//! changed) -> events.
+//! The reconciler, one step per module: the pods it owns come from the pod
+//! cache ([`pod_cache`]); [`state`] validates the spec and restores the
+//! engine from status; [`decide`] (pure) says what to do; this module does
+//! it: delete, then create pods, write the status (only when it changed),
+//! publish the events ([`events`]), and count every API request in the
+//! metrics.
 
 pub mod conditions;
 pub mod decide;
+pub mod events;
 pub mod pod_cache;
 pub mod pods;
+pub mod reasons;
+pub mod state;
 
 use crate::api::ModelResidency;
-use crate::labels::RESIDENCY_LABEL;
+use crate::labels::{RESIDENCY_LABEL, fits_label_value};
 use crate::metrics::Metrics;
 use decide::{Decision, Observed, decide};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
-use kube::runtime::controller::{Action, Controller};
+use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Resource, ResourceExt};
 use pod_cache::PodCache;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// The field manager of everything the operator writes.
@@ -33,20 +39,51 @@ const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
 /// Reconciles running at once.
 const RECONCILE_CONCURRENCY: u16 = 8;
 
+/// What failed, named by the step and the object it was about.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("kubernetes API: {0}")]
-    Kube(#[from] kube::Error),
-    #[error("object has no {0}")]
+    #[error("creating pod {pod}: {}", describe(.source))]
+    CreatePod { pod: String, source: kube::Error },
+    #[error("deleting pod {pod}: {}", describe(.source))]
+    DeletePod { pod: String, source: kube::Error },
+    #[error("writing the status: {}", describe(.source))]
+    PatchStatus { source: kube::Error },
+    #[error("the object has no {0}")]
     Incomplete(&'static str),
 }
 
+/// An API error as one line: the API server's code, reason and message
+/// (kube's own text for it includes a debug dump of the whole response).
+fn describe(e: &kube::Error) -> String {
+    match e {
+        kube::Error::Api(s) => format!("{} {}: {}", s.code, s.reason, s.message),
+        e => e.to_string(),
+    }
+}
+
 impl Error {
+    /// The API error underneath, if any.
+    fn api_code(&self) -> Option<u16> {
+        match self {
+            Error::CreatePod { source, .. }
+            | Error::DeletePod { source, .. }
+            | Error::PatchStatus { source } => match source {
+                kube::Error::Api(s) => Some(s.code),
+                _ => None,
+            },
+            Error::Incomplete(_) => None,
+        }
+    }
+
     /// A short label for metrics and logs.
     pub fn metric_label(&self) -> &'static str {
+        if self.api_code() == Some(409) {
+            return "conflict";
+        }
         match self {
-            Error::Kube(kube::Error::Api(s)) if s.code == 409 => "conflict",
-            Error::Kube(_) => "kube",
+            Error::CreatePod { .. } => "create_pod",
+            Error::DeletePod { .. } => "delete_pod",
+            Error::PatchStatus { .. } => "patch_status",
             Error::Incomplete(_) => "incomplete",
         }
     }
@@ -54,37 +91,11 @@ impl Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Counts of the reconciler's API calls (watches aside), for tests and
-/// benchmarks: every call site below increments one of these.
-#[derive(Debug, Default)]
-pub struct Writes {
-    pub pods_created: AtomicU64,
-    pub pods_deleted: AtomicU64,
-    pub status_patches: AtomicU64,
-    /// Events created or patched into a series.
-    pub events: AtomicU64,
-    pub reconciles: AtomicU64,
-}
-
-impl Writes {
-    /// Every API request the reconciler made.
-    pub fn requests(&self) -> u64 {
-        self.total() + self.events.load(Ordering::Relaxed)
-    }
-
-    /// Pod creates, pod deletes and status patches together.
-    pub fn total(&self) -> u64 {
-        self.pods_created.load(Ordering::Relaxed)
-            + self.pods_deleted.load(Ordering::Relaxed)
-            + self.status_patches.load(Ordering::Relaxed)
-    }
-}
-
 pub struct Context {
     pub client: kube::Client,
     /// Who the operator's events say reported them.
     pub reporter: Reporter,
-    pub writes: Writes,
+    /// Every API request the reconciler makes is counted here.
     pub metrics: Arc<Metrics>,
     /// Filled by [`run`]'s pod watch; reset when a run starts.
     pub pods: PodCache,
@@ -103,54 +114,60 @@ impl Context {
         Arc::new(Context {
             client,
             reporter,
-            writes: Writes::default(),
             metrics,
             pods: PodCache::default(),
         })
     }
 }
 
-/// Deletes first (they free VRAM), then creates what fits.
-/// `ns` and `residency` name the residency whose pods these are.
-async fn apply(
+/// Deletes first (they free VRAM), then creates what fits. `ns` and
+/// `residency` name the residency whose pods these are. Returns whether a
+/// create met a pod of that name still terminating (look again soon).
+async fn enact_pods(
     api: &Api<Pod>,
     (ns, residency): (&str, &str),
     d: &Decision,
     ctx: &Context,
 ) -> Result<bool> {
-    let mut retry_soon = false;
-    for (name, uid) in &d.delete {
+    for pod in &d.delete {
         let dp = DeleteParams {
             preconditions: Some(Preconditions {
-                uid: Some(uid.clone()),
+                uid: Some(pod.uid.clone()),
                 resource_version: None,
             }),
             ..DeleteParams::default()
         };
-        match api.delete(name, &dp).await {
-            Ok(_) => {
-                ctx.writes.pods_deleted.fetch_add(1, Ordering::Relaxed);
-                ctx.pods.deleting(ns, residency, name);
-            }
+        let result = api.delete(&pod.name, &dp).await;
+        ctx.metrics.api_request("delete", "pods");
+        match result {
+            Ok(_) => ctx.pods.deleting(ns, residency, &pod.name),
             // Already gone, or replaced by another pod of that name.
             Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
-            Err(e) => return Err(e.into()),
+            Err(source) => {
+                let pod = pod.name.clone();
+                return Err(Error::DeletePod { pod, source });
+            }
         }
     }
+    let mut retry_soon = false;
     for pod in &d.create {
-        match api.create(&PostParams::default(), pod).await {
-            Ok(created) => {
-                ctx.writes.pods_created.fetch_add(1, Ordering::Relaxed);
-                ctx.pods.created(&created);
-            }
+        let result = api.create(&PostParams::default(), pod).await;
+        ctx.metrics.api_request("create", "pods");
+        match result {
+            Ok(created) => ctx.pods.created(&created),
             // The previous pod of that name is still terminating.
             Err(kube::Error::Api(s)) if s.code == 409 => retry_soon = true,
-            Err(e) => return Err(e.into()),
+            Err(source) => {
+                let pod = pod.metadata.name.clone().unwrap_or_default();
+                return Err(Error::CreatePod { pod, source });
+            }
         }
     }
     Ok(retry_soon)
 }
 
+/// Writes the decided status with server-side apply, unless it is what the
+/// object already has.
 async fn write_status(
     api: &Api<ModelResidency>,
     r: &ModelResidency,
@@ -166,25 +183,31 @@ async fn write_status(
         "status": d.status,
     });
     let pp = PatchParams::apply(MANAGER).force();
-    api.patch_status(&r.name_any(), &pp, &Patch::Apply(&body))
-        .await?;
-    ctx.writes.status_patches.fetch_add(1, Ordering::Relaxed);
-    Ok(())
+    let result = api
+        .patch_status(&r.name_any(), &pp, &Patch::Apply(&body))
+        .await;
+    ctx.metrics.api_request("patch", "modelresidencies/status");
+    result
+        .map(drop)
+        .map_err(|source| Error::PatchStatus { source })
 }
 
+/// Publishes the decision's events (after the status, so an event never
+/// announces a state the object does not show yet).
 async fn publish(d: &Decision, r: &ModelResidency, ctx: &Context) {
-    if d.notes.is_empty() {
+    if d.events.is_empty() {
         return;
     }
     // A recorder per reconcile, not one for the process: kube's recorder
     // keeps every event it published for six minutes (to count repeats into
     // a series) and scans them all on each publish, which at thousands of
     // residencies is megabytes and a scan per event. The operator reports
-    // transitions, which do not repeat within a reconcile.
+    // transitions, which do not repeat within a reconcile, so every publish
+    // is one create.
     let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
     let reference = r.object_ref(&());
-    for n in &d.notes {
-        let secondary = n.model.as_ref().map(|m| ObjectReference {
+    for e in &d.events {
+        let secondary = e.model.as_ref().map(|m| ObjectReference {
             api_version: Some("v1".into()),
             kind: Some("Pod".into()),
             name: Some(pods::pod_name(&r.name_any(), m)),
@@ -192,34 +215,51 @@ async fn publish(d: &Decision, r: &ModelResidency, ctx: &Context) {
             ..ObjectReference::default()
         });
         let ev = Event {
-            type_: if n.warning {
+            type_: if e.reason.is_warning() {
                 EventType::Warning
             } else {
                 EventType::Normal
             },
-            reason: n.reason.into(),
-            note: Some(n.message.clone()),
-            action: n.action.into(),
+            reason: e.reason.as_str().into(),
+            note: Some(e.message.clone()),
+            action: e.reason.action().into(),
             secondary,
         };
-        ctx.writes.events.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = recorder.publish(&ev, &reference).await {
-            tracing::warn!(error = %e, "could not publish event");
+        let result = recorder.publish(&ev, &reference).await;
+        ctx.metrics.api_request("create", "events");
+        if let Err(e) = result {
+            tracing::warn!(error = %describe(&e), "could not publish an event");
         }
     }
 }
 
-#[tracing::instrument(skip(r, ctx), fields(residency = %r.name_any()))]
+/// Carries out a decision: pods, then status, then events. Returns whether
+/// to look again soon (a pod name still taken by a terminating pod).
+async fn enact(r: &ModelResidency, ns: &str, d: &Decision, ctx: &Context) -> Result<bool> {
+    let name = r.name_any();
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), ns);
+    let retry_soon = enact_pods(&pods, (ns, &name), d, ctx).await?;
+    write_status(&residencies, r, d, ctx).await?;
+    if let Some(usage) = &d.usage {
+        ctx.metrics.observe(ns, &name, usage, d.status.counters);
+    }
+    for seconds in &d.load_seconds {
+        ctx.metrics.model_loaded(*seconds);
+    }
+    publish(d, r, ctx).await;
+    Ok(retry_soon)
+}
+
+#[tracing::instrument(skip(r, ctx), fields(namespace = r.namespace().unwrap_or_default(), residency = %r.name_any()))]
 pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Action> {
-    ctx.writes.reconciles.fetch_add(1, Ordering::Relaxed);
+    ctx.metrics.reconciled();
     let _timer = ctx.metrics.reconcile_timer();
     let ns = r.namespace().ok_or(Error::Incomplete("namespace"))?;
     let name = r.name_any();
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-    let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), &ns);
     // A name that cannot be a label value cannot select pods either; decide
     // reports it as InvalidSpec and touches no pods.
-    let owned = if name.len() <= 63 {
+    let owned = if fits_label_value(&name) {
         let uid = r.metadata.uid.as_deref().ok_or(Error::Incomplete("uid"))?;
         // Never decide on a partial view of the pods.
         ctx.pods.wait_ready().await;
@@ -236,13 +276,7 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
         pods: &owned,
         now: Timestamp::now(),
     });
-    let retry_soon = apply(&pods, (&ns, &name), &decision, &ctx).await?;
-    write_status(&residencies, &r, &decision, &ctx).await?;
-    ctx.metrics.observe_status(&ns, &name, &decision.status);
-    for seconds in &decision.load_seconds {
-        ctx.metrics.model_loaded(*seconds);
-    }
-    publish(&decision, &r, &ctx).await;
+    let retry_soon = enact(&r, &ns, &decision, &ctx).await?;
     Ok(match (retry_soon, decision.requeue_after) {
         (true, _) => Action::requeue(Duration::from_millis(500)),
         (false, Some(after)) => Action::requeue(after),
@@ -254,15 +288,32 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
     })
 }
 
-/// Transient errors retry with a short backoff; conflicts at once.
-pub fn error_policy(_r: Arc<ModelResidency>, error: &Error, ctx: Arc<Context>) -> Action {
-    tracing::warn!(error = %error, reason = error.metric_label(), "reconcile failed");
+/// Transient errors retry with a short backoff; conflicts at once. The one
+/// log line of a failed reconcile is written here.
+pub fn error_policy(r: Arc<ModelResidency>, error: &Error, ctx: Arc<Context>) -> Action {
+    tracing::warn!(
+        namespace = r.namespace().unwrap_or_default(),
+        residency = %r.name_any(),
+        step = error.metric_label(),
+        "reconcile failed: {error}"
+    );
     ctx.metrics.reconcile_error(error.metric_label());
-    match error {
-        Error::Kube(kube::Error::Api(s)) if s.code == 409 => {
-            Action::requeue(Duration::from_millis(200))
-        }
+    match error.api_code() {
+        Some(409) => Action::requeue(Duration::from_millis(200)),
         _ => Action::requeue(Duration::from_secs(2)),
+    }
+}
+
+/// Logs what the controller's stream reports, except failed reconciles,
+/// which [`error_policy`] has logged already.
+fn log_controller_error(e: &controller::Error<Error, watcher::Error>) {
+    match e {
+        controller::Error::ReconcilerFailed(..) => {}
+        // The object was deleted before its reconcile ran.
+        controller::Error::ObjectNotFound(obj) => {
+            tracing::debug!(object = %obj, "reconcile of a deleted object skipped");
+        }
+        e => tracing::warn!(error = %e, "controller"),
     }
 }
 
@@ -319,7 +370,7 @@ pub async fn run(
         .default_backoff()
         .flat_map(move |event| {
             let touched = match event {
-                Ok(ev) => cache.pods.apply(&ev),
+                Ok(ev) => cache.pods.record(&ev),
                 Err(e) => {
                     tracing::debug!(error = %e, "pod watch");
                     Vec::new()
@@ -349,7 +400,7 @@ pub async fn run(
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {
             if let Err(e) = result {
-                tracing::debug!(error = %e, "controller event");
+                log_controller_error(&e);
             }
         })
         .await;
@@ -357,7 +408,7 @@ pub async fn run(
 }
 
 /// Starts a controller for one namespace in the background (tests,
-/// benchmarks): its context, to read the counters, and its task.
+/// benchmarks): its context, to read the metrics, and its task.
 pub fn spawn_for_namespace(
     client: kube::Client,
     namespace: &str,

@@ -63,6 +63,11 @@ impl Default for PodCache {
     }
 }
 
+/// A pod's resourceVersion as a number. The API treats it as opaque, but
+/// every etcd-backed API server (this operator's only kind) hands out etcd's
+/// revision, a number that grows with every write; comparing it as one is
+/// what lets a create response be ordered against the watch. An unreadable
+/// value counts as 0 (older than anything the watch delivered).
 fn resource_version(pod: &Pod) -> u64 {
     pod.metadata
         .resource_version
@@ -126,8 +131,8 @@ impl PodCache {
         let _ = rx.wait_for(|r| *r).await;
     }
 
-    /// Applies one watch event; returns the residencies to reconcile.
-    pub fn apply(&self, event: &watcher::Event<Pod>) -> Vec<ObjectRef<ModelResidency>> {
+    /// Records one watch event; returns the residencies to reconcile.
+    pub fn record(&self, event: &watcher::Event<Pod>) -> Vec<ObjectRef<ModelResidency>> {
         let mut inner = self.inner.lock().unwrap();
         let mut touched = Vec::new();
         match event {
@@ -245,8 +250,8 @@ mod tests {
     fn a_created_pod_counts_until_the_watch_says_otherwise() {
         let c = PodCache::default();
         assert!(futures::FutureExt::now_or_never(c.wait_ready()).is_none());
-        c.apply(&watcher::Event::Init);
-        c.apply(&watcher::Event::InitDone);
+        c.record(&watcher::Event::Init);
+        c.record(&watcher::Event::InitDone);
         assert!(
             futures::FutureExt::now_or_never(c.wait_ready()).is_some(),
             "ready once the list is complete"
@@ -256,8 +261,8 @@ mod tests {
         c.deleting("ns", "r", "r-a");
         assert_eq!(names(&c, "r"), [("r-a".to_owned(), true)]);
         // The watch catches up: created, then deleted.
-        c.apply(&watcher::Event::Apply(pod("r-a", "r", 10, false)));
-        c.apply(&watcher::Event::Delete(pod("r-a", "r", 12, true)));
+        c.record(&watcher::Event::Apply(pod("r-a", "r", 10, false)));
+        c.record(&watcher::Event::Delete(pod("r-a", "r", 12, true)));
         assert!(names(&c, "r").is_empty());
         assert!(c.owned("ns", "r", "someone-else").is_empty());
     }
@@ -265,8 +270,8 @@ mod tests {
     #[test]
     fn a_create_response_the_watch_has_passed_is_not_revived() {
         let c = PodCache::default();
-        c.apply(&watcher::Event::Apply(pod("r-a", "r", 10, false)));
-        c.apply(&watcher::Event::Delete(pod("r-a", "r", 11, true)));
+        c.record(&watcher::Event::Apply(pod("r-a", "r", 10, false)));
+        c.record(&watcher::Event::Delete(pod("r-a", "r", 11, true)));
         c.created(&pod("r-a", "r", 10, false));
         assert!(names(&c, "r").is_empty());
     }
@@ -274,14 +279,14 @@ mod tests {
     #[test]
     fn a_relist_drops_pods_deleted_meanwhile_and_names_their_residency() {
         let c = PodCache::default();
-        c.apply(&watcher::Event::Apply(pod("r-a", "r", 1, false)));
-        c.apply(&watcher::Event::Apply(pod("s-a", "s", 2, false)));
-        c.apply(&watcher::Event::Init);
-        let touched = c.apply(&watcher::Event::InitApply(pod("s-a", "s", 3, false)));
+        c.record(&watcher::Event::Apply(pod("r-a", "r", 1, false)));
+        c.record(&watcher::Event::Apply(pod("s-a", "s", 2, false)));
+        c.record(&watcher::Event::Init);
+        let touched = c.record(&watcher::Event::InitApply(pod("s-a", "s", 3, false)));
         assert_eq!(touched, [ObjectRef::new("s").within("ns")]);
         // Until the list completes, the last complete view stands.
         assert_eq!(names(&c, "r").len(), 1);
-        let touched = c.apply(&watcher::Event::InitDone);
+        let touched = c.record(&watcher::Event::InitDone);
         assert_eq!(touched, [ObjectRef::new("r").within("ns")]);
         assert!(names(&c, "r").is_empty());
         assert_eq!(names(&c, "s").len(), 1);

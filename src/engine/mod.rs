@@ -30,7 +30,7 @@ pub struct ModelId(u32);
 
 impl ModelId {
     /// The dense index of this model (registration order).
-    pub fn index(self) -> usize {
+    fn index(self) -> usize {
         self.0 as usize
     }
 }
@@ -94,13 +94,30 @@ pub enum RegistryError {
     EmptyName,
 }
 
-/// Running totals since the engine was created.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Running totals since the engine was created. The same type is the
+/// residency status's `counters` (hence the serde and schema derives, which
+/// bring no kube or I/O into the engine).
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    serde::Serialize,
+    serde::Deserialize,
+    schemars::JsonSchema,
+)]
 pub struct Counters {
+    /// Requests for a model that was already resident.
     pub hits: u64,
+    /// Models loaded.
     pub loads: u64,
+    /// Models evicted to make room or by a budget shrink.
     pub evictions: u64,
+    /// Requests refused.
     pub refusals: u64,
+    /// Models unloaded by demand or registry removal (not evictions).
     pub unloads: u64,
 }
 
@@ -443,6 +460,7 @@ impl Engine {
         self.used
     }
     /// VRAM held by resident pinned models.
+    #[cfg(test)]
     pub fn pinned_used(&self) -> Bytes {
         self.pinned_used
     }

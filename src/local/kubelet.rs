@@ -99,7 +99,7 @@ impl FakeKubelet {
 }
 
 async fn register_node(nodes: &Api<Node>, node: &FakeNode) -> Result<(), kube::Error> {
-    let now = chrono_now();
+    let now = kube_time_now();
     let capacity = json!({
         "cpu": "16", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": node.gpus.to_string(),
     });
@@ -252,7 +252,7 @@ fn containers(pod: &Pod) -> Vec<(String, String)> {
 }
 
 async fn set_running(api: &Api<Pod>, pod: &Pod) -> Result<(), kube::Error> {
-    let now = chrono_now();
+    let now = kube_time_now();
     let statuses: Vec<_> = containers(pod)
         .into_iter()
         .map(|(name, image)| {
@@ -278,7 +278,7 @@ pub async fn fail_pod(api: &Api<Pod>, name: &str, message: &str) -> Result<(), k
 }
 
 async fn set_failed(api: &Api<Pod>, pod: &Pod, message: &str) -> Result<(), kube::Error> {
-    let now = chrono_now();
+    let now = kube_time_now();
     let statuses: Vec<_> = containers(pod)
         .into_iter()
         .map(|(name, image)| {
@@ -311,7 +311,7 @@ async fn patch_status(
 }
 
 /// Now as an RFC 3339 timestamp, second precision (as the kubelet writes).
-fn chrono_now() -> String {
+fn kube_time_now() -> String {
     k8s_openapi::jiff::Timestamp::now()
         .round(k8s_openapi::jiff::Unit::Second)
         .map(|t| t.to_string())

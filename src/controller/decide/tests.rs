@@ -1,7 +1,10 @@
 //! The decide step without a cluster: fixed clock, hand-made pods.
 
+use super::settle::{RETRY_BASE, RETRY_CAP, retry_delay};
 use super::*;
-use crate::api::{ByteQuantity, Demand, ModelResidencySpec};
+use crate::api::{ByteQuantity, Demand, ModelResidencySpec, ModelSpec};
+use crate::controller::pods::PodPhase;
+use k8s_openapi::jiff::SignedDuration;
 use kube::Resource;
 use serde_json::json;
 
@@ -98,7 +101,11 @@ fn a_load_waits_until_the_evicted_pod_is_gone() {
         last_requested: at(3).to_string(),
     });
     let d = run(&r, &[live("a", 6 * GI, true, false)], 4);
-    assert_eq!(d.delete, vec![("gpu-a".to_owned(), "u-a".to_owned())]);
+    let gone = PodRef {
+        name: "gpu-a".to_owned(),
+        uid: "u-a".to_owned(),
+    };
+    assert_eq!(d.delete, vec![gone]);
     assert!(
         d.create.is_empty(),
         "b created while a's pod still holds VRAM"
@@ -130,7 +137,7 @@ fn nothing_new_means_the_same_status_and_no_actions() {
     r.status = Some(d.status.clone());
     let again = run(&r, &pods, 500);
     assert_eq!(Some(&again.status), r.status.as_ref());
-    assert!(again.create.is_empty() && again.delete.is_empty() && again.notes.is_empty());
+    assert!(again.create.is_empty() && again.delete.is_empty() && again.events.is_empty());
 }
 
 #[test]
@@ -164,7 +171,7 @@ fn a_failed_pod_is_retried_after_a_backoff() {
     assert_eq!(state(&d, "a"), ModelState::Failed);
     assert_eq!(d.delete.len(), 1);
     assert_eq!(d.requeue_after, Some(RETRY_BASE));
-    assert!(d.notes.iter().any(|n| n.reason == "LoadFailed"));
+    assert!(d.events.iter().any(|n| n.reason == EventReason::LoadFailed));
     r.status = Some(d.status);
     // Before the retry time: nothing is created.
     let d = run(&r, &[], 5);

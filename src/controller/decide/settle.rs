@@ -1,0 +1,412 @@
+//! Settling pods with the engine's resident set: each registry model's
+//! status and pod action, then the residency's status around them.
+
+use super::{Decider, Decision, PodRef};
+use crate::api::{ModelResidencyStatus, ModelState, ModelStatus};
+use crate::controller::conditions::{ConditionSet, model_conditions};
+use crate::controller::events::transition_events;
+use crate::controller::pods::{ModelPod, PodPhase, build_pod, pod_name};
+use crate::controller::reasons::Reason;
+use crate::controller::state::{Usage, ValidModel, recorded_time};
+use crate::engine::{Bytes, Engine};
+use crate::quantity::format_bytes;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::SignedDuration;
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+/// First retry after a failed load; doubles per failure up to the cap.
+pub(super) const RETRY_BASE: Duration = Duration::from_secs(5);
+pub(super) const RETRY_CAP: Duration = Duration::from_secs(300);
+
+pub(super) fn retry_delay(failures: u32) -> Duration {
+    RETRY_BASE
+        .saturating_mul(1u32 << failures.saturating_sub(1).min(16))
+        .min(RETRY_CAP)
+}
+
+/// The residency's pods by model, and the VRAM they hold.
+struct PodInventory<'p> {
+    by_model: BTreeMap<&'p str, Vec<&'p ModelPod>>,
+    /// Declared sizes of every pod that has not finished, terminating ones
+    /// included (they still hold VRAM), plus the pods created so far in
+    /// this reconcile.
+    live_declared: Bytes,
+}
+
+impl<'p> PodInventory<'p> {
+    fn new(pods: &'p [ModelPod], engine: &Engine) -> Self {
+        let mut by_model: BTreeMap<&str, Vec<&ModelPod>> = BTreeMap::new();
+        let mut live_declared = 0;
+        for p in pods {
+            by_model.entry(p.model.as_str()).or_default().push(p);
+            if p.phase == PodPhase::Live {
+                // A pod without its size annotation counts at the model's
+                // current size.
+                let registered = || engine.id(&p.model).map_or(0, |id| engine.size(id));
+                live_declared += p.size.unwrap_or_else(registered);
+            }
+        }
+        PodInventory {
+            by_model,
+            live_declared,
+        }
+    }
+
+    fn of(&self, model: &str) -> &[&'p ModelPod] {
+        self.by_model.get(model).map_or(&[], Vec::as_slice)
+    }
+
+    /// The model's pod that is (or may soon be) serving.
+    fn live(&self, model: &str) -> Option<&'p ModelPod> {
+        let mut found = self.of(model).iter().copied();
+        found.find(|p| p.phase == PodPhase::Live && !p.deleting)
+    }
+
+    /// The model's pod that stopped and has not been deleted yet.
+    fn failed(&self, model: &str) -> Option<&'p ModelPod> {
+        let mut found = self.of(model).iter().copied();
+        found.find(|p| p.phase == PodPhase::Finished && !p.deleting)
+    }
+}
+
+/// The pod side of the decision, filled model by model.
+#[derive(Default)]
+struct PodPlan {
+    create: Vec<Pod>,
+    delete: Vec<PodRef>,
+    requeue: Option<Duration>,
+    load_seconds: Vec<f64>,
+}
+
+impl PodPlan {
+    fn delete(&mut self, p: &ModelPod) {
+        self.delete.push(p.into());
+    }
+
+    fn look_again_within(&mut self, after: Duration) {
+        self.requeue = Some(self.requeue.map_or(after, |r| r.min(after)));
+    }
+}
+
+impl Decider<'_> {
+    /// Reconciles pods with the engine's resident set and builds the status.
+    pub(super) fn settle(self) -> Decision {
+        let mut pods = PodInventory::new(self.input.pods, &self.engine);
+        let mut plan = PodPlan::default();
+        for p in self.input.pods {
+            if self.engine.id(&p.model).is_none() && !p.deleting {
+                plan.delete(p);
+            }
+        }
+        let mut states: BTreeMap<String, ModelStatus> = BTreeMap::new();
+        for m in self.settle_order() {
+            let id = self.engine.id(m.name()).expect("registered");
+            let st = if self.engine.is_resident(id) {
+                self.resident_status(m, &mut pods, &mut plan)
+            } else {
+                self.absent_status(m, &pods, &mut plan)
+            };
+            states.insert(m.name().to_owned(), st);
+        }
+        self.unknown_model_statuses(&mut states);
+        // Status in registry order, then unknown models by name.
+        let mut models: Vec<ModelStatus> = Vec::with_capacity(states.len());
+        for m in &self.valid.models {
+            models.extend(states.remove(m.name()));
+        }
+        models.extend(states.into_values());
+        self.assemble(models, plan)
+    }
+
+    /// Residents first, least recently used first, so older models get
+    /// their pods first when room opens up; then the rest in registry order.
+    fn settle_order(&self) -> Vec<ValidModel<'_>> {
+        let rank: HashMap<&str, usize> = self
+            .engine
+            .residents()
+            .into_iter()
+            .enumerate()
+            .map(|(i, id)| (self.engine.name(id), i))
+            .collect();
+        let mut order = self.valid.models.clone();
+        order.sort_by_key(|m| rank.get(m.name()).copied().unwrap_or(usize::MAX));
+        order
+    }
+
+    /// A model's status before its pods are looked at: name, size and
+    /// request times.
+    fn base_status(&self, name: &str, size: Option<Bytes>) -> ModelStatus {
+        let prev = self.prev_models.get(name).copied();
+        let times = self.requested.get(name).cloned().unwrap_or_default();
+        ModelStatus {
+            name: name.to_owned(),
+            size: size.map(format_bytes),
+            last_requested: times
+                .last_requested
+                .or_else(|| prev.and_then(|p| p.last_requested.clone())),
+            last_used: times
+                .last_used
+                .or_else(|| prev.and_then(|p| p.last_used.clone())),
+            ..ModelStatus::default()
+        }
+    }
+
+    fn previous_failures(&self, name: &str) -> u32 {
+        self.prev_models.get(name).map_or(0, |p| p.failures)
+    }
+
+    /// A resident model: keep, replace, retry or start its pod.
+    fn resident_status(
+        &self,
+        m: ValidModel<'_>,
+        pods: &mut PodInventory<'_>,
+        plan: &mut PodPlan,
+    ) -> ModelStatus {
+        let size = self
+            .engine
+            .size(self.engine.id(m.name()).expect("registered"));
+        let mut st = self.base_status(m.name(), Some(size));
+        if let Some(p) = pods.live(m.name()) {
+            self.with_live_pod(st, p, size, plan)
+        } else if let Some(p) = pods.failed(m.name()) {
+            self.after_failure(st, p, plan)
+        } else if let Some(waiting) = self.waiting_for_retry(&st, plan) {
+            waiting
+        } else {
+            st.failures = self.previous_failures(m.name());
+            self.start_pod(st, m, size, pods, plan)
+        }
+    }
+
+    /// A resident model with a live pod: Loaded once Ready, Loading before,
+    /// replaced when the pod declares an old size.
+    fn with_live_pod(
+        &self,
+        mut st: ModelStatus,
+        p: &ModelPod,
+        size: Bytes,
+        plan: &mut PodPlan,
+    ) -> ModelStatus {
+        st.pod = Some(p.name.clone());
+        if p.size.is_some_and(|s| s != size) {
+            // Declared with an old size: replace it so the budget check
+            // sees the new one.
+            plan.delete(p);
+            st.state = ModelState::Loading;
+            st.reason = Some(Reason::Resized.into());
+            st.message = Some(format!(
+                "{} is restarting with its new size {}",
+                st.name,
+                format_bytes(size)
+            ));
+            st.failures = self.previous_failures(&st.name);
+            return st;
+        }
+        let Some(since) = &p.ready_since else {
+            st.state = ModelState::Loading;
+            st.reason = Some(Reason::PodStarting.into());
+            st.message = Some(format!("{} is starting", p.name));
+            st.failures = self.previous_failures(&st.name);
+            return st;
+        };
+        st.state = ModelState::Loaded;
+        st.loaded_at = Some(since.clone());
+        let was_loaded = self
+            .prev_models
+            .get(st.name.as_str())
+            .is_some_and(|prev| prev.state == ModelState::Loaded);
+        if !was_loaded
+            && let (Some(ready), Some(created)) = (
+                recorded_time(Some(since)),
+                recorded_time(p.created.as_deref()),
+            )
+        {
+            let seconds = created.duration_until(ready).as_secs_f64();
+            plan.load_seconds.push(seconds);
+        }
+        st
+    }
+
+    /// A resident model whose pod stopped: Failed, retried after a backoff.
+    fn after_failure(&self, mut st: ModelStatus, p: &ModelPod, plan: &mut PodPlan) -> ModelStatus {
+        plan.delete(p);
+        let failures = self.previous_failures(&st.name) + 1;
+        let delay = retry_delay(failures);
+        let now = self.input.now;
+        st.state = ModelState::Failed;
+        st.failures = failures;
+        st.retry_at = Some((now + SignedDuration::try_from(delay).unwrap_or_default()).to_string());
+        st.reason = Some(Reason::PodFailed.into());
+        st.message = Some(format!(
+            "{} failed to load ({}); retry {} in {}s",
+            st.name,
+            p.failure.as_deref().unwrap_or("pod failed"),
+            failures,
+            delay.as_secs()
+        ));
+        plan.look_again_within(delay);
+        st
+    }
+
+    /// A failed model before its retry time keeps its status as it was.
+    fn waiting_for_retry(&self, st: &ModelStatus, plan: &mut PodPlan) -> Option<ModelStatus> {
+        let prev = self
+            .prev_models
+            .get(st.name.as_str())
+            .filter(|p| p.state == ModelState::Failed)?;
+        let at = recorded_time(prev.retry_at.as_deref()).filter(|&at| at > self.input.now)?;
+        plan.look_again_within(self.input.now.duration_until(at).unsigned_abs());
+        Some(ModelStatus {
+            last_requested: st.last_requested.clone(),
+            last_used: st.last_used.clone(),
+            ..(*prev).clone()
+        })
+    }
+
+    /// A resident model without a pod: create one when the live pods leave
+    /// room for it, else wait for evicted pods to go.
+    fn start_pod(
+        &self,
+        mut st: ModelStatus,
+        m: ValidModel<'_>,
+        size: Bytes,
+        pods: &mut PodInventory<'_>,
+        plan: &mut PodPlan,
+    ) -> ModelStatus {
+        let r = self.input.residency;
+        let budget = self.valid.budget;
+        let pod = match build_pod(r, &self.input.owner, m.spec, size) {
+            Ok(pod) => pod,
+            Err(problem) => {
+                st.state = ModelState::Failed;
+                st.failures = st.failures.max(1);
+                st.reason = Some(Reason::InvalidTemplate.into());
+                st.message = Some(format!("{}: {problem}", m.name()));
+                return st;
+            }
+        };
+        st.state = ModelState::Loading;
+        if pods.live_declared + size > budget {
+            st.reason = Some(Reason::WaitingForVram.into());
+            st.message = Some(format!(
+                "{} waits for evicted pods to release VRAM ({} held by live pods, needs {}, budget {})",
+                m.name(),
+                format_bytes(pods.live_declared),
+                format_bytes(size),
+                format_bytes(budget)
+            ));
+            return st;
+        }
+        pods.live_declared += size;
+        let name = pod_name(r.metadata.name.as_deref().unwrap_or_default(), m.name());
+        st.reason = Some(Reason::PodCreated.into());
+        st.message = Some(format!("{name} is starting"));
+        st.pod = Some(name);
+        plan.create.push(pod);
+        st
+    }
+
+    /// A model that is not resident: its pods go; its state is what this
+    /// reconcile did to it, or what it was.
+    fn absent_status(
+        &self,
+        m: ValidModel<'_>,
+        pods: &PodInventory<'_>,
+        plan: &mut PodPlan,
+    ) -> ModelStatus {
+        let size = self
+            .engine
+            .size(self.engine.id(m.name()).expect("registered"));
+        let mut st = self.base_status(m.name(), Some(size));
+        for p in pods.of(m.name()) {
+            if !p.deleting {
+                plan.delete(p);
+            }
+        }
+        let prev = self
+            .prev_models
+            .get(m.name())
+            .filter(|p| !p.state.is_resident());
+        match (self.outcomes.get(m.name()), prev) {
+            (Some(o), _) => {
+                st.state = o.state;
+                st.reason = Some(o.reason.into());
+                st.message = Some(o.message.clone());
+            }
+            (None, Some(p)) => {
+                st.state = p.state;
+                st.reason = p.reason.clone();
+                st.message = p.message.clone();
+            }
+            (None, None) => st.state = ModelState::Unloaded,
+        }
+        st
+    }
+
+    /// Demanded models that are not in the registry (refused, or still
+    /// carrying a state from before they left it).
+    fn unknown_model_statuses(&self, states: &mut BTreeMap<String, ModelStatus>) {
+        for request in &self.valid.demand {
+            let model = request.model;
+            if self.engine.id(model).is_some() || states.contains_key(model) {
+                continue;
+            }
+            let prev = self.prev_models.get(model).copied();
+            let st = match (self.outcomes.get(model), prev) {
+                (Some(o), _) => {
+                    let mut st = self.base_status(model, None);
+                    st.last_used = None;
+                    st.state = o.state;
+                    st.reason = Some(o.reason.into());
+                    st.message = Some(o.message.clone());
+                    st
+                }
+                (None, Some(p)) if !p.state.is_resident() => p.clone(),
+                _ => continue,
+            };
+            states.insert(model.to_owned(), st);
+        }
+    }
+
+    /// The residency's status around the model statuses, and the decision.
+    fn assemble(mut self, models: Vec<ModelStatus>, mut plan: PodPlan) -> Decision {
+        let r = self.input.residency;
+        self.events
+            .extend(transition_events(&self.prev_models, &models, r));
+        let generation = r.metadata.generation;
+        let mut set = ConditionSet::new(&self.previous.conditions, generation, self.input.now);
+        model_conditions(&mut set, &models);
+        let usage = Usage {
+            budget: self.valid.budget,
+            used: self.engine.used(),
+            peak: self.engine.peak(),
+            resident: models.iter().filter(|m| m.state.is_resident()).count() as u32,
+        };
+        let status = ModelResidencyStatus {
+            observed_generation: generation,
+            budget: Some(format_bytes(usage.budget)),
+            used: Some(format_bytes(usage.used)),
+            peak: Some(format_bytes(usage.peak)),
+            resident: usage.resident,
+            refused: models
+                .iter()
+                .filter(|m| m.state == ModelState::Refused)
+                .count() as u32,
+            models,
+            counters: self.engine.counters(),
+            conditions: set.finish(),
+        };
+        plan.delete.sort();
+        plan.delete.dedup();
+        Decision {
+            status,
+            create: plan.create,
+            delete: plan.delete,
+            events: self.events,
+            requeue_after: plan.requeue,
+            load_seconds: plan.load_seconds,
+            usage: Some(usage),
+        }
+    }
+}

@@ -1,0 +1,94 @@
+//! The reasons a model's status gives for its state: one word each, as
+//! `kubectl` shows them and alerts match on them.
+
+use crate::engine::RefuseReason;
+
+/// Why a model is in its state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reason {
+    /// Its pod was just created.
+    PodCreated,
+    /// Its pod exists and is not Ready yet.
+    PodStarting,
+    /// Resident, but waits for evicted pods to release their VRAM.
+    WaitingForVram,
+    /// Its pod is being replaced because its declared size changed.
+    Resized,
+    /// Its pod failed; a retry is scheduled.
+    PodFailed,
+    /// Its pod template cannot make a pod.
+    InvalidTemplate,
+    /// Evicted to make room for another model.
+    MadeRoom,
+    /// Evicted because the budget shrank.
+    BudgetShrunk,
+    /// Dropped because the recorded status broke its own budget.
+    BudgetExceeded,
+    /// Unloaded because its demand entry was removed.
+    DemandRemoved,
+    /// Unloaded because it left the registry.
+    RemovedFromRegistry,
+    /// Refused: larger than the whole budget.
+    LargerThanBudget,
+    /// Refused: fits only by evicting pinned models.
+    NoEvictableRoom,
+    /// Refused: not in the registry.
+    UnknownModel,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::PodCreated => "PodCreated",
+            Reason::PodStarting => "PodStarting",
+            Reason::WaitingForVram => "WaitingForVram",
+            Reason::Resized => "Resized",
+            Reason::PodFailed => "PodFailed",
+            Reason::InvalidTemplate => "InvalidTemplate",
+            Reason::MadeRoom => "MadeRoom",
+            Reason::BudgetShrunk => "BudgetShrunk",
+            Reason::BudgetExceeded => "BudgetExceeded",
+            Reason::DemandRemoved => "DemandRemoved",
+            Reason::RemovedFromRegistry => "RemovedFromRegistry",
+            Reason::LargerThanBudget => "LargerThanBudget",
+            Reason::NoEvictableRoom => "NoEvictableRoom",
+            Reason::UnknownModel => "UnknownModel",
+        }
+    }
+}
+
+impl From<&RefuseReason> for Reason {
+    fn from(r: &RefuseReason) -> Self {
+        match r {
+            RefuseReason::LargerThanBudget { .. } => Reason::LargerThanBudget,
+            RefuseReason::NoEvictableRoom { .. } => Reason::NoEvictableRoom,
+            RefuseReason::UnknownModel => Reason::UnknownModel,
+        }
+    }
+}
+
+impl From<Reason> for String {
+    fn from(r: Reason) -> Self {
+        r.as_str().to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusal_words_match_the_engine() {
+        for r in [
+            RefuseReason::LargerThanBudget { size: 2, budget: 1 },
+            RefuseReason::NoEvictableRoom {
+                size: 2,
+                budget: 3,
+                pinned: 2,
+            },
+            RefuseReason::UnknownModel,
+        ] {
+            assert_eq!(Reason::from(&r).as_str(), r.as_str());
+        }
+    }
+}

@@ -1,0 +1,327 @@
+//! A residency's state as typed values: the spec checked and converted
+//! ([`validate`]), and the engine as the last status left it ([`restore`]).
+//!
+//! This is the only place that reads status strings (sizes, times, the
+//! budget) back into numbers; everything after it (the decide step, the
+//! CLI's `status` view) works on the typed values.
+
+use crate::api::{ModelResidency, ModelResidencyStatus, ModelSpec, ModelStatus};
+use crate::engine::{Bytes, Engine};
+use crate::labels::fits_label_value;
+use crate::quantity::{QuantityError, parse_bytes};
+use k8s_openapi::jiff::Timestamp;
+use std::collections::HashSet;
+
+/// Why a spec cannot be acted on. Its text is the `InvalidSpec` condition's
+/// message.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidSpec {
+    #[error("the name {0:?} is longer than 63 characters; it must fit a label value")]
+    NameTooLong(String),
+    #[error("spec.budget: {0}")]
+    Budget(QuantityError),
+    #[error("spec.budget: must be positive")]
+    ZeroBudget,
+    #[error("spec.models: {0:?} is listed twice")]
+    DuplicateModel(String),
+    #[error("spec.models[{model}].size: {problem}")]
+    Size {
+        model: String,
+        problem: QuantityError,
+    },
+    #[error("spec.models[{0}].size: must be positive")]
+    ZeroSize(String),
+    #[error("spec.demand[{model}].lastRequested: {value:?} is not an RFC 3339 time: {problem}")]
+    RequestTime {
+        model: String,
+        value: String,
+        problem: String,
+    },
+}
+
+/// A residency's VRAM figures in bytes (for metrics and views, which
+/// therefore never parse status strings).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub budget: Bytes,
+    pub used: Bytes,
+    pub peak: Bytes,
+    /// Models holding VRAM (loaded, loading or failed).
+    pub resident: u32,
+}
+
+/// A registry entry with its size in bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct ValidModel<'a> {
+    pub spec: &'a ModelSpec,
+    pub size: Bytes,
+}
+
+impl ValidModel<'_> {
+    pub fn name(&self) -> &str {
+        &self.spec.name
+    }
+}
+
+/// A demand entry: a request for `model` made at `at`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Request<'a> {
+    pub at: Timestamp,
+    pub model: &'a str,
+}
+
+/// The spec, checked and converted.
+#[derive(Debug)]
+pub struct Valid<'a> {
+    pub budget: Bytes,
+    /// In registry order.
+    pub models: Vec<ValidModel<'a>>,
+    /// Oldest first (ties by model name): the order requests are applied in.
+    pub demand: Vec<Request<'a>>,
+}
+
+impl Valid<'_> {
+    pub fn is_demanded(&self, model: &str) -> bool {
+        self.demand.iter().any(|r| r.model == model)
+    }
+}
+
+/// Checks a residency's spec and converts its quantities and times.
+pub fn validate(r: &ModelResidency) -> Result<Valid<'_>, InvalidSpec> {
+    let name = r.metadata.name.as_deref().unwrap_or_default();
+    if !fits_label_value(name) {
+        return Err(InvalidSpec::NameTooLong(name.to_owned()));
+    }
+    let spec = &r.spec;
+    let budget = parse_bytes(&spec.budget.0).map_err(InvalidSpec::Budget)?;
+    if budget == 0 {
+        return Err(InvalidSpec::ZeroBudget);
+    }
+    let mut seen = HashSet::new();
+    let mut models = Vec::with_capacity(spec.models.len());
+    for m in &spec.models {
+        if !seen.insert(m.name.as_str()) {
+            return Err(InvalidSpec::DuplicateModel(m.name.clone()));
+        }
+        let size = parse_bytes(&m.size.0).map_err(|problem| InvalidSpec::Size {
+            model: m.name.clone(),
+            problem,
+        })?;
+        if size == 0 {
+            return Err(InvalidSpec::ZeroSize(m.name.clone()));
+        }
+        models.push(ValidModel { spec: m, size });
+    }
+    let mut demand = Vec::with_capacity(spec.demand.len());
+    for d in &spec.demand {
+        let at = d
+            .last_requested
+            .parse()
+            .map_err(|e: k8s_openapi::jiff::Error| InvalidSpec::RequestTime {
+                model: d.model.clone(),
+                value: d.last_requested.clone(),
+                problem: e.to_string(),
+            })?;
+        demand.push(Request {
+            at,
+            model: d.model.as_str(),
+        });
+    }
+    demand.sort();
+    Ok(Valid {
+        budget,
+        models,
+        demand,
+    })
+}
+
+/// A time recorded in status; a hand-edited value that does not parse is
+/// no time.
+pub fn recorded_time(s: Option<&str>) -> Option<Timestamp> {
+    s.and_then(|s| s.parse().ok())
+}
+
+/// The size a resident model was admitted with, as its status records it.
+/// A hand-edited status may say anything; zero or unreadable is no size.
+pub fn recorded_size(m: &ModelStatus) -> Option<Bytes> {
+    m.state
+        .is_resident()
+        .then_some(m.size.as_deref())
+        .flatten()
+        .and_then(|s| parse_bytes(s).ok())
+        .filter(|&s| s > 0)
+}
+
+/// The engine as the last status left it.
+#[derive(Debug)]
+pub struct Restored {
+    pub engine: Engine,
+    /// Resident models no longer in the registry: registered with their
+    /// recorded size so they can be unloaded properly.
+    pub removed: Vec<String>,
+    /// Residents the recorded budget could not hold (a status edited by
+    /// hand): dropped rather than break the invariant.
+    pub overflow: Vec<String>,
+}
+
+/// Rebuilds the engine from a previous status: the recorded budget, every
+/// registry model (at its recorded size while resident, so a size change is
+/// seen as one), the residents in LRU order, and the counters and peak.
+pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
+    let resident_size = |name: &str| {
+        status
+            .models
+            .iter()
+            .find(|m| m.name == name)
+            .and_then(recorded_size)
+    };
+    let budget = status
+        .budget
+        .as_deref()
+        .and_then(|b| parse_bytes(b).ok())
+        .unwrap_or(valid.budget);
+    let mut engine = Engine::new(budget);
+    for m in &valid.models {
+        let size = resident_size(m.name()).unwrap_or(m.size);
+        engine
+            .register(m.name(), size, m.spec.pinned)
+            .expect("validated: unique names, positive sizes");
+    }
+    let mut removed = Vec::new();
+    let mut residents: Vec<&ModelStatus> = Vec::new();
+    for m in status.models.iter().filter(|m| m.state.is_resident()) {
+        if engine.id(&m.name).is_none() {
+            let Some(size) = recorded_size(m) else {
+                continue;
+            };
+            if engine.register(&m.name, size, false).is_err() {
+                continue;
+            }
+            removed.push(m.name.clone());
+        }
+        residents.push(m);
+    }
+    residents.sort_by(|a, b| {
+        recorded_time(a.last_used.as_deref())
+            .cmp(&recorded_time(b.last_used.as_deref()))
+            .then(a.name.cmp(&b.name))
+    });
+    let mut overflow = Vec::new();
+    for m in residents {
+        let id = engine.id(&m.name).expect("registered above");
+        if engine.restore(id).is_err() {
+            overflow.push(m.name.clone());
+        }
+    }
+    let peak = status
+        .peak
+        .as_deref()
+        .and_then(|p| parse_bytes(p).ok())
+        .unwrap_or(0);
+    engine.resume(status.counters, peak);
+    Restored {
+        engine,
+        removed,
+        overflow,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{ByteQuantity, Demand, ModelResidencySpec, ModelState};
+
+    fn residency(models: &[(&str, &str)]) -> ModelResidency {
+        let mut r = ModelResidency::new(
+            "gpu",
+            ModelResidencySpec {
+                node_name: "n".into(),
+                device: "0".into(),
+                budget: ByteQuantity("10Gi".into()),
+                models: models
+                    .iter()
+                    .map(|(n, s)| ModelSpec {
+                        name: (*n).into(),
+                        size: ByteQuantity((*s).into()),
+                        pinned: false,
+                        template: None,
+                    })
+                    .collect(),
+                demand: vec![
+                    Demand {
+                        model: "b".into(),
+                        last_requested: "2026-11-30T03:00:02Z".into(),
+                    },
+                    Demand {
+                        model: "a".into(),
+                        last_requested: "2026-11-30T03:00:01Z".into(),
+                    },
+                ],
+            },
+        );
+        r.metadata.namespace = Some("ns".into());
+        r
+    }
+
+    #[test]
+    fn validate_converts_sizes_and_orders_demand_by_time() {
+        let r = residency(&[("a", "1Gi"), ("b", "2Gi")]);
+        let v = validate(&r).unwrap();
+        assert_eq!(v.budget, 10 << 30);
+        assert_eq!(v.models[1].size, 2 << 30);
+        let order: Vec<&str> = v.demand.iter().map(|d| d.model).collect();
+        assert_eq!(order, ["a", "b"]);
+    }
+
+    #[test]
+    fn validate_names_the_field_at_fault() {
+        let r = residency(&[("a", "1Gi"), ("a", "2Gi")]);
+        assert_eq!(
+            validate(&r).unwrap_err().to_string(),
+            "spec.models: \"a\" is listed twice"
+        );
+        let r = residency(&[("a", "0")]);
+        assert_eq!(validate(&r).unwrap_err(), InvalidSpec::ZeroSize("a".into()));
+        let mut r = residency(&[("a", "1Gi")]);
+        r.spec.demand[0].last_requested = "yesterday".into();
+        assert!(
+            validate(&r)
+                .unwrap_err()
+                .to_string()
+                .starts_with("spec.demand[b].lastRequested: \"yesterday\"")
+        );
+    }
+
+    #[test]
+    fn restore_rebuilds_lru_order_removed_models_and_overflow() {
+        let r = residency(&[("a", "4Gi"), ("b", "4Gi")]);
+        let v = validate(&r).unwrap();
+        let model = |name: &str, size: &str, used: &str| ModelStatus {
+            name: name.into(),
+            state: ModelState::Loaded,
+            size: Some(size.into()),
+            last_used: Some(used.into()),
+            ..ModelStatus::default()
+        };
+        let status = ModelResidencyStatus {
+            budget: Some("10Gi".into()),
+            models: vec![
+                model("b", "4Gi", "2026-11-30T03:00:01Z"),
+                // Recorded at its old size: the engine keeps that size.
+                model("a", "3Gi", "2026-11-30T03:00:02Z"),
+                // Gone from the registry.
+                model("gone", "2Gi", "2026-11-30T03:00:00Z"),
+                // Past what the budget can hold.
+                model("extra", "5Gi", "2026-11-30T03:00:03Z"),
+            ],
+            ..ModelResidencyStatus::default()
+        };
+        let rs = restore(&v, &status);
+        let e = &rs.engine;
+        let lru: Vec<&str> = e.residents().iter().map(|&id| e.name(id)).collect();
+        assert_eq!(lru, ["gone", "b", "a"]);
+        assert_eq!(e.size(e.id("a").unwrap()), 3 << 30);
+        assert_eq!(rs.removed, ["gone", "extra"]);
+        assert_eq!(rs.overflow, ["extra"]);
+    }
+}
