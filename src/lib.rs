@@ -11,7 +11,8 @@
 //! - [`lease`]: leader election on a Lease.
 //! - [`labels`]: label and annotation keys on model pods.
 //! - [`metrics`]: Prometheus metrics.
-//! - [`local`]: a local control plane and kubelet stand-in (tests, demo).
+//! - `local` (feature `local`): a local control plane and kubelet stand-in
+//!   (tests, benchmarks, demo); not in the operator image.
 
 pub mod api;
 pub mod controller;
@@ -20,6 +21,7 @@ pub mod engine;
 pub mod http;
 pub mod labels;
 pub mod lease;
+#[cfg(feature = "local")]
 pub mod local;
 pub mod metrics;
 pub mod quantity;

@@ -33,18 +33,9 @@ const MODELS: &[(&str, u64)] = &[
 ];
 const BUDGET_GI: u64 = 12;
 
-/// A control plane of the test's own, or `None` to skip (never under CI).
-fn own_plane() -> Option<ControlPlane> {
-    match ControlPlane::start() {
-        Ok(p) => Some(p),
-        Err(e) if std::env::var("CI").is_ok_and(|v| v == "true") => {
-            panic!("CI=true and the control plane could not start: {e}")
-        }
-        Err(e) => {
-            eprintln!("\n!!! SKIPPING: no control plane: {e}\n");
-            None
-        }
-    }
+/// A control plane of the test's own.
+fn own_plane() -> ControlPlane {
+    ControlPlane::start().unwrap_or_else(|e| panic!("the control plane could not start: {e}"))
 }
 
 struct Rig {
@@ -279,8 +270,9 @@ async fn check_converged(rig: &Rig, within: Duration, demanded_only: bool) -> Du
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn api_server_restart_mid_storm() {
-    let Some(plane) = own_plane() else { return };
+    let plane = own_plane();
     let rig = rig(&plane).await;
     let watcher = watch_budget(rig.pods.clone());
     let (ctx, _operator) = start_operator(rig.client.clone());
@@ -321,8 +313,9 @@ async fn api_server_restart_mid_storm() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn operator_killed_mid_storm_and_replaced() {
-    let Some(plane) = own_plane() else { return };
+    let plane = own_plane();
     let rig = rig(&plane).await;
     let watcher = watch_budget(rig.pods.clone());
     let (_, first) = start_operator(rig.client.clone());
@@ -355,8 +348,9 @@ async fn operator_killed_mid_storm_and_replaced() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn autoscaler_and_admin_race_the_reconciler() {
-    let Some(plane) = own_plane() else { return };
+    let plane = own_plane();
     let rig = rig(&plane).await;
     let (ctx, _operator) = start_operator(rig.client.clone());
     let stop = Arc::new(AtomicBool::new(false));

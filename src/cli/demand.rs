@@ -25,17 +25,10 @@ pub enum DemandCommand {
     Unload { residency: String, model: String },
 }
 
-fn failure(e: impl std::fmt::Display) -> Failure {
-    Failure {
-        message: e.to_string(),
-        code: 1,
-    }
-}
-
 async fn api(target: &Target) -> Result<Api<ModelResidency>, Failure> {
     let client = kube::Client::try_default()
         .await
-        .map_err(|e| failure(format!("cannot reach the cluster: {e}")))?;
+        .map_err(|e| Failure::other(format!("cannot reach the cluster: {e}")))?;
     Ok(match &target.namespace {
         Some(ns) => Api::namespaced(client, ns),
         None => Api::default_namespaced(client),
@@ -47,7 +40,7 @@ fn not_found(e: kube::Error, residency: &str) -> Failure {
         kube::Error::Api(s) if s.code == 404 => Failure::bad_input(format!(
             "ModelResidency {residency:?} not found (is the CRD installed and the namespace right?)"
         )),
-        e => failure(e),
+        e => Failure::other(e),
     }
 }
 

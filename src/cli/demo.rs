@@ -24,12 +24,19 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 const NAMESPACE: &str = "models";
+
+/// A file of this crate's checkout (the chart, the scripts, the example):
+/// the demo is built from a checkout and runs against its files, wherever
+/// it is started from.
+fn checkout_file(relative: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(relative)
+}
 const NAME: &str = "seed-gpu";
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// The manifest to apply (a ModelResidency on node-a).
-    #[arg(long, default_value = "examples/seed-registry.yaml")]
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/seed-registry.yaml"))]
     manifest: PathBuf,
     /// Seconds the stand-in kubelet takes to "load" each GiB of a model.
     #[arg(long, default_value_t = 0.05)]
@@ -334,14 +341,14 @@ fn http_get(addr: &str, path: &str) -> Option<String> {
 fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
     let helm = std::env::var("HELM").ok().or_else(|| {
         Command::new("bash")
-            .arg("scripts/helm.sh")
+            .arg(checkout_file("scripts/helm.sh"))
             .output()
             .ok()
             .filter(|o| o.status.success())
             .and_then(|o| String::from_utf8(o.stdout).ok())
             .map(|s| s.trim().to_owned())
     });
-    let dir = tempfile::tempdir().map_err(|e| Failure::bad_input(e.to_string()))?;
+    let dir = tempfile::tempdir().map_err(Failure::other)?;
     let kc = plane.kubeconfig();
     let Some(helm) = helm else {
         return Err(Failure {
@@ -353,17 +360,13 @@ fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
         "Installing the chart's ServiceAccount and RBAC (helm template charts/model-residency | kubectl apply)",
     );
     let rendered = Command::new(&helm)
-        .args([
-            "template",
-            "model-residency",
-            "charts/model-residency",
-            "--namespace",
-            OPERATOR_NS,
-        ])
+        .args(["template", "model-residency"])
+        .arg(checkout_file("charts/model-residency"))
+        .args(["--namespace", OPERATOR_NS])
         .output()
-        .map_err(|e| Failure::bad_input(format!("helm: {e}")))?;
+        .map_err(|e| Failure::other(format!("helm: {e}")))?;
     if !rendered.status.success() {
-        return Err(Failure::bad_input(format!(
+        return Err(Failure::other(format!(
             "helm template: {}",
             String::from_utf8_lossy(&rendered.stderr)
         )));
@@ -387,8 +390,7 @@ fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
         })
         .collect();
     let rbac_file = dir.path().join("rbac.yaml");
-    std::fs::write(&rbac_file, rbac.join("\n---"))
-        .map_err(|e| Failure::bad_input(e.to_string()))?;
+    std::fs::write(&rbac_file, rbac.join("\n---")).map_err(Failure::other)?;
     kubectl(kc, &["create", "namespace", OPERATOR_NS]);
     kubectl(kc, &["apply", "-f", rbac_file.to_str().unwrap_or_default()]);
 
@@ -402,15 +404,15 @@ fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
     let sa_kubeconfig = dir.path().join("operator.kubeconfig");
     plane
         .write_kubeconfig_as(&sa_kubeconfig, &sa, &sa_groups)
-        .map_err(|e| Failure::bad_input(e.to_string()))?;
+        .map_err(Failure::other)?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
-        .map_err(|e| Failure::bad_input(e.to_string()))?;
+        .map_err(Failure::other)?;
     let addr = format!("127.0.0.1:{port}");
     let log = dir.path().join("operator.log");
-    let log_file = std::fs::File::create(&log).map_err(|e| Failure::bad_input(e.to_string()))?;
-    let exe = std::env::current_exe().map_err(|e| Failure::bad_input(e.to_string()))?;
+    let log_file = std::fs::File::create(&log).map_err(Failure::other)?;
+    let exe = std::env::current_exe().map_err(Failure::other)?;
     let mut cmd = Command::new(exe);
     cmd.env("KUBECONFIG", &sa_kubeconfig)
         .env("POD_NAME", "model-residency-demo")
@@ -426,7 +428,7 @@ fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
         .stderr(log_file);
     // Dies with the demo, however the demo ends.
     let child = model_residency::local::control_plane::spawn_owned(cmd)
-        .map_err(|e| Failure::bad_input(format!("start the operator: {e}")))?;
+        .map_err(|e| Failure::other(format!("start the operator: {e}")))?;
     let operator = Operator {
         child,
         addr: addr.clone(),

@@ -1,7 +1,9 @@
 //! Command-line surface: argument definitions and dispatch.
 
 mod demand;
+#[cfg(feature = "local")]
 mod demo;
+#[cfg(feature = "local")]
 mod local_cluster;
 mod operator;
 mod simulate;
@@ -28,9 +30,11 @@ enum Command {
     /// (`model-residency crd | kubectl apply -f -`).
     Crd,
     /// Run the whole thing end to end on a local control plane, explained.
+    #[cfg(feature = "local")]
     Demo(demo::Args),
     /// Start a local control plane with fake GPU nodes (until Ctrl-C), to
     /// try the operator by hand.
+    #[cfg(feature = "local")]
     LocalCluster(local_cluster::Args),
     /// Run the controller (watches ModelResidencies and their model pods).
     Run(operator::Args),
@@ -65,6 +69,14 @@ impl Failure {
             code: 2,
         }
     }
+
+    /// Anything that is not the input's fault (I/O, a missing tool).
+    pub fn other(message: impl ToString) -> Self {
+        Failure {
+            message: message.to_string(),
+            code: 1,
+        }
+    }
 }
 
 pub fn run(cli: Cli) -> Result<(), Failure> {
@@ -79,7 +91,9 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
             })
     };
     match cli.command {
+        #[cfg(feature = "local")]
         Command::Demo(args) => demo::run(args),
+        #[cfg(feature = "local")]
         Command::LocalCluster(args) => local_cluster::run(args),
         Command::Run(args) => {
             operator::init_logging(args.log_format());

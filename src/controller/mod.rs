@@ -486,3 +486,7 @@ pub async fn run_elected(
         tracing::warn!(identity, "lost leadership; standing by");
     }
 }
+
+#[cfg(test)]
+#[path = "enact_tests.rs"]
+mod enact_tests;

@@ -286,7 +286,9 @@ impl Engine {
     /// Pins or unpins a model. Pinning never evicts (the model's VRAM is
     /// already counted); the model keeps its recency. O(residents) because it
     /// re-inserts the model in order into the other list: an admin edit, not
-    /// a hot path.
+    /// a hot path. The reconciler does not need it (it registers every
+    /// model with the spec's flag when it restores its engine); a long-lived
+    /// engine does, and the property tests check it against the reference.
     pub fn set_pinned(&mut self, id: ModelId, pinned: bool) {
         let slot = &self.slots.0[id.index()];
         if slot.pinned == pinned {

@@ -47,12 +47,12 @@ impl Drop for Harness {
 pub type Model<'a> = (&'a str, &'a str, bool);
 
 impl Harness {
-    pub async fn start(test: &str) -> Option<Harness> {
+    pub async fn start(test: &str) -> Harness {
         Self::start_with(test, Duration::from_millis(30)).await
     }
 
-    pub async fn start_with(test: &str, load_delay: Duration) -> Option<Harness> {
-        let env = test_env(test).await?;
+    pub async fn start_with(test: &str, load_delay: Duration) -> Harness {
+        let env = test_env(test).await;
         env.install_crds();
         let node = env.node("gpu");
         let mut config = KubeletConfig::instant(&[&node]);
@@ -77,7 +77,7 @@ impl Harness {
                 .await
             }
         });
-        Some(Harness {
+        Harness {
             api: Api::namespaced(env.client.clone(), &env.namespace),
             pods: Api::namespaced(env.client.clone(), &env.namespace),
             ctx,
@@ -87,7 +87,7 @@ impl Harness {
             _kubelet: kubelet,
             stop: Some(stop),
             task: Some(task),
-        })
+        }
     }
 
     /// Creates a residency on the test's node with a server template per model.

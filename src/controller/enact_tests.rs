@@ -1,0 +1,229 @@
+//! The I/O shell's exact call sequences against a mocked API server
+//! (`tower_test`, as kube-rs's controller-rs does): deletes before creates,
+//! the status before the events, the 404/409 arms, and errors that name the
+//! step and the object. Behaviour is tested on the real API server; these
+//! pin down the order and the shape of the requests.
+
+use super::decide::{Decision, PodRef};
+use super::events::{EventReason, ModelEvent};
+use super::{Context, Error, enact};
+use crate::api::{ModelResidency, ModelResidencyStatus};
+use crate::metrics::API_REQUESTS;
+use http::{Method, Request, Response, StatusCode};
+use k8s_openapi::api::core::v1::Pod;
+use kube::client::Body;
+use serde_json::{Value, json};
+use std::sync::Arc;
+use tower_test::mock::{self, Handle};
+
+type ApiHandle = Handle<Request<Body>, Response<Body>>;
+
+fn residency() -> ModelResidency {
+    let r: ModelResidency = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1",
+        "kind": "ModelResidency",
+        "metadata": {"name": "gpu", "namespace": "ns", "uid": "uid-1"},
+        "spec": {"nodeName": "node-a", "device": "0", "budget": "10Gi", "models": []}
+    }))
+    .unwrap();
+    r
+}
+
+fn pod(name: &str) -> Pod {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "ns", "uid": format!("u-{name}"),
+                     "labels": {"residency.dev/model": "b", "residency.dev/residency": "gpu"}},
+        "spec": {"containers": [{"name": "s", "image": "i"}]}
+    }))
+    .unwrap()
+}
+
+fn decision() -> Decision {
+    Decision {
+        status: ModelResidencyStatus {
+            resident: 1,
+            ..ModelResidencyStatus::default()
+        },
+        create: vec![pod("gpu-b")],
+        delete: vec![PodRef {
+            name: "gpu-a".into(),
+            uid: "u-gpu-a".into(),
+        }],
+        events: vec![ModelEvent::about(
+            "b",
+            EventReason::Loaded,
+            "b loaded".into(),
+        )],
+        requeue_after: None,
+        load_seconds: Vec::new(),
+        usage: None,
+    }
+}
+
+fn mocked() -> (Arc<Context>, ApiHandle) {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let client = kube::Client::new(service, "ns");
+    (Context::new(client), handle)
+}
+
+/// Takes the next request, checks its method and path, and answers it.
+async fn expect(
+    handle: &mut ApiHandle,
+    method: Method,
+    path: &str,
+    code: u16,
+    body: Value,
+) -> Value {
+    let (request, respond) = handle.next_request().await.expect("another request");
+    assert_eq!(request.method(), method, "{}", request.uri());
+    assert_eq!(request.uri().path(), path);
+    let sent = request.into_body().collect_bytes().await.unwrap();
+    let sent = serde_json::from_slice(&sent).unwrap_or(Value::Null);
+    let response = Response::builder()
+        .status(StatusCode::from_u16(code).unwrap())
+        .body(Body::from(serde_json::to_vec(&body).unwrap()))
+        .unwrap();
+    respond.send_response(response);
+    sent
+}
+
+fn status(code: u16, reason: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+           "code": code, "reason": reason, "message": format!("{reason} (mocked)")})
+}
+
+const PODS: &str = "/api/v1/namespaces/ns/pods";
+const STATUS: &str = "/apis/residency.dev/v1alpha1/namespaces/ns/modelresidencies/gpu/status";
+const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/ns/events";
+
+#[tokio::test]
+async fn deletes_then_creates_then_writes_status_then_publishes_events() {
+    let (ctx, mut handle) = mocked();
+    let r = residency();
+    let d = decision();
+    let server = async {
+        let sent = expect(
+            &mut handle,
+            Method::DELETE,
+            &format!("{PODS}/gpu-a"),
+            200,
+            json!(pod("gpu-a")),
+        )
+        .await;
+        assert_eq!(
+            sent["preconditions"]["uid"], "u-gpu-a",
+            "deletes only the pod it saw"
+        );
+        let sent = expect(&mut handle, Method::POST, PODS, 201, json!(pod("gpu-b"))).await;
+        assert_eq!(sent["metadata"]["name"], "gpu-b");
+        let sent = expect(&mut handle, Method::PATCH, STATUS, 200, json!(r)).await;
+        assert_eq!(sent["status"]["resident"], 1);
+        let sent = expect(&mut handle, Method::POST, EVENTS, 201, json!({})).await;
+        assert_eq!(sent["reason"], "Loaded");
+        assert_eq!(sent["related"]["name"], "gpu-b");
+    };
+    let (result, ()) = tokio::join!(enact(&r, "ns", &d, &ctx), server);
+    assert!(!result.unwrap(), "no retry needed");
+    assert_eq!(ctx.metrics.sum(API_REQUESTS), 4);
+    drop(ctx);
+    assert!(handle.next_request().await.is_none(), "an extra request");
+}
+
+#[tokio::test]
+async fn a_pod_already_gone_and_a_name_still_taken_are_not_errors() {
+    let (ctx, mut handle) = mocked();
+    let r = residency();
+    let mut d = decision();
+    d.events.clear();
+    let server = async {
+        expect(
+            &mut handle,
+            Method::DELETE,
+            &format!("{PODS}/gpu-a"),
+            404,
+            status(404, "NotFound"),
+        )
+        .await;
+        expect(
+            &mut handle,
+            Method::POST,
+            PODS,
+            409,
+            status(409, "AlreadyExists"),
+        )
+        .await;
+        expect(&mut handle, Method::PATCH, STATUS, 200, json!(r)).await;
+    };
+    let (result, ()) = tokio::join!(enact(&r, "ns", &d, &ctx), server);
+    assert!(result.unwrap(), "a taken name asks to look again soon");
+}
+
+#[tokio::test]
+async fn a_failed_delete_stops_before_any_create_and_names_the_pod() {
+    let (ctx, mut handle) = mocked();
+    let r = residency();
+    let d = decision();
+    let path = format!("{PODS}/gpu-a");
+    let server = expect(
+        &mut handle,
+        Method::DELETE,
+        &path,
+        500,
+        status(500, "InternalError"),
+    );
+    let (result, _) = tokio::join!(enact(&r, "ns", &d, &ctx), server);
+    let e = result.unwrap_err();
+    assert!(
+        matches!(&e, Error::DeletePod { pod, .. } if pod == "gpu-a"),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.to_string(),
+        "deleting pod gpu-a: 500 InternalError: InternalError (mocked)"
+    );
+    assert_eq!(e.metric_label(), "delete_pod");
+    drop(ctx);
+    assert!(
+        handle.next_request().await.is_none(),
+        "went on after a failure"
+    );
+}
+
+#[tokio::test]
+async fn a_rejected_status_write_is_a_patch_status_error_and_no_events_follow() {
+    let (ctx, mut handle) = mocked();
+    let r = residency();
+    let mut d = decision();
+    d.delete.clear();
+    d.create.clear();
+    let server = expect(
+        &mut handle,
+        Method::PATCH,
+        STATUS,
+        422,
+        status(422, "Invalid"),
+    );
+    let (result, _) = tokio::join!(enact(&r, "ns", &d, &ctx), server);
+    let e = result.unwrap_err();
+    assert!(matches!(e, Error::PatchStatus { .. }), "{e:?}");
+    drop(ctx);
+    assert!(
+        handle.next_request().await.is_none(),
+        "an event without its status"
+    );
+}
+
+#[tokio::test]
+async fn an_unchanged_status_is_not_written() {
+    let (ctx, mut handle) = mocked();
+    let mut r = residency();
+    let mut d = decision();
+    (d.delete, d.create, d.events) = (Vec::new(), Vec::new(), Vec::new());
+    r.status = Some(d.status.clone());
+    // A request here would wait for an answer that never comes.
+    let result = tokio::time::timeout(std::time::Duration::from_secs(5), enact(&r, "ns", &d, &ctx));
+    assert!(!result.await.expect("a request was made").unwrap());
+    drop(ctx);
+    assert!(handle.next_request().await.is_none());
+}
