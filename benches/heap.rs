@@ -121,6 +121,7 @@ fn main() {
         used: 10 << 30,
         peak: 10 << 30,
         resident: status.resident,
+        gpu_conflict: false,
     };
     let metric =
         retained_per_item(|i| metrics.observe("bench", &names[i], &usage, status.counters));

@@ -10,6 +10,10 @@ use serde::{Deserialize, Deserializer, Serialize};
 /// DNS label: lowercase alphanumerics and '-', starting and ending with an
 /// alphanumeric. Model names become pod-name parts and label values.
 const DNS_LABEL: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
+/// One GPU: an index, a `GPU-...` UUID or a `MIG-...` UUID (MIG's own
+/// `MIG-GPU-<uuid>/<gi>/<ci>` form included). Not `all`, `none`, a list or
+/// empty: one object is one GPU's budget.
+const ONE_GPU: &str = r"^([0-9]+|GPU-[0-9a-fA-F-]+|MIG-[0-9a-zA-Z/-]+)$";
 /// A positive Kubernetes quantity without sign or milli-units.
 const POSITIVE_QUANTITY: &str = r"^\+?(0*[1-9][0-9]*(\.[0-9]*)?|0*\.0*[1-9][0-9]*)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE]\+?[0-9]+)?$";
 
@@ -30,6 +34,7 @@ const POSITIVE_QUANTITY: &str = r"^\+?(0*[1-9][0-9]*(\.[0-9]*)?|0*\.0*[1-9][0-9]
     printcolumn = r#"{"name":"Budget","type":"string","jsonPath":".spec.budget"}"#,
     printcolumn = r#"{"name":"Used","type":"string","jsonPath":".status.used"}"#,
     printcolumn = r#"{"name":"Resident","type":"integer","jsonPath":".status.resident"}"#,
+    printcolumn = r#"{"name":"Loading","type":"integer","jsonPath":".status.loading"}"#,
     printcolumn = r#"{"name":"Refused","type":"integer","jsonPath":".status.refused"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
@@ -39,9 +44,12 @@ pub struct ModelResidencySpec {
     /// The node that holds the GPU. Every model pod is bound to it.
     #[schemars(length(min = 1, max = 253))]
     pub node_name: String,
-    /// The GPU on that node: an index ("0") or a UUID ("GPU-..."). Model pods
-    /// get it as NVIDIA_VISIBLE_DEVICES.
-    #[schemars(length(min = 1, max = 128))]
+    /// The GPU on that node: one GPU, as an index ("0"), a UUID ("GPU-...")
+    /// or a MIG instance ("MIG-..."); not "all", "none" or a list. Model pods
+    /// get it as NVIDIA_VISIBLE_DEVICES. Two residencies naming the same node
+    /// and GPU are one budget: the older one holds it, the other loads
+    /// nothing (condition Ready=False, reason GpuConflict).
+    #[schemars(length(min = 1, max = 128), regex(pattern = ONE_GPU))]
     pub device: String,
     /// VRAM budget: the most the resident models may declare together. A
     /// positive Kubernetes quantity (16000Mi, 80Gi) or bytes.
@@ -140,15 +148,21 @@ pub struct ModelResidencyStatus {
     /// The budget this status was computed against.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget: Option<String>,
-    /// VRAM declared by the resident models.
+    /// VRAM declared by the resident models (rounded down to two decimals
+    /// when no unit says it exactly).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub used: Option<String>,
-    /// The most VRAM ever declared at once by resident models.
+    /// The most VRAM ever declared at once by resident models (rounded down
+    /// like used).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak: Option<String>,
-    /// Number of resident models (Loaded, Loading or Failed).
+    /// Number of resident models (Loaded, Loading or Failed while holding
+    /// VRAM).
     #[serde(default)]
     pub resident: u32,
+    /// Number of resident models whose pod is not Ready yet.
+    #[serde(default)]
+    pub loading: u32,
     /// Number of models whose last request was refused.
     #[serde(default)]
     pub refused: u32,
@@ -202,6 +216,21 @@ pub struct ModelStatus {
     pub message: Option<String>,
 }
 
+impl ModelStatus {
+    /// Whether the model holds VRAM in the budget: Loaded, Loading, or Failed
+    /// after it was admitted. A load refused for an invalid template fails
+    /// without being admitted, so it holds none.
+    pub fn is_resident(&self) -> bool {
+        self.state.is_resident()
+            && !(self.state == ModelState::Failed
+                && self.reason.as_deref() == Some(INVALID_TEMPLATE_REQUEST))
+    }
+}
+
+/// The reason of a load that failed before admission: the model's pod
+/// template is unusable (the reconciler's `Reason::InvalidTemplate`).
+const INVALID_TEMPLATE_REQUEST: &str = "InvalidTemplate";
+
 fn is_zero(n: &u32) -> bool {
     *n == 0
 }
@@ -220,12 +249,14 @@ pub enum ModelState {
     /// Never loaded, or unloaded by demand removal.
     #[default]
     Unloaded,
-    /// Resident but its pod failed; retried with backoff.
+    /// Its load failed: its pod failed (resident, retried with backoff), or
+    /// its template is invalid (nothing was evicted for it).
     Failed,
 }
 
 impl ModelState {
-    /// Whether the model holds (or is about to hold) VRAM.
+    /// Whether a model in this state may hold VRAM (see
+    /// [`ModelStatus::is_resident`] for whether it does).
     pub fn is_resident(self) -> bool {
         matches!(
             self,

@@ -7,6 +7,11 @@ pub const MODEL_LABEL: &str = "residency.dev/model";
 pub const RESIDENCY_LABEL: &str = "residency.dev/residency";
 /// Annotation on a model pod: the model's declared VRAM size in bytes.
 pub const SIZE_ANNOTATION: &str = "residency.dev/size";
+/// Annotation on a model pod: the GPU it was given.
+pub const DEVICE_ANNOTATION: &str = "residency.dev/device";
+/// Annotation on a model pod: a hash of the template it was built from, so
+/// a changed template is seen and rolled out.
+pub const TEMPLATE_HASH_ANNOTATION: &str = "residency.dev/template-hash";
 
 /// The longest a label value may be. A residency's name is a label value
 /// on its pods, so it is held to this too.

@@ -291,6 +291,7 @@ mod tests {
             used: 13900 << 20,
             peak: 13900 << 20,
             resident: 2,
+            gpu_conflict: false,
         };
         let mut c = Counters {
             loads: 2,

@@ -106,26 +106,80 @@ pub fn parse_bytes(input: &str) -> Result<Bytes, QuantityError> {
     Bytes::try_from(scaled.div_ceil(den)).map_err(|_| QuantityError::Overflow(input.to_owned()))
 }
 
-/// Formats bytes as the shortest exact binary quantity: `16000Mi`, `80Gi`,
-/// or plain bytes when no binary unit divides evenly.
+/// Formats bytes as the shortest exact quantity a person reads easily: a
+/// binary unit (`16000Mi`, `21740Mi`, `1.5Gi`), a decimal one (`8G`, not
+/// `7812500Ki`), or plain bytes, with at most three decimals, preferring a
+/// binary unit on a tie. Exact, so [`parse_bytes`] reads back the same
+/// number (status fields are read back).
 pub fn format_bytes(bytes: Bytes) -> String {
-    const UNITS: [&str; 6] = ["Ki", "Mi", "Gi", "Ti", "Pi", "Ei"];
-    if bytes == 0 {
-        return "0".to_owned();
+    const BINARY: [(&str, u128); 6] = [
+        ("Ei", 1 << 60),
+        ("Pi", 1 << 50),
+        ("Ti", 1 << 40),
+        ("Gi", 1 << 30),
+        ("Mi", 1 << 20),
+        ("Ki", 1 << 10),
+    ];
+    const DECIMAL: [(&str, u128); 6] = [
+        ("E", 1_000_000_000_000_000_000),
+        ("P", 1_000_000_000_000_000),
+        ("T", 1_000_000_000_000),
+        ("G", 1_000_000_000),
+        ("M", 1_000_000),
+        ("k", 1_000),
+    ];
+    let units = BINARY.iter().chain(&DECIMAL);
+    let candidates = units
+        .filter(|&&(_, unit)| u128::from(bytes) >= unit)
+        .filter_map(|&(suffix, unit)| exact(bytes, unit, suffix));
+    // The first of the shortest: larger units, binary ones, come first.
+    candidates
+        .chain([bytes.to_string()])
+        .reduce(|best, c| if c.len() < best.len() { c } else { best })
+        .unwrap_or_default()
+}
+
+/// Like [`format_bytes`], but a number of bytes no unit says exactly in
+/// three decimals is shown in the largest binary unit it fills, rounded
+/// down to two decimals (`21.23Gi`, not `22795943680`). For status figures
+/// people read and nothing reads back exactly (used, peak): rounding down
+/// never shows a residency over its budget.
+pub fn format_bytes_rounded(bytes: Bytes) -> String {
+    let exact = format_bytes(bytes);
+    if bytes < 1 << 10 || !exact.bytes().all(|b| b.is_ascii_digit()) {
+        return exact;
     }
-    let mut value = bytes;
-    let mut unit = None;
-    for u in UNITS {
-        if !value.is_multiple_of(1024) {
-            break;
-        }
-        value /= 1024;
-        unit = Some(u);
+    let (suffix, shift) = [
+        ("Ei", 60),
+        ("Pi", 50),
+        ("Ti", 40),
+        ("Gi", 30),
+        ("Mi", 20),
+        ("Ki", 10),
+    ]
+    .into_iter()
+    .find(|&(_, shift)| bytes >> shift > 0)
+    .expect("at least 1Ki");
+    let hundredths = (u128::from(bytes) * 100) >> shift;
+    format!("{}.{:02}{suffix}", hundredths / 100, hundredths % 100)
+}
+
+/// `bytes` in `unit`, if at most three decimals say it exactly.
+fn exact(bytes: Bytes, unit: u128, suffix: &str) -> Option<String> {
+    let b = u128::from(bytes);
+    let (whole, rest) = (b / unit, b % unit);
+    if (rest * 1000) % unit != 0 {
+        return None;
     }
-    match unit {
-        Some(u) => format!("{value}{u}"),
-        None => value.to_string(),
+    let thousandths = rest * 1000 / unit;
+    if thousandths == 0 {
+        return Some(format!("{whole}{suffix}"));
     }
+    let fraction = format!("{thousandths:03}");
+    Some(format!(
+        "{whole}.{}{suffix}",
+        fraction.trim_end_matches('0')
+    ))
 }
 
 #[cfg(test)]
@@ -185,14 +239,43 @@ mod tests {
     }
 
     #[test]
-    fn formats_the_shortest_exact_binary_unit() {
+    fn formats_the_shortest_exact_unit() {
         assert_eq!(format_bytes(0), "0");
-        assert_eq!(format_bytes(1000), "1000");
+        assert_eq!(format_bytes(1000), "1k");
+        assert_eq!(format_bytes(8_000_000_000), "8G", "not 7812500Ki");
+        assert_eq!(
+            format_bytes(22_795_943_680),
+            "22795943680",
+            "no unit says it exactly"
+        );
+        assert_eq!(format_bytes_rounded(22_795_943_680), "21.23Gi");
+        assert_eq!(
+            format_bytes_rounded(16000 * MI),
+            "16000Mi",
+            "exact stays exact"
+        );
+        assert_eq!(format_bytes_rounded(1023), "1023");
+        assert_eq!(
+            format_bytes_rounded((16 << 30) - 1),
+            "15.99Gi",
+            "never rounds up past a budget"
+        );
+        assert_eq!(format_bytes(3 << 29), "1.5Gi");
+        assert_eq!(format_bytes(1_250_000_000), "1.25G");
         assert_eq!(format_bytes(16000 * MI), "16000Mi");
         assert_eq!(format_bytes(80 << 30), "80Gi");
         assert_eq!(format_bytes(1536), "1536");
         assert_eq!(format_bytes(1 << 60), "1Ei");
-        for b in [1u64, 1023, 1024, 10900 * MI, u64::MAX, 3 << 40] {
+        for b in [
+            1u64,
+            1023,
+            1024,
+            10900 * MI,
+            u64::MAX,
+            3 << 40,
+            1_234_567,
+            8_000_000_001,
+        ] {
             assert_eq!(parse_bytes(&format_bytes(b)), Ok(b));
         }
     }

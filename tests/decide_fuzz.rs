@@ -172,6 +172,12 @@ fn pods() -> impl Strategy<Value = Vec<ModelPod>> {
             deleting,
             failure: (!live).then(|| "boom".to_owned()),
             created: Some(base().to_string()),
+            // Now and then a pod left on another node (a residency moved).
+            node: Some(if gib % 3 == 0 { "elsewhere" } else { "node-a" }.to_owned()),
+            device: None,
+            template_hash: None,
+            waiting: None,
+            reported: true,
         });
     prop::collection::vec(pod, 0..6)
 }
@@ -202,12 +208,12 @@ proptest! {
 
     #[test]
     fn decide_never_panics_and_keeps_the_budget(r in residency(), pods in pods(), now in 0i64..900) {
-        let d = decide(&Observed {
-            residency: &r,
-            owner: r.controller_owner_ref(&()).unwrap(),
-            pods: &pods,
-            now: base() + SignedDuration::from_secs(now),
-        });
+        let d = decide(&Observed::new(
+            &r,
+            r.controller_owner_ref(&()).unwrap(),
+            &pods,
+            base() + SignedDuration::from_secs(now),
+        ));
         let invalid = d.status.conditions.iter().any(|c| c.reason == "InvalidSpec");
         VALID.fetch_add(u64::from(!invalid), std::sync::atomic::Ordering::Relaxed);
         if invalid {
@@ -232,6 +238,6 @@ proptest! {
             let st = d.status.models.iter().find(|m| &m.name == model).unwrap();
             prop_assert_eq!(st.state, ModelState::Loading);
         }
-        prop_assert_eq!(d.status.resident as usize, d.status.models.iter().filter(|m| m.state.is_resident()).count());
+        prop_assert_eq!(d.status.resident as usize, d.status.models.iter().filter(|m| m.is_resident()).count());
     }
 }

@@ -142,7 +142,7 @@ async fn final_requests(rig: &Rig) {
         engine.register(n, size * GI, false).unwrap();
     }
     let s = r.status.unwrap();
-    let mut residents: Vec<_> = s.models.iter().filter(|m| m.state.is_resident()).collect();
+    let mut residents: Vec<_> = s.models.iter().filter(|m| m.is_resident()).collect();
     residents.sort_by_key(|m| m.last_used.clone());
     for m in residents {
         engine.restore(engine.id(&m.name).unwrap()).unwrap();

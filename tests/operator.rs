@@ -115,7 +115,7 @@ async fn seed_cases_through_demand_patches_match_the_engine() {
         let resident: BTreeSet<String> = s
             .models
             .iter()
-            .filter(|m| m.state.is_resident())
+            .filter(|m| m.is_resident())
             .map(|m| m.name.clone())
             .collect();
         assert_eq!(resident, want, "{name} resident set");

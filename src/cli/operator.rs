@@ -42,6 +42,19 @@ pub struct Args {
     /// Seconds a Lease stays valid without renewal.
     #[arg(long, default_value_t = 15)]
     lease_seconds: u64,
+    /// How far a request's time (spec.demand) may be ahead of this
+    /// operator's clock and still count as written; a later time is taken
+    /// as the moment the operator saw it (with a ClockSkew event).
+    #[arg(long, env = "MAX_CLOCK_SKEW", default_value = "1m", value_parser = parse_duration)]
+    max_clock_skew: std::time::Duration,
+}
+
+/// A duration as `90s`, `1m`, `1m30s` or `0s`.
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let d: k8s_openapi::jiff::SignedDuration = s
+        .parse()
+        .map_err(|e| format!("{s:?} is not a duration like 90s or 1m: {e}"))?;
+    std::time::Duration::try_from(d).map_err(|_| format!("{s:?} is negative"))
 }
 
 impl Args {
@@ -154,7 +167,11 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         let _ = rx.wait_for(|s| *s).await;
     };
 
-    let ctx = Context::with_metrics(client.clone(), endpoints.metrics.clone());
+    let ctx = Context::with_options(
+        client.clone(),
+        endpoints.metrics.clone(),
+        args.max_clock_skew,
+    );
     let synced = Arc::new(std::sync::atomic::AtomicBool::new(false));
     if !args.leader_elect {
         let watcher = spawn_ready_mirror(synced.clone(), endpoints.clone());
@@ -208,4 +225,20 @@ fn spawn_ready_mirror(
         }
         endpoints.ready.store(true, Ordering::Relaxed);
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_duration;
+    use std::time::Duration;
+
+    #[test]
+    fn durations_read_as_people_write_them() {
+        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("1m"), Ok(Duration::from_secs(60)));
+        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("0s"), Ok(Duration::ZERO));
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("-5s").is_err());
+    }
 }

@@ -1,6 +1,7 @@
 //! Status conditions: named constructors, and a lastTransitionTime that
 //! moves only when a condition's status does.
 
+use super::reasons::Reason;
 use crate::api::{ModelState, ModelStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
@@ -60,34 +61,47 @@ impl<'a> ConditionSet<'a> {
 }
 
 /// Ready, Refused and Degraded for a set of model states.
-pub fn model_conditions(set: &mut ConditionSet<'_>, models: &[ModelStatus]) {
-    let resident: Vec<&ModelStatus> = models.iter().filter(|m| m.state.is_resident()).collect();
+///
+/// Ready says the residency is healthy and converging: a model loading is
+/// normal (the count of loading models is in status), so only a GPU held by
+/// another residency makes it False here (an invalid spec is decided
+/// elsewhere). Degraded stays True from a failed load until a load of that
+/// model succeeds or it is no longer wanted, and while a template is
+/// invalid.
+pub fn model_conditions(
+    set: &mut ConditionSet<'_>,
+    models: &[ModelStatus],
+    conflict: Option<&str>,
+) {
+    let resident: Vec<&ModelStatus> = models.iter().filter(|m| m.is_resident()).collect();
     let loaded = resident
         .iter()
         .filter(|m| m.state == ModelState::Loaded)
         .count();
-    if loaded == resident.len() {
-        let message = match loaded {
-            0 => "no models resident".to_owned(),
-            n => format!("{n} resident model(s) ready"),
-        };
-        set.set(READY, true, "AllResidentModelsReady", message);
-    } else {
-        let waiting: Vec<&str> = resident
-            .iter()
-            .filter(|m| m.state != ModelState::Loaded)
-            .map(|m| m.name.as_str())
-            .collect();
-        set.set(
+    let loading: Vec<&str> = resident
+        .iter()
+        .filter(|m| m.state == ModelState::Loading)
+        .map(|m| m.name.as_str())
+        .collect();
+    match conflict {
+        Some(message) => set.set(READY, false, "GpuConflict", message.to_owned()),
+        None if loading.is_empty() => {
+            let message = match loaded {
+                0 => "no models resident".to_owned(),
+                n => format!("{n} resident model(s) ready"),
+            };
+            set.set(READY, true, "AllResidentModelsReady", message);
+        }
+        None => set.set(
             READY,
-            false,
-            "ModelsNotReady",
+            true,
+            "Converging",
             format!(
-                "{loaded} of {} resident models ready; waiting for {}",
+                "{loaded} of {} resident models ready; loading {}",
                 resident.len(),
-                waiting.join(", ")
+                loading.join(", ")
             ),
-        );
+        ),
     }
 
     let mut refused: Vec<&ModelStatus> = models
@@ -110,19 +124,25 @@ pub fn model_conditions(set: &mut ConditionSet<'_>, models: &[ModelStatus]) {
         ),
     }
 
-    let failed: Vec<&ModelStatus> = models
-        .iter()
-        .filter(|m| m.state == ModelState::Failed)
-        .collect();
-    match failed.first() {
+    let failing: Vec<&ModelStatus> = models.iter().filter(|m| is_failing(m)).collect();
+    match failing.first() {
         None => set.set(DEGRADED, false, "NoLoadFailures", "no failed loads".into()),
         Some(first) => set.set(
             DEGRADED,
             true,
             first.reason.as_deref().unwrap_or("LoadFailed"),
-            join_messages(&failed),
+            join_messages(&failing),
         ),
     }
+}
+
+/// A model whose loads fail: Failed, loading again after failures (a retry
+/// is not a recovery until it is Ready), or with a template that cannot
+/// make a pod.
+fn is_failing(m: &ModelStatus) -> bool {
+    m.state == ModelState::Failed
+        || (m.state == ModelState::Loading && m.failures > 0)
+        || m.reason.as_deref() == Some(Reason::InvalidTemplate.as_str())
 }
 
 fn join_messages(models: &[&ModelStatus]) -> String {

@@ -101,7 +101,7 @@ const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/ns/events";
 async fn deletes_then_creates_then_writes_status_then_publishes_events() {
     let (ctx, mut handle) = mocked();
     let r = residency();
-    let d = decision();
+    let mut d = decision();
     let server = async {
         let sent = expect(
             &mut handle,
@@ -121,9 +121,9 @@ async fn deletes_then_creates_then_writes_status_then_publishes_events() {
         assert_eq!(sent["status"]["resident"], 1);
         let sent = expect(&mut handle, Method::POST, EVENTS, 201, json!({})).await;
         assert_eq!(sent["reason"], "Loaded");
-        assert_eq!(sent["related"]["name"], "gpu-b");
+        assert_eq!(sent["related"]["name"], super::pods::pod_name("gpu", "b"));
     };
-    let (result, ()) = tokio::join!(enact(&r, "ns", &d, &ctx), server);
+    let (result, ()) = tokio::join!(enact(&r, "ns", &mut d, &ctx), server);
     assert!(!result.unwrap(), "no retry needed");
     assert_eq!(ctx.metrics.sum(API_REQUESTS), 4);
     drop(ctx);
@@ -155,15 +155,48 @@ async fn a_pod_already_gone_and_a_name_still_taken_are_not_errors() {
         .await;
         expect(&mut handle, Method::PATCH, STATUS, 200, json!(r)).await;
     };
-    let (result, ()) = tokio::join!(enact(&r, "ns", &d, &ctx), server);
+    let (result, ()) = tokio::join!(enact(&r, "ns", &mut d, &ctx), server);
     assert!(result.unwrap(), "a taken name asks to look again soon");
+}
+
+#[tokio::test]
+async fn a_create_the_api_server_rejects_is_written_into_the_status() {
+    let (ctx, mut handle) = mocked();
+    let r = residency();
+    let mut d = decision();
+    d.delete.clear();
+    d.events.clear();
+    d.status.models = vec![crate::api::ModelStatus {
+        name: "b".into(),
+        state: crate::api::ModelState::Loading,
+        size: Some("1Gi".into()),
+        ..Default::default()
+    }];
+    let server = async {
+        let invalid = status(422, "Invalid");
+        expect(&mut handle, Method::POST, PODS, 422, invalid).await;
+        let sent = expect(&mut handle, Method::PATCH, STATUS, 200, json!(r)).await;
+        let b = &sent["status"]["models"][0];
+        assert_eq!(
+            (b["state"].as_str(), b["reason"].as_str()),
+            (Some("Failed"), Some("InvalidTemplate"))
+        );
+        assert!(
+            b["message"].as_str().unwrap().contains("Invalid (mocked)"),
+            "{b}"
+        );
+        let sent = expect(&mut handle, Method::POST, EVENTS, 201, json!({})).await;
+        assert_eq!(sent["reason"], "LoadFailed");
+    };
+    let (result, ()) = tokio::join!(enact(&r, "ns", &mut d, &ctx), server);
+    assert!(!result.unwrap());
 }
 
 #[tokio::test]
 async fn a_failed_delete_stops_before_any_create_and_names_the_pod() {
     let (ctx, mut handle) = mocked();
     let r = residency();
-    let d = decision();
+    let mut d = decision();
     let path = format!("{PODS}/gpu-a");
     let server = expect(
         &mut handle,
@@ -172,7 +205,7 @@ async fn a_failed_delete_stops_before_any_create_and_names_the_pod() {
         500,
         status(500, "InternalError"),
     );
-    let (result, _) = tokio::join!(enact(&r, "ns", &d, &ctx), server);
+    let (result, _) = tokio::join!(enact(&r, "ns", &mut d, &ctx), server);
     let e = result.unwrap_err();
     assert!(
         matches!(&e, Error::DeletePod { pod, .. } if pod == "gpu-a"),
@@ -204,7 +237,7 @@ async fn a_rejected_status_write_is_a_patch_status_error_and_no_events_follow() 
         422,
         status(422, "Invalid"),
     );
-    let (result, _) = tokio::join!(enact(&r, "ns", &d, &ctx), server);
+    let (result, _) = tokio::join!(enact(&r, "ns", &mut d, &ctx), server);
     let e = result.unwrap_err();
     assert!(matches!(e, Error::PatchStatus { .. }), "{e:?}");
     drop(ctx);
@@ -222,7 +255,10 @@ async fn an_unchanged_status_is_not_written() {
     (d.delete, d.create, d.events) = (Vec::new(), Vec::new(), Vec::new());
     r.status = Some(d.status.clone());
     // A request here would wait for an answer that never comes.
-    let result = tokio::time::timeout(std::time::Duration::from_secs(5), enact(&r, "ns", &d, &ctx));
+    let result = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        enact(&r, "ns", &mut d, &ctx),
+    );
     assert!(!result.await.expect("a request was made").unwrap());
     drop(ctx);
     assert!(handle.next_request().await.is_none());

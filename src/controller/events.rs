@@ -6,35 +6,53 @@ use crate::api::{ModelResidency, ModelState, ModelStatus};
 use std::collections::HashMap;
 
 /// An event's reason, which also fixes its type and action.
+///
+/// Each counted operation has exactly one event, sent when it is decided:
+/// `Loaded` (a load: the model is admitted and its pod is created next;
+/// `ModelReady` follows when the pod is Ready), `Evicted`, `Unloaded`,
+/// `Refused`. The others announce what is not counted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventReason {
     Loaded,
+    ModelReady,
     Evicted,
     Unloaded,
     Refused,
     LoadFailed,
+    Resized,
+    Moved,
+    TemplateChanged,
     InvalidSpec,
+    GpuConflict,
+    ClockSkew,
 }
 
 impl EventReason {
     pub fn as_str(self) -> &'static str {
         match self {
             EventReason::Loaded => "Loaded",
+            EventReason::ModelReady => "ModelReady",
             EventReason::Evicted => "Evicted",
             EventReason::Unloaded => "Unloaded",
             EventReason::Refused => "Refused",
             EventReason::LoadFailed => "LoadFailed",
+            EventReason::Resized => "Resized",
+            EventReason::Moved => "Moved",
+            EventReason::TemplateChanged => "TemplateChanged",
             EventReason::InvalidSpec => "InvalidSpec",
+            EventReason::GpuConflict => "GpuConflict",
+            EventReason::ClockSkew => "ClockSkew",
         }
     }
 
     /// What the operator was doing (the event's `action`).
     pub fn action(self) -> &'static str {
         match self {
-            EventReason::Loaded | EventReason::LoadFailed => "Load",
+            EventReason::Loaded | EventReason::ModelReady | EventReason::LoadFailed => "Load",
             EventReason::Evicted => "Evict",
-            EventReason::Unloaded => "Unload",
-            EventReason::Refused => "Admit",
+            EventReason::Unloaded | EventReason::GpuConflict => "Unload",
+            EventReason::Refused | EventReason::ClockSkew => "Admit",
+            EventReason::Resized | EventReason::Moved | EventReason::TemplateChanged => "Replace",
             EventReason::InvalidSpec => "Validate",
         }
     }
@@ -43,7 +61,11 @@ impl EventReason {
     pub fn is_warning(self) -> bool {
         matches!(
             self,
-            EventReason::Refused | EventReason::LoadFailed | EventReason::InvalidSpec
+            EventReason::Refused
+                | EventReason::LoadFailed
+                | EventReason::InvalidSpec
+                | EventReason::GpuConflict
+                | EventReason::ClockSkew
         )
     }
 }
@@ -69,7 +91,9 @@ impl ModelEvent {
     }
 }
 
-/// One event per model state transition between two statuses.
+/// Events of pod transitions between two statuses (the counted
+/// operations announce themselves when decided): a model's pod turning
+/// Ready, and each failed load.
 pub fn transition_events(
     prev: &HashMap<&str, &ModelStatus>,
     models: &[ModelStatus],
@@ -87,36 +111,25 @@ fn transition_event(
     r: &ModelResidency,
 ) -> Option<ModelEvent> {
     let was = before.map(|b| b.state);
-    let was_resident = was.is_some_and(ModelState::is_resident);
-    let reason = match m.state {
+    match m.state {
         ModelState::Loaded if was != Some(ModelState::Loaded) => {
             let message = format!(
-                "{} loaded ({}) on node {} GPU {}",
+                "{} is ready ({}) on node {} GPU {}",
                 m.name,
                 m.size.as_deref().unwrap_or("?"),
                 r.spec.node_name,
                 r.spec.device
             );
-            return Some(ModelEvent::about(&m.name, EventReason::Loaded, message));
-        }
-        ModelState::Evicted if was_resident => EventReason::Evicted,
-        ModelState::Unloaded if was_resident => EventReason::Unloaded,
-        // A refusal of a newer request is a new refusal.
-        ModelState::Refused
-            if was != Some(ModelState::Refused)
-                || before.and_then(|b| b.last_requested.as_ref()) != m.last_requested.as_ref() =>
-        {
-            EventReason::Refused
+            Some(ModelEvent::about(&m.name, EventReason::ModelReady, message))
         }
         // Each failure in a row is its own event.
         ModelState::Failed
             if was != Some(ModelState::Failed)
                 || before.is_some_and(|b| b.failures != m.failures) =>
         {
-            EventReason::LoadFailed
+            let message = m.message.clone().unwrap_or_default();
+            Some(ModelEvent::about(&m.name, EventReason::LoadFailed, message))
         }
-        _ => return None,
-    };
-    let message = m.message.clone().unwrap_or_default();
-    Some(ModelEvent::about(&m.name, reason, message))
+        _ => None,
+    }
 }

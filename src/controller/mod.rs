@@ -5,6 +5,7 @@
 //! publish the events ([`events`]), and count every API request in the
 //! metrics.
 
+pub mod claims;
 pub mod conditions;
 pub mod decide;
 pub mod events;
@@ -12,11 +13,14 @@ pub mod pod_cache;
 pub mod pods;
 pub mod reasons;
 pub mod state;
+pub mod templates;
+pub mod written;
 
 use crate::api::ModelResidency;
-use crate::labels::{RESIDENCY_LABEL, fits_label_value};
+use crate::labels::{MODEL_LABEL, RESIDENCY_LABEL, fits_label_value};
 use crate::metrics::Metrics;
-use decide::{Decision, Observed, decide};
+use claims::GpuClaims;
+use decide::{DEFAULT_MAX_SKEW, Decision, Observed, decide};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
@@ -29,6 +33,8 @@ use pod_cache::PodCache;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
+use templates::{TemplateVerdicts, rejects_the_pod};
+use written::WrittenStatuses;
 
 /// The field manager of everything the operator writes.
 pub const MANAGER: &str = "model-residency";
@@ -99,14 +105,26 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     /// Filled by [`run`]'s pod watch; reset when a run starts.
     pub pods: PodCache,
+    /// Who holds each GPU; filled by [`run`]'s residency watch.
+    pub claims: GpuClaims,
+    /// Which pod templates the API server accepts.
+    pub templates: TemplateVerdicts,
+    /// Status writes the residency cache may not show yet.
+    pub written: WrittenStatuses,
+    /// How far ahead of this clock a request's time may be.
+    pub max_skew: Duration,
 }
 
 impl Context {
     pub fn new(client: kube::Client) -> Arc<Self> {
-        Self::with_metrics(client, Arc::default())
+        Self::with_options(client, Arc::default(), DEFAULT_MAX_SKEW)
     }
 
-    pub fn with_metrics(client: kube::Client, metrics: Arc<Metrics>) -> Arc<Self> {
+    pub fn with_options(
+        client: kube::Client,
+        metrics: Arc<Metrics>,
+        max_skew: Duration,
+    ) -> Arc<Self> {
         let reporter = Reporter {
             controller: MANAGER.into(),
             instance: std::env::var("POD_NAME").ok(),
@@ -116,19 +134,32 @@ impl Context {
             reporter,
             metrics,
             pods: PodCache::default(),
+            claims: GpuClaims::default(),
+            templates: TemplateVerdicts::default(),
+            written: WrittenStatuses::default(),
+            max_skew,
         })
     }
 }
 
+/// What [`enact_pods`] met besides success.
+#[derive(Debug, Default)]
+struct PodOutcome {
+    /// A create met a pod of that name still terminating: look again soon.
+    retry_soon: bool,
+    /// Models whose pod create the API server rejected, with its message.
+    rejected: Vec<(String, String)>,
+}
+
 /// Deletes first (they free VRAM), then creates what fits. `ns` and
-/// `residency` name the residency whose pods these are. Returns whether a
-/// create met a pod of that name still terminating (look again soon).
+/// `residency` name the residency whose pods these are. A create the API
+/// server rejects is reported back (the status must say so), not an error.
 async fn enact_pods(
     api: &Api<Pod>,
     (ns, residency): (&str, &str),
     d: &Decision,
     ctx: &Context,
-) -> Result<bool> {
+) -> Result<PodOutcome> {
     for pod in &d.delete {
         let dp = DeleteParams {
             preconditions: Some(Preconditions {
@@ -149,21 +180,28 @@ async fn enact_pods(
             }
         }
     }
-    let mut retry_soon = false;
+    let mut outcome = PodOutcome::default();
     for pod in &d.create {
         let result = api.create(&PostParams::default(), pod).await;
         ctx.metrics.api_request("create", "pods");
         match result {
             Ok(created) => ctx.pods.created(&created),
             // The previous pod of that name is still terminating.
-            Err(kube::Error::Api(s)) if s.code == 409 => retry_soon = true,
-            Err(source) => {
-                let pod = pod.metadata.name.clone().unwrap_or_default();
-                return Err(Error::CreatePod { pod, source });
-            }
+            Err(kube::Error::Api(s)) if s.code == 409 => outcome.retry_soon = true,
+            Err(source) => match rejects_the_pod(&source) {
+                Some(message) => {
+                    let labels = pod.metadata.labels.as_ref();
+                    let model = labels.and_then(|l| l.get(MODEL_LABEL)).cloned();
+                    outcome.rejected.push((model.unwrap_or_default(), message));
+                }
+                None => {
+                    let pod = pod.metadata.name.clone().unwrap_or_default();
+                    return Err(Error::CreatePod { pod, source });
+                }
+            },
         }
     }
-    Ok(retry_soon)
+    Ok(outcome)
 }
 
 /// Writes the decided status with server-side apply, unless it is what the
@@ -234,12 +272,21 @@ async fn publish(d: &Decision, r: &ModelResidency, ctx: &Context) {
 }
 
 /// Carries out a decision: pods, then status, then events. Returns whether
-/// to look again soon (a pod name still taken by a terminating pod).
-async fn enact(r: &ModelResidency, ns: &str, d: &Decision, ctx: &Context) -> Result<bool> {
+/// to look again soon (a pod name still taken by a terminating pod). The
+/// status is written whatever the pod creates answered.
+async fn enact(r: &ModelResidency, ns: &str, d: &mut Decision, ctx: &Context) -> Result<bool> {
     let name = r.name_any();
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
     let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), ns);
-    let retry_soon = enact_pods(&pods, (ns, &name), d, ctx).await?;
+    let outcome = enact_pods(&pods, (ns, &name), d, ctx).await?;
+    for (model, message) in &outcome.rejected {
+        d.pod_rejected(model, message);
+        let template = r.spec.models.iter().find(|m| &m.name == model);
+        if let Some(t) = template.and_then(|m| m.template.as_ref()) {
+            ctx.templates.rejected_create(ns, t.json(), message.clone());
+        }
+    }
+    let retry_soon = outcome.retry_soon;
     write_status(&residencies, r, d, ctx).await?;
     if let Some(usage) = &d.usage {
         ctx.metrics.observe(ns, &name, usage, d.status.counters);
@@ -255,6 +302,7 @@ async fn enact(r: &ModelResidency, ns: &str, d: &Decision, ctx: &Context) -> Res
 pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Action> {
     ctx.metrics.reconciled();
     let _timer = ctx.metrics.reconcile_timer();
+    let r = ctx.written.fresher(r);
     let ns = r.namespace().ok_or(Error::Incomplete("namespace"))?;
     let name = r.name_any();
     // A name that cannot be a label value cannot select pods either; decide
@@ -270,13 +318,25 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
     let owner = r
         .controller_owner_ref(&())
         .ok_or(Error::Incomplete("uid"))?;
-    let decision = decide(&Observed {
+    let rejected_templates = if fits_label_value(&name) {
+        let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+        ctx.templates
+            .rejected(&pods, &r, &owner, &ctx.metrics)
+            .await
+    } else {
+        Default::default()
+    };
+    let gpu_holder = ctx.claims.holder_other_than(&r);
+    let mut decision = decide(&Observed {
         residency: &r,
         owner,
         pods: &owned,
         now: Timestamp::now(),
+        max_skew: ctx.max_skew,
+        gpu_holder: gpu_holder.as_deref(),
+        rejected_templates: &rejected_templates,
     });
-    let retry_soon = enact(&r, &ns, &decision, &ctx).await?;
+    let retry_soon = enact(&r, &ns, &mut decision, &ctx).await?;
     Ok(match (retry_soon, decision.requeue_after) {
         (true, _) => Action::requeue(Duration::from_millis(500)),
         (false, Some(after)) => Action::requeue(after),
@@ -337,6 +397,7 @@ pub async fn run(
     // last-applied copy: they are the largest parts of a stored object
     // (the second a copy of the spec), and nothing here reads them.
     let (store, writer) = reflector::store();
+    let (claim_tx, claim_rx) = futures::channel::mpsc::unbounded();
     let residency_events = watcher(residencies, watcher::Config::default())
         .default_backoff()
         .modify(|r: &mut ModelResidency| {
@@ -346,10 +407,18 @@ pub async fn run(
         .inspect_ok({
             // A deleted residency's metrics go with it. (One deleted while
             // the watch was down keeps them until the operator restarts.)
-            let metrics = ctx.metrics.clone();
+            // Every event updates the GPU claims; the residencies sharing a
+            // GPU with the one it is about are reconciled (their holder may
+            // have changed).
+            let ctx = ctx.clone();
             move |event| {
                 if let watcher::Event::Delete(r) = event {
-                    metrics.forget(&r.namespace().unwrap_or_default(), &r.name_any());
+                    ctx.metrics
+                        .forget(&r.namespace().unwrap_or_default(), &r.name_any());
+                    ctx.written.forget(r);
+                }
+                for other in ctx.claims.record(event) {
+                    let _ = claim_tx.unbounded_send(other);
                 }
             }
         })
@@ -395,7 +464,7 @@ pub async fn run(
         synced.store(true, Ordering::Relaxed);
     });
     controller
-        .reconcile_on(pod_events)
+        .reconcile_on(futures::stream::select(pod_events, claim_rx))
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {

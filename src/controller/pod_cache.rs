@@ -20,6 +20,7 @@ use super::pods::ModelPod;
 use crate::api::ModelResidency;
 use crate::labels::RESIDENCY_LABEL;
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use std::collections::HashMap;
@@ -69,8 +70,12 @@ impl Default for PodCache {
 /// what lets a create response be ordered against the watch. An unreadable
 /// value counts as 0 (older than anything the watch delivered).
 fn resource_version(pod: &Pod) -> u64 {
-    pod.metadata
-        .resource_version
+    resource_version_of(&pod.metadata)
+}
+
+/// [`resource_version`] of any object.
+pub(super) fn resource_version_of(meta: &ObjectMeta) -> u64 {
+    meta.resource_version
         .as_deref()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)

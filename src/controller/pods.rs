@@ -3,16 +3,38 @@
 
 use crate::api::{ModelResidency, ModelSpec};
 use crate::engine::Bytes;
-use crate::labels::{MODEL_LABEL, RESIDENCY_LABEL, SIZE_ANNOTATION};
+use crate::labels::{
+    DEVICE_ANNOTATION, MODEL_LABEL, RESIDENCY_LABEL, SIZE_ANNOTATION, TEMPLATE_HASH_ANNOTATION,
+};
 use k8s_openapi::api::core::v1::{EnvVar, Pod, PodTemplateSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
 /// The environment variable that tells a model server which GPU to use.
 pub const DEVICE_ENV: &str = "NVIDIA_VISIBLE_DEVICES";
 
-/// The pod name for a model: `<residency>-<model>`.
+/// The pod name for a model: `<residency>-<model>-<hash>`. The hash (of the
+/// pair) keeps names unique per (residency, model): without it residency
+/// `gpu` with model `a-b` and residency `gpu-a` with model `b` would both
+/// want `gpu-a-b`.
 pub fn pod_name(residency: &str, model: &str) -> String {
-    format!("{residency}-{model}")
+    let pair = fnv1a([residency.as_bytes(), b"/", model.as_bytes()]);
+    format!("{residency}-{model}-{:05x}", pair & 0xf_ffff)
+}
+
+/// A template's hash as recorded on its pods (16 hex digits). The template
+/// is kept as canonical JSON (sorted keys), so equal templates hash equal.
+pub fn template_hash(template: &str) -> String {
+    format!("{:016x}", fnv1a([template.as_bytes()]))
+}
+
+/// FNV-1a, 64 bits: stable across builds and platforms (unlike std's
+/// hasher), which names and recorded hashes need.
+fn fnv1a<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in parts.into_iter().flatten() {
+        h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
 }
 
 /// Where a model pod stands, as far as VRAM is concerned.
@@ -42,6 +64,18 @@ pub struct ModelPod {
     pub failure: Option<String>,
     /// `creationTimestamp`, to time loads.
     pub created: Option<String>,
+    /// The node it is bound to.
+    pub node: Option<String>,
+    /// The GPU it was given (annotation).
+    pub device: Option<String>,
+    /// The hash of the template it was built from (annotation).
+    pub template_hash: Option<String>,
+    /// Why a pod that is not Ready is waiting, in the kubelet's or the
+    /// scheduler's words (a container's waiting reason, an unschedulable
+    /// pod); `None` when nothing says.
+    pub waiting: Option<String>,
+    /// Whether anything has reported a status for it yet.
+    pub reported: bool,
 }
 
 impl ModelPod {
@@ -68,15 +102,12 @@ impl ModelPod {
                 .or_else(|| s.reason.clone())
                 .unwrap_or_else(|| format!("pod {}", phase.unwrap_or("stopped")))
         });
+        let annotation = |key: &str| meta.annotations.as_ref().and_then(|a| a.get(key)).cloned();
         Some(ModelPod {
             name: meta.name.clone()?,
             uid: meta.uid.clone().unwrap_or_default(),
             model,
-            size: meta
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(SIZE_ANNOTATION))
-                .and_then(|s| s.parse().ok()),
+            size: annotation(SIZE_ANNOTATION).and_then(|s| s.parse().ok()),
             phase: if finished {
                 PodPhase::Finished
             } else {
@@ -86,8 +117,50 @@ impl ModelPod {
             deleting: meta.deletion_timestamp.is_some(),
             failure,
             created: meta.creation_timestamp.as_ref().map(|t| t.0.to_string()),
+            node: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+            device: annotation(DEVICE_ANNOTATION),
+            template_hash: annotation(TEMPLATE_HASH_ANNOTATION),
+            waiting: if finished { None } else { waiting_reason(pod) },
+            reported: status.is_some_and(|s| s.phase.is_some()),
         })
     }
+}
+
+/// Why a pod is not running yet, as its status says: a container's waiting
+/// reason (ImagePullBackOff, CrashLoopBackOff, ...), a false PodScheduled
+/// condition (Unschedulable), or the pod's own reason.
+fn waiting_reason(pod: &Pod) -> Option<String> {
+    let status = pod.status.as_ref()?;
+    let said = |reason: &str, message: Option<&str>| match message.filter(|m| !m.is_empty()) {
+        Some(m) => format!("{reason}: {m}"),
+        None => reason.to_owned(),
+    };
+    let containers = status.container_statuses.iter().flatten();
+    if let Some(w) = containers
+        .filter_map(|c| c.state.as_ref()?.waiting.as_ref())
+        .find(|w| {
+            w.reason
+                .as_deref()
+                .is_some_and(|r| r != "ContainerCreating")
+        })
+    {
+        return Some(said(w.reason.as_deref()?, w.message.as_deref()));
+    }
+    if let Some(c) = status
+        .conditions
+        .iter()
+        .flatten()
+        .find(|c| c.type_ == "PodScheduled" && c.status == "False")
+    {
+        return Some(said(
+            c.reason.as_deref().unwrap_or("NotScheduled"),
+            c.message.as_deref(),
+        ));
+    }
+    status
+        .reason
+        .as_deref()
+        .map(|r| said(r, status.message.as_deref()))
 }
 
 /// Builds the pod for `model` from its template: bound to the residency's
@@ -122,6 +195,13 @@ pub fn build_pod(
             value_from: None,
         });
     }
+    let hash = template_hash(
+        model
+            .template
+            .as_ref()
+            .map(|t| t.json())
+            .unwrap_or_default(),
+    );
     let mut meta = template.metadata.unwrap_or_default();
     meta.name = Some(pod_name(&residency_name, &model.name));
     meta.namespace = residency.metadata.namespace.clone();
@@ -129,9 +209,10 @@ pub fn build_pod(
     let labels = meta.labels.get_or_insert_with(Default::default);
     labels.insert(MODEL_LABEL.into(), model.name.clone());
     labels.insert(RESIDENCY_LABEL.into(), residency_name);
-    meta.annotations
-        .get_or_insert_with(Default::default)
-        .insert(SIZE_ANNOTATION.into(), size.to_string());
+    let annotations = meta.annotations.get_or_insert_with(Default::default);
+    annotations.insert(SIZE_ANNOTATION.into(), size.to_string());
+    annotations.insert(DEVICE_ANNOTATION.into(), residency.spec.device.clone());
+    annotations.insert(TEMPLATE_HASH_ANNOTATION.into(), hash);
     meta.owner_references = Some(vec![owner.clone()]);
     Ok(Pod {
         metadata: meta,
@@ -188,7 +269,8 @@ mod tests {
         ]}});
         let pod = build_pod(&residency(), &owner(), &model(t), 1 << 30).unwrap();
         let meta = &pod.metadata;
-        assert_eq!(meta.name.as_deref(), Some("gpu0-zimage"));
+        assert_eq!(meta.name, Some(pod_name("gpu0", "zimage")));
+        assert!(pod_name("gpu0", "zimage").starts_with("gpu0-zimage-"));
         assert_eq!(meta.namespace.as_deref(), Some("models"));
         let labels = meta.labels.as_ref().unwrap();
         assert_eq!(labels[MODEL_LABEL], "zimage");
@@ -209,6 +291,13 @@ mod tests {
             "the template's own device setting is replaced"
         );
         assert_eq!(env[0].value.as_deref(), Some("GPU-1234"));
+    }
+
+    #[test]
+    fn pod_names_are_unique_per_residency_and_model() {
+        // The black-box finding: these two pairs used to share `gpu-a-b`.
+        assert_ne!(pod_name("gpu", "a-b"), pod_name("gpu-a", "b"));
+        assert_eq!(pod_name("gpu", "a-b"), pod_name("gpu", "a-b"), "stable");
     }
 
     #[test]

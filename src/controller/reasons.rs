@@ -14,6 +14,12 @@ pub enum Reason {
     WaitingForVram,
     /// Its pod is being replaced because its declared size changed.
     Resized,
+    /// Its pod is being replaced because the residency's node or GPU changed.
+    Moved,
+    /// Its pod is being replaced because its template changed.
+    TemplateChanged,
+    /// A failed pod is being replaced by a retry.
+    Retrying,
     /// Its pod failed; a retry is scheduled.
     PodFailed,
     /// Its pod template cannot make a pod.
@@ -28,6 +34,8 @@ pub enum Reason {
     DemandRemoved,
     /// Unloaded because it left the registry.
     RemovedFromRegistry,
+    /// Unloaded (or not loaded) because another residency holds the GPU.
+    GpuConflict,
     /// Refused: larger than the whole budget.
     LargerThanBudget,
     /// Refused: fits only by evicting pinned models.
@@ -43,6 +51,9 @@ impl Reason {
             Reason::PodStarting => "PodStarting",
             Reason::WaitingForVram => "WaitingForVram",
             Reason::Resized => "Resized",
+            Reason::Moved => "Moved",
+            Reason::TemplateChanged => "TemplateChanged",
+            Reason::Retrying => "Retrying",
             Reason::PodFailed => "PodFailed",
             Reason::InvalidTemplate => "InvalidTemplate",
             Reason::MadeRoom => "MadeRoom",
@@ -50,6 +61,7 @@ impl Reason {
             Reason::BudgetExceeded => "BudgetExceeded",
             Reason::DemandRemoved => "DemandRemoved",
             Reason::RemovedFromRegistry => "RemovedFromRegistry",
+            Reason::GpuConflict => "GpuConflict",
             Reason::LargerThanBudget => "LargerThanBudget",
             Reason::NoEvictableRoom => "NoEvictableRoom",
             Reason::UnknownModel => "UnknownModel",

@@ -48,6 +48,8 @@ pub struct Usage {
     pub peak: Bytes,
     /// Models holding VRAM (loaded, loading or failed).
     pub resident: u32,
+    /// Another residency holds the GPU, so this one loads nothing.
+    pub gpu_conflict: bool,
 }
 
 /// A registry entry with its size in bytes.
@@ -78,12 +80,6 @@ pub struct Valid<'a> {
     pub models: Vec<ValidModel<'a>>,
     /// Oldest first (ties by model name): the order requests are applied in.
     pub demand: Vec<Request<'a>>,
-}
-
-impl Valid<'_> {
-    pub fn is_demanded(&self, model: &str) -> bool {
-        self.demand.iter().any(|r| r.model == model)
-    }
 }
 
 /// Checks a residency's spec and converts its quantities and times.
@@ -144,8 +140,7 @@ pub fn recorded_time(s: Option<&str>) -> Option<Timestamp> {
 /// The size a resident model was admitted with, as its status records it.
 /// A hand-edited status may say anything; zero or unreadable is no size.
 pub fn recorded_size(m: &ModelStatus) -> Option<Bytes> {
-    m.state
-        .is_resident()
+    m.is_resident()
         .then_some(m.size.as_deref())
         .flatten()
         .and_then(|s| parse_bytes(s).ok())
@@ -189,7 +184,7 @@ pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
     }
     let mut removed = Vec::new();
     let mut residents: Vec<&ModelStatus> = Vec::new();
-    for m in status.models.iter().filter(|m| m.state.is_resident()) {
+    for m in status.models.iter().filter(|m| m.is_resident()) {
         if engine.id(&m.name).is_none() {
             let Some(size) = recorded_size(m) else {
                 continue;

@@ -1,32 +1,36 @@
 //! The decide step: a pure function from what the reconciler observed (the
-//! spec, the previous status, the owned pods, the time) to what it should do
-//! (pods to create and delete, the new status, events to publish).
+//! spec, the previous status, the owned pods, the time, who holds the GPU,
+//! which templates the API server rejected) to what it should do (pods to
+//! create and delete, the new status, events to publish).
 //!
-//! The engine is rebuilt from the previous status (residents restored in
-//! LRU order, counters carried over), then fed, in this order:
+//! The engine is restored from the previous status ([`super::state`]), then
+//! fed, in this order:
 //! 1. registry removals (unload), 2. size changes (re-admission),
 //! 3. the budget (a shrink evicts), 4. removed demand entries (unload),
-//! 5. demand entries newer than the model's last processed request, in
-//!    `lastRequested` order (ties by model name).
+//! 5. demand entries not processed yet, oldest first (ties by model name).
 //!
-//! Pods follow the engine: a non-resident model's pod is deleted; a
-//! resident model without a live pod gets one only when the declared sizes
-//! of all live pods (terminating ones included, since they still hold VRAM)
-//! leave room for it. Nothing here does I/O, so a reconcile with nothing new
-//! yields the previous status unchanged and no actions.
+//! A residency whose GPU another (older) residency holds unloads everything
+//! and processes no requests until the claim is released.
+//!
+//! Pods follow the engine ([`settle`]): a non-resident model's pod is
+//! deleted; a resident model without a live pod gets one only when the
+//! declared sizes of all live pods (terminating ones included, since they
+//! still hold VRAM) leave room for it; a pod built for another size, node,
+//! GPU or template is replaced. Nothing here does I/O, so a reconcile with
+//! nothing new yields the previous status unchanged and no actions.
 
 use super::conditions::{ConditionSet, DEGRADED, READY, REFUSED};
 use super::events::{EventReason, ModelEvent};
-use super::pods::ModelPod;
+use super::pods::{ModelPod, build_pod};
 use super::reasons::Reason;
 use super::state::{InvalidSpec, Restored, Usage, Valid, recorded_time, restore, validate};
 use crate::api::{ModelResidency, ModelResidencyStatus, ModelState, ModelStatus};
 use crate::engine::{Admission, Engine, ModelId, RefuseReason, Resize};
-use crate::quantity::format_bytes;
+use crate::quantity::{format_bytes, format_bytes_rounded, parse_bytes};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use k8s_openapi::jiff::Timestamp;
-use std::collections::{HashMap, HashSet};
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
 mod settle;
@@ -37,6 +41,40 @@ pub struct Observed<'a> {
     pub owner: OwnerReference,
     pub pods: &'a [ModelPod],
     pub now: Timestamp,
+    /// How far a request's time may be ahead of `now` and still be taken
+    /// as written; a later one is taken as `now`.
+    pub max_skew: Duration,
+    /// The residency (`namespace/name`) that holds this one's GPU, when it
+    /// is another.
+    pub gpu_holder: Option<&'a str>,
+    /// Models whose pod the API server rejected (a server-side dry run),
+    /// with its message.
+    pub rejected_templates: &'a BTreeMap<String, String>,
+}
+
+/// Requests may be this far ahead of the operator's clock by default.
+pub const DEFAULT_MAX_SKEW: Duration = Duration::from_secs(60);
+
+impl<'a> Observed<'a> {
+    /// What a reconcile observes in the common case: no GPU conflict, no
+    /// rejected template, the default clock skew allowance.
+    pub fn new(
+        residency: &'a ModelResidency,
+        owner: OwnerReference,
+        pods: &'a [ModelPod],
+        now: Timestamp,
+    ) -> Self {
+        static NONE: BTreeMap<String, String> = BTreeMap::new();
+        Observed {
+            residency,
+            owner,
+            pods,
+            now,
+            max_skew: DEFAULT_MAX_SKEW,
+            gpu_holder: None,
+            rejected_templates: &NONE,
+        }
+    }
 }
 
 /// A pod to delete: its name, and the UID it must still have (a newer pod
@@ -69,6 +107,44 @@ pub struct Decision {
     pub load_seconds: Vec<f64>,
     /// `None` when the spec is invalid and nothing was decided.
     pub usage: Option<Usage>,
+}
+
+impl Decision {
+    /// The API server rejected the create of `model`'s pod (a template it
+    /// accepted in the dry run, refused by the real create: a quota, an
+    /// admission webhook). The status says so, whatever else was decided:
+    /// the model's load failed (`Failed`, `InvalidTemplate`, no VRAM held)
+    /// and a `LoadFailed` event is sent.
+    pub fn pod_rejected(&mut self, model: &str, message: &str) {
+        let Some(st) = self.status.models.iter_mut().find(|m| m.name == model) else {
+            return;
+        };
+        let size = st.size.as_deref().and_then(|s| parse_bytes(s).ok());
+        st.state = ModelState::Failed;
+        st.reason = Some(Reason::InvalidTemplate.into());
+        st.message = Some(format!(
+            "{model} cannot load: the API server rejects its pod: {message}"
+        ));
+        st.pod = None;
+        st.failures += 1;
+        let event = ModelEvent::about(
+            model,
+            EventReason::LoadFailed,
+            st.message.clone().unwrap_or_default(),
+        );
+        self.events.push(event);
+        let models = &self.status.models;
+        self.status.resident = models.iter().filter(|m| m.is_resident()).count() as u32;
+        self.status.loading = models
+            .iter()
+            .filter(|m| m.state == ModelState::Loading)
+            .count() as u32;
+        if let (Some(usage), Some(size)) = (&mut self.usage, size) {
+            usage.used = usage.used.saturating_sub(size);
+            usage.resident = self.status.resident;
+            self.status.used = Some(format_bytes_rounded(usage.used));
+        }
+    }
 }
 
 /// Decides what to do about one residency.
@@ -179,11 +255,53 @@ impl<'a> Decider<'a> {
 
     fn run(mut self) -> Decision {
         self.unload_removed();
-        self.readmit_resized();
-        self.apply_budget();
-        self.unload_undemanded();
-        self.apply_requests();
+        if let Some(holder) = self.input.gpu_holder {
+            self.yield_gpu(holder);
+        } else {
+            self.readmit_resized();
+            self.apply_budget();
+            self.unload_undemanded();
+            self.apply_requests();
+        }
         self.settle()
+    }
+
+    fn event(&mut self, model: &str, reason: EventReason, message: String) {
+        self.events.push(ModelEvent::about(model, reason, message));
+    }
+
+    /// The message of a GPU conflict, naming the holder.
+    fn conflict_message(&self, holder: &str) -> String {
+        let spec = &self.input.residency.spec;
+        format!(
+            "node {} GPU {} is held by the older residency {holder}; this one loads nothing until it is released",
+            spec.node_name, spec.device
+        )
+    }
+
+    /// Another residency holds the GPU: unload every resident model and
+    /// leave requests for when the claim is released.
+    fn yield_gpu(&mut self, holder: &str) {
+        let message = self.conflict_message(holder);
+        let was_conflict = self
+            .previous
+            .conditions
+            .iter()
+            .any(|c| c.reason == Reason::GpuConflict.as_str());
+        if !was_conflict {
+            self.events.push(ModelEvent {
+                model: None,
+                reason: EventReason::GpuConflict,
+                message: message.clone(),
+            });
+        }
+        for id in self.engine.residents() {
+            let name = self.engine.name(id).to_owned();
+            self.engine.unload(id);
+            let why = format!("{name} unloaded: {message}");
+            self.event(&name, EventReason::Unloaded, why.clone());
+            self.outcome(&name, ModelState::Unloaded, Reason::GpuConflict, why);
+        }
     }
 
     fn outcome(&mut self, model: &str, state: ModelState, reason: Reason, message: String) {
@@ -199,8 +317,15 @@ impl<'a> Decider<'a> {
         for &v in victims {
             let name = self.engine.name(v).to_owned();
             let message = format!("{name} was evicted {why}");
+            self.event(&name, EventReason::Evicted, message.clone());
             self.outcome(&name, ModelState::Evicted, reason, message);
         }
+    }
+
+    fn refused(&mut self, model: &str, reason: &RefuseReason) {
+        let message = refusal_message(model, reason);
+        self.event(model, EventReason::Refused, message.clone());
+        self.outcome(model, ModelState::Refused, reason.into(), message);
     }
 
     /// Registry removals unload.
@@ -211,12 +336,7 @@ impl<'a> Decider<'a> {
                 continue;
             }
             let message = format!("{name} was removed from spec.models and unloaded");
-            // A still-demanded model keeps a status entry, whose transition
-            // makes the event; otherwise say it here.
-            if !self.valid.is_demanded(&name) {
-                let event = ModelEvent::about(&name, EventReason::Unloaded, message.clone());
-                self.events.push(event);
-            }
+            self.event(&name, EventReason::Unloaded, message.clone());
             self.outcome(
                 &name,
                 ModelState::Unloaded,
@@ -239,8 +359,7 @@ impl<'a> Decider<'a> {
                 Resize::NotResident => continue,
                 Resize::Kept { evicted } => evicted.to_vec(),
                 Resize::Dropped(reason) => {
-                    let message = refusal_message(m.name(), &reason);
-                    self.outcome(m.name(), ModelState::Refused, (&reason).into(), message);
+                    self.refused(m.name(), &reason);
                     continue;
                 }
             };
@@ -270,39 +389,95 @@ impl<'a> Decider<'a> {
             if !demanded.contains(name.as_str()) {
                 self.engine.unload(id);
                 let message = format!("{name} unloaded: its demand entry was removed");
+                self.event(&name, EventReason::Unloaded, message.clone());
                 self.outcome(&name, ModelState::Unloaded, Reason::DemandRemoved, message);
             }
         }
     }
 
-    /// Demand entries newer than the model's last processed request, oldest
-    /// first.
+    /// Demand entries not processed yet, oldest first. A time too far
+    /// ahead of the operator's clock is taken as now (and said so).
     fn apply_requests(&mut self) {
-        for i in 0..self.valid.demand.len() {
-            let request = self.valid.demand[i];
-            let watermark = self
-                .prev_models
-                .get(request.model)
-                .and_then(|m| recorded_time(m.last_requested.as_deref()));
-            if watermark.is_none_or(|w| request.at > w) {
-                self.request(request.model, request.at);
+        let now = self.input.now;
+        let skew = SignedDuration::try_from(self.input.max_skew).unwrap_or_default();
+        let mut pending: Vec<(Timestamp, &'a str, Timestamp)> = Vec::new();
+        for request in &self.valid.demand {
+            if self.is_processed(request.model, request.at, now + skew) {
+                continue;
             }
+            let effective = if request.at > now + skew {
+                now
+            } else {
+                request.at
+            };
+            pending.push((effective, request.model, request.at));
+        }
+        pending.sort();
+        for (effective, model, written) in pending {
+            if effective != written {
+                let message = format!(
+                    "{model}: lastRequested {written} is {:.0}s ahead of the operator's clock (allowed: {}s); taken as {now}",
+                    now.duration_until(written).as_secs_f64(),
+                    skew.as_secs()
+                );
+                self.event(model, EventReason::ClockSkew, message);
+            }
+            self.request(model, written, effective);
         }
     }
 
-    fn request(&mut self, model: &str, at: Timestamp) {
-        let when = at.to_string();
+    /// Whether the demand entry `at` for `model` was processed already: its
+    /// time is not newer than the last one processed. A recorded time ahead
+    /// of `horizon` (written by a clock that ran fast) orders nothing: any
+    /// other entry is then new. A request refused because the model was not
+    /// in the registry is pending again once it is.
+    fn is_processed(&self, model: &str, at: Timestamp, horizon: Timestamp) -> bool {
+        let Some(prev) = self.prev_models.get(model) else {
+            return false;
+        };
+        if prev.reason.as_deref() == Some(Reason::UnknownModel.as_str())
+            && self.engine.id(model).is_some()
+        {
+            return false;
+        }
+        match recorded_time(prev.last_requested.as_deref()) {
+            None => false,
+            Some(w) if w > horizon => at == w,
+            Some(w) => at <= w,
+        }
+    }
+
+    /// Why a model's pod cannot be made, if it cannot: the template does
+    /// not build, or the API server rejected it.
+    fn template_problem(&self, model: &str) -> Option<String> {
+        if let Some(message) = self.input.rejected_templates.get(model) {
+            return Some(format!("the API server rejects its pod: {message}"));
+        }
+        let m = self.valid.models.iter().find(|m| m.name() == model)?;
+        build_pod(self.input.residency, &self.input.owner, m.spec, m.size).err()
+    }
+
+    /// One request: `written` is the entry's time (recorded, so the entry is
+    /// processed once), `at` the time it counts as (the LRU key).
+    fn request(&mut self, model: &str, written: Timestamp, at: Timestamp) {
+        let times = self.requested.entry(model.to_owned()).or_default();
+        times.last_requested = Some(written.to_string());
         let Some(id) = self.engine.id(model) else {
             self.engine.request_named(model);
-            let times = RequestTimes {
-                last_requested: Some(when),
-                last_used: None,
-            };
-            self.requested.insert(model.to_owned(), times);
             let message = format!("{model} is not in spec.models; demand for it is refused");
+            self.event(model, EventReason::Refused, message.clone());
             self.outcome(model, ModelState::Refused, Reason::UnknownModel, message);
             return;
         };
+        if !self.engine.is_resident(id)
+            && let Some(problem) = self.template_problem(model)
+        {
+            // Checked before the engine sees the request, so nothing is
+            // evicted for a model that cannot start.
+            let message = format!("{model} cannot load: {problem}");
+            self.outcome(model, ModelState::Failed, Reason::InvalidTemplate, message);
+            return;
+        }
         let used = match self.engine.request(id) {
             Admission::Hit => true,
             Admission::Loaded { evicted } => {
@@ -313,18 +488,22 @@ impl<'a> Decider<'a> {
                     Reason::MadeRoom,
                     &format!("to make room for {model}"),
                 );
+                let size = format_bytes(self.engine.size(id));
+                self.event(
+                    model,
+                    EventReason::Loaded,
+                    format!("{model} loaded ({size}); its pod starts"),
+                );
                 true
             }
             Admission::Refused(reason) => {
-                let message = refusal_message(model, &reason);
-                self.outcome(model, ModelState::Refused, (&reason).into(), message);
+                self.refused(model, &reason);
                 false
             }
         };
-        let times = self.requested.entry(model.to_owned()).or_default();
-        times.last_requested = Some(when.clone());
         if used {
-            times.last_used = Some(when);
+            let times = self.requested.entry(model.to_owned()).or_default();
+            times.last_used = Some(at.to_string());
         }
     }
 }

@@ -4,16 +4,20 @@
 use super::{Decider, Decision, PodRef};
 use crate::api::{ModelResidencyStatus, ModelState, ModelStatus};
 use crate::controller::conditions::{ConditionSet, model_conditions};
-use crate::controller::events::transition_events;
-use crate::controller::pods::{ModelPod, PodPhase, build_pod, pod_name};
+use crate::controller::events::{EventReason, transition_events};
+use crate::controller::pods::{ModelPod, PodPhase, build_pod, pod_name, template_hash};
 use crate::controller::reasons::Reason;
 use crate::controller::state::{Usage, ValidModel, recorded_time};
 use crate::engine::{Bytes, Engine};
-use crate::quantity::format_bytes;
+use crate::quantity::{format_bytes, format_bytes_rounded};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::SignedDuration;
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
+
+/// How long a pod may go without any status before its model's message
+/// says that no kubelet reports on it.
+const UNREPORTED_AFTER: Duration = Duration::from_secs(30);
 
 /// First retry after a failed load; doubles per failure up to the cap.
 pub(super) const RETRY_BASE: Duration = Duration::from_secs(5);
@@ -89,9 +93,9 @@ impl PodPlan {
     }
 }
 
-impl Decider<'_> {
+impl<'a> Decider<'a> {
     /// Reconciles pods with the engine's resident set and builds the status.
-    pub(super) fn settle(self) -> Decision {
+    pub(super) fn settle(mut self) -> Decision {
         let mut pods = PodInventory::new(self.input.pods, &self.engine);
         let mut plan = PodPlan::default();
         for p in self.input.pods {
@@ -121,7 +125,7 @@ impl Decider<'_> {
 
     /// Residents first, least recently used first, so older models get
     /// their pods first when room opens up; then the rest in registry order.
-    fn settle_order(&self) -> Vec<ValidModel<'_>> {
+    fn settle_order(&self) -> Vec<ValidModel<'a>> {
         let rank: HashMap<&str, usize> = self
             .engine
             .residents()
@@ -158,7 +162,7 @@ impl Decider<'_> {
 
     /// A resident model: keep, replace, retry or start its pod.
     fn resident_status(
-        &self,
+        &mut self,
         m: ValidModel<'_>,
         pods: &mut PodInventory<'_>,
         plan: &mut PodPlan,
@@ -168,9 +172,9 @@ impl Decider<'_> {
             .size(self.engine.id(m.name()).expect("registered"));
         let mut st = self.base_status(m.name(), Some(size));
         if let Some(p) = pods.live(m.name()) {
-            self.with_live_pod(st, p, size, plan)
+            self.with_live_pod(st, m, p, size, plan)
         } else if let Some(p) = pods.failed(m.name()) {
-            self.after_failure(st, p, plan)
+            self.with_failed_pod(st, p, plan)
         } else if let Some(waiting) = self.waiting_for_retry(&st, plan) {
             waiting
         } else {
@@ -179,39 +183,86 @@ impl Decider<'_> {
         }
     }
 
+    /// Why a live pod no longer matches what it should run, if it does not:
+    /// another size (the budget check must see the new one), another node
+    /// or GPU (the residency moved), another template (a rollout, once the
+    /// new template is known to make a pod). Pods from before an annotation
+    /// existed are taken as matching it.
+    fn stale_pod(&self, m: ValidModel<'_>, p: &ModelPod, size: Bytes) -> Option<(Reason, String)> {
+        let spec = &self.input.residency.spec;
+        if p.size.is_some_and(|s| s != size) {
+            let why = format!(
+                "{} is restarting with its new size {}",
+                m.name(),
+                format_bytes(size)
+            );
+            return Some((Reason::Resized, why));
+        }
+        let moved_node = p.node.as_deref().is_some_and(|n| n != spec.node_name);
+        let moved_gpu = p.device.as_deref().is_some_and(|d| d != spec.device);
+        if moved_node || moved_gpu {
+            let why = format!(
+                "{} moves to node {} GPU {}: its pod on node {} GPU {} is replaced",
+                m.name(),
+                spec.node_name,
+                spec.device,
+                p.node.as_deref().unwrap_or("?"),
+                p.device.as_deref().unwrap_or("?")
+            );
+            return Some((Reason::Moved, why));
+        }
+        let current = m.spec.template.as_ref().map(|t| template_hash(t.json()));
+        let changed = p.template_hash.is_some() && p.template_hash != current;
+        if changed && self.template_problem(m.name()).is_none() {
+            let why = format!("{}'s template changed: its pod is replaced", m.name());
+            return Some((Reason::TemplateChanged, why));
+        }
+        None
+    }
+
     /// A resident model with a live pod: Loaded once Ready, Loading before,
-    /// replaced when the pod declares an old size.
+    /// replaced when it no longer matches (the old pod goes first; the new
+    /// one is created once it is gone).
     fn with_live_pod(
-        &self,
+        &mut self,
         mut st: ModelStatus,
+        m: ValidModel<'_>,
         p: &ModelPod,
         size: Bytes,
         plan: &mut PodPlan,
     ) -> ModelStatus {
         st.pod = Some(p.name.clone());
-        if p.size.is_some_and(|s| s != size) {
-            // Declared with an old size: replace it so the budget check
-            // sees the new one.
+        if let Some((reason, why)) = self.stale_pod(m, p, size) {
             plan.delete(p);
+            let event = match reason {
+                Reason::Resized => EventReason::Resized,
+                Reason::Moved => EventReason::Moved,
+                _ => EventReason::TemplateChanged,
+            };
+            self.event(m.name(), event, why.clone());
             st.state = ModelState::Loading;
-            st.reason = Some(Reason::Resized.into());
-            st.message = Some(format!(
-                "{} is restarting with its new size {}",
-                st.name,
-                format_bytes(size)
-            ));
+            st.reason = Some(reason.into());
+            st.message = Some(why);
             st.failures = self.previous_failures(&st.name);
             return st;
         }
         let Some(since) = &p.ready_since else {
             st.state = ModelState::Loading;
             st.reason = Some(Reason::PodStarting.into());
-            st.message = Some(format!("{} is starting", p.name));
+            st.message = Some(self.starting_message(p, plan));
             st.failures = self.previous_failures(&st.name);
             return st;
         };
         st.state = ModelState::Loaded;
         st.loaded_at = Some(since.clone());
+        if let Some(problem) = self.template_problem(m.name()) {
+            // The running pod keeps the template it was built from.
+            st.reason = Some(Reason::InvalidTemplate.into());
+            st.message = Some(format!(
+                "{}'s template cannot make a pod ({problem}); the running pod keeps the previous one",
+                m.name()
+            ));
+        }
         let was_loaded = self
             .prev_models
             .get(st.name.as_str())
@@ -228,33 +279,90 @@ impl Decider<'_> {
         st
     }
 
-    /// A resident model whose pod stopped: Failed, retried after a backoff.
-    fn after_failure(&self, mut st: ModelStatus, p: &ModelPod, plan: &mut PodPlan) -> ModelStatus {
-        plan.delete(p);
+    /// A pod that is not Ready yet, and why, in its own words. A pod nothing
+    /// has reported on for a while (a node that does not exist or whose
+    /// kubelet is down) says so; the message is looked at again then.
+    fn starting_message(&self, p: &ModelPod, plan: &mut PodPlan) -> String {
+        if let Some(waiting) = &p.waiting {
+            return format!("{} is starting ({waiting})", p.name);
+        }
+        let age = recorded_time(p.created.as_deref())
+            .map(|c| c.duration_until(self.input.now).unsigned_abs())
+            .unwrap_or_default();
+        if !p.reported {
+            if age >= UNREPORTED_AFTER {
+                return format!(
+                    "{} is Pending: no kubelet has reported on it for {}s (is node {} there and running?)",
+                    p.name,
+                    age.as_secs(),
+                    p.node.as_deref().unwrap_or("?")
+                );
+            }
+            plan.look_again_within(UNREPORTED_AFTER - age);
+        }
+        format!("{} is starting", p.name)
+    }
+
+    /// A resident model whose pod stopped. The failed pod is kept (its logs
+    /// say why) until the retry replaces it; it holds no VRAM.
+    fn with_failed_pod(
+        &mut self,
+        mut st: ModelStatus,
+        p: &ModelPod,
+        plan: &mut PodPlan,
+    ) -> ModelStatus {
+        let now = self.input.now;
+        let prev = self
+            .prev_models
+            .get(st.name.as_str())
+            .filter(|prev| prev.state == ModelState::Failed);
+        if let Some(prev) = prev {
+            // This failure was counted when it was first seen.
+            let due = recorded_time(prev.retry_at.as_deref()).filter(|&at| at > now);
+            if let Some(at) = due {
+                plan.look_again_within(now.duration_until(at).unsigned_abs());
+                return ModelStatus {
+                    last_requested: st.last_requested,
+                    last_used: st.last_used,
+                    ..(*prev).clone()
+                };
+            }
+            plan.delete(p);
+            st.state = ModelState::Loading;
+            st.failures = prev.failures;
+            st.reason = Some(Reason::Retrying.into());
+            st.message = Some(format!(
+                "{} retries its load ({} failed so far): the failed pod {} is replaced",
+                st.name, prev.failures, p.name
+            ));
+            return st;
+        }
         let failures = self.previous_failures(&st.name) + 1;
         let delay = retry_delay(failures);
-        let now = self.input.now;
         st.state = ModelState::Failed;
+        st.pod = Some(p.name.clone());
         st.failures = failures;
         st.retry_at = Some((now + SignedDuration::try_from(delay).unwrap_or_default()).to_string());
         st.reason = Some(Reason::PodFailed.into());
         st.message = Some(format!(
-            "{} failed to load ({}); retry {} in {}s",
+            "{} failed to load ({}); retry {} in {}s (kubectl logs {} shows why)",
             st.name,
             p.failure.as_deref().unwrap_or("pod failed"),
             failures,
-            delay.as_secs()
+            delay.as_secs(),
+            p.name
         ));
         plan.look_again_within(delay);
         st
     }
 
-    /// A failed model before its retry time keeps its status as it was.
+    /// A failed model without a pod before its retry time keeps its status
+    /// as it was.
     fn waiting_for_retry(&self, st: &ModelStatus, plan: &mut PodPlan) -> Option<ModelStatus> {
         let prev = self
             .prev_models
             .get(st.name.as_str())
-            .filter(|p| p.state == ModelState::Failed)?;
+            .filter(|p| p.state == ModelState::Failed && p.is_resident())?;
         let at = recorded_time(prev.retry_at.as_deref()).filter(|&at| at > self.input.now)?;
         plan.look_again_within(self.input.now.duration_until(at).unsigned_abs());
         Some(ModelStatus {
@@ -281,7 +389,7 @@ impl Decider<'_> {
             Err(problem) => {
                 st.state = ModelState::Failed;
                 st.failures = st.failures.max(1);
-                st.reason = Some(Reason::InvalidTemplate.into());
+                st.reason = Some(Reason::PodFailed.into());
                 st.message = Some(format!("{}: {problem}", m.name()));
                 return st;
             }
@@ -308,7 +416,8 @@ impl Decider<'_> {
     }
 
     /// A model that is not resident: its pods go; its state is what this
-    /// reconcile did to it, or what it was.
+    /// reconcile did to it, or what it was. A template that cannot make a
+    /// pod is reported before anyone requests the model.
     fn absent_status(
         &self,
         m: ValidModel<'_>,
@@ -324,22 +433,44 @@ impl Decider<'_> {
                 plan.delete(p);
             }
         }
-        let prev = self
-            .prev_models
-            .get(m.name())
-            .filter(|p| !p.state.is_resident());
+        let prev = self.prev_models.get(m.name()).filter(|p| !p.is_resident());
+        let problem = self.template_problem(m.name());
         match (self.outcomes.get(m.name()), prev) {
             (Some(o), _) => {
                 st.state = o.state;
                 st.reason = Some(o.reason.into());
                 st.message = Some(o.message.clone());
+                if o.reason == Reason::InvalidTemplate {
+                    // Each failed request is its own failure (and event).
+                    st.failures = prev.map_or(0, |p| p.failures) + 1;
+                }
+                return st;
             }
             (None, Some(p)) => {
                 st.state = p.state;
                 st.reason = p.reason.clone();
                 st.message = p.message.clone();
+                st.failures = p.failures;
             }
             (None, None) => st.state = ModelState::Unloaded,
+        }
+        let was_invalid = st.reason.as_deref() == Some(Reason::InvalidTemplate.as_str());
+        match problem {
+            Some(problem) if st.state != ModelState::Failed => {
+                st.reason = Some(Reason::InvalidTemplate.into());
+                st.message = Some(format!(
+                    "{}'s template cannot make a pod: {problem}",
+                    m.name()
+                ));
+            }
+            None if was_invalid => {
+                // Fixed: nothing to report any more.
+                st.state = ModelState::Unloaded;
+                st.reason = None;
+                st.message = None;
+                st.failures = 0;
+            }
+            _ => {}
         }
         st
     }
@@ -362,7 +493,7 @@ impl Decider<'_> {
                     st.message = Some(o.message.clone());
                     st
                 }
-                (None, Some(p)) if !p.state.is_resident() => p.clone(),
+                (None, Some(p)) if !p.is_resident() => p.clone(),
                 _ => continue,
             };
             states.insert(model.to_owned(), st);
@@ -376,19 +507,25 @@ impl Decider<'_> {
             .extend(transition_events(&self.prev_models, &models, r));
         let generation = r.metadata.generation;
         let mut set = ConditionSet::new(&self.previous.conditions, generation, self.input.now);
-        model_conditions(&mut set, &models);
+        let conflict = self.input.gpu_holder.map(|h| self.conflict_message(h));
+        model_conditions(&mut set, &models, conflict.as_deref());
         let usage = Usage {
             budget: self.valid.budget,
             used: self.engine.used(),
             peak: self.engine.peak(),
-            resident: models.iter().filter(|m| m.state.is_resident()).count() as u32,
+            resident: models.iter().filter(|m| m.is_resident()).count() as u32,
+            gpu_conflict: conflict.is_some(),
         };
         let status = ModelResidencyStatus {
             observed_generation: generation,
             budget: Some(format_bytes(usage.budget)),
-            used: Some(format_bytes(usage.used)),
-            peak: Some(format_bytes(usage.peak)),
+            used: Some(format_bytes_rounded(usage.used)),
+            peak: Some(format_bytes_rounded(usage.peak)),
             resident: usage.resident,
+            loading: models
+                .iter()
+                .filter(|m| m.state == ModelState::Loading)
+                .count() as u32,
             refused: models
                 .iter()
                 .filter(|m| m.state == ModelState::Refused)

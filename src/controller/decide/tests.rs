@@ -3,7 +3,7 @@
 use super::settle::{RETRY_BASE, RETRY_CAP, retry_delay};
 use super::*;
 use crate::api::{ByteQuantity, Demand, ModelResidencySpec, ModelSpec};
-use crate::controller::pods::PodPhase;
+use crate::controller::pods::{PodPhase, pod_name};
 use k8s_openapi::jiff::SignedDuration;
 use kube::Resource;
 use serde_json::json;
@@ -52,12 +52,12 @@ fn residency(
 }
 
 fn run(r: &ModelResidency, pods: &[ModelPod], now: i64) -> Decision {
-    decide(&Observed {
-        residency: r,
-        owner: r.controller_owner_ref(&()).unwrap(),
+    decide(&Observed::new(
+        r,
+        r.controller_owner_ref(&()).unwrap(),
         pods,
-        now: at(now),
-    })
+        at(now),
+    ))
 }
 
 fn live(model: &str, size: u64, ready: bool, deleting: bool) -> ModelPod {
@@ -71,6 +71,11 @@ fn live(model: &str, size: u64, ready: bool, deleting: bool) -> ModelPod {
         deleting,
         failure: None,
         created: None,
+        node: Some("node-a".into()),
+        device: Some("0".into()),
+        template_hash: None,
+        waiting: None,
+        reported: true,
     }
 }
 
@@ -84,6 +89,16 @@ fn state(d: &Decision, model: &str) -> ModelState {
 }
 
 const GI: u64 = 1 << 30;
+
+fn condition<'d>(d: &'d Decision, type_: &str) -> (&'d str, &'d str) {
+    let c = d
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .unwrap();
+    (c.status.as_str(), c.reason.as_str())
+}
 
 #[test]
 fn a_load_waits_until_the_evicted_pod_is_gone() {
@@ -120,7 +135,7 @@ fn a_load_waits_until_the_evicted_pod_is_gone() {
     // a is gone: b's pod is created.
     let d = run(&r, &[], 6);
     assert_eq!(d.create.len(), 1);
-    assert_eq!(d.create[0].metadata.name.as_deref(), Some("gpu-b"));
+    assert_eq!(d.create[0].metadata.name, Some(pod_name("gpu", "b")));
 }
 
 #[test]
@@ -167,19 +182,34 @@ fn a_failed_pod_is_retried_after_a_backoff() {
     let mut failed = live("a", 6 * GI, false, false);
     failed.phase = PodPhase::Finished;
     failed.failure = Some("OOMKilled".into());
-    let d = run(&r, &[failed], 3);
+    let d = run(&r, std::slice::from_ref(&failed), 3);
     assert_eq!(state(&d, "a"), ModelState::Failed);
-    assert_eq!(d.delete.len(), 1);
+    assert!(d.delete.is_empty(), "the failed pod is kept for its logs");
     assert_eq!(d.requeue_after, Some(RETRY_BASE));
     assert!(d.events.iter().any(|n| n.reason == EventReason::LoadFailed));
+    assert_eq!(condition(&d, "Degraded"), ("True", "PodFailed"));
     r.status = Some(d.status);
-    // Before the retry time: nothing is created.
-    let d = run(&r, &[], 5);
-    assert!(d.create.is_empty());
+    // Before the retry time: nothing is created or deleted, no new event.
+    let d = run(&r, std::slice::from_ref(&failed), 5);
+    assert!(d.create.is_empty() && d.delete.is_empty() && d.events.is_empty());
     assert_eq!(state(&d, "a"), ModelState::Failed);
-    // After it: a new pod.
-    let d = run(&r, &[], 9);
+    // After it: the failed pod goes first; Degraded stays until a load
+    // succeeds.
+    let d = run(&r, std::slice::from_ref(&failed), 9);
+    assert_eq!(d.delete.len(), 1);
+    assert!(d.create.is_empty());
+    assert_eq!(state(&d, "a"), ModelState::Loading);
+    assert_eq!(condition(&d, "Degraded").0, "True");
+    r.status = Some(d.status);
+    // Gone: a new pod.
+    let d = run(&r, &[], 10);
     assert_eq!(d.create.len(), 1);
+    assert_eq!(condition(&d, "Degraded").0, "True");
+    r.status = Some(d.status);
+    // Ready: recovered.
+    let d = run(&r, &[live("a", 6 * GI, true, false)], 11);
+    assert_eq!(state(&d, "a"), ModelState::Loaded);
+    assert_eq!(condition(&d, "Degraded").0, "False");
     assert_eq!(retry_delay(3), RETRY_BASE * 4);
     assert_eq!(retry_delay(40), RETRY_CAP);
 }

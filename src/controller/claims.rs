@@ -1,0 +1,202 @@
+//! Who holds each GPU. Residencies that name the same node and device
+//! describe one GPU, whose VRAM is one budget: only one of them may use it.
+//! The oldest holds it (creation time, then namespace/name); the others
+//! load nothing until it goes away or moves. Fed from the residency watch,
+//! so every reconcile sees every claim the operator watches.
+
+use crate::api::ModelResidency;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Mutex;
+
+/// A residency claiming a GPU; the order is the precedence (oldest first).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Claimant {
+    created: Option<Timestamp>,
+    namespace: String,
+    name: String,
+}
+
+impl Claimant {
+    fn of(r: &ModelResidency) -> Self {
+        Claimant {
+            // A residency always has one once stored; none sorts first.
+            created: r.metadata.creation_timestamp.as_ref().map(|t| t.0),
+            namespace: r.namespace().unwrap_or_default(),
+            name: r.name_any(),
+        }
+    }
+
+    fn object_ref(&self) -> ObjectRef<ModelResidency> {
+        ObjectRef::new(&self.name).within(&self.namespace)
+    }
+}
+
+/// A GPU: (node, device).
+type Gpu = (String, String);
+
+fn gpu_of(r: &ModelResidency) -> Gpu {
+    (r.spec.node_name.clone(), r.spec.device.clone())
+}
+
+#[derive(Debug, Default)]
+struct Index {
+    by_gpu: HashMap<Gpu, BTreeSet<Claimant>>,
+    /// Each residency's current claim, to find it again when it moves.
+    claims: HashMap<(String, String), (Gpu, Claimant)>,
+}
+
+impl Index {
+    /// Records a residency's claim; returns the GPUs whose claimants changed.
+    fn claim(&mut self, r: &ModelResidency) -> Vec<Gpu> {
+        let claimant = Claimant::of(r);
+        let key = (claimant.namespace.clone(), claimant.name.clone());
+        let gpu = gpu_of(r);
+        let mut changed = vec![gpu.clone()];
+        if let Some((old, _)) = self.release(&key)
+            && old != gpu
+        {
+            changed.push(old);
+        }
+        self.by_gpu
+            .entry(gpu.clone())
+            .or_default()
+            .insert(claimant.clone());
+        self.claims.insert(key, (gpu, claimant));
+        changed
+    }
+
+    fn release(&mut self, key: &(String, String)) -> Option<(Gpu, Claimant)> {
+        let (gpu, claimant) = self.claims.remove(key)?;
+        if let Some(set) = self.by_gpu.get_mut(&gpu) {
+            set.remove(&claimant);
+            if set.is_empty() {
+                self.by_gpu.remove(&gpu);
+            }
+        }
+        Some((gpu, claimant))
+    }
+
+    fn claimants(&self, gpus: &[Gpu]) -> Vec<ObjectRef<ModelResidency>> {
+        gpus.iter()
+            .filter_map(|g| self.by_gpu.get(g))
+            .flatten()
+            .map(Claimant::object_ref)
+            .collect()
+    }
+}
+
+/// The GPU claims of every watched residency.
+#[derive(Debug, Default)]
+pub struct GpuClaims {
+    inner: Mutex<(Index, Option<Index>)>,
+}
+
+impl GpuClaims {
+    /// Records one watch event. Returns the residencies that share a GPU
+    /// with the one it is about (their holder may have changed), to
+    /// reconcile. A relist builds a new index and swaps it in when it is
+    /// complete, so a reconcile never sees half of the claims.
+    pub fn record(&self, event: &watcher::Event<ModelResidency>) -> Vec<ObjectRef<ModelResidency>> {
+        let mut guard = self.inner.lock().expect("claims lock");
+        let (index, relist) = &mut *guard;
+        match event {
+            watcher::Event::Init => *relist = Some(Index::default()),
+            watcher::Event::InitApply(r) => {
+                relist.get_or_insert_with(Index::default).claim(r);
+            }
+            watcher::Event::InitDone => {
+                if let Some(fresh) = relist.take() {
+                    *index = fresh;
+                }
+                // The relist reconciles every residency anyway.
+            }
+            watcher::Event::Apply(r) => {
+                let changed = index.claim(r);
+                return index.claimants(&changed);
+            }
+            watcher::Event::Delete(r) => {
+                let key = (r.namespace().unwrap_or_default(), r.name_any());
+                if let Some((gpu, _)) = index.release(&key) {
+                    return index.claimants(&[gpu]);
+                }
+            }
+        }
+        Vec::new()
+    }
+
+    /// The residency (`namespace/name`) that holds `r`'s GPU, when it is
+    /// not `r` itself.
+    pub fn holder_other_than(&self, r: &ModelResidency) -> Option<String> {
+        let me = Claimant::of(r);
+        let guard = self.inner.lock().expect("claims lock");
+        let first = guard.0.by_gpu.get(&gpu_of(r))?.first()?;
+        (*first < me).then(|| format!("{}/{}", first.namespace, first.name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::ModelResidencySpec;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+    fn residency(ns: &str, name: &str, created: i64, node: &str, device: &str) -> ModelResidency {
+        let spec: ModelResidencySpec = serde_json::from_value(serde_json::json!({
+            "nodeName": node, "device": device, "budget": "16Gi", "models": []
+        }))
+        .unwrap();
+        let mut r = ModelResidency::new(name, spec);
+        r.metadata.namespace = Some(ns.into());
+        r.metadata.creation_timestamp = Some(Time(Timestamp::from_second(created).unwrap()));
+        r
+    }
+
+    #[test]
+    fn the_oldest_claim_holds_the_gpu_and_ties_go_by_namespace_and_name() {
+        let claims = GpuClaims::default();
+        let old = residency("b", "gpu", 100, "n1", "0");
+        let young = residency("a", "gpu", 200, "n1", "0");
+        let tie = residency("a", "zzz", 100, "n1", "0");
+        let other_gpu = residency("a", "other", 50, "n1", "1");
+        for r in [&young, &old, &tie, &other_gpu] {
+            claims.record(&watcher::Event::Apply(r.clone()));
+        }
+        // Same age: a/zzz goes before b/gpu.
+        assert_eq!(claims.holder_other_than(&tie), None);
+        assert_eq!(claims.holder_other_than(&old).as_deref(), Some("a/zzz"));
+        assert_eq!(claims.holder_other_than(&young).as_deref(), Some("a/zzz"));
+        assert_eq!(claims.holder_other_than(&other_gpu), None);
+        // The holder goes: the next in line holds it, and both are woken.
+        let woken = claims.record(&watcher::Event::Delete(tie.clone()));
+        assert_eq!(woken.len(), 2);
+        assert_eq!(claims.holder_other_than(&old), None);
+        assert_eq!(claims.holder_other_than(&young).as_deref(), Some("b/gpu"));
+        // The holder moves to another GPU: the claim it left is released.
+        let moved = residency("b", "gpu", 100, "n2", "0");
+        claims.record(&watcher::Event::Apply(moved));
+        assert_eq!(claims.holder_other_than(&young), None);
+    }
+
+    #[test]
+    fn a_relist_swaps_in_whole() {
+        let claims = GpuClaims::default();
+        let a = residency("ns", "a", 1, "n", "0");
+        let b = residency("ns", "b", 2, "n", "0");
+        claims.record(&watcher::Event::Apply(a.clone()));
+        claims.record(&watcher::Event::Apply(b.clone()));
+        claims.record(&watcher::Event::Init);
+        claims.record(&watcher::Event::InitApply(b.clone()));
+        // Mid-relist the old claims still stand.
+        assert_eq!(claims.holder_other_than(&b).as_deref(), Some("ns/a"));
+        claims.record(&watcher::Event::InitDone);
+        assert_eq!(
+            claims.holder_other_than(&b),
+            None,
+            "a was gone in the relist"
+        );
+    }
+}

@@ -1,0 +1,55 @@
+//! Statuses this operator wrote that its cache of residencies may not show
+//! yet. A reconcile that runs before the watch delivers the operator's own
+//! status write would decide again from the older status, and announce the
+//! same transitions twice (events 7-45 ms apart with the same text, seen in
+//! request storms). The reconciler records each status it writes with the
+//! resourceVersion the write produced, and reads it back instead of an
+//! older cached one; an entry goes as soon as the cache has caught up.
+
+use super::pod_cache::resource_version_of;
+use crate::api::ModelResidency;
+use kube::ResourceExt;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+type Key = (String, String);
+
+#[derive(Debug, Default)]
+pub struct WrittenStatuses(Mutex<HashMap<Key, Arc<ModelResidency>>>);
+
+fn key(r: &ModelResidency) -> Key {
+    (r.namespace().unwrap_or_default(), r.name_any())
+}
+
+impl WrittenStatuses {
+    /// Records the object a status write returned (the whole object: its
+    /// spec is as new as its status).
+    pub fn record(&self, mut written: ModelResidency) {
+        written.managed_fields_mut().clear();
+        let k = key(&written);
+        self.0
+            .lock()
+            .expect("written lock")
+            .insert(k, Arc::new(written));
+    }
+
+    /// `r` as the reconciler should see it: the object its last status
+    /// write returned when the cached copy predates that write.
+    pub fn fresher(&self, r: Arc<ModelResidency>) -> Arc<ModelResidency> {
+        let mut written = self.0.lock().expect("written lock");
+        let k = key(&r);
+        let Some(newer) = written.get(&k) else {
+            return r;
+        };
+        if resource_version_of(&r.metadata) >= resource_version_of(&newer.metadata) {
+            written.remove(&k);
+            return r;
+        }
+        newer.clone()
+    }
+
+    /// Forgets a deleted residency.
+    pub fn forget(&self, r: &ModelResidency) {
+        self.0.lock().expect("written lock").remove(&key(r));
+    }
+}
