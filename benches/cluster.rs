@@ -162,9 +162,16 @@ fn residency(name: &str, node: &str, budget: &str, models: &[(String, String)]) 
     serde_json::from_value(json!({
         "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
         "metadata": {"name": name},
-        "spec": {"nodeName": node, "device": "0", "budget": budget, "models": models},
+        "spec": {"nodeName": node, "device": gpu_of(name), "budget": budget, "models": models},
     }))
     .unwrap()
+}
+
+/// A GPU of its own for each residency (two residencies on one GPU
+/// conflict): a `GPU-` UUID made of the name's bytes in hex.
+fn gpu_of(name: &str) -> String {
+    let hex: String = name.bytes().map(|b| format!("{b:02x}")).collect();
+    format!("GPU-{hex}")
 }
 
 fn start_operator(client: &kube::Client) -> (Arc<Context>, tokio::task::JoinHandle<()>) {

@@ -51,6 +51,7 @@ struct Snapshot {
     used: u64,
     peak: u64,
     resident: u32,
+    gpu_conflict: bool,
     /// Exported totals: they only grow, even when the object is recreated.
     totals: Counters,
     /// The status counters last seen, to add their growth to `totals`.
@@ -65,7 +66,7 @@ struct PerResidency(Mutex<HashMap<ResidencyLabels, Snapshot>>);
 
 type Field = fn(&Snapshot) -> u64;
 
-const GAUGES: [(&str, &str, Field); 4] = [
+const GAUGES: [(&str, &str, Field); 5] = [
     ("budget_bytes", "VRAM budget of the GPU", |s| s.budget),
     ("used_bytes", "VRAM declared by resident models", |s| s.used),
     ("peak_bytes", "Most VRAM ever declared at once", |s| s.peak),
@@ -73,6 +74,11 @@ const GAUGES: [(&str, &str, Field); 4] = [
         "resident_models",
         "Models holding VRAM (loaded, loading or failed)",
         |s| u64::from(s.resident),
+    ),
+    (
+        "gpu_conflict",
+        "1 while another (older) residency holds this one's GPU, so it loads nothing",
+        |s| u64::from(s.gpu_conflict),
     ),
 ];
 
@@ -180,6 +186,7 @@ impl Metrics {
         snap.used = usage.used;
         snap.peak = usage.peak;
         snap.resident = usage.resident;
+        snap.gpu_conflict = usage.gpu_conflict;
         let (totals, last) = (&mut snap.totals, &mut snap.last);
         for (total, now, before) in [
             (&mut totals.hits, c.hits, &mut last.hits),

@@ -139,14 +139,16 @@ pub fn format_bytes(bytes: Bytes) -> String {
         .unwrap_or_default()
 }
 
-/// Like [`format_bytes`], but a number of bytes no unit says exactly in
-/// three decimals is shown in the largest binary unit it fills, rounded
-/// down to two decimals (`21.23Gi`, not `22795943680`). For status figures
-/// people read and nothing reads back exactly (used, peak): rounding down
-/// never shows a residency over its budget.
+/// Like [`format_bytes`], but a number no unit says in a few characters
+/// is shown in the largest binary unit it fills, rounded down to two
+/// decimals (`21.23Gi`, not `22795943680` or `22046100Ki`). For status
+/// figures people read and nothing reads back exactly (used, peak):
+/// rounding down never shows a residency over its budget.
 pub fn format_bytes_rounded(bytes: Bytes) -> String {
+    // `16000Mi` reads well; `22046100Ki` does not.
+    const SHORT: usize = 7;
     let exact = format_bytes(bytes);
-    if bytes < 1 << 10 || !exact.bytes().all(|b| b.is_ascii_digit()) {
+    if bytes < 1 << 10 || exact.len() <= SHORT {
         return exact;
     }
     let (suffix, shift) = [
@@ -255,6 +257,11 @@ mod tests {
             "exact stays exact"
         );
         assert_eq!(format_bytes_rounded(1023), "1023");
+        assert_eq!(
+            format_bytes_rounded(22_575_206_400),
+            "21.02Gi",
+            "not 22046100Ki"
+        );
         assert_eq!(
             format_bytes_rounded((16 << 30) - 1),
             "15.99Gi",

@@ -8,6 +8,7 @@ mod support;
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::api::{Api, ListParams, PostParams};
 use model_residency::api::{ModelResidency, ModelState};
+use model_residency::controller::pods::pod_name;
 use model_residency::controller::{self, Context};
 use model_residency::lease::{LeaderElector, LeaseConfig};
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
@@ -295,7 +296,7 @@ async fn the_operator_does_its_job_with_only_the_charts_rbac() {
         .filter(|p| p.metadata.deletion_timestamp.is_none())
         .filter_map(|p| p.metadata.name)
         .collect();
-    assert_eq!(names, ["gpu-b"]);
+    assert_eq!(names, [pod_name("gpu", "b")]);
     assert!(
         ctx.metrics.sum(API_REQUESTS) >= 4,
         "the operator wrote through its own credentials"

@@ -4,15 +4,19 @@
 
 mod support;
 
+use futures::TryStreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::runtime::{WatchStreamExt, watcher};
 use model_residency::api::{ModelResidency, ModelState, ModelStatus};
+use model_residency::controller::pods::pod_name;
 use model_residency::engine::Engine;
 use model_residency::local::kubelet::fail_pod;
 use model_residency::metrics::{API_REQUESTS, RECONCILES};
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
 use support::cluster::eventually;
 use support::operator::{Harness, Model};
 
@@ -177,7 +181,8 @@ async fn oversized_model_is_refused_with_sizes_no_pod_and_an_event() {
     let out = h.env.kubectl(&["get", "mres", "gpu", "--no-headers"]);
     let line = String::from_utf8_lossy(&out.stdout).to_string();
     let cols: Vec<&str> = line.split_whitespace().collect();
-    assert_eq!(cols[4..7], ["10900Mi", "1", "1"], "{line}");
+    // Used, resident, loading, refused.
+    assert_eq!(cols[4..8], ["10900Mi", "1", "0", "1"], "{line}");
 }
 
 #[tokio::test]
@@ -317,7 +322,7 @@ async fn a_grown_model_is_readmitted_and_a_removed_one_unloaded() {
     })
     .await;
     assert_eq!(model(&r, "a").state, ModelState::Evicted);
-    let pod = h.pods.get("gpu-c").await.unwrap();
+    let pod = h.pods.get(&pod_name("gpu", "c")).await.unwrap();
     assert_eq!(
         pod.metadata.annotations.unwrap()["residency.dev/size"],
         (6u64 << 30).to_string()
@@ -349,15 +354,16 @@ async fn a_deleted_pod_is_recreated_and_a_failed_one_degrades() {
     let h = Harness::start("pod-faults").await;
     h.create("gpu", "16000Mi", SEED).await;
     h.request("gpu", "zimage").await;
-    let old = h.pods.get("gpu-zimage").await.unwrap().metadata.uid;
+    let zimage = pod_name("gpu", "zimage");
+    let old = h.pods.get(&zimage).await.unwrap().metadata.uid;
     h.pods
-        .delete("gpu-zimage", &DeleteParams::default())
+        .delete(&zimage, &DeleteParams::default())
         .await
         .unwrap();
     // Recreated, and running (so that failing it below is a running model
     // server failing, not one that has not started yet).
     eventually(30, "the pod to be recreated and ready", || async {
-        let p: Pod = h.pods.get_opt("gpu-zimage").await.unwrap()?;
+        let p: Pod = h.pods.get_opt(&zimage).await.unwrap()?;
         let ready = p
             .status
             .and_then(|s| s.conditions)
@@ -367,10 +373,40 @@ async fn a_deleted_pod_is_recreated_and_a_failed_one_degrades() {
     .await;
     h.converged("gpu").await;
 
-    fail_pod(&h.pods, "gpu-zimage", "CUDA error: out of memory")
+    // Every status from here on, to check Degraded never drops before the
+    // model is Loaded again.
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let recorder = {
+        let (api, seen) = (h.api.clone(), seen.clone());
+        tokio::spawn(async move {
+            let stream = watcher(api, watcher::Config::default()).applied_objects();
+            futures::pin_mut!(stream);
+            while let Ok(Some(r)) = stream.try_next().await {
+                let r: ModelResidency = r;
+                let Some(st) = r.status else { continue };
+                let Some(z) = st.models.iter().find(|m| m.name == "zimage") else {
+                    continue;
+                };
+                let degraded = st
+                    .conditions
+                    .iter()
+                    .any(|c| c.type_ == "Degraded" && c.status == "True");
+                seen.lock().unwrap().push((z.state, degraded));
+            }
+        })
+    };
+    fail_pod(&h.pods, &zimage, "CUDA error: out of memory")
         .await
         .unwrap();
     let r = h.until_state("gpu", "zimage", ModelState::Failed, 30).await;
+    // The failed pod is kept until the retry replaces it, so its logs say
+    // why.
+    let failed = h.pods.get(&zimage).await.unwrap();
+    assert!(failed.metadata.deletion_timestamp.is_none());
+    assert_eq!(
+        failed.status.and_then(|s| s.phase).as_deref(),
+        Some("Failed")
+    );
     let degraded = condition(&r, "Degraded");
     assert_eq!(degraded.status, "True");
     assert!(
@@ -389,6 +425,22 @@ async fn a_deleted_pod_is_recreated_and_a_failed_one_degrades() {
     // Retried with backoff: a new pod comes up and the model recovers.
     let r = h.until_state("gpu", "zimage", ModelState::Loaded, 40).await;
     assert_eq!(condition(&r, "Degraded").status, "False");
+    recorder.abort();
+    let seen = seen.lock().unwrap().clone();
+    let after_failure = seen
+        .iter()
+        .skip_while(|(state, _)| *state != ModelState::Failed)
+        .take_while(|(state, _)| *state != ModelState::Loaded);
+    for (state, degraded) in after_failure {
+        assert!(
+            degraded,
+            "Degraded dropped while {state:?} before the model was Loaded: {seen:?}"
+        );
+    }
+    assert!(
+        seen.iter().any(|(s, _)| *s == ModelState::Loading),
+        "the retry was not seen: {seen:?}"
+    );
 }
 
 #[tokio::test]

@@ -10,7 +10,7 @@ use crate::engine::{Bytes, Engine};
 use crate::labels::fits_label_value;
 use crate::quantity::{QuantityError, parse_bytes};
 use k8s_openapi::jiff::Timestamp;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 /// Why a spec cannot be acted on. Its text is the `InvalidSpec` condition's
 /// message.
@@ -163,13 +163,9 @@ pub struct Restored {
 /// registry model (at its recorded size while resident, so a size change is
 /// seen as one), the residents in LRU order, and the counters and peak.
 pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
-    let resident_size = |name: &str| {
-        status
-            .models
-            .iter()
-            .find(|m| m.name == name)
-            .and_then(recorded_size)
-    };
+    let recorded: HashMap<&str, &ModelStatus> =
+        status.models.iter().map(|m| (m.name.as_str(), m)).collect();
+    let resident_size = |name: &str| recorded.get(name).and_then(|m| recorded_size(m));
     let budget = status
         .budget
         .as_deref()

@@ -70,10 +70,18 @@ impl TemplateVerdicts {
     ) -> BTreeMap<String, String> {
         let namespace = r.namespace().unwrap_or_default();
         let mut rejected = BTreeMap::new();
+        // A registry may repeat one template thousands of times.
+        let mut seen: HashMap<&str, Verdict> = HashMap::new();
         for m in &r.spec.models {
             let Some(template) = &m.template else {
                 continue;
             };
+            if let Some(verdict) = seen.get(template.json()) {
+                if let Some(message) = verdict {
+                    rejected.insert(m.name.clone(), message.clone());
+                }
+                continue;
+            }
             let key = (namespace.clone(), template_hash(template.json()));
             let verdict = match self.get(&key) {
                 Some(verdict) => verdict,
@@ -102,9 +110,10 @@ impl TemplateVerdicts {
                     verdict
                 }
             };
-            if let Some(message) = verdict {
-                rejected.insert(m.name.clone(), message);
+            if let Some(message) = &verdict {
+                rejected.insert(m.name.clone(), message.clone());
             }
+            seen.insert(template.json(), verdict);
         }
         rejected
     }

@@ -27,6 +27,7 @@ pub struct Harness {
     pub ctx: Arc<Context>,
     pub node: String,
     last_time: Mutex<Timestamp>,
+    next_device: std::sync::atomic::AtomicU32,
     _kubelet: FakeKubelet,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
@@ -84,14 +85,31 @@ impl Harness {
             node,
             env,
             last_time: Mutex::new(Timestamp::UNIX_EPOCH),
+            next_device: Default::default(),
             _kubelet: kubelet,
             stop: Some(stop),
             task: Some(task),
         }
     }
 
-    /// Creates a residency on the test's node with a server template per model.
+    /// Creates a residency on the test's node with a server template per
+    /// model, on a GPU of its own (two residencies on one GPU conflict).
     pub async fn create(&self, name: &str, budget: &str, models: &[Model<'_>]) -> ModelResidency {
+        let device = self
+            .next_device
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.create_on(name, budget, models, &device.to_string())
+            .await
+    }
+
+    /// Creates a residency on GPU `device` of the test's node.
+    pub async fn create_on(
+        &self,
+        name: &str,
+        budget: &str,
+        models: &[Model<'_>],
+        device: &str,
+    ) -> ModelResidency {
         let models: Vec<_> = models
             .iter()
             .map(|(n, size, pinned)| {
@@ -103,7 +121,7 @@ impl Harness {
         let r: ModelResidency = serde_json::from_value(json!({
             "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
             "metadata": {"name": name},
-            "spec": {"nodeName": self.node, "device": "0", "budget": budget, "models": models},
+            "spec": {"nodeName": self.node, "device": device, "budget": budget, "models": models},
         }))
         .unwrap();
         self.api.create(&PostParams::default(), &r).await.unwrap()

@@ -23,7 +23,9 @@ use super::conditions::{ConditionSet, DEGRADED, READY, REFUSED};
 use super::events::{EventReason, ModelEvent};
 use super::pods::{ModelPod, build_pod};
 use super::reasons::Reason;
-use super::state::{InvalidSpec, Restored, Usage, Valid, recorded_time, restore, validate};
+use super::state::{
+    InvalidSpec, Restored, Usage, Valid, ValidModel, recorded_time, restore, validate,
+};
 use crate::api::{ModelResidency, ModelResidencyStatus, ModelState, ModelStatus};
 use crate::engine::{Admission, Engine, ModelId, RefuseReason, Resize};
 use crate::quantity::{format_bytes, format_bytes_rounded, parse_bytes};
@@ -217,6 +219,11 @@ struct Decider<'a> {
     engine: Engine,
     /// Resident models that left the registry, still to be unloaded.
     removed: Vec<String>,
+    /// The registry by name.
+    by_name: HashMap<&'a str, ValidModel<'a>>,
+    /// Whether each distinct template text builds a pod (see
+    /// [`Self::template_problem`]).
+    template_checks: std::cell::RefCell<HashMap<&'a str, Option<String>>>,
     outcomes: HashMap<String, Outcome>,
     requested: HashMap<String, RequestTimes>,
     events: Vec<ModelEvent>,
@@ -234,6 +241,11 @@ impl<'a> Decider<'a> {
             removed,
             overflow,
         } = restore(&valid, previous);
+        let by_name = valid
+            .models
+            .iter()
+            .map(|m| (m.spec.name.as_str(), *m))
+            .collect();
         let mut decider = Decider {
             input,
             previous,
@@ -241,6 +253,8 @@ impl<'a> Decider<'a> {
             valid,
             engine,
             removed,
+            by_name,
+            template_checks: Default::default(),
             outcomes: HashMap::new(),
             requested: HashMap::new(),
             events: Vec::new(),
@@ -453,8 +467,17 @@ impl<'a> Decider<'a> {
         if let Some(message) = self.input.rejected_templates.get(model) {
             return Some(format!("the API server rejects its pod: {message}"));
         }
-        let m = self.valid.models.iter().find(|m| m.name() == model)?;
-        build_pod(self.input.residency, &self.input.owner, m.spec, m.size).err()
+        let m = *self.by_name.get(model)?;
+        // Whether a template builds depends on its text alone, and a
+        // registry may repeat one template thousands of times.
+        let text = m.spec.template.as_ref().map_or("", |t| t.json());
+        let mut checked = self.template_checks.borrow_mut();
+        checked
+            .entry(text)
+            .or_insert_with(|| {
+                build_pod(self.input.residency, &self.input.owner, m.spec, m.size).err()
+            })
+            .clone()
     }
 
     /// One request: `written` is the entry's time (recorded, so the entry is

@@ -434,7 +434,13 @@ impl<'a> Decider<'a> {
             }
         }
         let prev = self.prev_models.get(m.name()).filter(|p| !p.is_resident());
-        let problem = self.template_problem(m.name());
+        // A model without a template is a registry entry that cannot load
+        // (said when it is requested), not a typo to report up front.
+        let problem = m
+            .spec
+            .template
+            .as_ref()
+            .and_then(|_| self.template_problem(m.name()));
         match (self.outcomes.get(m.name()), prev) {
             (Some(o), _) => {
                 st.state = o.state;

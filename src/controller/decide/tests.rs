@@ -7,6 +7,7 @@ use crate::controller::pods::{PodPhase, pod_name};
 use k8s_openapi::jiff::SignedDuration;
 use kube::Resource;
 use serde_json::json;
+use std::collections::BTreeMap;
 
 const T0: &str = "2026-11-30T03:00:00Z";
 
@@ -232,4 +233,280 @@ fn template_problems_fail_the_load_without_a_pod() {
         .find(|c| c.type_ == "Degraded")
         .unwrap();
     assert_eq!(degraded.status, "True");
+}
+
+fn events(d: &Decision, reason: EventReason) -> usize {
+    d.events.iter().filter(|e| e.reason == reason).count()
+}
+
+#[test]
+fn a_request_from_the_future_counts_as_now_and_shadows_nothing() {
+    let mut r = residency(
+        "10Gi",
+        &[("a", "6Gi", false), ("b", "6Gi", false)],
+        &[("a", 1)],
+    );
+    // Written by a clock far ahead (the year 2200 in the black-box test).
+    r.spec.demand[0].last_requested = "2200-01-01T00:00:00Z".into();
+    let d = run(&r, &[], 2);
+    assert_eq!(state(&d, "a"), ModelState::Loading);
+    assert_eq!(events(&d, EventReason::ClockSkew), 1);
+    let a = d.status.models.iter().find(|m| m.name == "a").unwrap();
+    assert_eq!(a.last_used.as_deref(), Some(at(2).to_string().as_str()));
+    r.status = Some(d.status);
+    // The same entry again is not a new request.
+    let d = run(&r, &[], 3);
+    assert!(d.events.is_empty(), "{:?}", d.events);
+    r.status = Some(d.status);
+    // b evicts a; a real request for a later is not shadowed by 2200.
+    r.spec.demand.push(Demand {
+        model: "b".into(),
+        last_requested: at(4).to_string(),
+    });
+    let d = run(&r, &[], 5);
+    assert_eq!(state(&d, "a"), ModelState::Evicted);
+    r.status = Some(d.status);
+    r.spec.demand[0].last_requested = at(6).to_string();
+    let d = run(&r, &[], 7);
+    assert_eq!(
+        state(&d, "a"),
+        ModelState::Loading,
+        "2200 shadowed a later request"
+    );
+    // Within the allowance a time is taken as written.
+    let mut r = residency("10Gi", &[("a", "6Gi", false)], &[("a", 30)]);
+    let d = run(&r, &[], 0);
+    assert_eq!(events(&d, EventReason::ClockSkew), 0);
+    r.status = Some(d.status);
+    let a = r
+        .status
+        .as_ref()
+        .unwrap()
+        .models
+        .iter()
+        .find(|m| m.name == "a");
+    assert_eq!(
+        a.unwrap().last_used.as_deref(),
+        Some(at(30).to_string().as_str())
+    );
+}
+
+#[test]
+fn demand_written_before_its_registry_entry_loads_once_the_model_is_added() {
+    let mut r = residency("10Gi", &[("a", "6Gi", false)], &[("new", 1)]);
+    let d = run(&r, &[], 2);
+    assert_eq!(state(&d, "new"), ModelState::Refused);
+    r.status = Some(d.status);
+    r.spec.models.push(ModelSpec {
+        name: "new".into(),
+        size: ByteQuantity("2Gi".into()),
+        pinned: false,
+        template: r.spec.models[0].template.clone(),
+    });
+    let d = run(&r, &[], 3);
+    assert_eq!(state(&d, "new"), ModelState::Loading);
+    assert_eq!(d.status.counters.loads, 1);
+}
+
+#[test]
+fn a_moved_residency_replaces_its_pods_old_one_first() {
+    let mut r = residency("10Gi", &[("a", "6Gi", false)], &[("a", 1)]);
+    let d = run(&r, &[], 2);
+    r.status = Some(d.status);
+    let pod = live("a", 6 * GI, true, false);
+    let d = run(&r, std::slice::from_ref(&pod), 3);
+    assert_eq!(state(&d, "a"), ModelState::Loaded);
+    r.status = Some(d.status);
+    r.spec.device = "1".into();
+    let d = run(&r, std::slice::from_ref(&pod), 4);
+    assert_eq!(d.delete.len(), 1, "the pod on GPU 0 goes");
+    assert!(d.create.is_empty(), "not before it is gone");
+    assert_eq!(events(&d, EventReason::Moved), 1);
+    assert_eq!(d.status.counters.loads, 1, "a move is not a load");
+    r.status = Some(d.status);
+    let d = run(&r, &[], 5);
+    assert_eq!(d.create.len(), 1);
+    let env = d.create[0].spec.as_ref().unwrap().containers[0].env.clone();
+    assert_eq!(env.unwrap()[0].value.as_deref(), Some("1"));
+}
+
+#[test]
+fn a_changed_template_is_rolled_out_and_a_broken_one_is_not() {
+    let mut r = residency("10Gi", &[("a", "6Gi", false)], &[("a", 1)]);
+    let d = run(&r, &[], 2);
+    let created = d.create[0].clone();
+    r.status = Some(d.status);
+    let mut pod = live("a", 6 * GI, true, false);
+    pod.template_hash = created.metadata.annotations.unwrap()["residency.dev/template-hash"]
+        .clone()
+        .into();
+    let d = run(&r, std::slice::from_ref(&pod), 3);
+    assert!(d.delete.is_empty() && d.events.iter().all(|e| e.reason == EventReason::ModelReady));
+    r.status = Some(d.status);
+    // A broken template: the running pod stays, and it is reported.
+    r.spec.models[0].template = Some(json!({"spec": {"containres": []}}).into());
+    let d = run(&r, std::slice::from_ref(&pod), 4);
+    assert!(
+        d.delete.is_empty(),
+        "a broken template replaced a running pod"
+    );
+    assert_eq!(condition(&d, "Degraded"), ("True", "InvalidTemplate"));
+    // A good new image: replaced, with an event.
+    r.spec.models[0].template =
+        Some(json!({"spec": {"containers": [{"name": "s", "image": "i:2"}]}}).into());
+    let d = run(&r, std::slice::from_ref(&pod), 5);
+    assert_eq!(d.delete.len(), 1);
+    assert_eq!(events(&d, EventReason::TemplateChanged), 1);
+    assert_eq!(state(&d, "a"), ModelState::Loading);
+}
+
+#[test]
+fn a_template_the_api_server_rejects_evicts_nothing() {
+    let mut r = residency(
+        "10Gi",
+        &[("a", "6Gi", false), ("bad", "6Gi", false)],
+        &[("a", 1)],
+    );
+    let d = run(&r, &[], 2);
+    r.status = Some(d.status);
+    r.spec.demand.push(Demand {
+        model: "bad".into(),
+        last_requested: at(3).to_string(),
+    });
+    let pods = [live("a", 6 * GI, true, false)];
+    let rejected = BTreeMap::from([(
+        "bad".to_owned(),
+        "spec.containers[0].image: Required value".to_owned(),
+    )]);
+    let mut input = Observed::new(&r, r.controller_owner_ref(&()).unwrap(), &pods, at(4));
+    input.rejected_templates = &rejected;
+    let d = decide(&input);
+    assert_eq!(
+        state(&d, "a"),
+        ModelState::Loaded,
+        "a was evicted for a pod that cannot start"
+    );
+    assert!(d.delete.is_empty() && d.create.is_empty());
+    let bad = d.status.models.iter().find(|m| m.name == "bad").unwrap();
+    assert_eq!(
+        (bad.state, bad.reason.as_deref()),
+        (ModelState::Failed, Some("InvalidTemplate"))
+    );
+    assert!(bad.message.as_deref().unwrap().contains("Required value"));
+    assert!(!bad.is_resident());
+    assert_eq!(events(&d, EventReason::LoadFailed), 1);
+    assert_eq!(condition(&d, "Degraded").0, "True");
+    assert_eq!(d.status.resident, 1);
+}
+
+#[test]
+fn a_residency_that_does_not_hold_its_gpu_unloads_and_waits() {
+    let mut r = residency("10Gi", &[("a", "6Gi", false)], &[("a", 1)]);
+    let d = run(&r, &[], 2);
+    r.status = Some(d.status);
+    let pods = [live("a", 6 * GI, true, false)];
+    let mut input = Observed::new(&r, r.controller_owner_ref(&()).unwrap(), &pods, at(3));
+    input.gpu_holder = Some("other/gpu");
+    let d = decide(&input);
+    assert_eq!(state(&d, "a"), ModelState::Unloaded);
+    assert_eq!(d.delete.len(), 1);
+    assert_eq!(condition(&d, "Ready"), ("False", "GpuConflict"));
+    assert!(
+        d.events
+            .iter()
+            .any(|e| e.reason == EventReason::GpuConflict && e.message.contains("other/gpu"))
+    );
+    assert_eq!(d.status.counters.unloads, 1);
+    assert!(d.usage.unwrap().gpu_conflict);
+    // Released: the pending request loads again.
+    r.status = Some(d.status);
+    r.spec.demand[0].last_requested = at(4).to_string();
+    let d = run(&r, &[], 5);
+    assert_eq!(state(&d, "a"), ModelState::Loading);
+    assert_eq!(condition(&d, "Ready").0, "True");
+}
+
+#[test]
+fn loading_is_not_a_reason_to_be_unready_and_a_silent_pending_pod_is_named() {
+    let mut r = residency("10Gi", &[("a", "6Gi", false)], &[("a", 1)]);
+    let d = run(&r, &[], 2);
+    assert_eq!(condition(&d, "Ready"), ("True", "Converging"));
+    assert_eq!(d.status.loading, 1);
+    r.status = Some(d.status);
+    let mut pending = live("a", 6 * GI, false, false);
+    pending.reported = false;
+    pending.created = Some(at(2).to_string());
+    let d = run(&r, std::slice::from_ref(&pending), 10);
+    assert_eq!(d.requeue_after, Some(std::time::Duration::from_secs(22)));
+    let d = run(&r, std::slice::from_ref(&pending), 40);
+    let a = d.status.models.iter().find(|m| m.name == "a").unwrap();
+    assert!(
+        a.message
+            .as_deref()
+            .unwrap()
+            .contains("no kubelet has reported"),
+        "{a:?}"
+    );
+    pending.reported = true;
+    pending.waiting = Some("ImagePullBackOff: no such image".into());
+    let d = run(&r, std::slice::from_ref(&pending), 41);
+    let a = d.status.models.iter().find(|m| m.name == "a").unwrap();
+    assert!(
+        a.message.as_deref().unwrap().contains("ImagePullBackOff"),
+        "{a:?}"
+    );
+}
+
+/// Exactly one event per counted load, eviction, unload and refusal, over
+/// random request sequences.
+#[test]
+fn events_match_the_counters() {
+    let models = [
+        ("a", "4Gi", false),
+        ("b", "5Gi", false),
+        ("c", "3Gi", true),
+        ("d", "9Gi", false),
+        ("e", "12Gi", false),
+    ];
+    let mut seed: u64 = 7;
+    let mut next = || {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) as usize
+    };
+    let mut r = residency("10Gi", &models, &[]);
+    let mut tally = [0u64; 4];
+    for step in 1..400 {
+        let model = models[next() % models.len()].0;
+        match next() % 4 {
+            0 => r.spec.demand.retain(|d| d.model != model),
+            _ => {
+                r.spec.demand.retain(|d| d.model != model);
+                r.spec.demand.push(Demand {
+                    model: model.into(),
+                    last_requested: at(step).to_string(),
+                });
+            }
+        }
+        let d = run(&r, &[], step);
+        for (i, reason) in [
+            EventReason::Loaded,
+            EventReason::Evicted,
+            EventReason::Unloaded,
+            EventReason::Refused,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            tally[i] += events(&d, reason) as u64;
+        }
+        r.status = Some(d.status);
+    }
+    let c = r.status.unwrap().counters;
+    assert_eq!(tally, [c.loads, c.evictions, c.unloads, c.refusals]);
+    assert!(
+        c.loads > 20 && c.evictions > 10 && c.unloads > 10 && c.refusals > 5,
+        "{c:?}"
+    );
 }
