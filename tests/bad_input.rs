@@ -5,7 +5,7 @@
 mod support;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::PostParams;
 use model_residency::api::{ModelResidency, ModelState};
 use serde_json::json;
 use support::cluster::eventually;
@@ -68,14 +68,8 @@ async fn a_node_that_does_not_exist_leaves_the_model_loading_and_counted() {
     let h = Harness::start("bad-node").await;
     let mut r = h.create("gpu", "10Gi", &[("a", "1Gi", false)]).await;
     r.spec.node_name = "no-such-node".into();
-    h.api
-        .patch(
-            "gpu",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"nodeName": "no-such-node"}})),
-        )
-        .await
-        .unwrap();
+    h.patch_spec("gpu", json!({"nodeName": "no-such-node"}))
+        .await;
     h.request_nowait("gpu", "a").await;
     let r = h.until_state("gpu", "a", ModelState::Loading, 30).await;
     // Loading is normal, not a reason to be unready; it is counted, and the
@@ -95,15 +89,12 @@ async fn a_node_that_does_not_exist_leaves_the_model_loading_and_counted() {
 async fn a_template_without_containers_fails_the_load_and_degrades() {
     let h = Harness::start("bad-template").await;
     h.create("gpu", "10Gi", &[("a", "1Gi", false)]).await;
-    h.api
-        .patch(
-            "gpu",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"models": [
-            {"name": "a", "size": "1Gi", "template": {"spec": {"containers": []}}}]}})),
-        )
-        .await
-        .unwrap();
+    h.patch_spec(
+        "gpu",
+        json!({"models": [
+            {"name": "a", "size": "1Gi", "template": {"spec": {"containers": []}}}]}),
+    )
+    .await;
     h.request_nowait("gpu", "a").await;
     let r = h.until_state("gpu", "a", ModelState::Failed, 30).await;
     assert_eq!(state(&r, "a").1.as_deref(), Some("InvalidTemplate"));

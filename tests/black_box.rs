@@ -8,7 +8,7 @@ mod support;
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use model_residency::api::{ModelResidency, ModelState, ModelStatus};
 use model_residency::controller::pods::pod_name;
 use model_residency::demand;
@@ -164,14 +164,7 @@ async fn a_template_the_api_server_rejects_evicts_nothing_and_is_reported() {
     let r = h.api.get("gpu").await.unwrap();
     let mut models = serde_json::to_value(&r.spec.models).unwrap();
     models[1]["template"] = json!({"spec": {"containers": [{"name": "server"}]}});
-    h.api
-        .patch(
-            "gpu",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"models": models}})),
-        )
-        .await
-        .unwrap();
+    h.patch_spec("gpu", json!({"models": models})).await;
     // Reported before anyone requests it.
     let r = eventually(30, "the bad template to be reported", || async {
         let r = h.api.get("gpu").await.unwrap();
@@ -237,14 +230,7 @@ async fn a_moved_residency_and_a_new_template_replace_the_pods() {
     h.request("gpu", "a").await;
     h.request("gpu", "b").await;
     let before = live_pods(&h, "gpu").await;
-    h.api
-        .patch(
-            "gpu",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"device": "4"}})),
-        )
-        .await
-        .unwrap();
+    h.patch_spec("gpu", json!({"device": "4"})).await;
     eventually(30, "the pods to move to GPU 4", || async {
         let pods = live_pods(&h, "gpu").await;
         let moved = pods.len() == 2
@@ -287,14 +273,7 @@ async fn a_moved_residency_and_a_new_template_replace_the_pods() {
         .uid;
     let mut models = serde_json::to_value(&r.spec.models).unwrap();
     models[0]["template"]["spec"]["containers"][0]["image"] = json!("example/a:2");
-    h.api
-        .patch(
-            "gpu",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"models": models}})),
-        )
-        .await
-        .unwrap();
+    h.patch_spec("gpu", json!({"models": models})).await;
     eventually(30, "a's pod to run the new image", || async {
         let p = h.pods.get_opt(&pod_name("gpu", "a")).await.unwrap()?;
         let image = p.spec.as_ref()?.containers[0].image.clone();
@@ -327,14 +306,7 @@ async fn demand_written_before_its_model_loads_once_the_model_is_added() {
     let mut late = models[0].clone();
     late["name"] = json!("late");
     models.as_array_mut().unwrap().push(late);
-    h.api
-        .patch(
-            "gpu",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"models": models}})),
-        )
-        .await
-        .unwrap();
+    h.patch_spec("gpu", json!({"models": models})).await;
     let r = h.until_state("gpu", "late", ModelState::Loaded, 30).await;
     assert_eq!(condition(&r, "Refused").0, "False");
 }

@@ -260,14 +260,7 @@ async fn budget_shrink_evicts_lru_until_it_fits() {
         h.request("gpu", m).await;
     }
     // LRU order is now b, c, a: shrinking to 8000Mi evicts b.
-    h.api
-        .patch(
-            "gpu",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"budget": "8000Mi"}})),
-        )
-        .await
-        .unwrap();
+    h.patch_spec("gpu", json!({"budget": "8000Mi"})).await;
     let r = eventually(30, "the shrink to apply", || async {
         let r = h.api.get("gpu").await.unwrap();
         (r.status.as_ref()?.budget.as_deref() == Some("8000Mi")).then_some(r)
@@ -306,14 +299,7 @@ async fn a_grown_model_is_readmitted_and_a_removed_one_unloaded() {
     let r = h.api.get("gpu").await.unwrap();
     let mut models = serde_json::to_value(&r.spec.models).unwrap();
     models[2]["size"] = json!("6Gi");
-    h.api
-        .patch(
-            "gpu",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"models": models}})),
-        )
-        .await
-        .unwrap();
+    h.patch_spec("gpu", json!({"models": models})).await;
     let r = eventually(30, "c to be re-admitted at 6Gi", || async {
         let r = h.api.get("gpu").await.unwrap();
         (model(&r, "c").size.as_deref() == Some("6Gi")
@@ -329,14 +315,7 @@ async fn a_grown_model_is_readmitted_and_a_removed_one_unloaded() {
     );
     // b is removed from the registry: unloaded, its pod deleted.
     let models = json!([r.spec.models[0], r.spec.models[2]]);
-    h.api
-        .patch(
-            "gpu",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"models": models}})),
-        )
-        .await
-        .unwrap();
+    h.patch_spec("gpu", json!({"models": models})).await;
     let r = h.converged("gpu").await;
     // Still demanded, so it keeps a status entry saying what happened.
     let b = model(&r, "b");

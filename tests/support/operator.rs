@@ -127,6 +127,17 @@ impl Harness {
         self.api.create(&PostParams::default(), &r).await.unwrap()
     }
 
+    /// Merge-patches residency `name`'s spec with `spec`, as an admin's
+    /// `kubectl patch --type=merge` would.
+    pub async fn patch_spec(&self, name: &str, spec: serde_json::Value) {
+        let body = json!({ "spec": spec });
+        let pp = kube::api::PatchParams::default();
+        self.api
+            .patch(name, &pp, &kube::api::Patch::Merge(&body))
+            .await
+            .unwrap();
+    }
+
     /// A strictly increasing request time.
     fn next_time(&self) -> Timestamp {
         let mut last = self.last_time.lock().unwrap();

@@ -156,6 +156,12 @@ impl<'a> Decider<'a> {
         }
     }
 
+    /// A registry model's size as the engine has it (its recorded size
+    /// while it is resident and not re-admitted yet).
+    fn registered_size(&self, name: &str) -> Bytes {
+        self.engine.size(self.engine.id(name).expect("registered"))
+    }
+
     fn previous_failures(&self, name: &str) -> u32 {
         self.prev_models.get(name).map_or(0, |p| p.failures)
     }
@@ -167,9 +173,7 @@ impl<'a> Decider<'a> {
         pods: &mut PodInventory<'_>,
         plan: &mut PodPlan,
     ) -> ModelStatus {
-        let size = self
-            .engine
-            .size(self.engine.id(m.name()).expect("registered"));
+        let size = self.registered_size(m.name());
         let mut st = self.base_status(m.name(), Some(size));
         if let Some(p) = pods.live(m.name()) {
             self.with_live_pod(st, m, p, size, plan)
@@ -424,9 +428,7 @@ impl<'a> Decider<'a> {
         pods: &PodInventory<'_>,
         plan: &mut PodPlan,
     ) -> ModelStatus {
-        let size = self
-            .engine
-            .size(self.engine.id(m.name()).expect("registered"));
+        let size = self.registered_size(m.name());
         let mut st = self.base_status(m.name(), Some(size));
         for p in pods.of(m.name()) {
             if !p.deleting {
