@@ -22,6 +22,7 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use model_residency::api::{ModelResidency, ModelState};
 use model_residency::controller::{self, Context};
+use model_residency::demand;
 use model_residency::local::control_plane::ControlPlane;
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
 use model_residency::metrics::{API_REQUESTS, RECONCILES};
@@ -203,7 +204,7 @@ async fn latency(client: &kube::Client, samples: usize) {
     .await
     .unwrap();
     for m in ["a", "b"] {
-        model_residency::demand::load(&api, "lat", m, Timestamp::now())
+        demand::load(&api, "lat", m, Timestamp::now())
             .await
             .unwrap();
     }
@@ -239,7 +240,7 @@ async fn latency(client: &kube::Client, samples: usize) {
     .unwrap();
     let cr_floor_seen = watch_poke(crs.clone());
     let cm_floor_seen = watch_poke(cms.clone());
-    // Wait until both models are loaded, then find their demand indexes.
+    // Wait until both models are loaded.
     loop {
         let r = api.get("lat").await.unwrap();
         let loaded = r.status.as_ref().map(|s| {
@@ -254,13 +255,7 @@ async fn latency(client: &kube::Client, samples: usize) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let r = api.get("lat").await.unwrap();
-    let index: Vec<(usize, String)> = r
-        .spec
-        .demand
-        .iter()
-        .enumerate()
-        .map(|(i, d)| (i, d.model.clone()))
-        .collect();
+    let demanded: Vec<String> = r.spec.demand.keys().cloned().collect();
 
     let mut apply = Vec::with_capacity(samples);
     let mut floor = Vec::with_capacity(samples);
@@ -272,20 +267,14 @@ async fn latency(client: &kube::Client, samples: usize) {
         floor.push(poke(&cms, &cm_floor_seen, &value).await);
         cr_floor.push(poke(&crs, &cr_floor_seen, &value).await);
 
-        // Apply-to-status sample: one JSON patch (a request, a hit), then
+        // Apply-to-status sample: one merge patch (a request, a hit), then
         // the status seen with the new generation and lastRequested.
-        let (idx, model) = &index[i % 2];
-        let at = Timestamp::now().to_string();
-        let patch: json_patch::Patch = serde_json::from_value(json!([
-            {"op": "replace", "path": format!("/spec/demand/{idx}/lastRequested"), "value": at}
-        ]))
-        .unwrap();
+        let model = &demanded[i % 2];
+        let at = Timestamp::now();
         let t0 = Instant::now();
-        api.patch("lat", &PatchParams::default(), &Patch::<()>::Json(patch))
-            .await
-            .unwrap();
+        demand::load(&api, "lat", model, at).await.unwrap();
         patched.push(t0.elapsed());
-        let want = at.parse::<Timestamp>().unwrap().to_string();
+        let want = at.to_string();
         seen_rx
             .wait_for(|v| v.iter().any(|(m, t)| m == model && *t == want))
             .await
@@ -332,13 +321,13 @@ async fn wait_converged(api: &Api<ModelResidency>, count: usize) -> Duration {
                 let Some(s) = &r.status else { return false };
                 s.observed_generation == r.metadata.generation
                     && s.models.iter().all(|m| m.state != ModelState::Loading)
-                    && r.spec.demand.iter().all(|d| {
+                    && r.spec.demand.iter().all(|(model, at)| {
                         s.models.iter().any(|m| {
-                            m.name == d.model
+                            &m.name == model
                                 && m.last_requested
                                     .as_deref()
                                     .and_then(|t| t.parse::<Timestamp>().ok())
-                                    == d.last_requested.parse::<Timestamp>().ok()
+                                    == at.parse::<Timestamp>().ok()
                         })
                     })
             });
@@ -388,7 +377,7 @@ async fn storm(api: &Api<ModelResidency>, names: &[String], models: usize) {
             async move {
                 for k in 0..5 {
                     let m = format!("model-{}", (i * 31 + k * 17) % models);
-                    model_residency::demand::load(&api, name, &m, Timestamp::now())
+                    demand::load(&api, name, &m, Timestamp::now())
                         .await
                         .unwrap();
                 }
@@ -553,7 +542,7 @@ async fn memory(plane: &ControlPlane, client: &kube::Client, counts: &[usize]) {
             .for_each_concurrent(16, |name| {
                 let api = api.clone();
                 async move {
-                    model_residency::demand::load(&api, &name, "model-0", Timestamp::now())
+                    demand::load(&api, &name, "model-0", Timestamp::now())
                         .await
                         .unwrap();
                 }

@@ -6,6 +6,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::CustomResource;
 use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
 use serde::{Deserialize, Deserializer, Serialize};
+use std::collections::BTreeMap;
 
 /// DNS label: lowercase alphanumerics and '-', starting and ending with an
 /// alphanumeric. Model names become pod-name parts and label values.
@@ -57,13 +58,15 @@ pub struct ModelResidencySpec {
     /// The model registry: every model this GPU may serve. Keyed by name.
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub models: Vec<ModelSpec>,
-    /// Requests for models, written by autoscalers, routers and the
-    /// `model-residency demand` CLI. An entry whose lastRequested is newer
-    /// than the model's last processed request is a new request; removing
-    /// an entry unloads the model. Keyed by model.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["model"]))]
-    pub demand: Vec<Demand>,
+    /// Requests: model name -> the RFC 3339 time of its last request.
+    /// A time newer than the model's last processed request is a new
+    /// request; removing the key unloads the model. One JSON merge patch
+    /// writes one key without a read: {"spec":{"demand":{"zimage":"<now>"}}}
+    /// requests, {"spec":{"demand":{"zimage":null}}} unloads. Server-side
+    /// apply owns single keys.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(schema_with = "demand_schema")]
+    pub demand: BTreeMap<String, String>,
 }
 
 /// One model in the registry.
@@ -123,19 +126,6 @@ impl<'de> Deserialize<'de> for PodTemplate {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         serde_json::Value::deserialize(d).map(PodTemplate::from)
     }
-}
-
-/// A request for a model.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct Demand {
-    /// The requested model's name.
-    #[schemars(length(min = 1, max = 63))]
-    pub model: String,
-    /// When the model was last requested (RFC 3339, sub-second precision
-    /// allowed). A newer value than the one last processed is a new request.
-    #[schemars(extend("format" = "date-time"))]
-    pub last_requested: String,
 }
 
 /// What the operator decided and observed.
@@ -306,6 +296,20 @@ impl JsonSchema for ByteQuantity {
             "pattern": POSITIVE_QUANTITY,
         })
     }
+}
+
+fn demand_schema(_: &mut SchemaGenerator) -> Schema {
+    // Keys are model names. The API servers this is tested on (v1.20) cannot
+    // check a map's keys (that takes a CEL rule, 1.25+, which a 1.20 server
+    // and kubectl's client-side validation against it refuse as an unknown
+    // field), so a key that is not a DNS label is not rejected at
+    // admission: it can name no registry model and is refused as
+    // UnknownModel.
+    json_schema!({
+        "type": "object",
+        "additionalProperties": {"type": "string", "format": "date-time"},
+        "maxProperties": 100000,
+    })
 }
 
 fn template_schema(_: &mut SchemaGenerator) -> Schema {

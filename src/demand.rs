@@ -1,99 +1,68 @@
 //! Writing demand: how autoscalers, routers and the CLI ask a residency to
 //! load or unload a model.
 //!
-//! Both are JSON patches guarded by a `test` of the entry they touch, and
-//! retried when the list moved underneath (another writer got there
-//! first), so concurrent writers never lose each other's entries:
-//! - a load sets the model's `lastRequested` (adding the entry if needed);
-//! - an unload removes the entry.
+//! `spec.demand` is a map from model name to the time of its last request,
+//! so each is one JSON merge patch of one key, without a read and without
+//! a precondition: concurrent writers never drop each other's keys (the
+//! API server merges each patch into the object as it is), and a writer
+//! never needs a second round trip.
+//! - a load sets the model's key to the request time:
+//!   `{"spec":{"demand":{"zimage":"<time>"}}}`;
+//! - an unload removes the key: `{"spec":{"demand":{"zimage":null}}}`.
 //!
-//! Why not server-side apply: a server that types custom resources' lists
-//! as atomic (as the v1.20 API server used by the tests does) would let one
-//! writer's apply drop every other writer's entries. On newer clusters an
-//! autoscaler may still server-side apply its own entries with its own
-//! field manager (see the README); the list is a list-map keyed by model.
+//! Server-side apply works too: a map's keys are owned one by one, so an
+//! autoscaler can apply only its own keys with its own field manager.
 
 use crate::api::ModelResidency;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::{Value, json};
 
-/// How often a guarded patch is retried when the list changed under it.
-const ATTEMPTS: u32 = 8;
-
-/// Applies the patch `build` makes from the current object; `None` means
-/// nothing to do. Retries when a `test` fails because the list moved.
-async fn guarded_patch(
-    api: &Api<ModelResidency>,
-    residency: &str,
-    build: impl Fn(&ModelResidency) -> Option<Value>,
-) -> Result<bool, kube::Error> {
-    let mut attempt = 0;
-    loop {
-        let current = api.get(residency).await?;
-        let Some(ops) = build(&current) else {
-            return Ok(false);
-        };
-        let patch: json_patch::Patch = serde_json::from_value(ops).expect("well-formed patch");
-        match api
-            .patch(
-                residency,
-                &PatchParams::default(),
-                &Patch::<()>::Json(patch),
-            )
-            .await
-        {
-            Ok(_) => return Ok(true),
-            Err(kube::Error::Api(s)) if (s.code == 422 || s.code == 409) && attempt < ATTEMPTS => {
-                attempt += 1;
-            }
-            Err(e) => return Err(e),
-        }
-    }
+/// The merge patch that sets (or, with `None`, removes) one demand key.
+pub fn patch(model: &str, at: Option<Timestamp>) -> Value {
+    let value = at.map_or(Value::Null, |t| Value::String(t.to_string()));
+    json!({ "spec": { "demand": { model: value } } })
 }
 
-/// Requests `model` at time `at` (normally now).
+/// Requests `model` at time `at` (normally now): one write. Returns the
+/// residency as the write left it.
 pub async fn load(
     api: &Api<ModelResidency>,
     residency: &str,
     model: &str,
     at: Timestamp,
-) -> Result<(), kube::Error> {
-    let entry = json!({"model": model, "lastRequested": at.to_string()});
-    guarded_patch(api, residency, |r| {
-        let demand = &r.spec.demand;
-        Some(match demand.iter().position(|d| d.model == model) {
-            Some(i) => json!([
-                {"op": "test", "path": format!("/spec/demand/{i}/model"), "value": model},
-                {"op": "replace", "path": format!("/spec/demand/{i}/lastRequested"), "value": at.to_string()},
-            ]),
-            None if demand.is_empty() => json!([
-                // Fails (and is retried) if someone added a list meanwhile.
-                {"op": "test", "path": "/metadata/resourceVersion", "value": r.metadata.resource_version},
-                {"op": "add", "path": "/spec/demand", "value": [entry]},
-            ]),
-            None => json!([
-                {"op": "test", "path": format!("/spec/demand/{}/model", demand.len() - 1), "value": demand[demand.len() - 1].model},
-                {"op": "add", "path": "/spec/demand/-", "value": entry},
-            ]),
-        })
-    })
-    .await
-    .map(|_| ())
+) -> Result<ModelResidency, kube::Error> {
+    let body = patch(model, Some(at));
+    api.patch(residency, &PatchParams::default(), &Patch::Merge(&body))
+        .await
 }
 
-/// Removes `model`'s demand entry. Returns whether there was one.
+/// Stops demanding `model`, which unloads it: one write (removing a key
+/// that is not there changes nothing).
 pub async fn unload(
     api: &Api<ModelResidency>,
     residency: &str,
     model: &str,
-) -> Result<bool, kube::Error> {
-    guarded_patch(api, residency, |r| {
-        let i = r.spec.demand.iter().position(|d| d.model == model)?;
-        Some(json!([
-            {"op": "test", "path": format!("/spec/demand/{i}/model"), "value": model},
-            {"op": "remove", "path": format!("/spec/demand/{i}")},
-        ]))
-    })
-    .await
+) -> Result<ModelResidency, kube::Error> {
+    let body = patch(model, None);
+    api.patch(residency, &PatchParams::default(), &Patch::Merge(&body))
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_and_an_unload_are_one_key_each() {
+        let at: Timestamp = "2026-11-30T03:00:00.5Z".parse().unwrap();
+        assert_eq!(
+            patch("zimage", Some(at)),
+            json!({"spec": {"demand": {"zimage": "2026-11-30T03:00:00.5Z"}}})
+        );
+        assert_eq!(
+            patch("zimage", None),
+            json!({"spec": {"demand": {"zimage": null}}})
+        );
+    }
 }

@@ -190,7 +190,7 @@ async fn a_template_the_api_server_rejects_evicts_nothing_and_is_reported() {
         "metadata": {"name": "fresh"},
         "spec": {"nodeName": h.node, "device": "77", "budget": "10Gi", "models": [
             {"name": "x", "size": "1Gi", "template": {"spec": {"containers": [{"name": "s"}]}}}
-        ], "demand": [{"model": "x", "lastRequested": "2026-11-30T00:00:00Z"}]},
+        ], "demand": {"x": "2026-11-30T00:00:00Z"}},
     }))
     .unwrap();
     h.api.create(&PostParams::default(), &fresh).await.unwrap();
@@ -350,15 +350,28 @@ async fn events_match_the_counters_after_a_storm() {
         ("Unloaded".to_owned(), c.unloads),
         ("Refused".to_owned(), c.refusals),
     ]);
-    let got = eventually(15, "events to match the counters", || async {
+    // Events are published right after the status write: give the last
+    // ones a moment, then compare.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(15);
+    let got = loop {
         let counts = event_counts(&h, "gpu").await;
         let got: BTreeMap<String, u64> = want
             .keys()
             .map(|k| (k.clone(), counts.get(k).copied().unwrap_or(0)))
             .collect();
-        (got == want).then_some(got)
-    })
-    .await;
+        if got == want || tokio::time::Instant::now() > deadline {
+            break got;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    };
+    let failed = h.ctx.metrics.sum_where(
+        "model_residency_reconcile_errors_total",
+        r#"reason="publish_event""#,
+    );
+    assert_eq!(
+        got, want,
+        "events by reason (left) and the counters (right); {failed} publishes failed"
+    );
     assert!(got["Loaded"] >= 3 && got["Evicted"] >= 1, "{got:?}");
 }
 
@@ -387,4 +400,71 @@ async fn quantities_in_status_are_readable() {
             .any(|w| w.len() > 8 && w.bytes().all(|b| b.is_ascii_digit())),
         "{line}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn sixteen_blind_writers_and_a_hundred_models_lose_nothing() {
+    let h = Harness::start("demand-map").await;
+    let names: Vec<String> = (0..100).map(|i| format!("m{i}")).collect();
+    let models: Vec<(&str, &str, bool)> =
+        names.iter().map(|n| (n.as_str(), "1Mi", false)).collect();
+    h.create("gpu", "10Mi", &models).await;
+    // Each writer sends its models' requests as single merge patches, with
+    // no read and no precondition, all at once.
+    let mut writers = Vec::new();
+    for w in 0..16 {
+        let api = h.api.clone();
+        let mine: Vec<String> = names.iter().skip(w).step_by(16).cloned().collect();
+        writers.push(tokio::spawn(async move {
+            let mut sent = Vec::new();
+            for m in mine {
+                let at = k8s_openapi::jiff::Timestamp::now();
+                demand::load(&api, "gpu", &m, at).await.unwrap();
+                sent.push((m, at.to_string()));
+            }
+            sent
+        }));
+    }
+    let mut sent = BTreeMap::new();
+    for w in writers {
+        sent.extend(w.await.unwrap());
+    }
+    assert_eq!(sent.len(), 100);
+    let r = h.api.get("gpu").await.unwrap();
+    assert_eq!(r.spec.demand, sent, "a writer's key was lost");
+    // The operator processed every one of them.
+    let r = eventually(60, "every request to be processed", || async {
+        let r = h.api.get("gpu").await.unwrap();
+        let s = r.status.as_ref()?;
+        let done = sent.iter().all(|(m, at)| {
+            s.models
+                .iter()
+                .any(|st| &st.name == m && st.last_requested.as_deref() == Some(at.as_str()))
+        });
+        done.then_some(r)
+    })
+    .await;
+    let c = r.status.as_ref().unwrap().counters;
+    assert_eq!(c.loads + c.hits + c.refusals, 100, "{c:?}");
+    // A key that is no model name (no DNS label) names no registry model.
+    demand::load(
+        &h.api,
+        "gpu",
+        "Not_A_Model",
+        k8s_openapi::jiff::Timestamp::now(),
+    )
+    .await
+    .unwrap();
+    let r = h
+        .until_state("gpu", "Not_A_Model", ModelState::Refused, 30)
+        .await;
+    assert_eq!(
+        model(&r, "Not_A_Model").reason.as_deref(),
+        Some("UnknownModel")
+    );
+    // An unload is one write that removes one key.
+    let r = demand::unload(&h.api, "gpu", "m7").await.unwrap();
+    assert_eq!(r.spec.demand.len(), 100, "m7 gone, Not_A_Model there");
+    assert!(!r.spec.demand.contains_key("m7"));
 }

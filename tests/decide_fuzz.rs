@@ -6,8 +6,8 @@
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::Resource;
 use model_residency::api::{
-    ByteQuantity, Counters, Demand, ModelResidency, ModelResidencySpec, ModelResidencyStatus,
-    ModelSpec, ModelState, ModelStatus,
+    ByteQuantity, Counters, ModelResidency, ModelResidencySpec, ModelResidencyStatus, ModelSpec,
+    ModelState, ModelStatus,
 };
 use model_residency::controller::decide::{Observed, decide};
 use model_residency::controller::pods::{ModelPod, PodPhase};
@@ -67,10 +67,7 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
             _ => Some(json!({"spec": {"containers": [{"name": "s", "image": "i"}]}}).into()),
         },
     });
-    let demand = (name(), time()).prop_map(|(model, last_requested)| Demand {
-        model,
-        last_requested,
-    });
+    let demand = (name(), time());
     let prev_model = (
         name(),
         state(),
@@ -127,7 +124,7 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
     (
         prop_oneof![4 => (1u64..16).prop_map(|g| format!("{g}Gi")), 1 => quantity()],
         registry,
-        prop::collection::vec(demand, 0..8),
+        prop::collection::btree_map(demand.0, demand.1, 0..8),
         prop::option::of(status),
     )
         .prop_map(|(budget, models, demand, status)| {

@@ -110,7 +110,7 @@ fn storm(
         while !stop.load(Ordering::Relaxed) {
             let m = MODELS[(next() % MODELS.len() as u64) as usize].0;
             let result = if next().is_multiple_of(5) {
-                demand::unload(&api, "gpu", m).await.map(|_| ())
+                demand::unload(&api, "gpu", m).await
             } else {
                 demand::load(&api, "gpu", m, k8s_openapi::jiff::Timestamp::now()).await
             };
@@ -239,16 +239,16 @@ async fn check_converged(rig: &Rig, within: Duration, demanded_only: bool) -> Du
             let unique: BTreeSet<&String> = live.iter().collect();
             assert_eq!(unique.len(), live.len(), "duplicate model pods: {live:?}");
             // Every demand entry was processed.
-            for d in &r.spec.demand {
+            for (model, at) in &r.spec.demand {
                 let st = s
                     .models
                     .iter()
-                    .find(|m| m.name == d.model)
+                    .find(|m| &m.name == model)
                     .expect("status for demanded model");
                 let seen: k8s_openapi::jiff::Timestamp =
                     st.last_requested.as_deref().unwrap().parse().unwrap();
-                let want: k8s_openapi::jiff::Timestamp = d.last_requested.parse().unwrap();
-                assert_eq!(seen, want, "demand for {} lost", d.model);
+                let want: k8s_openapi::jiff::Timestamp = at.parse().unwrap();
+                assert_eq!(seen, want, "demand for {model} lost");
             }
             if !demanded_only {
                 return t0.elapsed();
@@ -257,8 +257,7 @@ async fn check_converged(rig: &Rig, within: Duration, demanded_only: bool) -> Du
             // unloads). The exact set depends on the order the storm's
             // requests were processed in, so the deterministic end state is
             // checked by `final_requests` instead.
-            let demanded: BTreeSet<String> =
-                r.spec.demand.iter().map(|d| d.model.clone()).collect();
+            let demanded: BTreeSet<String> = r.spec.demand.keys().cloned().collect();
             assert!(
                 loaded.is_subset(&demanded),
                 "{loaded:?} not all demanded: {demanded:?}"

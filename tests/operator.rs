@@ -227,11 +227,10 @@ async fn removing_demand_unloads_and_is_not_an_eviction() {
     h.create("gpu", "16000Mi", SEED).await;
     h.request("gpu", "zimage").await;
     h.request("gpu", "qwen-llm").await;
-    assert!(
-        model_residency::demand::unload(&h.api, "gpu", "zimage")
-            .await
-            .unwrap()
-    );
+    let r = model_residency::demand::unload(&h.api, "gpu", "zimage")
+        .await
+        .unwrap();
+    assert!(!r.spec.demand.contains_key("zimage"));
     let r = h
         .until_state("gpu", "zimage", ModelState::Unloaded, 30)
         .await;

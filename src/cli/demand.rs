@@ -19,9 +19,9 @@ pub struct Target {
 
 #[derive(clap::Subcommand, Debug)]
 pub enum DemandCommand {
-    /// Request a model: set its demand entry's lastRequested to now.
+    /// Request a model: set its demand key to now (one merge patch).
     Load { residency: String, model: String },
-    /// Stop demanding a model: remove its demand entry, which unloads it.
+    /// Stop demanding a model: remove its demand key, which unloads it.
     Unload { residency: String, model: String },
 }
 
@@ -48,30 +48,22 @@ pub async fn demand(target: Target, command: DemandCommand) -> Result<(), Failur
     let api = api(&target).await?;
     match command {
         DemandCommand::Load { residency, model } => {
-            let r = api
-                .get(&residency)
+            let at = Timestamp::now();
+            let r = demand::load(&api, &residency, &model, at)
                 .await
                 .map_err(|e| not_found(e, &residency))?;
+            println!("requested {model} on {residency} at {at}");
             if !r.spec.models.iter().any(|m| m.name == model) {
                 eprintln!(
                     "warning: {model:?} is not in {residency}'s registry; it will be refused (UnknownModel)"
                 );
             }
-            let at = Timestamp::now();
-            demand::load(&api, &residency, &model, at)
-                .await
-                .map_err(|e| not_found(e, &residency))?;
-            println!("requested {model} on {residency} at {at}");
         }
         DemandCommand::Unload { residency, model } => {
-            if demand::unload(&api, &residency, &model)
+            demand::unload(&api, &residency, &model)
                 .await
-                .map_err(|e| not_found(e, &residency))?
-            {
-                println!("removed the demand for {model} on {residency}; it will be unloaded");
-            } else {
-                println!("{model} was not demanded on {residency}; nothing to do");
-            }
+                .map_err(|e| not_found(e, &residency))?;
+            println!("removed the demand for {model} on {residency}; it will be unloaded");
         }
     }
     Ok(())

@@ -209,9 +209,11 @@ async fn story(
         say(&format!("Step {}: {why}", i + 1));
         println!("$ model-residency demand {verb} {name} {model} -n {NAMESPACE}");
         match *verb {
-            "load" => demand::load(&api, &name, model, Timestamp::now())
-                .await
-                .map_err(fail("write demand"))?,
+            "load" => {
+                demand::load(&api, &name, model, Timestamp::now())
+                    .await
+                    .map_err(fail("write demand"))?;
+            }
             _ => {
                 demand::unload(&api, &name, model)
                     .await

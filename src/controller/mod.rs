@@ -266,6 +266,7 @@ async fn publish(d: &Decision, r: &ModelResidency, ctx: &Context) {
         let result = recorder.publish(&ev, &reference).await;
         ctx.metrics.api_request("create", "events");
         if let Err(e) = result {
+            ctx.metrics.reconcile_error("publish_event");
             tracing::warn!(error = %describe(&e), "could not publish an event");
         }
     }

@@ -235,7 +235,7 @@ mod tests {
                 device: "GPU-1234".into(),
                 budget: ByteQuantity("16Gi".into()),
                 models: vec![],
-                demand: vec![],
+                demand: Default::default(),
             },
         );
         r.metadata.namespace = Some("models".into());

@@ -31,7 +31,7 @@ pub enum InvalidSpec {
     },
     #[error("spec.models[{0}].size: must be positive")]
     ZeroSize(String),
-    #[error("spec.demand[{model}].lastRequested: {value:?} is not an RFC 3339 time: {problem}")]
+    #[error("spec.demand.{model}: {value:?} is not an RFC 3339 time: {problem}")]
     RequestTime {
         model: String,
         value: String,
@@ -109,18 +109,17 @@ pub fn validate(r: &ModelResidency) -> Result<Valid<'_>, InvalidSpec> {
         models.push(ValidModel { spec: m, size });
     }
     let mut demand = Vec::with_capacity(spec.demand.len());
-    for d in &spec.demand {
-        let at = d
-            .last_requested
+    for (model, time) in &spec.demand {
+        let at = time
             .parse()
             .map_err(|e: k8s_openapi::jiff::Error| InvalidSpec::RequestTime {
-                model: d.model.clone(),
-                value: d.last_requested.clone(),
+                model: model.clone(),
+                value: time.clone(),
                 problem: e.to_string(),
             })?;
         demand.push(Request {
             at,
-            model: d.model.as_str(),
+            model: model.as_str(),
         });
     }
     demand.sort();
@@ -220,7 +219,7 @@ pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{ByteQuantity, Demand, ModelResidencySpec, ModelState};
+    use crate::api::{ByteQuantity, ModelResidencySpec, ModelState};
 
     fn residency(models: &[(&str, &str)]) -> ModelResidency {
         let mut r = ModelResidency::new(
@@ -238,16 +237,9 @@ mod tests {
                         template: None,
                     })
                     .collect(),
-                demand: vec![
-                    Demand {
-                        model: "b".into(),
-                        last_requested: "2026-11-30T03:00:02Z".into(),
-                    },
-                    Demand {
-                        model: "a".into(),
-                        last_requested: "2026-11-30T03:00:01Z".into(),
-                    },
-                ],
+                demand: [("b", "2026-11-30T03:00:02Z"), ("a", "2026-11-30T03:00:01Z")]
+                    .map(|(m, t)| (m.to_owned(), t.to_owned()))
+                    .into(),
             },
         );
         r.metadata.namespace = Some("ns".into());
@@ -274,12 +266,12 @@ mod tests {
         let r = residency(&[("a", "0")]);
         assert_eq!(validate(&r).unwrap_err(), InvalidSpec::ZeroSize("a".into()));
         let mut r = residency(&[("a", "1Gi")]);
-        r.spec.demand[0].last_requested = "yesterday".into();
+        r.spec.demand.insert("b".into(), "yesterday".into());
         assert!(
             validate(&r)
                 .unwrap_err()
                 .to_string()
-                .starts_with("spec.demand[b].lastRequested: \"yesterday\"")
+                .starts_with("spec.demand.b: \"yesterday\"")
         );
     }
 

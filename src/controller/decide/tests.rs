@@ -2,7 +2,7 @@
 
 use super::settle::{RETRY_BASE, RETRY_CAP, retry_delay};
 use super::*;
-use crate::api::{ByteQuantity, Demand, ModelResidencySpec, ModelSpec};
+use crate::api::{ByteQuantity, ModelResidencySpec, ModelSpec};
 use crate::controller::pods::{PodPhase, pod_name};
 use k8s_openapi::jiff::SignedDuration;
 use kube::Resource;
@@ -39,10 +39,7 @@ fn residency(
                 .collect(),
             demand: demand
                 .iter()
-                .map(|(m, t)| Demand {
-                    model: (*m).into(),
-                    last_requested: at(*t).to_string(),
-                })
+                .map(|(m, t)| ((*m).to_owned(), at(*t).to_string()))
                 .collect(),
         },
     );
@@ -112,10 +109,7 @@ fn a_load_waits_until_the_evicted_pod_is_gone() {
     assert_eq!(d.create.len(), 1);
     r.status = Some(d.status);
     // a is up; b is requested: a is evicted, b must wait for a's pod.
-    r.spec.demand.push(Demand {
-        model: "b".into(),
-        last_requested: at(3).to_string(),
-    });
+    r.spec.demand.insert("b".into(), at(3).to_string());
     let d = run(&r, &[live("a", 6 * GI, true, false)], 4);
     let gone = PodRef {
         name: "gpu-a".to_owned(),
@@ -247,7 +241,9 @@ fn a_request_from_the_future_counts_as_now_and_shadows_nothing() {
         &[("a", 1)],
     );
     // Written by a clock far ahead (the year 2200 in the black-box test).
-    r.spec.demand[0].last_requested = "2200-01-01T00:00:00Z".into();
+    r.spec
+        .demand
+        .insert("a".into(), "2200-01-01T00:00:00Z".into());
     let d = run(&r, &[], 2);
     assert_eq!(state(&d, "a"), ModelState::Loading);
     assert_eq!(events(&d, EventReason::ClockSkew), 1);
@@ -259,14 +255,11 @@ fn a_request_from_the_future_counts_as_now_and_shadows_nothing() {
     assert!(d.events.is_empty(), "{:?}", d.events);
     r.status = Some(d.status);
     // b evicts a; a real request for a later is not shadowed by 2200.
-    r.spec.demand.push(Demand {
-        model: "b".into(),
-        last_requested: at(4).to_string(),
-    });
+    r.spec.demand.insert("b".into(), at(4).to_string());
     let d = run(&r, &[], 5);
     assert_eq!(state(&d, "a"), ModelState::Evicted);
     r.status = Some(d.status);
-    r.spec.demand[0].last_requested = at(6).to_string();
+    r.spec.demand.insert("a".into(), at(6).to_string());
     let d = run(&r, &[], 7);
     assert_eq!(
         state(&d, "a"),
@@ -369,10 +362,7 @@ fn a_template_the_api_server_rejects_evicts_nothing() {
     );
     let d = run(&r, &[], 2);
     r.status = Some(d.status);
-    r.spec.demand.push(Demand {
-        model: "bad".into(),
-        last_requested: at(3).to_string(),
-    });
+    r.spec.demand.insert("bad".into(), at(3).to_string());
     let pods = [live("a", 6 * GI, true, false)];
     let rejected = BTreeMap::from([(
         "bad".to_owned(),
@@ -420,7 +410,7 @@ fn a_residency_that_does_not_hold_its_gpu_unloads_and_waits() {
     assert!(d.usage.unwrap().gpu_conflict);
     // Released: the pending request loads again.
     r.status = Some(d.status);
-    r.spec.demand[0].last_requested = at(4).to_string();
+    r.spec.demand.insert("a".into(), at(4).to_string());
     let d = run(&r, &[], 5);
     assert_eq!(state(&d, "a"), ModelState::Loading);
     assert_eq!(condition(&d, "Ready").0, "True");
@@ -480,13 +470,11 @@ fn events_match_the_counters() {
     for step in 1..400 {
         let model = models[next() % models.len()].0;
         match next() % 4 {
-            0 => r.spec.demand.retain(|d| d.model != model),
+            0 => {
+                r.spec.demand.remove(model);
+            }
             _ => {
-                r.spec.demand.retain(|d| d.model != model);
-                r.spec.demand.push(Demand {
-                    model: model.into(),
-                    last_requested: at(step).to_string(),
-                });
+                r.spec.demand.insert(model.into(), at(step).to_string());
             }
         }
         let d = run(&r, &[], step);
