@@ -135,7 +135,7 @@ fn main() {
     let start = Instant::now();
     let mut engine = Engine::new(cfg.budget);
     let mut trace = TraceReader::open(&path).expect("open trace");
-    let report = replay_trace(&mut engine, &mut trace, |_| {}).expect("valid trace");
+    let report = replay_trace(&mut engine, &mut trace, None, |_| {}).expect("valid trace");
     let e2e = start.elapsed().as_secs_f64();
     assert_eq!(report.requests as usize, cfg.requests);
     assert_eq!(report.over_budget_steps, 0);

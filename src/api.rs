@@ -58,6 +58,13 @@ pub struct ModelResidencySpec {
     /// The model registry: every model this GPU may serve. Keyed by name.
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub models: Vec<ModelSpec>,
+    /// Unload a resident model that has not been requested for this long
+    /// (a duration: 90s, 10m, 1h30m). Unset: keep it until it is evicted
+    /// or unloaded. Pinned models are never unloaded for idleness. A
+    /// model's own keepAlive overrides it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 32))]
+    pub keep_alive: Option<String>,
     /// Requests: model name -> the RFC 3339 time of its last request.
     /// A time newer than the model's last processed request is a new
     /// request; removing the key unloads the model. One JSON merge patch
@@ -83,6 +90,11 @@ pub struct ModelSpec {
     /// unload or a registry removal takes it out).
     #[serde(default)]
     pub pinned: bool,
+    /// This model's idle time before it is unloaded (overrides
+    /// spec.keepAlive; "0s" never unloads it for idleness).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 32))]
+    pub keep_alive: Option<String>,
     /// Pod template of the model server (containers, volumes, ...). The
     /// operator sets the node, the GPU (NVIDIA_VISIBLE_DEVICES), labels,
     /// an owner reference and the size annotation. Checked when the model

@@ -61,6 +61,8 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
         name: String::new(),
         size: ByteQuantity(size),
         pinned,
+        // Now and then an idle timeout of its own.
+        keep_alive: (t == 0).then(|| "90s".into()),
         template: match t {
             0 => None,
             1 => Some(json!({"spec": {"containers": []}}).into()),
@@ -135,6 +137,7 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
                     device: "0".into(),
                     budget: ByteQuantity(budget),
                     models,
+                    keep_alive: Some("5m".into()),
                     demand,
                 },
             );

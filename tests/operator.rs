@@ -541,3 +541,40 @@ async fn a_random_demand_storm_never_exceeds_the_budget() {
         Vec::<String>::new()
     );
 }
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn an_idle_model_is_unloaded_after_its_keep_alive() {
+    let h = Harness::start("idle").await;
+    h.create(
+        "gpu",
+        "16000Mi",
+        &[("zimage", "10900Mi", false), ("qwen-llm", "3000Mi", true)],
+    )
+    .await;
+    h.patch_spec("gpu", json!({"keepAlive": "2s"})).await;
+    h.request("gpu", "zimage").await;
+    h.request("gpu", "qwen-llm").await;
+    let reconciles = h.ctx.metrics.sum(RECONCILES);
+    let r = h
+        .until_state("gpu", "zimage", ModelState::Unloaded, 20)
+        .await;
+    let z = model(&r, "zimage");
+    assert_eq!(z.reason.as_deref(), Some("Idle"));
+    assert_eq!(
+        model(&r, "qwen-llm").state,
+        ModelState::Loaded,
+        "pinned: kept"
+    );
+    let c = r.status.as_ref().unwrap().counters;
+    assert_eq!((c.unloads, c.evictions), (1, 0));
+    // Woken at the expiry, not by polling: a handful of reconciles (the
+    // unload, its status write and the pod's deletion), not one a tick.
+    let spent = h.ctx.metrics.sum(RECONCILES) - reconciles;
+    assert!(spent <= 8, "{spent} reconciles while waiting 2 s");
+    h.converged("gpu").await;
+    assert_eq!(
+        h.pods_of("gpu").await.0,
+        BTreeSet::from(["qwen-llm".to_owned()])
+    );
+}

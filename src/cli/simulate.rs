@@ -24,6 +24,10 @@ pub struct Args {
     /// Models to request, one request each, in order.
     #[arg(value_name = "MODEL")]
     models: Vec<String>,
+    /// Unload a model not requested for this long, in the trace's time
+    /// unit (the operator's spec.keepAlive); needs --trace.
+    #[arg(long, requires = "trace", value_name = "TIME")]
+    keep_alive: Option<f64>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Output::Text)]
     output: Output,
@@ -47,7 +51,10 @@ pub fn run(args: Args) -> Result<(), Failure> {
         Some(path) => {
             let mut trace = TraceReader::open(path).map_err(Failure::bad_input)?;
             let bar = progress_bar(&trace);
-            let report = replay_trace(&mut engine, &mut trace, |t| {
+            if args.keep_alive.is_some_and(|k| !(k.is_finite() && k > 0.0)) {
+                return Err(Failure::bad_input("--keep-alive must be a positive number"));
+            }
+            let report = replay_trace(&mut engine, &mut trace, args.keep_alive, |t| {
                 if let Some(bar) = &bar {
                     bar.set_position(t.progress().0);
                 }

@@ -235,6 +235,7 @@ mod tests {
                 device: "GPU-1234".into(),
                 budget: ByteQuantity("16Gi".into()),
                 models: vec![],
+                keep_alive: None,
                 demand: Default::default(),
             },
         );
@@ -247,6 +248,7 @@ mod tests {
             name: "zimage".into(),
             size: ByteQuantity("1Gi".into()),
             pinned: false,
+            keep_alive: None,
             template: Some(template.into()),
         }
     }

@@ -34,6 +34,8 @@ pub enum Reason {
     DemandRemoved,
     /// Unloaded because it left the registry.
     RemovedFromRegistry,
+    /// Unloaded because it was not requested for its keepAlive.
+    Idle,
     /// Unloaded (or not loaded) because another residency holds the GPU.
     GpuConflict,
     /// Refused: larger than the whole budget.
@@ -61,6 +63,7 @@ impl Reason {
             Reason::BudgetExceeded => "BudgetExceeded",
             Reason::DemandRemoved => "DemandRemoved",
             Reason::RemovedFromRegistry => "RemovedFromRegistry",
+            Reason::Idle => "Idle",
             Reason::GpuConflict => "GpuConflict",
             Reason::LargerThanBudget => "LargerThanBudget",
             Reason::NoEvictableRoom => "NoEvictableRoom",

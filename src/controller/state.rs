@@ -9,8 +9,9 @@ use crate::api::{ModelResidency, ModelResidencyStatus, ModelSpec, ModelStatus};
 use crate::engine::{Bytes, Engine};
 use crate::labels::fits_label_value;
 use crate::quantity::{QuantityError, parse_bytes};
-use k8s_openapi::jiff::Timestamp;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use std::collections::{HashMap, HashSet};
+use std::time::Duration;
 
 /// Why a spec cannot be acted on. Its text is the `InvalidSpec` condition's
 /// message.
@@ -31,6 +32,8 @@ pub enum InvalidSpec {
     },
     #[error("spec.models[{0}].size: must be positive")]
     ZeroSize(String),
+    #[error("{field}: {value:?} is not a duration like 90s, 10m or 1h30m")]
+    KeepAlive { field: String, value: String },
     #[error("spec.demand.{model}: {value:?} is not an RFC 3339 time: {problem}")]
     RequestTime {
         model: String,
@@ -57,6 +60,10 @@ pub struct Usage {
 pub struct ValidModel<'a> {
     pub spec: &'a ModelSpec,
     pub size: Bytes,
+    /// How long it may stay resident without a request (its own keepAlive,
+    /// else the residency's); `None`: until evicted. Zero means never
+    /// unloaded for idleness.
+    pub keep_alive: Option<Duration>,
 }
 
 impl ValidModel<'_> {
@@ -93,6 +100,16 @@ pub fn validate(r: &ModelResidency) -> Result<Valid<'_>, InvalidSpec> {
     if budget == 0 {
         return Err(InvalidSpec::ZeroBudget);
     }
+    let keep_alive = |field: String, value: &Option<String>| match value {
+        None => Ok(None),
+        Some(v) => parse_keep_alive(v)
+            .map(Some)
+            .ok_or_else(|| InvalidSpec::KeepAlive {
+                field,
+                value: v.clone(),
+            }),
+    };
+    let default_keep_alive = keep_alive("spec.keepAlive".into(), &spec.keep_alive)?;
     let mut seen = HashSet::new();
     let mut models = Vec::with_capacity(spec.models.len());
     for m in &spec.models {
@@ -106,7 +123,12 @@ pub fn validate(r: &ModelResidency) -> Result<Valid<'_>, InvalidSpec> {
         if size == 0 {
             return Err(InvalidSpec::ZeroSize(m.name.clone()));
         }
-        models.push(ValidModel { spec: m, size });
+        let own = keep_alive(format!("spec.models[{}].keepAlive", m.name), &m.keep_alive)?;
+        models.push(ValidModel {
+            spec: m,
+            size,
+            keep_alive: own.or(default_keep_alive),
+        });
     }
     let mut demand = Vec::with_capacity(spec.demand.len());
     for (model, time) in &spec.demand {
@@ -128,6 +150,13 @@ pub fn validate(r: &ModelResidency) -> Result<Valid<'_>, InvalidSpec> {
         models,
         demand,
     })
+}
+
+/// A keepAlive duration (`90s`, `10m`, `1h30m`, `0s`); `None` if it is not
+/// one or is negative.
+pub fn parse_keep_alive(s: &str) -> Option<Duration> {
+    let d: SignedDuration = s.trim().parse().ok()?;
+    Duration::try_from(d).ok()
 }
 
 /// A time recorded in status; a hand-edited value that does not parse is
@@ -234,9 +263,11 @@ mod tests {
                         name: (*n).into(),
                         size: ByteQuantity((*s).into()),
                         pinned: false,
+                        keep_alive: None,
                         template: None,
                     })
                     .collect(),
+                keep_alive: None,
                 demand: [("b", "2026-11-30T03:00:02Z"), ("a", "2026-11-30T03:00:01Z")]
                     .map(|(m, t)| (m.to_owned(), t.to_owned()))
                     .into(),

@@ -3,9 +3,10 @@
 
 pub mod trace;
 
-use crate::engine::{Bytes, Engine};
+use crate::engine::{Admission, Bytes, Engine, ModelId};
 use crate::quantity::format_bytes;
 use serde::Serialize;
+use std::collections::HashMap;
 use trace::{TraceError, TraceReader};
 
 /// The outcome of a replay. Field names are the `--output json` keys.
@@ -109,32 +110,58 @@ pub fn replay_names<S: AsRef<str>>(
     Ok(replay.report(engine))
 }
 
+/// Idle unload in a replay: a resident model not requested for `idle`
+/// (in the trace's time unit) is unloaded before the next request, as the
+/// operator's keepAlive does. Pinned models stay.
+struct KeepAlive {
+    idle: f64,
+    last_use: HashMap<ModelId, f64>,
+}
+
+impl KeepAlive {
+    fn expire(&mut self, engine: &mut Engine, now: f64) {
+        for id in engine.residents() {
+            let idle_since = self.last_use.get(&id).copied().unwrap_or(now);
+            if !engine.is_pinned(id) && idle_since + self.idle <= now {
+                engine.unload(id);
+            }
+        }
+    }
+}
+
 /// Replays a trace. A row's size registers or resizes its model; a model
-/// neither registered nor sized is an error. `progress` is called every
-/// 64Ki rows with the reader, for a progress display.
+/// neither registered nor sized is an error. With `keep_alive`, a model not
+/// requested for that long (trace time units) is unloaded first, as the
+/// operator's `spec.keepAlive` does. `progress` is called every 64Ki rows
+/// with the reader, for a progress display.
 pub fn replay_trace(
     engine: &mut Engine,
     trace: &mut TraceReader,
+    keep_alive: Option<f64>,
     mut progress: impl FnMut(&TraceReader),
 ) -> Result<Report, TraceError> {
     let mut replay = Replay::default();
+    let mut idle = keep_alive.map(|idle| KeepAlive {
+        idle,
+        last_use: HashMap::new(),
+    });
     loop {
-        let (id, line) = {
+        let (id, line, time) = {
             let Some(row) = trace.next_row()? else { break };
-            let line = row.line;
+            let (line, time) = (row.line, row.time);
             match (engine.id(row.model), row.size) {
-                (Some(id), None) => (id, line),
+                (Some(id), None) => (id, line, time),
                 (Some(id), Some(size)) => {
                     if engine.size(id) != size {
                         engine.resize(id, size).expect("size checked positive");
                     }
-                    (id, line)
+                    (id, line, time)
                 }
                 (None, Some(size)) => {
                     let id = engine
                         .register(row.model, size, false)
                         .expect("new name, positive size");
-                    (id, line)
+                    (id, line, time)
                 }
                 (None, None) => {
                     let problem = format!(
@@ -145,7 +172,13 @@ pub fn replay_trace(
                 }
             }
         };
-        engine.request(id);
+        if let Some(idle) = &mut idle {
+            idle.expire(engine, time);
+        }
+        let used = !matches!(engine.request(id), Admission::Refused(_));
+        if let (Some(idle), true) = (&mut idle, used) {
+            idle.last_use.insert(id, time);
+        }
         replay.step(engine);
         if line.is_multiple_of(65536) {
             progress(trace);
@@ -157,6 +190,23 @@ pub fn replay_trace(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keep_alive_unloads_idle_models_before_the_next_request() {
+        // a at 0, b at 1, a again at 3, c at 20, a at 21; all fit.
+        let text = "time,model,size\n0,a,1\n1,b,1\n3,a\n20,c,1\n21,a\n";
+        let run = |keep_alive| {
+            let mut engine = Engine::new(10);
+            let reader = Box::new(std::io::Cursor::new(text.to_owned()));
+            let mut trace = TraceReader::from_reader(reader, "t.csv");
+            replay_trace(&mut engine, &mut trace, keep_alive, |_| {}).unwrap()
+        };
+        let kept = run(None);
+        assert_eq!((kept.hits, kept.loads, kept.unloads), (2, 3, 0));
+        // With 10: a and b are idle at 20 (a last used at 3), so a loads again at 21.
+        let idle = run(Some(10.0));
+        assert_eq!((idle.hits, idle.loads, idle.unloads), (1, 4, 2));
+    }
 
     #[test]
     fn text_report_lists_every_figure() {
@@ -198,7 +248,7 @@ mod tests {
         let text = "time,model,size\n0,a,6\n1,b,4\n2,a\n3,b,7\n";
         let mut trace = TraceReader::from_reader(Box::new(text.as_bytes()), "t.csv");
         let mut engine = Engine::new(10);
-        let report = replay_trace(&mut engine, &mut trace, |_| {}).unwrap();
+        let report = replay_trace(&mut engine, &mut trace, None, |_| {}).unwrap();
         // a(6) load, b(4) load, a hit, b grows to 7: a is evicted, b hit.
         assert_eq!(
             (report.requests, report.loads, report.hits, report.evictions),
@@ -212,7 +262,7 @@ mod tests {
     fn trace_rows_without_size_for_unknown_models_fail_at_their_line() {
         let text = "0,a,6\n1,b\n";
         let mut trace = TraceReader::from_reader(Box::new(text.as_bytes()), "t.csv");
-        let err = replay_trace(&mut Engine::new(10), &mut trace, |_| {}).unwrap_err();
+        let err = replay_trace(&mut Engine::new(10), &mut trace, None, |_| {}).unwrap_err();
         assert_eq!(
             err.to_string(),
             "t.csv:2: model \"b\" is not in the registry and the row gives no size"

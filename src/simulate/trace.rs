@@ -42,6 +42,8 @@ impl std::fmt::Display for TraceError {
 #[derive(Debug, PartialEq)]
 pub struct TraceRow<'a> {
     pub line: u64,
+    /// The request's time, in the trace's own unit.
+    pub time: f64,
     pub model: &'a str,
     pub size: Option<Bytes>,
 }
@@ -224,7 +226,12 @@ impl TraceReader {
             },
         };
         self.last_time = t;
-        Ok(Some(TraceRow { line, model, size }))
+        Ok(Some(TraceRow {
+            line,
+            time: t,
+            model,
+            size,
+        }))
     }
 }
 

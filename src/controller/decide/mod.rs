@@ -226,6 +226,8 @@ struct Decider<'a> {
     template_checks: std::cell::RefCell<HashMap<&'a str, Option<String>>>,
     outcomes: HashMap<String, Outcome>,
     requested: HashMap<String, RequestTimes>,
+    /// When the next resident model goes idle.
+    idle_requeue: Option<Duration>,
     events: Vec<ModelEvent>,
 }
 
@@ -257,6 +259,7 @@ impl<'a> Decider<'a> {
             template_checks: Default::default(),
             outcomes: HashMap::new(),
             requested: HashMap::new(),
+            idle_requeue: None,
             events: Vec::new(),
         };
         for name in overflow {
@@ -276,6 +279,7 @@ impl<'a> Decider<'a> {
             self.apply_budget();
             self.unload_undemanded();
             self.apply_requests();
+            self.unload_idle();
         }
         self.settle()
     }
@@ -458,6 +462,44 @@ impl<'a> Decider<'a> {
             None => false,
             Some(w) if w > horizon => at == w,
             Some(w) => at <= w,
+        }
+    }
+
+    /// Resident models not requested for their keepAlive are unloaded
+    /// (pinned ones never); the earliest expiry still to come is when to
+    /// look again (no polling).
+    fn unload_idle(&mut self) {
+        let now = self.input.now;
+        for id in self.engine.residents() {
+            let name = self.engine.name(id).to_owned();
+            let Some(m) = self.by_name.get(name.as_str()).copied() else {
+                continue;
+            };
+            let keep_alive = match m.keep_alive {
+                Some(k) if !k.is_zero() && !m.spec.pinned => k,
+                _ => continue,
+            };
+            let last_used = self
+                .requested
+                .get(&name)
+                .and_then(|t| t.last_used.as_deref())
+                .or_else(|| self.prev_models.get(name.as_str())?.last_used.as_deref());
+            let Some(last_used) = recorded_time(last_used) else {
+                continue;
+            };
+            let expiry = last_used + SignedDuration::try_from(keep_alive).unwrap_or_default();
+            if expiry > now {
+                let after = now.duration_until(expiry).unsigned_abs();
+                self.idle_requeue = Some(self.idle_requeue.map_or(after, |r| r.min(after)));
+                continue;
+            }
+            self.engine.unload(id);
+            let message = format!(
+                "{name} unloaded: not requested for {}s (keepAlive)",
+                keep_alive.as_secs()
+            );
+            self.event(&name, EventReason::Unloaded, message.clone());
+            self.outcome(&name, ModelState::Unloaded, Reason::Idle, message);
         }
     }
 

@@ -98,6 +98,9 @@ impl<'a> Decider<'a> {
     pub(super) fn settle(mut self) -> Decision {
         let mut pods = PodInventory::new(self.input.pods, &self.engine);
         let mut plan = PodPlan::default();
+        if let Some(after) = self.idle_requeue {
+            plan.look_again_within(after);
+        }
         for p in self.input.pods {
             if self.engine.id(&p.model).is_none() && !p.deleting {
                 plan.delete(p);

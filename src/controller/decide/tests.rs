@@ -32,11 +32,13 @@ fn residency(
                     name: (*n).into(),
                     size: ByteQuantity((*s).into()),
                     pinned: *p,
+                    keep_alive: None,
                     template: Some(
                         json!({"spec": {"containers": [{"name": "s", "image": "i"}]}}).into(),
                     ),
                 })
                 .collect(),
+            keep_alive: None,
             demand: demand
                 .iter()
                 .map(|(m, t)| ((*m).to_owned(), at(*t).to_string()))
@@ -294,6 +296,7 @@ fn demand_written_before_its_registry_entry_loads_once_the_model_is_added() {
         name: "new".into(),
         size: ByteQuantity("2Gi".into()),
         pinned: false,
+        keep_alive: None,
         template: r.spec.models[0].template.clone(),
     });
     let d = run(&r, &[], 3);
@@ -497,4 +500,49 @@ fn events_match_the_counters() {
         c.loads > 20 && c.evictions > 10 && c.unloads > 10 && c.refusals > 5,
         "{c:?}"
     );
+}
+
+#[test]
+fn an_idle_model_is_unloaded_at_its_keep_alive_without_polling() {
+    let mut r = residency(
+        "10Gi",
+        &[
+            ("a", "2Gi", false),
+            ("b", "2Gi", false),
+            ("pin", "2Gi", true),
+        ],
+        &[("a", 1), ("b", 1), ("pin", 1)],
+    );
+    r.spec.keep_alive = Some("60s".into());
+    r.spec.models[1].keep_alive = Some("0s".into()); // b: never for idleness
+    let d = run(&r, &[], 2);
+    assert_eq!(
+        d.requeue_after,
+        Some(std::time::Duration::from_secs(59)),
+        "at a's expiry"
+    );
+    r.status = Some(d.status);
+    let pods = [
+        live("a", 2 * GI, true, false),
+        live("b", 2 * GI, true, false),
+        live("pin", 2 * GI, true, false),
+    ];
+    let d = run(&r, &pods, 30);
+    assert_eq!(state(&d, "a"), ModelState::Loaded);
+    r.status = Some(d.status);
+    let d = run(&r, &pods, 61);
+    let a = d.status.models.iter().find(|m| m.name == "a").unwrap();
+    assert_eq!(
+        (a.state, a.reason.as_deref()),
+        (ModelState::Unloaded, Some("Idle"))
+    );
+    assert_eq!(state(&d, "b"), ModelState::Loaded, "keepAlive 0s: kept");
+    assert_eq!(state(&d, "pin"), ModelState::Loaded, "pinned: kept");
+    assert_eq!(d.status.counters.unloads, 1);
+    assert_eq!(events(&d, EventReason::Unloaded), 1);
+    assert_eq!(d.delete.len(), 1);
+    // A bad duration is an invalid spec.
+    r.spec.keep_alive = Some("a while".into());
+    let d = run(&r, &pods, 62);
+    assert_eq!(condition(&d, "Ready").1, "InvalidSpec");
 }
