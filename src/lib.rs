@@ -1,6 +1,6 @@
 //! model-residency: per-GPU model residency for Kubernetes.
 //!
-//! - [`api`]: the `ModelResidency` custom resource.
+//! - [`api`]: the `ModelResidency` and `ModelDemand` custom resources.
 //! - [`controller`]: the reconciler (validate, restore, decide, enact).
 //! - [`demand`]: load/unload requests (a guarded JSON patch of `spec.demand`).
 //! - [`engine`]: the pure VRAM-budgeted LRU admission policy.
@@ -11,6 +11,7 @@
 //! - [`lease`]: leader election on a Lease.
 //! - [`labels`]: label and annotation keys on model pods.
 //! - [`metrics`]: Prometheus metrics.
+//! - [`model_demand`]: the ModelDemand controller (`/scale` for HPA and KEDA).
 //! - `local` (feature `local`): a local control plane and kubelet stand-in
 //!   (tests, benchmarks, demo); not in the operator image.
 
@@ -24,6 +25,7 @@ pub mod lease;
 #[cfg(feature = "local")]
 pub mod local;
 pub mod metrics;
+pub mod model_demand;
 pub mod quantity;
 pub mod registry;
 pub mod simulate;

@@ -99,10 +99,11 @@ fn bad_input_exits_2_with_file_line_and_problem() {
 fn crd_prints_the_committed_crd() {
     let out = run(&["crd"]);
     assert!(out.status.success());
-    assert_eq!(
-        stdout(&out),
-        std::fs::read_to_string("crds/modelresidency.yaml").unwrap()
-    );
+    let committed: String = ["crds/modelresidency.yaml", "crds/modeldemand.yaml"]
+        .iter()
+        .map(|p| std::fs::read_to_string(p).unwrap())
+        .collect();
+    assert_eq!(stdout(&out), committed);
 }
 
 #[test]

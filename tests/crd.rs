@@ -3,15 +3,15 @@
 
 #[test]
 fn committed_crds_match_the_types() {
-    let generated = model_residency::api::crd_yaml();
-    for path in [
-        "crds/modelresidency.yaml",
-        "charts/model-residency/crds/modelresidency.yaml",
-    ] {
-        let committed = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
-        assert!(
-            committed == generated,
-            "{path} is stale: run `cargo run -- crd > {path}`"
-        );
+    for (file, generated) in model_residency::api::crd_files() {
+        for dir in ["crds", "charts/model-residency/crds"] {
+            let path = format!("{dir}/{file}");
+            let committed =
+                std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+            assert!(
+                committed == generated,
+                "{path} is stale: run `bash scripts/crds.sh`"
+            );
+        }
     }
 }

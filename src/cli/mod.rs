@@ -26,8 +26,8 @@ enum Command {
     /// Replay requests through the residency engine and report hits, loads,
     /// evictions, refusals and peak VRAM.
     Simulate(simulate::Args),
-    /// Print the ModelResidency CustomResourceDefinition as YAML
-    /// (`model-residency crd | kubectl apply -f -`).
+    /// Print the ModelResidency and ModelDemand CustomResourceDefinitions
+    /// as YAML (`model-residency crd | kubectl apply -f -`).
     Crd,
     /// Run the whole thing end to end on a local control plane, explained.
     #[cfg(feature = "local")]
@@ -105,7 +105,9 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
         }
         Command::Simulate(args) => simulate::run(args),
         Command::Crd => {
-            print!("{}", model_residency::api::crd_yaml());
+            for (_, yaml) in model_residency::api::crd_files() {
+                print!("{yaml}");
+            }
             Ok(())
         }
     }

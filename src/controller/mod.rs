@@ -386,6 +386,21 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
     synced: Arc<std::sync::atomic::AtomicBool>,
 ) {
+    let shutdown = futures::FutureExt::shared(shutdown);
+    // The ModelDemand controller runs beside this one, under the same
+    // leadership (it stops when this task is aborted or shut down).
+    let _model_demands = if crate::model_demand::installed(&ctx.client, namespace.as_deref()).await
+    {
+        let task = crate::model_demand::run(
+            ctx.client.clone(),
+            ctx.metrics.clone(),
+            namespace.clone(),
+            shutdown.clone(),
+        );
+        Some(AbortOnDrop(tokio::spawn(task)))
+    } else {
+        None
+    };
     let client = ctx.client.clone();
     let (residencies, pods): (Api<ModelResidency>, Api<Pod>) = match namespace.as_deref() {
         Some(ns) => (
@@ -475,6 +490,15 @@ pub async fn run(
         })
         .await;
     sync.abort();
+}
+
+/// A task that ends with its owner, however the owner ends.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Starts a controller for one namespace in the background (tests,

@@ -5,23 +5,31 @@
 pub mod control_plane;
 pub mod kubelet;
 
-use crate::api::ModelResidency;
+use crate::api::{ModelDemand, ModelResidency};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use std::time::Duration;
 
-/// Installs (server-side applies) the ModelResidency CRD and waits until
-/// the API server serves the type, which comes a moment after creation.
+/// Installs (server-side applies) the ModelResidency and ModelDemand CRDs
+/// and waits until the API server serves both types, which comes a moment
+/// after creation.
 pub async fn install_crd(client: &kube::Client) -> Result<(), kube::Error> {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    crds.patch(
-        "modelresidencies.residency.dev",
-        &PatchParams::apply("model-residency-local").force(),
-        &Patch::Apply(ModelResidency::crd()),
-    )
-    .await?;
-    let api: Api<ModelResidency> = Api::all(client.clone());
+    for crd in [ModelResidency::crd(), ModelDemand::crd()] {
+        let name = crd.metadata.name.clone().unwrap_or_default();
+        let pp = PatchParams::apply("model-residency-local").force();
+        crds.patch(&name, &pp, &Patch::Apply(crd)).await?;
+    }
+    served::<ModelResidency>(client).await?;
+    served::<ModelDemand>(client).await
+}
+
+async fn served<K>(client: &kube::Client) -> Result<(), kube::Error>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + std::fmt::Debug + serde::de::DeserializeOwned,
+{
+    let api: Api<K> = Api::all(client.clone());
     let mut attempts = 0;
     loop {
         match api.list(&ListParams::default().limit(1)).await {

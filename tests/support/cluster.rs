@@ -93,12 +93,14 @@ impl TestEnv {
                 "--for=condition=established",
                 "--timeout=30s",
                 "crd/modelresidencies.residency.dev",
+                "crd/modeldemands.residency.dev",
             ]);
             assert!(out.status.success(), "kubectl wait: {}", stderr(&out));
             // Established comes a moment before discovery and the published
             // OpenAPI (which kubectl apply validates against) serve the type.
             for _ in 0..300 {
                 if self.kubectl(&["get", "mres"]).status.success()
+                    && self.kubectl(&["get", "mdem"]).status.success()
                     && self
                         .kubectl(&["explain", "mres.spec.budget"])
                         .status

@@ -1,0 +1,408 @@
+//! The ModelDemand controller: turns each ModelDemand's `replicas` into its
+//! residency's demand key, and mirrors the residency's view of the model
+//! back into the ModelDemand's status (and so into its `/scale`).
+//!
+//! [`plan`] decides (pure); [`reconcile`] reads the residency, writes the
+//! key with one merge patch when it must change, and writes the status only
+//! when it changed. A finalizer removes the key when the ModelDemand is
+//! deleted. No owner references cross the two kinds: deleting a
+//! ModelDemand never deletes a residency, and the other way round.
+
+use crate::api::{ModelDemand, ModelDemandStatus, ModelResidency, ModelState};
+use crate::controller::MANAGER;
+use crate::controller::conditions::ConditionSet;
+use crate::demand;
+use crate::labels::{MODEL_LABEL, RESIDENCY_LABEL};
+use crate::metrics::Metrics;
+use futures::StreamExt;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::finalizer::{Event, finalizer};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::{WatchStreamExt, watcher};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Keeps a ModelDemand until its demand key is removed.
+pub const FINALIZER: &str = "residency.dev/demand-key";
+
+/// The condition that mirrors the model's state.
+const READY: &str = "Ready";
+
+/// What the residency's demand key for the model should become.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeyWrite {
+    /// Nothing to write.
+    Keep,
+    /// Request the model at this time.
+    Set(Timestamp),
+    /// Remove the key (an unload).
+    Remove,
+}
+
+/// What to do for one ModelDemand, given its residency (`None`: not found).
+pub fn plan(
+    md: &ModelDemand,
+    residency: Option<&ModelResidency>,
+    now: Timestamp,
+) -> (KeyWrite, ModelDemandStatus) {
+    let previous = md.status.clone().unwrap_or_default();
+    let (r_name, model) = (&md.spec.residency, &md.spec.model);
+    let wanted = md.spec.replicas >= 1;
+    // The request time of a standing request: set when replicas went to 1,
+    // kept (not renewed) while it stays 1.
+    let requested_at = wanted.then(|| {
+        previous
+            .requested_at
+            .as_deref()
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(now)
+    });
+    let mut status = ModelDemandStatus {
+        replicas: 0,
+        selector: Some(format!("{RESIDENCY_LABEL}={r_name},{MODEL_LABEL}={model}")),
+        state: None,
+        requested_at: requested_at.map(|t: Timestamp| t.to_string()),
+        observed_generation: md.metadata.generation,
+        conditions: Vec::new(),
+    };
+    let mut set = ConditionSet::new(&previous.conditions, md.metadata.generation, now);
+    let Some(r) = residency else {
+        let message = format!("ModelResidency {r_name:?} does not exist in this namespace");
+        set.set(READY, false, "ResidencyNotFound", message);
+        status.conditions = set.finish();
+        return (KeyWrite::Keep, status);
+    };
+    let key = r.spec.demand.get(model);
+    let write = match (requested_at, key) {
+        (None, Some(_)) => KeyWrite::Remove,
+        (None, None) => KeyWrite::Keep,
+        (Some(_), _) if !r.spec.models.iter().any(|m| &m.name == model) => KeyWrite::Keep,
+        (Some(at), None) => KeyWrite::Set(at),
+        // A newer request (a router's, or ours) stands.
+        (Some(at), Some(t)) => match t.parse::<Timestamp>() {
+            Ok(t) if t >= at => KeyWrite::Keep,
+            _ => KeyWrite::Set(at),
+        },
+    };
+    let seen = r
+        .status
+        .as_ref()
+        .and_then(|s| s.models.iter().find(|m| &m.name == model));
+    if !r.spec.models.iter().any(|m| &m.name == model) {
+        let message = format!("{model:?} is not in {r_name}'s spec.models");
+        set.set(READY, false, "ModelNotFound", message);
+    } else if let Some(m) = seen {
+        status.state = Some(format!("{:?}", m.state));
+        let ready = m.state == ModelState::Loaded && m.is_resident();
+        status.replicas = i32::from(ready);
+        let reason = match (ready, m.reason.as_deref()) {
+            (true, _) => "ModelLoaded".to_owned(),
+            (false, Some(reason)) => reason.to_owned(),
+            (false, None) => format!("{:?}", m.state),
+        };
+        let message = m
+            .message
+            .clone()
+            .unwrap_or_else(|| format!("{model} is {:?} on {r_name}", m.state));
+        set.set(READY, ready, &reason, message);
+    } else {
+        let message = format!("{model} has no state on {r_name} yet");
+        set.set(READY, false, "Pending", message);
+    }
+    status.conditions = set.finish();
+    (write, status)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("reading ModelResidency {residency}: {source}")]
+    ReadResidency {
+        residency: String,
+        source: kube::Error,
+    },
+    #[error("writing the demand key of {residency}: {source}")]
+    WriteDemand {
+        residency: String,
+        source: kube::Error,
+    },
+    #[error("writing the status: {source}")]
+    PatchStatus { source: kube::Error },
+    #[error("the finalizer: {0}")]
+    Finalizer(Box<kube::runtime::finalizer::Error<Error>>),
+}
+
+pub struct Context {
+    pub client: kube::Client,
+    pub metrics: Arc<Metrics>,
+}
+
+async fn residency_of(
+    api: &Api<ModelResidency>,
+    md: &ModelDemand,
+) -> Result<Option<ModelResidency>, Error> {
+    api.get_opt(&md.spec.residency)
+        .await
+        .map_err(|source| Error::ReadResidency {
+            residency: md.spec.residency.clone(),
+            source,
+        })
+}
+
+async fn write_key(
+    api: &Api<ModelResidency>,
+    md: &ModelDemand,
+    write: &KeyWrite,
+    ctx: &Context,
+) -> Result<(), Error> {
+    let (residency, model) = (&md.spec.residency, &md.spec.model);
+    let result = match write {
+        KeyWrite::Keep => return Ok(()),
+        KeyWrite::Set(at) => demand::load(api, residency, model, *at).await,
+        KeyWrite::Remove => demand::unload(api, residency, model).await,
+    };
+    ctx.metrics.api_request("patch", "modelresidencies");
+    match result {
+        Ok(_) => Ok(()),
+        // Deleted meanwhile: nothing left to write into.
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(source) => Err(Error::WriteDemand {
+            residency: residency.clone(),
+            source,
+        }),
+    }
+}
+
+async fn apply(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
+    let ns = md.namespace().unwrap_or_default();
+    let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), &ns);
+    let residency = residency_of(&residencies, &md).await?;
+    let (write, status) = plan(&md, residency.as_ref(), Timestamp::now());
+    write_key(&residencies, &md, &write, ctx).await?;
+    if md.status.as_ref() != Some(&status) {
+        let api: Api<ModelDemand> = Api::namespaced(ctx.client.clone(), &ns);
+        let body = serde_json::json!({
+            "apiVersion": "residency.dev/v1alpha1",
+            "kind": "ModelDemand",
+            "status": status,
+        });
+        let pp = PatchParams::apply(MANAGER).force();
+        let result = api
+            .patch_status(&md.name_any(), &pp, &Patch::Apply(&body))
+            .await;
+        ctx.metrics.api_request("patch", "modeldemands/status");
+        result.map_err(|source| Error::PatchStatus { source })?;
+    }
+    // A missing residency or model is a condition, not an error loop: the
+    // residency watch wakes this object when that changes.
+    Ok(Action::await_change())
+}
+
+/// The ModelDemand is going: its demand key goes with it.
+async fn cleanup(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
+    let ns = md.namespace().unwrap_or_default();
+    let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), &ns);
+    let residency = residency_of(&residencies, &md).await?;
+    if residency.is_some_and(|r| r.spec.demand.contains_key(&md.spec.model)) {
+        write_key(&residencies, &md, &KeyWrite::Remove, ctx).await?;
+    }
+    Ok(Action::await_change())
+}
+
+pub async fn reconcile(md: Arc<ModelDemand>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let ns = md.namespace().unwrap_or_default();
+    let api: Api<ModelDemand> = Api::namespaced(ctx.client.clone(), &ns);
+    finalizer(&api, FINALIZER, md, |event| async {
+        match event {
+            Event::Apply(md) => apply(md, &ctx).await,
+            Event::Cleanup(md) => cleanup(md, &ctx).await,
+        }
+    })
+    .await
+    .map_err(|e| Error::Finalizer(Box::new(e)))
+}
+
+fn error_policy(md: Arc<ModelDemand>, error: &Error, ctx: Arc<Context>) -> Action {
+    tracing::warn!(
+        namespace = md.namespace().unwrap_or_default(),
+        modeldemand = %md.name_any(),
+        "reconcile failed: {error}"
+    );
+    ctx.metrics.reconcile_error("model_demand");
+    Action::requeue(Duration::from_secs(2))
+}
+
+/// Whether the ModelDemand CRD is installed and readable (it is opt-in).
+pub async fn installed(client: &kube::Client, namespace: Option<&str>) -> bool {
+    let api: Api<ModelDemand> = match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    match api.list(&ListParams::default().limit(1)).await {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::info!(error = %e, "ModelDemand objects are not served");
+            false
+        }
+    }
+}
+
+/// Runs the ModelDemand controller for `namespace` (all when `None`) until
+/// `shutdown` completes. A residency's changes wake the ModelDemands that
+/// name it.
+pub async fn run(
+    client: kube::Client,
+    metrics: Arc<Metrics>,
+    namespace: Option<String>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    let (demands, residencies): (Api<ModelDemand>, Api<ModelResidency>) = match namespace.as_deref()
+    {
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    };
+    let controller = Controller::new(demands, watcher::Config::default());
+    let store = controller.store();
+    let residency_changes = watcher(residencies, watcher::Config::default())
+        .default_backoff()
+        .touched_objects()
+        .filter_map(move |r| {
+            let woken: Vec<ObjectRef<ModelDemand>> = match r {
+                Ok(r) => {
+                    let ns = r.namespace();
+                    let name = r.name_any();
+                    store
+                        .state()
+                        .iter()
+                        .filter(|md| md.namespace() == ns && md.spec.residency == name)
+                        .map(|md| ObjectRef::from_obj(&**md))
+                        .collect()
+                }
+                Err(_) => Vec::new(),
+            };
+            futures::future::ready(Some(futures::stream::iter(woken)))
+        })
+        .flatten();
+    let ctx = Arc::new(Context { client, metrics });
+    controller
+        .reconcile_on(residency_changes)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|_| async {})
+        .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn md(replicas: i32, requested_at: Option<&str>) -> ModelDemand {
+        let mut md: ModelDemand = serde_json::from_value(json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelDemand",
+            "metadata": {"name": "z", "namespace": "ns", "generation": 2},
+            "spec": {"residency": "gpu", "model": "zimage", "replicas": replicas}
+        }))
+        .unwrap();
+        md.status = Some(ModelDemandStatus {
+            requested_at: requested_at.map(str::to_owned),
+            ..Default::default()
+        });
+        md
+    }
+
+    fn residency(demand: Option<&str>, state: Option<&str>) -> ModelResidency {
+        let mut r: ModelResidency = serde_json::from_value(json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+            "metadata": {"name": "gpu", "namespace": "ns"},
+            "spec": {"nodeName": "n", "device": "0", "budget": "16Gi",
+                     "models": [{"name": "zimage", "size": "10Gi"}]}
+        }))
+        .unwrap();
+        if let Some(t) = demand {
+            r.spec.demand.insert("zimage".into(), t.into());
+        }
+        if let Some(state) = state {
+            r.status = serde_json::from_value(json!({"models": [
+                {"name": "zimage", "state": state, "reason": "MadeRoom", "message": "zimage was evicted"}
+            ]}))
+            .unwrap();
+        }
+        r
+    }
+
+    const NOW: &str = "2026-11-30T03:00:00Z";
+
+    fn now() -> Timestamp {
+        NOW.parse().unwrap()
+    }
+
+    #[test]
+    fn going_to_one_is_a_request_now_and_staying_at_one_renews_nothing() {
+        let (write, status) = plan(&md(1, None), Some(&residency(None, None)), now());
+        assert_eq!(write, KeyWrite::Set(now()));
+        assert_eq!(status.requested_at.as_deref(), Some(NOW));
+        assert_eq!(
+            status.selector.as_deref(),
+            Some("residency.dev/residency=gpu,residency.dev/model=zimage")
+        );
+        // Later, still 1, key in place: nothing is written.
+        let later = "2026-11-30T04:00:00Z".parse().unwrap();
+        let (write, _) = plan(&md(1, Some(NOW)), Some(&residency(Some(NOW), None)), later);
+        assert_eq!(write, KeyWrite::Keep);
+        // A newer request by someone else stands.
+        let (write, _) = plan(
+            &md(1, Some(NOW)),
+            Some(&residency(Some("2026-11-30T03:30:00Z"), None)),
+            later,
+        );
+        assert_eq!(write, KeyWrite::Keep);
+    }
+
+    #[test]
+    fn zero_removes_the_key_and_status_mirrors_the_model() {
+        let (write, status) = plan(
+            &md(0, Some(NOW)),
+            Some(&residency(Some(NOW), Some("Loaded"))),
+            now(),
+        );
+        assert_eq!(write, KeyWrite::Remove);
+        assert_eq!(status.requested_at, None);
+        assert_eq!(
+            (status.replicas, status.state.as_deref()),
+            (1, Some("Loaded"))
+        );
+        let (_, status) = plan(
+            &md(1, Some(NOW)),
+            Some(&residency(Some(NOW), Some("Evicted"))),
+            now(),
+        );
+        assert_eq!(status.replicas, 0);
+        let ready = &status.conditions[0];
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("False", "MadeRoom")
+        );
+    }
+
+    #[test]
+    fn a_missing_residency_or_model_is_a_condition() {
+        let (write, status) = plan(&md(1, None), None, now());
+        assert_eq!(write, KeyWrite::Keep);
+        assert_eq!(status.conditions[0].reason, "ResidencyNotFound");
+        let mut r = residency(None, None);
+        r.spec.models.clear();
+        let (write, status) = plan(&md(1, None), Some(&r), now());
+        assert_eq!(
+            write,
+            KeyWrite::Keep,
+            "no key for a model the registry lacks"
+        );
+        assert_eq!(status.conditions[0].reason, "ModelNotFound");
+    }
+}
