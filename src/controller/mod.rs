@@ -387,20 +387,7 @@ pub async fn run(
     synced: Arc<std::sync::atomic::AtomicBool>,
 ) {
     let shutdown = futures::FutureExt::shared(shutdown);
-    // The ModelDemand controller runs beside this one, under the same
-    // leadership (it stops when this task is aborted or shut down).
-    let _model_demands = if crate::model_demand::installed(&ctx.client, namespace.as_deref()).await
-    {
-        let task = crate::model_demand::run(
-            ctx.client.clone(),
-            ctx.metrics.clone(),
-            namespace.clone(),
-            shutdown.clone(),
-        );
-        Some(AbortOnDrop(tokio::spawn(task)))
-    } else {
-        None
-    };
+    let _model_demands = start_model_demands(&ctx, namespace.as_deref(), shutdown.clone()).await;
     let client = ctx.client.clone();
     let (residencies, pods): (Api<ModelResidency>, Api<Pod>) = match namespace.as_deref() {
         Some(ns) => (
@@ -463,22 +450,7 @@ pub async fn run(
             };
             futures::stream::iter(touched)
         });
-    let ready = ctx.clone();
-    let sync = tokio::spawn(async move {
-        // The store's readiness wakes only its latest waiter (the
-        // controller's own), so poll again now and then instead of waiting.
-        loop {
-            let attempt =
-                tokio::time::timeout(Duration::from_millis(200), store.wait_until_ready()).await;
-            match attempt {
-                Ok(Ok(())) => break,
-                Ok(Err(_)) => return,
-                Err(_) => {}
-            }
-        }
-        ready.pods.wait_ready().await;
-        synced.store(true, Ordering::Relaxed);
-    });
+    let sync = tokio::spawn(mark_synced(store, ctx.clone(), synced));
     controller
         .reconcile_on(futures::stream::select(pod_events, claim_rx))
         .graceful_shutdown_on(shutdown)
@@ -490,6 +462,48 @@ pub async fn run(
         })
         .await;
     sync.abort();
+}
+
+/// The ModelDemand controller, beside the residency controller and under
+/// the same leadership (it stops when the returned guard is dropped); `None`
+/// when the opt-in CRD is not installed.
+async fn start_model_demands(
+    ctx: &Context,
+    namespace: Option<&str>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) -> Option<AbortOnDrop> {
+    if !crate::model_demand::installed(&ctx.client, namespace).await {
+        return None;
+    }
+    let task = crate::model_demand::run(
+        ctx.client.clone(),
+        ctx.metrics.clone(),
+        namespace.map(str::to_owned),
+        shutdown,
+    );
+    Some(AbortOnDrop(tokio::spawn(task)))
+}
+
+/// Sets `synced` once the residency store and the pod cache hold their
+/// first complete lists.
+async fn mark_synced(
+    store: reflector::Store<ModelResidency>,
+    ctx: Arc<Context>,
+    synced: Arc<std::sync::atomic::AtomicBool>,
+) {
+    // The store's readiness wakes only its latest waiter (the controller's
+    // own), so poll again now and then instead of waiting.
+    loop {
+        let attempt =
+            tokio::time::timeout(Duration::from_millis(200), store.wait_until_ready()).await;
+        match attempt {
+            Ok(Ok(())) => break,
+            Ok(Err(_)) => return,
+            Err(_) => {}
+        }
+    }
+    ctx.pods.wait_ready().await;
+    synced.store(true, Ordering::Relaxed);
 }
 
 /// A task that ends with its owner, however the owner ends.

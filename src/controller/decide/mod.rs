@@ -23,18 +23,17 @@ use super::conditions::{ConditionSet, DEGRADED, READY, REFUSED};
 use super::events::{EventReason, ModelEvent};
 use super::pods::{ModelPod, build_pod};
 use super::reasons::Reason;
-use super::state::{
-    InvalidSpec, Restored, Usage, Valid, ValidModel, recorded_time, restore, validate,
-};
+use super::state::{InvalidSpec, Restored, Usage, Valid, ValidModel, restore, validate};
 use crate::api::{ModelResidency, ModelResidencyStatus, ModelState, ModelStatus};
-use crate::engine::{Admission, Engine, ModelId, RefuseReason, Resize};
+use crate::engine::{Engine, ModelId, RefuseReason, Resize};
 use crate::quantity::{format_bytes, format_bytes_rounded, parse_bytes};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use k8s_openapi::jiff::Timestamp;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
+mod requests;
 mod settle;
 
 /// Everything the decision depends on.
@@ -413,96 +412,6 @@ impl<'a> Decider<'a> {
         }
     }
 
-    /// Demand entries not processed yet, oldest first. A time too far
-    /// ahead of the operator's clock is taken as now (and said so).
-    fn apply_requests(&mut self) {
-        let now = self.input.now;
-        let skew = SignedDuration::try_from(self.input.max_skew).unwrap_or_default();
-        let mut pending: Vec<(Timestamp, &'a str, Timestamp)> = Vec::new();
-        for request in &self.valid.demand {
-            if self.is_processed(request.model, request.at, now + skew) {
-                continue;
-            }
-            let effective = if request.at > now + skew {
-                now
-            } else {
-                request.at
-            };
-            pending.push((effective, request.model, request.at));
-        }
-        pending.sort();
-        for (effective, model, written) in pending {
-            if effective != written {
-                let message = format!(
-                    "{model}: lastRequested {written} is {:.0}s ahead of the operator's clock (allowed: {}s); taken as {now}",
-                    now.duration_until(written).as_secs_f64(),
-                    skew.as_secs()
-                );
-                self.event(model, EventReason::ClockSkew, message);
-            }
-            self.request(model, written, effective);
-        }
-    }
-
-    /// Whether the demand entry `at` for `model` was processed already: its
-    /// time is not newer than the last one processed. A recorded time ahead
-    /// of `horizon` (written by a clock that ran fast) orders nothing: any
-    /// other entry is then new. A request refused because the model was not
-    /// in the registry is pending again once it is.
-    fn is_processed(&self, model: &str, at: Timestamp, horizon: Timestamp) -> bool {
-        let Some(prev) = self.prev_models.get(model) else {
-            return false;
-        };
-        if prev.reason.as_deref() == Some(Reason::UnknownModel.as_str())
-            && self.engine.id(model).is_some()
-        {
-            return false;
-        }
-        match recorded_time(prev.last_requested.as_deref()) {
-            None => false,
-            Some(w) if w > horizon => at == w,
-            Some(w) => at <= w,
-        }
-    }
-
-    /// Resident models not requested for their keepAlive are unloaded
-    /// (pinned ones never); the earliest expiry still to come is when to
-    /// look again (no polling).
-    fn unload_idle(&mut self) {
-        let now = self.input.now;
-        for id in self.engine.residents() {
-            let name = self.engine.name(id).to_owned();
-            let Some(m) = self.by_name.get(name.as_str()).copied() else {
-                continue;
-            };
-            let keep_alive = match m.keep_alive {
-                Some(k) if !k.is_zero() && !m.spec.pinned => k,
-                _ => continue,
-            };
-            let last_used = self
-                .requested
-                .get(&name)
-                .and_then(|t| t.last_used.as_deref())
-                .or_else(|| self.prev_models.get(name.as_str())?.last_used.as_deref());
-            let Some(last_used) = recorded_time(last_used) else {
-                continue;
-            };
-            let expiry = last_used + SignedDuration::try_from(keep_alive).unwrap_or_default();
-            if expiry > now {
-                let after = now.duration_until(expiry).unsigned_abs();
-                self.idle_requeue = Some(self.idle_requeue.map_or(after, |r| r.min(after)));
-                continue;
-            }
-            self.engine.unload(id);
-            let message = format!(
-                "{name} unloaded: not requested for {}s (keepAlive)",
-                keep_alive.as_secs()
-            );
-            self.event(&name, EventReason::Unloaded, message.clone());
-            self.outcome(&name, ModelState::Unloaded, Reason::Idle, message);
-        }
-    }
-
     /// Why a model's pod cannot be made, if it cannot: the template does
     /// not build, or the API server rejected it.
     fn template_problem(&self, model: &str) -> Option<String> {
@@ -520,56 +429,6 @@ impl<'a> Decider<'a> {
                 build_pod(self.input.residency, &self.input.owner, m.spec, m.size).err()
             })
             .clone()
-    }
-
-    /// One request: `written` is the entry's time (recorded, so the entry is
-    /// processed once), `at` the time it counts as (the LRU key).
-    fn request(&mut self, model: &str, written: Timestamp, at: Timestamp) {
-        let times = self.requested.entry(model.to_owned()).or_default();
-        times.last_requested = Some(written.to_string());
-        let Some(id) = self.engine.id(model) else {
-            self.engine.request_named(model);
-            let message = format!("{model} is not in spec.models; demand for it is refused");
-            self.event(model, EventReason::Refused, message.clone());
-            self.outcome(model, ModelState::Refused, Reason::UnknownModel, message);
-            return;
-        };
-        if !self.engine.is_resident(id)
-            && let Some(problem) = self.template_problem(model)
-        {
-            // Checked before the engine sees the request, so nothing is
-            // evicted for a model that cannot start.
-            let message = format!("{model} cannot load: {problem}");
-            self.outcome(model, ModelState::Failed, Reason::InvalidTemplate, message);
-            return;
-        }
-        let used = match self.engine.request(id) {
-            Admission::Hit => true,
-            Admission::Loaded { evicted } => {
-                let evicted = evicted.to_vec();
-                self.outcomes.remove(model);
-                self.evicted(
-                    &evicted,
-                    Reason::MadeRoom,
-                    &format!("to make room for {model}"),
-                );
-                let size = format_bytes(self.engine.size(id));
-                self.event(
-                    model,
-                    EventReason::Loaded,
-                    format!("{model} loaded ({size}); its pod starts"),
-                );
-                true
-            }
-            Admission::Refused(reason) => {
-                self.refused(model, &reason);
-                false
-            }
-        };
-        if used {
-            let times = self.requested.entry(model.to_owned()).or_default();
-            times.last_used = Some(at.to_string());
-        }
     }
 }
 
