@@ -47,13 +47,21 @@ impl<'a> Decider<'a> {
     /// time is not newer than the last one processed. A recorded time ahead
     /// of `horizon` (written by a clock that ran fast) orders nothing: any
     /// other entry is then new. A request refused because the model was not
-    /// in the registry is pending again once it is.
+    /// in the registry is pending again once it is, and one that failed for
+    /// its template once the template makes a pod.
     fn is_processed(&self, model: &str, at: Timestamp, horizon: Timestamp) -> bool {
         let Some(prev) = self.prev_models.get(model) else {
             return false;
         };
-        if prev.reason.as_deref() == Some(Reason::UnknownModel.as_str())
+        let reason = prev.reason.as_deref();
+        if reason == Some(Reason::UnknownModel.as_str()) && self.engine.id(model).is_some() {
+            return false;
+        }
+        if reason == Some(Reason::InvalidTemplate.as_str())
+            && prev.state == ModelState::Failed
+            && !prev.is_resident()
             && self.engine.id(model).is_some()
+            && self.template_problem(model).is_none()
         {
             return false;
         }

@@ -390,6 +390,11 @@ fn a_template_the_api_server_rejects_evicts_nothing() {
     assert_eq!(events(&d, EventReason::LoadFailed), 1);
     assert_eq!(condition(&d, "Degraded").0, "True");
     assert_eq!(d.status.resident, 1);
+    // Fixed: the failed request is pending again and loads (evicting a).
+    r.status = Some(d.status);
+    let d = run(&r, &pods, 5);
+    assert_eq!(state(&d, "bad"), ModelState::Loading);
+    assert_eq!(state(&d, "a"), ModelState::Evicted);
 }
 
 #[test]
