@@ -193,6 +193,33 @@ async fn a_create_the_api_server_rejects_is_written_into_the_status() {
 }
 
 #[tokio::test]
+async fn a_create_that_fails_still_writes_the_status_then_fails_the_reconcile() {
+    let (ctx, mut handle) = mocked();
+    let r = residency();
+    let mut d = decision();
+    d.delete.clear();
+    d.events.clear();
+    let server = async {
+        expect(
+            &mut handle,
+            Method::POST,
+            PODS,
+            503,
+            status(503, "ServiceUnavailable"),
+        )
+        .await;
+        expect(&mut handle, Method::PATCH, STATUS, 200, json!(r)).await;
+    };
+    let (result, ()) = tokio::join!(enact(&r, "ns", &mut d, &ctx), server);
+    let e = result.unwrap_err();
+    assert!(
+        matches!(&e, Error::CreatePod { pod, .. } if pod == "gpu-b"),
+        "{e:?}"
+    );
+    assert_eq!(e.metric_label(), "create_pod");
+}
+
+#[tokio::test]
 async fn a_failed_delete_stops_before_any_create_and_names_the_pod() {
     let (ctx, mut handle) = mocked();
     let r = residency();

@@ -149,6 +149,9 @@ struct PodOutcome {
     retry_soon: bool,
     /// Models whose pod create the API server rejected, with its message.
     rejected: Vec<(String, String)>,
+    /// A create that failed otherwise (the API server unavailable, say):
+    /// the status is still written, then the reconcile fails and retries.
+    failed: Option<Error>,
 }
 
 /// Deletes first (they free VRAM), then creates what fits. `ns` and
@@ -196,7 +199,8 @@ async fn enact_pods(
                 }
                 None => {
                     let pod = pod.metadata.name.clone().unwrap_or_default();
-                    return Err(Error::CreatePod { pod, source });
+                    outcome.failed = Some(Error::CreatePod { pod, source });
+                    break;
                 }
             },
         }
@@ -287,7 +291,6 @@ async fn enact(r: &ModelResidency, ns: &str, d: &mut Decision, ctx: &Context) ->
             ctx.templates.rejected_create(ns, t.json(), message.clone());
         }
     }
-    let retry_soon = outcome.retry_soon;
     write_status(&residencies, r, d, ctx).await?;
     if let Some(usage) = &d.usage {
         ctx.metrics.observe(ns, &name, usage, d.status.counters);
@@ -296,7 +299,10 @@ async fn enact(r: &ModelResidency, ns: &str, d: &mut Decision, ctx: &Context) ->
         ctx.metrics.model_loaded(*seconds);
     }
     publish(d, r, ctx).await;
-    Ok(retry_soon)
+    match outcome.failed {
+        Some(e) => Err(e),
+        None => Ok(outcome.retry_soon),
+    }
 }
 
 #[tracing::instrument(skip(r, ctx), fields(namespace = r.namespace().unwrap_or_default(), residency = %r.name_any()))]
