@@ -1,16 +1,22 @@
-//! The operator's HTTP endpoints: `/healthz`, `/readyz`, `/metrics`.
+//! The operator's HTTP endpoints: `/healthz`, `/readyz`, `/metrics`, served
+//! with hyper (HTTP/1.1, keep-alive, a 5 s header timeout).
 //!
 //! Read-only by construction: only `GET` (and `HEAD`) of these three paths
-//! are answered; anything else gets 404 or 405. A hand-written HTTP/1.0-style
-//! responder (one request per connection, 8 KiB request limit, 5 s timeout)
-//! keeps a web framework out of the dependency tree for three fixed pages.
+//! are answered; anything else gets 404 or 405.
 
 use crate::metrics::Metrics;
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 
 /// What the endpoints serve: readiness and the metrics.
 #[derive(Default)]
@@ -23,7 +29,7 @@ pub struct Endpoints {
 }
 
 /// Serves until the task is dropped.
-pub async fn serve(listener: TcpListener, health: Arc<Endpoints>) {
+pub async fn serve(listener: TcpListener, endpoints: Arc<Endpoints>) {
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
@@ -35,75 +41,63 @@ pub async fn serve(listener: TcpListener, health: Arc<Endpoints>) {
                 continue;
             }
         };
-        let health = health.clone();
+        let endpoints = endpoints.clone();
         tokio::spawn(async move {
-            let _ = tokio::time::timeout(Duration::from_secs(5), answer(stream, &health)).await;
+            let service = service_fn(move |req: Request<Incoming>| {
+                let response = respond(&req, &endpoints);
+                async move { Ok::<_, Infallible>(response) }
+            });
+            let connection = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(5))
+                .serve_connection(TokioIo::new(stream), service);
+            // A scrape is quick; a connection held open longer is dropped.
+            let _ = tokio::time::timeout(Duration::from_secs(60), connection).await;
         });
     }
 }
 
-async fn answer(mut stream: TcpStream, health: &Endpoints) -> std::io::Result<()> {
-    let mut buf = vec![0u8; 8192];
-    let mut len = 0;
-    // Read until the end of the headers (or the limit).
-    while len < buf.len() {
-        let n = stream.read(&mut buf[len..]).await?;
-        if n == 0 {
-            break;
-        }
-        len += n;
-        if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
-            break;
-        }
-    }
-    let head = String::from_utf8_lossy(&buf[..len]);
-    let mut parts = head.split_whitespace();
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let (status, content_type, body) = route(method, path, health);
-    let response = format!(
-        "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(response.as_bytes()).await?;
-    if method != "HEAD" {
-        stream.write_all(body.as_bytes()).await?;
-    }
-    stream.shutdown().await
-}
-
-fn route(method: &str, path: &str, health: &Endpoints) -> (&'static str, &'static str, String) {
+fn respond<B>(req: &Request<B>, endpoints: &Endpoints) -> Response<Full<Bytes>> {
     const TEXT: &str = "text/plain; charset=utf-8";
-    let path = path.split('?').next().unwrap_or("");
-    let known = matches!(path, "/healthz" | "/readyz" | "/metrics");
-    if !known {
-        return ("404 Not Found", TEXT, "not found\n".into());
-    }
-    if method != "GET" && method != "HEAD" {
-        return (
-            "405 Method Not Allowed",
+    const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+    let path = req.uri().path();
+    let (status, content_type, body) = if !matches!(path, "/healthz" | "/readyz" | "/metrics") {
+        (StatusCode::NOT_FOUND, TEXT, "not found\n".to_owned())
+    } else if req.method() != Method::GET && req.method() != Method::HEAD {
+        (
+            StatusCode::METHOD_NOT_ALLOWED,
             TEXT,
-            "read-only endpoint\n".into(),
-        );
-    }
-    match path {
-        "/healthz" => ("200 OK", TEXT, "ok\n".into()),
-        "/readyz" if health.ready.load(Ordering::Relaxed) => ("200 OK", TEXT, "ok\n".into()),
-        "/readyz" => (
-            "503 Service Unavailable",
-            TEXT,
-            "waiting for the first watch sync\n".into(),
-        ),
-        _ => (
-            "200 OK",
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            health.metrics.encode(),
-        ),
-    }
+            "read-only endpoint\n".to_owned(),
+        )
+    } else {
+        match path {
+            "/healthz" => (StatusCode::OK, TEXT, "ok\n".to_owned()),
+            "/readyz" if endpoints.ready.load(Ordering::Relaxed) => {
+                (StatusCode::OK, TEXT, "ok\n".to_owned())
+            }
+            "/readyz" => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                TEXT,
+                "waiting for the first watch sync\n".to_owned(),
+            ),
+            _ => (StatusCode::OK, OPENMETRICS, endpoints.metrics.encode()),
+        }
+    };
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static(content_type),
+    );
+    response
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
 
     async fn get(addr: std::net::SocketAddr, request: &str) -> String {
         let mut s = TcpStream::connect(addr).await.unwrap();
@@ -119,7 +113,8 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let health = Arc::new(Endpoints::default());
         tokio::spawn(serve(listener, health.clone()));
-        let req = |m: &str, p: &str| format!("{m} {p} HTTP/1.1\r\nhost: x\r\n\r\n");
+        let req =
+            |m: &str, p: &str| format!("{m} {p} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
         assert!(
             get(addr, &req("GET", "/healthz"))
                 .await

@@ -20,8 +20,8 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::finalizer::{Event, finalizer};
-use kube::runtime::reflector::ObjectRef;
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -118,11 +118,6 @@ pub fn plan(
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("reading ModelResidency {residency}: {source}")]
-    ReadResidency {
-        residency: String,
-        source: kube::Error,
-    },
     #[error("writing the demand key of {residency}: {source}")]
     WriteDemand {
         residency: String,
@@ -137,18 +132,15 @@ pub enum Error {
 pub struct Context {
     pub client: kube::Client,
     pub metrics: Arc<Metrics>,
+    /// The residency controller's cache: a ModelDemand reads its residency
+    /// there (no read per reconcile, no second watch of every residency).
+    pub residencies: Store<ModelResidency>,
 }
 
-async fn residency_of(
-    api: &Api<ModelResidency>,
-    md: &ModelDemand,
-) -> Result<Option<ModelResidency>, Error> {
-    api.get_opt(&md.spec.residency)
-        .await
-        .map_err(|source| Error::ReadResidency {
-            residency: md.spec.residency.clone(),
-            source,
-        })
+fn residency_of(ctx: &Context, md: &ModelDemand) -> Option<Arc<ModelResidency>> {
+    let ns = md.namespace().unwrap_or_default();
+    ctx.residencies
+        .get(&ObjectRef::new(&md.spec.residency).within(&ns))
 }
 
 async fn write_key(
@@ -178,8 +170,8 @@ async fn write_key(
 async fn apply(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
     let ns = md.namespace().unwrap_or_default();
     let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), &ns);
-    let residency = residency_of(&residencies, &md).await?;
-    let (write, status) = plan(&md, residency.as_ref(), Timestamp::now());
+    let residency = residency_of(ctx, &md);
+    let (write, status) = plan(&md, residency.as_deref(), Timestamp::now());
     write_key(&residencies, &md, &write, ctx).await?;
     if md.status.as_ref() != Some(&status) {
         let api: Api<ModelDemand> = Api::namespaced(ctx.client.clone(), &ns);
@@ -204,7 +196,7 @@ async fn apply(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
 async fn cleanup(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
     let ns = md.namespace().unwrap_or_default();
     let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), &ns);
-    let residency = residency_of(&residencies, &md).await?;
+    let residency = residency_of(ctx, &md);
     if residency.is_some_and(|r| r.spec.demand.contains_key(&md.spec.model)) {
         write_key(&residencies, &md, &KeyWrite::Remove, ctx).await?;
     }
@@ -250,47 +242,39 @@ pub async fn installed(client: &kube::Client, namespace: Option<&str>) -> bool {
 }
 
 /// Runs the ModelDemand controller for `namespace` (all when `None`) until
-/// `shutdown` completes. A residency's changes wake the ModelDemands that
-/// name it.
+/// `shutdown` completes. `residencies` is the residency controller's cache
+/// and `changed` names each residency it has just updated, which wakes the
+/// ModelDemands that name it.
 pub async fn run(
     client: kube::Client,
     metrics: Arc<Metrics>,
     namespace: Option<String>,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+    residencies: Store<ModelResidency>,
+    changed: impl futures::Stream<Item = ObjectRef<ModelResidency>> + Send + 'static,
 ) {
-    let (demands, residencies): (Api<ModelDemand>, Api<ModelResidency>) = match namespace.as_deref()
-    {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
+    let demands: Api<ModelDemand> = match namespace.as_deref() {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
     };
     let controller = Controller::new(demands, watcher::Config::default());
     let store = controller.store();
-    let residency_changes = watcher(residencies, watcher::Config::default())
-        .default_backoff()
-        .touched_objects()
-        .filter_map(move |r| {
-            let woken: Vec<ObjectRef<ModelDemand>> = match r {
-                Ok(r) => {
-                    let ns = r.namespace();
-                    let name = r.name_any();
-                    store
-                        .state()
-                        .iter()
-                        .filter(|md| md.namespace() == ns && md.spec.residency == name)
-                        .map(|md| ObjectRef::from_obj(&**md))
-                        .collect()
-                }
-                Err(_) => Vec::new(),
-            };
-            futures::future::ready(Some(futures::stream::iter(woken)))
-        })
-        .flatten();
-    let ctx = Arc::new(Context { client, metrics });
+    let woken = changed.flat_map(move |r| {
+        let woken: Vec<ObjectRef<ModelDemand>> = store
+            .state()
+            .iter()
+            .filter(|md| md.namespace() == r.namespace && md.spec.residency == r.name)
+            .map(|md| ObjectRef::from_obj(&**md))
+            .collect();
+        futures::stream::iter(woken)
+    });
+    let ctx = Arc::new(Context {
+        client,
+        metrics,
+        residencies,
+    });
     controller
-        .reconcile_on(residency_changes)
+        .reconcile_on(woken)
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
         .for_each(|_| async {})

@@ -18,7 +18,11 @@ use support::cluster::{eventually, test_env};
 fn http_get(port: u16, path: &str) -> Option<String> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(s, "GET {path} HTTP/1.1\r\nhost: localhost\r\n\r\n").ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n"
+    )
+    .ok()?;
     let mut out = String::new();
     s.read_to_string(&mut out).ok()?;
     Some(out)
@@ -115,7 +119,11 @@ async fn run_checks_serves_reconciles_and_stops_on_sigterm() {
     assert!(http_get(port, "/metrics").is_some());
     let post = {
         let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-        write!(s, "POST /metrics HTTP/1.1\r\nhost: x\r\n\r\n").unwrap();
+        write!(
+            s,
+            "POST /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        )
+        .unwrap();
         let mut out = String::new();
         s.read_to_string(&mut out).unwrap();
         out

@@ -27,6 +27,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Resource, ResourceExt};
 use pod_cache::PodCache;
@@ -393,7 +394,6 @@ pub async fn run(
     synced: Arc<std::sync::atomic::AtomicBool>,
 ) {
     let shutdown = futures::FutureExt::shared(shutdown);
-    let _model_demands = start_model_demands(&ctx, namespace.as_deref(), shutdown.clone()).await;
     let client = ctx.client.clone();
     let (residencies, pods): (Api<ModelResidency>, Api<Pod>) = match namespace.as_deref() {
         Some(ns) => (
@@ -407,6 +407,15 @@ pub async fn run(
     // (the second a copy of the spec), and nothing here reads them.
     let (store, writer) = reflector::store();
     let (claim_tx, claim_rx) = futures::channel::mpsc::unbounded();
+    let (changed_tx, changed_rx) = futures::channel::mpsc::unbounded();
+    let model_demands = start_model_demands(
+        &ctx,
+        namespace.as_deref(),
+        shutdown.clone(),
+        store.clone(),
+        changed_rx,
+    )
+    .await;
     let residency_events = watcher(residencies, watcher::Config::default())
         .default_backoff()
         .modify(|r: &mut ModelResidency| {
@@ -432,6 +441,17 @@ pub async fn run(
             }
         })
         .reflect(writer)
+        .inspect_ok(move |event| {
+            // After the cache has it: the ModelDemands naming this
+            // residency read it there.
+            if model_demands.is_some()
+                && let watcher::Event::Apply(r)
+                | watcher::Event::InitApply(r)
+                | watcher::Event::Delete(r) = event
+            {
+                let _ = changed_tx.unbounded_send(ObjectRef::from_obj(r));
+            }
+        })
         .touched_objects();
     // At most this many reconciles at once: each holds an API connection
     // (TLS and HTTP buffers, pooled afterwards), so an unbounded burst at
@@ -477,6 +497,8 @@ async fn start_model_demands(
     ctx: &Context,
     namespace: Option<&str>,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+    residencies: reflector::Store<ModelResidency>,
+    changed: futures::channel::mpsc::UnboundedReceiver<ObjectRef<ModelResidency>>,
 ) -> Option<AbortOnDrop> {
     if !crate::model_demand::installed(&ctx.client, namespace).await {
         return None;
@@ -486,6 +508,8 @@ async fn start_model_demands(
         ctx.metrics.clone(),
         namespace.map(str::to_owned),
         shutdown,
+        residencies,
+        changed,
     );
     Some(AbortOnDrop(tokio::spawn(task)))
 }
