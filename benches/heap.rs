@@ -10,6 +10,7 @@
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher;
 use model_residency::api::{ModelResidency, ModelResidencyStatus};
+use model_residency::controller::claims::GpuClaims;
 use model_residency::controller::pod_cache::PodCache;
 use model_residency::controller::state::Usage;
 use model_residency::metrics::Metrics;
@@ -64,8 +65,8 @@ fn residency_json(i: usize) -> String {
         "metadata": {"name": format!("m0-{i}"), "namespace": "bench",
             "uid": "0b6f6a55-3a4e-4d1e-9a57-2f1c9d7c2c11", "resourceVersion": "1234567",
             "generation": 2, "creationTimestamp": "2026-11-30T07:00:00Z"},
-        "spec": {"nodeName": "node-34", "device": "0", "budget": "8Gi", "models": models,
-            "demand": [{"model": "model-0", "lastRequested": "2026-11-30T07:00:01.123456Z"}]},
+        "spec": {"nodeName": "node-34", "device": i.to_string(), "budget": "8Gi", "models": models,
+            "demand": {"model-0": "2026-11-30T07:00:01.123456Z"}},
         "status": {"observedGeneration": 2, "budget": "8Gi", "used": "2Gi", "peak": "2Gi",
             "resident": 1, "refused": 0,
             "models": [
@@ -130,13 +131,18 @@ fn main() {
     let pod_entry = retained_per_item(|i| {
         cache.record(&watcher::Event::Apply(pods[i].clone()));
     });
+    let claims = GpuClaims::default();
+    let claim = retained_per_item(|i| {
+        claims.record(&watcher::Event::Apply((*store[i]).clone()));
+    });
     println!("heap per residency ({N} residencies, 3 models, one resident with its pod):");
     println!("  cached ModelResidency:  {residency:>6} bytes");
     println!("  metrics record:         {metric:>6} bytes");
     println!("  pod cache entry:        {pod_entry:>6} bytes");
+    println!("  GPU claim:              {claim:>6} bytes");
+    let total = residency + metric + pod_entry + claim;
     println!(
-        "  total:                  {:>6} bytes ({:.1} MiB at 10,000)",
-        residency + metric + pod_entry,
-        (residency + metric + pod_entry) as f64 * 10_000.0 / (1 << 20) as f64
+        "  total:                  {total:>6} bytes ({:.1} MiB at 10,000)",
+        total as f64 * 10_000.0 / (1 << 20) as f64
     );
 }

@@ -173,7 +173,7 @@ fn pods() -> impl Strategy<Value = Vec<ModelPod>> {
             failure: (!live).then(|| "boom".to_owned()),
             created: Some(base().to_string()),
             // Now and then a pod left on another node (a residency moved).
-            node: Some(if gib % 3 == 0 { "elsewhere" } else { "node-a" }.to_owned()),
+            node: Some(if gib % 3 == 0 { "elsewhere" } else { "node-a" }.into()),
             device: None,
             template_hash: None,
             waiting: None,

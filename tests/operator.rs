@@ -492,6 +492,13 @@ async fn a_converged_residency_is_not_written_again() {
         writes,
         "a reconcile with nothing new wrote something"
     );
+    // The operator's record of its own status writes is only kept until
+    // the watch catches up.
+    assert_eq!(
+        h.ctx.written.pending(),
+        0,
+        "status writes kept after the watch caught up"
+    );
 }
 
 #[tokio::test]

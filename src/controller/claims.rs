@@ -9,15 +9,16 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::sync::Mutex;
 
 /// A residency claiming a GPU; the order is the precedence (oldest first).
+/// Boxed strings: one of these is kept per residency.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 struct Claimant {
     created: Option<Timestamp>,
-    namespace: String,
-    name: String,
+    namespace: Box<str>,
+    name: Box<str>,
 }
 
 impl Claimant {
@@ -25,9 +26,13 @@ impl Claimant {
         Claimant {
             // A residency always has one once stored; none sorts first.
             created: r.metadata.creation_timestamp.as_ref().map(|t| t.0),
-            namespace: r.namespace().unwrap_or_default(),
-            name: r.name_any(),
+            namespace: r.namespace().unwrap_or_default().into(),
+            name: r.name_any().into(),
         }
+    }
+
+    fn key(&self) -> (Box<str>, Box<str>) {
+        (self.namespace.clone(), self.name.clone())
     }
 
     fn object_ref(&self) -> ObjectRef<ModelResidency> {
@@ -36,48 +41,54 @@ impl Claimant {
 }
 
 /// A GPU: (node, device).
-type Gpu = (String, String);
+type Gpu = (Box<str>, Box<str>);
 
 fn gpu_of(r: &ModelResidency) -> Gpu {
-    (r.spec.node_name.clone(), r.spec.device.clone())
+    (
+        r.spec.node_name.as_str().into(),
+        r.spec.device.as_str().into(),
+    )
 }
 
+/// Kept small (measured by `cargo bench --bench heap`): a GPU's claimants
+/// in a sorted vector (almost always one) rather than a B-tree, whose
+/// first node alone is most of a kilobyte.
 #[derive(Debug, Default)]
 struct Index {
-    by_gpu: HashMap<Gpu, BTreeSet<Claimant>>,
-    /// Each residency's current claim, to find it again when it moves.
-    claims: HashMap<(String, String), (Gpu, Claimant)>,
+    by_gpu: HashMap<Gpu, Vec<Claimant>>,
+    /// Each residency's current GPU, to find its claim again when it moves.
+    claims: HashMap<(Box<str>, Box<str>), Gpu>,
 }
 
 impl Index {
     /// Records a residency's claim; returns the GPUs whose claimants changed.
     fn claim(&mut self, r: &ModelResidency) -> Vec<Gpu> {
         let claimant = Claimant::of(r);
-        let key = (claimant.namespace.clone(), claimant.name.clone());
+        let key = claimant.key();
         let gpu = gpu_of(r);
         let mut changed = vec![gpu.clone()];
-        if let Some((old, _)) = self.release(&key)
+        if let Some(old) = self.release(&key)
             && old != gpu
         {
             changed.push(old);
         }
-        self.by_gpu
-            .entry(gpu.clone())
-            .or_default()
-            .insert(claimant.clone());
-        self.claims.insert(key, (gpu, claimant));
+        let claimants = self.by_gpu.entry(gpu.clone()).or_default();
+        let at = claimants.partition_point(|c| *c < claimant);
+        claimants.insert(at, claimant);
+        claimants.shrink_to_fit();
+        self.claims.insert(key, gpu);
         changed
     }
 
-    fn release(&mut self, key: &(String, String)) -> Option<(Gpu, Claimant)> {
-        let (gpu, claimant) = self.claims.remove(key)?;
-        if let Some(set) = self.by_gpu.get_mut(&gpu) {
-            set.remove(&claimant);
-            if set.is_empty() {
+    fn release(&mut self, key: &(Box<str>, Box<str>)) -> Option<Gpu> {
+        let gpu = self.claims.remove(key)?;
+        if let Some(claimants) = self.by_gpu.get_mut(&gpu) {
+            claimants.retain(|c| c.namespace != key.0 || c.name != key.1);
+            if claimants.is_empty() {
                 self.by_gpu.remove(&gpu);
             }
         }
-        Some((gpu, claimant))
+        Some(gpu)
     }
 
     fn claimants(&self, gpus: &[Gpu]) -> Vec<ObjectRef<ModelResidency>> {
@@ -119,8 +130,7 @@ impl GpuClaims {
                 return index.claimants(&changed);
             }
             watcher::Event::Delete(r) => {
-                let key = (r.namespace().unwrap_or_default(), r.name_any());
-                if let Some((gpu, _)) = index.release(&key) {
+                if let Some(gpu) = index.release(&Claimant::of(r).key()) {
                     return index.claimants(&[gpu]);
                 }
             }

@@ -21,10 +21,10 @@ pub fn pod_name(residency: &str, model: &str) -> String {
     format!("{residency}-{model}-{:05x}", pair & 0xf_ffff)
 }
 
-/// A template's hash as recorded on its pods (16 hex digits). The template
+/// A template's hash, recorded on its pods as 16 hex digits. The template
 /// is kept as canonical JSON (sorted keys), so equal templates hash equal.
-pub fn template_hash(template: &str) -> String {
-    format!("{:016x}", fnv1a([template.as_bytes()]))
+pub fn template_hash(template: &str) -> u64 {
+    fnv1a([template.as_bytes()])
 }
 
 /// FNV-1a, 64 bits: stable across builds and platforms (unlike std's
@@ -65,11 +65,11 @@ pub struct ModelPod {
     /// `creationTimestamp`, to time loads.
     pub created: Option<String>,
     /// The node it is bound to.
-    pub node: Option<String>,
+    pub node: Option<Box<str>>,
     /// The GPU it was given (annotation).
-    pub device: Option<String>,
+    pub device: Option<Box<str>>,
     /// The hash of the template it was built from (annotation).
-    pub template_hash: Option<String>,
+    pub template_hash: Option<u64>,
     /// Why a pod that is not Ready is waiting, in the kubelet's or the
     /// scheduler's words (a container's waiting reason, an unschedulable
     /// pod); `None` when nothing says.
@@ -117,9 +117,14 @@ impl ModelPod {
             deleting: meta.deletion_timestamp.is_some(),
             failure,
             created: meta.creation_timestamp.as_ref().map(|t| t.0.to_string()),
-            node: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
-            device: annotation(DEVICE_ANNOTATION),
-            template_hash: annotation(TEMPLATE_HASH_ANNOTATION),
+            node: pod
+                .spec
+                .as_ref()
+                .and_then(|s| s.node_name.as_deref())
+                .map(Into::into),
+            device: annotation(DEVICE_ANNOTATION).map(Into::into),
+            template_hash: annotation(TEMPLATE_HASH_ANNOTATION)
+                .and_then(|h| u64::from_str_radix(&h, 16).ok()),
             waiting: if finished { None } else { waiting_reason(pod) },
             reported: status.is_some_and(|s| s.phase.is_some()),
         })
@@ -212,7 +217,7 @@ pub fn build_pod(
     let annotations = meta.annotations.get_or_insert_with(Default::default);
     annotations.insert(SIZE_ANNOTATION.into(), size.to_string());
     annotations.insert(DEVICE_ANNOTATION.into(), residency.spec.device.clone());
-    annotations.insert(TEMPLATE_HASH_ANNOTATION.into(), hash);
+    annotations.insert(TEMPLATE_HASH_ANNOTATION.into(), format!("{hash:016x}"));
     meta.owner_references = Some(vec![owner.clone()]);
     Ok(Pod {
         metadata: meta,

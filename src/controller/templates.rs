@@ -23,7 +23,7 @@ type Verdict = Option<String>;
 
 #[derive(Debug, Default)]
 pub struct TemplateVerdicts {
-    known: Mutex<HashMap<(String, String), Verdict>>,
+    known: Mutex<HashMap<(String, u64), Verdict>>,
 }
 
 /// Whether an API answer to a create rejects the pod itself (rather than
@@ -38,11 +38,11 @@ pub fn rejects_the_pod(e: &kube::Error) -> Option<String> {
 }
 
 impl TemplateVerdicts {
-    fn get(&self, key: &(String, String)) -> Option<Verdict> {
+    fn get(&self, key: &(String, u64)) -> Option<Verdict> {
         self.known.lock().expect("verdicts lock").get(key).cloned()
     }
 
-    fn put(&self, key: (String, String), verdict: Verdict) {
+    fn put(&self, key: (String, u64), verdict: Verdict) {
         let mut known = self.known.lock().expect("verdicts lock");
         if known.len() >= MAX_VERDICTS {
             known.clear();

@@ -48,6 +48,12 @@ impl WrittenStatuses {
         newer.clone()
     }
 
+    /// How many writes the cache has not caught up with (drains to zero
+    /// once the watch delivers them).
+    pub fn pending(&self) -> usize {
+        self.0.lock().expect("written lock").len()
+    }
+
     /// Forgets a deleted residency.
     pub fn forget(&self, r: &ModelResidency) {
         self.0.lock().expect("written lock").remove(&key(r));

@@ -333,9 +333,8 @@ fn a_changed_template_is_rolled_out_and_a_broken_one_is_not() {
     let created = d.create[0].clone();
     r.status = Some(d.status);
     let mut pod = live("a", 6 * GI, true, false);
-    pod.template_hash = created.metadata.annotations.unwrap()["residency.dev/template-hash"]
-        .clone()
-        .into();
+    let recorded = &created.metadata.annotations.unwrap()["residency.dev/template-hash"];
+    pod.template_hash = u64::from_str_radix(recorded, 16).ok();
     let d = run(&r, std::slice::from_ref(&pod), 3);
     assert!(d.delete.is_empty() && d.events.iter().all(|e| e.reason == EventReason::ModelReady));
     r.status = Some(d.status);
