@@ -138,7 +138,7 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
                     budget: ByteQuantity(budget),
                     models,
                     keep_alive: Some("5m".into()),
-                    demand,
+                    demand: demand.into(),
                 },
             );
             r.metadata.namespace = Some("ns".into());

@@ -2,15 +2,16 @@
 //! object per GPU. `crds/modelresidency.yaml` is generated from these types
 //! by `model-residency crd`; a test fails when the two drift apart.
 
+mod demand_map;
 mod model_demand;
 
+pub use demand_map::DemandMap;
 pub use model_demand::{ModelDemand, ModelDemandSpec, ModelDemandStatus};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::CustomResource;
 use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
 use serde::{Deserialize, Deserializer, Serialize};
-use std::collections::BTreeMap;
 
 /// DNS label: lowercase alphanumerics and '-', starting and ending with an
 /// alphanumeric. Model names become pod-name parts and label values.
@@ -75,9 +76,8 @@ pub struct ModelResidencySpec {
     /// writes one key without a read: {"spec":{"demand":{"zimage":"<now>"}}}
     /// requests, {"spec":{"demand":{"zimage":null}}} unloads. Server-side
     /// apply owns single keys.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    #[schemars(schema_with = "demand_schema")]
-    pub demand: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "DemandMap::is_empty")]
+    pub demand: DemandMap,
 }
 
 /// One model in the registry.
@@ -312,20 +312,6 @@ impl JsonSchema for ByteQuantity {
             "pattern": POSITIVE_QUANTITY,
         })
     }
-}
-
-fn demand_schema(_: &mut SchemaGenerator) -> Schema {
-    // Keys are model names. The API servers this is tested on (v1.20) cannot
-    // check a map's keys (that takes a CEL rule, 1.25+, which a 1.20 server
-    // and kubectl's client-side validation against it refuse as an unknown
-    // field), so a key that is not a DNS label is not rejected at
-    // admission: it can name no registry model and is refused as
-    // UnknownModel.
-    json_schema!({
-        "type": "object",
-        "additionalProperties": {"type": "string", "format": "date-time"},
-        "maxProperties": 100000,
-    })
 }
 
 fn template_schema(_: &mut SchemaGenerator) -> Schema {

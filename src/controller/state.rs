@@ -270,7 +270,8 @@ mod tests {
                 keep_alive: None,
                 demand: [("b", "2026-11-30T03:00:02Z"), ("a", "2026-11-30T03:00:01Z")]
                     .map(|(m, t)| (m.to_owned(), t.to_owned()))
-                    .into(),
+                    .into_iter()
+                    .collect(),
             },
         );
         r.metadata.namespace = Some("ns".into());
