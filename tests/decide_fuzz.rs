@@ -207,18 +207,33 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
 
     #[test]
-    fn decide_never_panics_and_keeps_the_budget(r in residency(), pods in pods(), now in 0i64..900) {
-        let d = decide(&Observed::new(
-            &r,
-            r.controller_owner_ref(&()).unwrap(),
-            &pods,
-            base() + SignedDuration::from_secs(now),
-        ));
+    fn decide_never_panics_and_keeps_the_budget(
+        r in residency(),
+        pods in pods(),
+        now in 0i64..900,
+        conflict in prop::bool::weighted(0.1),
+        rejected in prop::collection::btree_set(name(), 0..3),
+        skew in 0u64..120,
+    ) {
+        // Now and then another residency holds the GPU, the API server
+        // rejects some templates, and the clock-skew allowance varies.
+        let rejected: std::collections::BTreeMap<String, String> =
+            rejected.into_iter().map(|m| (m, "rejected".to_owned())).collect();
+        let owner = r.controller_owner_ref(&()).unwrap();
+        let mut input = Observed::new(&r, owner, &pods, base() + SignedDuration::from_secs(now));
+        input.gpu_holder = conflict.then_some("other/gpu");
+        input.rejected_templates = &rejected;
+        input.max_skew = std::time::Duration::from_secs(skew);
+        let d = decide(&input);
         let invalid = d.status.conditions.iter().any(|c| c.reason == "InvalidSpec");
         VALID.fetch_add(u64::from(!invalid), std::sync::atomic::Ordering::Relaxed);
         if invalid {
             prop_assert!(d.create.is_empty() && d.delete.is_empty());
             return Ok(());
+        }
+        if conflict {
+            prop_assert!(d.create.is_empty(), "a residency that does not hold its GPU loaded");
+            prop_assert_eq!(d.status.resident, 0);
         }
         let budget = parse_bytes(&r.spec.budget.0).unwrap();
         let used = parse_bytes(d.status.used.as_deref().unwrap()).unwrap();
