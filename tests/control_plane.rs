@@ -10,6 +10,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use model_residency::local::kubelet::{FAIL_ANNOTATION, FakeKubelet, KubeletConfig, fail_pod};
 use serde_json::json;
 use support::cluster::{eventually, test_env};
+use support::http;
 
 fn pod(name: &str, node: &str, annotations: serde_json::Value) -> Pod {
     serde_json::from_value(json!({
@@ -181,6 +182,84 @@ async fn standin_fails_pods_on_request_and_ignores_other_nodes() {
 
     // A pod on a node the stand-in does not play stays Pending.
     assert_eq!(phase(&pods, "elsewhere").await.as_deref(), Some("Pending"));
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn standin_pods_answer_real_http_on_their_own_address_until_deleted() {
+    let env = test_env("standin-http").await;
+    let node = env.node("gpu");
+    let _kubelet = FakeKubelet::start(env.client.clone(), KubeletConfig::instant(&[&node]))
+        .await
+        .unwrap();
+    let pods: Api<Pod> = Api::namespaced(env.client.clone(), &env.namespace);
+    let served = |name: &str, model: &str| -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {"residency.dev/model": model}},
+            "spec": {"nodeName": node, "containers": [
+                {"name": "server", "image": "example/model:1", "ports": [{"containerPort": 8000}]}
+            ]},
+        }))
+        .unwrap()
+    };
+    let pp = PostParams::default();
+    for (name, model) in [("one", "zimage"), ("two", "sdxl")] {
+        pods.create(&pp, &served(name, model)).await.unwrap();
+    }
+    let ip = |name: &'static str| {
+        let pods = pods.clone();
+        async move {
+            let p = pods.get(name).await.unwrap();
+            let ready = ready(&p);
+            let ip = p.status?.pod_ip?;
+            ready.then(|| {
+                format!("{ip}:8000")
+                    .parse::<std::net::SocketAddr>()
+                    .unwrap()
+            })
+        }
+    };
+    let one = eventually(20, "pod one to be ready", || ip("one")).await;
+    let two = eventually(20, "pod two to be ready", || ip("two")).await;
+    assert_ne!(one.ip(), two.ip(), "each pod has its own address");
+    assert_eq!(one.port(), 8000);
+    let body = r#"{"model": "zimage", "messages": [{"role": "user", "content": "hi"}]}"#;
+    let answer = http::send(one, "POST", "/v1/chat/completions", body).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.headers["x-model-pod"], "one");
+    let v: serde_json::Value = serde_json::from_str(&answer.body).unwrap();
+    assert_eq!(
+        (v["model"].as_str(), v["pod"].as_str()),
+        (Some("zimage"), Some("one"))
+    );
+    let answer = http::send(two, "POST", "/v2/models/sdxl/infer", "{}").await;
+    assert!(answer.body.contains("\"pod\":\"two\""), "{}", answer.body);
+    // Streaming: three chunks 20 ms apart, then the end marker.
+    let streamed = r#"{"model": "zimage", "stream": true}"#;
+    let answer = http::send(one, "POST", "/v1/chat/completions", streamed).await;
+    assert_eq!(answer.headers["content-type"], "text/event-stream");
+    assert!(answer.body.ends_with("data: [DONE]\n\n"), "{}", answer.body);
+    assert_eq!(answer.body.matches("data: ").count(), 4);
+    assert!(
+        answer.chunks.len() >= 3,
+        "not streamed: {:?}",
+        answer.chunks
+    );
+    let spread = answer.chunks.last().unwrap().0 - answer.chunks[0].0;
+    assert!(
+        spread >= std::time::Duration::from_millis(50),
+        "chunks arrived together: {spread:?}"
+    );
+    // Deleted: the server stops.
+    pods.delete("one", &DeleteParams::default()).await.unwrap();
+    eventually(20, "pod one to be gone", || async {
+        pods.get_opt("one").await.unwrap().is_none().then_some(())
+    })
+    .await;
+    assert!(
+        tokio::net::TcpStream::connect(one).await.is_err(),
+        "still serving after delete"
+    );
 }
 
 #[tokio::test]

@@ -14,20 +14,27 @@
 //! - **Failing pods.** A pod annotated `kubelet-standin.residency.dev/fail:
 //!   <message>` is marked `Failed` (reason `StandInFailure`) instead, and
 //!   [`fail_pod`] fails a running pod on request.
+//! - **Serving.** When it marks a pod Ready it starts a fake model server
+//!   for it ([`super::model_server`]) on a loopback address of the pod's own
+//!   (its `status.podIP`) and the first container's first `containerPort`
+//!   (8080 if none), and stops it when it finishes the pod's deletion. So
+//!   traffic to a model pod is real HTTP; what answers is not a model.
 //! - **Finishing deletions.** A bound pod whose `deletionTimestamp` is set is
 //!   deleted with grace period 0, as the kubelet does once containers stop
 //!   (`terminating_delay` later). Finalizers are left alone.
 //!
 //! Pods on other nodes, and unbound pods, are never touched.
 
-use crate::labels::SIZE_ANNOTATION;
+use super::model_server::{FakeModelServer, Identity, next_pod_ip};
+use crate::labels::{MODEL_LABEL, SIZE_ANNOTATION};
 use crate::quantity::parse_bytes;
 use futures::TryStreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::json;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::task::JoinHandle;
@@ -54,6 +61,8 @@ pub struct KubeletConfig {
     pub delay_per_gib: Duration,
     /// Time from `deletionTimestamp` to the final delete.
     pub terminating_delay: Duration,
+    /// Time between the chunks of a streamed answer of the fake servers.
+    pub stream_delay: Duration,
 }
 
 impl KubeletConfig {
@@ -70,6 +79,7 @@ impl KubeletConfig {
             load_delay: Duration::ZERO,
             delay_per_gib: Duration::ZERO,
             terminating_delay: Duration::ZERO,
+            stream_delay: Duration::from_millis(20),
         }
     }
 }
@@ -132,6 +142,9 @@ async fn run(client: kube::Client, config: Arc<KubeletConfig>) {
     let names: HashSet<String> = config.nodes.iter().map(|n| n.name.clone()).collect();
     // Pods we are already starting or deleting, by uid.
     let busy: Arc<Mutex<HashSet<String>>> = Arc::default();
+    // The fake model server of each running pod, by uid (dropped, and so
+    // stopped, with the stand-in).
+    let servers: Servers = Arc::default();
     let pods: Api<Pod> = Api::all(client.clone());
     let stream = watcher(pods, watcher::Config::default())
         .default_backoff()
@@ -175,13 +188,15 @@ async fn run(client: kube::Client, config: Arc<KubeletConfig>) {
         let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
         let busy = busy.clone();
         let config = config.clone();
+        let servers = servers.clone();
         tokio::spawn(async move {
             let result = if deleting {
                 tokio::time::sleep(config.terminating_delay).await;
+                servers.lock().expect("servers lock").remove(&uid);
                 finish_deletion(&api, &name, &uid).await
             } else {
                 tokio::time::sleep(load_time(&config, &pod)).await;
-                start_pod(&api, &pod).await
+                start_pod(&api, &pod, &servers, config.stream_delay).await
             };
             if let Err(e) = result {
                 tracing::debug!(pod = %name, error = %e, "kubelet stand-in action skipped");
@@ -217,7 +232,14 @@ async fn finish_deletion(api: &Api<Pod>, name: &str, uid: &str) -> Result<(), ku
     api.delete(name, &dp).await.map(|_| ())
 }
 
-async fn start_pod(api: &Api<Pod>, pod: &Pod) -> Result<(), kube::Error> {
+type Servers = Arc<Mutex<HashMap<String, FakeModelServer>>>;
+
+async fn start_pod(
+    api: &Api<Pod>,
+    pod: &Pod,
+    servers: &Servers,
+    stream_delay: Duration,
+) -> Result<(), kube::Error> {
     let name = pod.metadata.name.as_deref().unwrap_or_default();
     // Re-read: the pod may have been deleted or replaced while "loading".
     let Some(current) = api.get_opt(name).await? else {
@@ -239,8 +261,48 @@ async fn start_pod(api: &Api<Pod>, pod: &Pod) -> Result<(), kube::Error> {
         .cloned();
     match fail {
         Some(message) => set_failed(api, &current, &message).await,
-        None => set_running(api, &current).await,
+        None => {
+            let ip = serve(&current, servers, stream_delay).await;
+            set_running(api, &current, ip).await
+        }
     }
+}
+
+/// Starts the pod's fake model server; its address is the pod's IP.
+async fn serve(pod: &Pod, servers: &Servers, stream_delay: Duration) -> Ipv4Addr {
+    let ip = next_pod_ip();
+    let port = pod
+        .spec
+        .iter()
+        .flat_map(|s| s.containers.first())
+        .flat_map(|c| c.ports.iter().flatten())
+        .map(|p| p.container_port)
+        .next()
+        .and_then(|p| u16::try_from(p).ok())
+        .unwrap_or(8080);
+    let meta = &pod.metadata;
+    let pod_name = meta.name.clone().unwrap_or_default();
+    let model = meta
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(MODEL_LABEL))
+        .cloned()
+        .unwrap_or_else(|| pod_name.clone());
+    let identity = Identity {
+        model,
+        pod: pod_name,
+    };
+    let addr = SocketAddr::from((ip, port));
+    match FakeModelServer::start(addr, identity, stream_delay).await {
+        Ok(server) => {
+            let uid = meta.uid.clone().unwrap_or_default();
+            servers.lock().expect("servers lock").insert(uid, server);
+        }
+        Err(e) => {
+            tracing::warn!(%addr, error = %e, "kubelet stand-in: fake model server not started")
+        }
+    }
+    ip
 }
 
 fn containers(pod: &Pod) -> Vec<(String, String)> {
@@ -251,7 +313,7 @@ fn containers(pod: &Pod) -> Vec<(String, String)> {
         .collect()
 }
 
-async fn set_running(api: &Api<Pod>, pod: &Pod) -> Result<(), kube::Error> {
+async fn set_running(api: &Api<Pod>, pod: &Pod, ip: Ipv4Addr) -> Result<(), kube::Error> {
     let now = kube_time_now();
     let statuses: Vec<_> = containers(pod)
         .into_iter()
@@ -264,7 +326,7 @@ async fn set_running(api: &Api<Pod>, pod: &Pod) -> Result<(), kube::Error> {
         .collect();
     let cond = |t: &str| json!({"type": t, "status": "True", "lastTransitionTime": now});
     let status = json!({"status": {
-        "phase": "Running", "hostIP": "127.0.0.1", "podIP": "127.0.0.1", "startTime": now,
+        "phase": "Running", "hostIP": "127.0.0.1", "podIP": ip.to_string(), "startTime": now,
         "conditions": [cond("PodScheduled"), cond("Initialized"), cond("ContainersReady"), cond("Ready")],
         "containerStatuses": statuses,
     }});

@@ -4,6 +4,7 @@
 
 pub mod control_plane;
 pub mod kubelet;
+pub mod model_server;
 
 use crate::api::{ModelDemand, ModelResidency};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;

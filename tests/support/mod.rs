@@ -2,5 +2,6 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod http;
 pub mod operator;
 pub mod reference;
