@@ -44,6 +44,10 @@ pub const FAIL_ANNOTATION: &str = "kubelet-standin.residency.dev/fail";
 /// Node label marking nodes registered by the stand-in.
 pub const FAKE_NODE_LABEL: &str = "kubelet-standin.residency.dev/fake";
 const MANAGER: &str = "kubelet-standin";
+/// How often, and how far apart, an action the API server did not take is
+/// tried (a minute in all: longer than any API server restart in the tests).
+const ACTION_ATTEMPTS: u32 = 120;
+const ACTION_RETRY: Duration = Duration::from_millis(500);
 
 /// A node the stand-in plays the kubelet for.
 #[derive(Clone, Debug)]
@@ -190,16 +194,32 @@ async fn run(client: kube::Client, config: Arc<KubeletConfig>) {
         let config = config.clone();
         let servers = servers.clone();
         tokio::spawn(async move {
-            let result = if deleting {
+            if deleting {
                 tokio::time::sleep(config.terminating_delay).await;
                 servers.lock().expect("servers lock").remove(&uid);
-                finish_deletion(&api, &name, &uid).await
             } else {
                 tokio::time::sleep(load_time(&config, &pod)).await;
-                start_pod(&api, &pod, &servers, config.stream_delay).await
-            };
-            if let Err(e) = result {
-                tracing::debug!(pod = %name, error = %e, "kubelet stand-in action skipped");
+            }
+            // A kubelet keeps at it: an action the API server did not take
+            // (it was restarting, say) is tried again, since the watch may
+            // not bring the pod up again (it resumes, it does not relist).
+            for attempt in 1.. {
+                let result = if deleting {
+                    finish_deletion(&api, &name, &uid).await
+                } else {
+                    start_pod(&api, &pod, &servers, config.stream_delay).await
+                };
+                match result {
+                    Ok(()) => break,
+                    Err(e) if attempt < ACTION_ATTEMPTS => {
+                        tracing::debug!(pod = %name, error = %e, attempt, "kubelet stand-in action failed; retrying");
+                        tokio::time::sleep(ACTION_RETRY).await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(pod = %name, error = %e, "kubelet stand-in action given up");
+                        break;
+                    }
+                }
             }
             busy.lock().expect("busy lock").remove(&key);
         });
@@ -229,7 +249,12 @@ async fn finish_deletion(api: &Api<Pod>, name: &str, uid: &str) -> Result<(), ku
         }),
         ..DeleteParams::default()
     };
-    api.delete(name, &dp).await.map(|_| ())
+    match api.delete(name, &dp).await {
+        Ok(_) => Ok(()),
+        // Gone already, or replaced by a newer pod of that name: done.
+        Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(()),
+        Err(e) => Err(e),
+    }
 }
 
 type Servers = Arc<Mutex<HashMap<String, FakeModelServer>>>;
