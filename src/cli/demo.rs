@@ -17,8 +17,10 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use model_residency::api::{ModelResidency, ModelState};
 use model_residency::demand;
+use model_residency::labels::MODEL_LABEL;
 use model_residency::local::control_plane::ControlPlane;
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
+use model_residency::local::model_server;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -222,6 +224,9 @@ async fn story(
         }
         let r = settle(&api, &name).await?;
         kubectl(kc, &["get", "mres", "-n", NAMESPACE]);
+        if i == 1 {
+            ask_the_pod(&client, "qwen-llm").await?;
+        }
         if matches!(i, 3 | 5 | 6) {
             println!("$ model-residency status {name} -n {NAMESPACE}");
             print!("{}", render_status(&r));
@@ -459,6 +464,33 @@ fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
     }
     println!("   ready: http://{addr}/readyz answers 200");
     Ok(operator)
+}
+
+/// Sends one real HTTP request to a resident model's pod (the stand-in's
+/// fake model server at the pod's IP), as a client will through the router.
+async fn ask_the_pod(client: &kube::Client, model: &str) -> Result<(), Failure> {
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let lp = kube::api::ListParams::default().labels(&format!("{MODEL_LABEL}={model}"));
+    let pod = pods.list(&lp).await.map_err(fail("list pods"))?.items;
+    let Some(ip) = pod
+        .iter()
+        .filter_map(|p| p.status.as_ref()?.pod_ip.clone())
+        .next()
+    else {
+        return Ok(());
+    };
+    let addr: std::net::SocketAddr = format!("{ip}:8080").parse().map_err(Failure::other)?;
+    let body =
+        format!(r#"{{"model": "{model}", "messages": [{{"role": "user", "content": "hi"}}]}}"#);
+    println!("> POST http://{addr}/v1/chat/completions {body}   (straight to the model's pod)");
+    let answer = model_server::send(addr, "POST", "/v1/chat/completions", &body)
+        .await
+        .map_err(|e| Failure::other(format!("ask {model}'s pod: {e}")))?;
+    println!("{}", answer.body);
+    println!(
+        "   (the stand-in's fake model server; a request router in front of the pods is not built yet)"
+    );
+    Ok(())
 }
 
 /// Waits until the status reflects the spec and nothing is loading.

@@ -205,3 +205,58 @@ fn stream(id: &Identity, delay: Duration) -> Body {
         });
     BodyExt::boxed(StreamBody::new(frames))
 }
+
+/// An answer read by [`send`].
+pub struct Answer {
+    pub status: u16,
+    pub headers: http::HeaderMap,
+    pub body: String,
+    /// Each body chunk with the time it arrived, from the request's start.
+    pub chunks: Vec<(Duration, Bytes)>,
+}
+
+/// Sends one HTTP/1.1 request (`method path`, a JSON `body`) to `addr` on
+/// its own connection, with hyper, and reads the whole answer, noting when
+/// each chunk arrived. The client the tests and the demo talk to model pods
+/// with.
+pub async fn send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> std::io::Result<Answer> {
+    let other = |e: hyper::Error| std::io::Error::other(e.to_string());
+    let t0 = std::time::Instant::now();
+    let stream = tokio::net::TcpStream::connect(addr).await?;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(other)?;
+    tokio::spawn(connection);
+    let request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header(header::HOST, addr.to_string())
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body.to_owned())))
+        .map_err(std::io::Error::other)?;
+    let response = sender.send_request(request).await.map_err(other)?;
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let mut incoming = response.into_body();
+    let mut chunks = Vec::new();
+    while let Some(frame) = incoming.frame().await {
+        if let Ok(data) = frame.map_err(other)?.into_data() {
+            chunks.push((t0.elapsed(), data));
+        }
+    }
+    let body = chunks
+        .iter()
+        .map(|(_, c)| String::from_utf8_lossy(c).into_owned())
+        .collect();
+    Ok(Answer {
+        status,
+        headers,
+        body,
+        chunks,
+    })
+}
