@@ -1,5 +1,6 @@
 //! The operator's HTTP endpoints: `/healthz`, `/readyz`, `/metrics`, served
-//! with hyper (HTTP/1.1, keep-alive, a 5 s header timeout).
+//! with hyper (HTTP/1.1, keep-alive, a 5 s header timeout); and [`send`], a
+//! one-request hyper client for the demo and the tests.
 //!
 //! Read-only by construction: only `GET` (and `HEAD`) of these three paths
 //! are answered; anything else gets 404 or 405.
@@ -7,12 +8,13 @@
 use crate::metrics::Metrics;
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -92,64 +94,99 @@ fn respond<B>(req: &Request<B>, endpoints: &Endpoints) -> Response<Full<Bytes>> 
     response
 }
 
+/// An answer read by [`send`].
+pub struct Answer {
+    pub status: u16,
+    pub headers: http::HeaderMap,
+    pub body: String,
+    /// Each body chunk with the time it arrived, from the request's start.
+    pub chunks: Vec<(Duration, Bytes)>,
+}
+
+/// Sends one HTTP/1.1 request (`method path`, a JSON `body`) to `addr` on
+/// its own connection, with hyper, and reads the whole answer, noting when
+/// each chunk arrived. The client the demo and the tests talk to the
+/// operator's endpoints and to model pods with.
+pub async fn send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> std::io::Result<Answer> {
+    let other = |e: hyper::Error| std::io::Error::other(e.to_string());
+    let t0 = std::time::Instant::now();
+    let stream = tokio::net::TcpStream::connect(addr).await?;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(other)?;
+    tokio::spawn(connection);
+    let request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header(header::HOST, addr.to_string())
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body.to_owned())))
+        .map_err(std::io::Error::other)?;
+    let response = sender.send_request(request).await.map_err(other)?;
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let mut incoming = response.into_body();
+    let mut chunks = Vec::new();
+    while let Some(frame) = incoming.frame().await {
+        if let Ok(data) = frame.map_err(other)?.into_data() {
+            chunks.push((t0.elapsed(), data));
+        }
+    }
+    let body = chunks
+        .iter()
+        .map(|(_, c)| String::from_utf8_lossy(c).into_owned())
+        .collect();
+    Ok(Answer {
+        status,
+        headers,
+        body,
+        chunks,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::TcpStream;
-
-    async fn get(addr: std::net::SocketAddr, request: &str) -> String {
-        let mut s = TcpStream::connect(addr).await.unwrap();
-        s.write_all(request.as_bytes()).await.unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.unwrap();
-        out
-    }
 
     #[tokio::test]
     async fn answers_only_reads_of_the_three_endpoints() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let health = Arc::new(Endpoints::default());
-        tokio::spawn(serve(listener, health.clone()));
-        let req =
-            |m: &str, p: &str| format!("{m} {p} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+        let endpoints = Arc::new(Endpoints::default());
+        tokio::spawn(serve(listener, endpoints.clone()));
+        let status = |m: &'static str, p: &'static str| async move {
+            send(addr, m, p, "").await.unwrap().status
+        };
+        assert_eq!(status("GET", "/healthz").await, 200);
+        assert_eq!(status("GET", "/readyz").await, 503);
+        endpoints.ready.store(true, Ordering::Relaxed);
+        assert_eq!(status("GET", "/readyz").await, 200);
+        let metrics = send(addr, "GET", "/metrics", "").await.unwrap();
         assert!(
-            get(addr, &req("GET", "/healthz"))
-                .await
-                .starts_with("HTTP/1.1 200")
+            metrics
+                .body
+                .contains("model_residency_reconcile_duration_seconds"),
+            "{}",
+            metrics.body
         );
         assert!(
-            get(addr, &req("GET", "/readyz"))
-                .await
-                .starts_with("HTTP/1.1 503")
-        );
-        health.ready.store(true, Ordering::Relaxed);
-        assert!(
-            get(addr, &req("GET", "/readyz"))
-                .await
-                .starts_with("HTTP/1.1 200")
-        );
-        let metrics = get(addr, &req("GET", "/metrics")).await;
-        assert!(
-            metrics.contains("model_residency_reconcile_duration_seconds"),
-            "{metrics}"
+            metrics.headers["content-type"]
+                .to_str()
+                .unwrap()
+                .starts_with("application/openmetrics-text")
         );
         for (m, p) in [
             ("POST", "/metrics"),
             ("DELETE", "/readyz"),
             ("PUT", "/healthz"),
         ] {
-            assert!(
-                get(addr, &req(m, p)).await.starts_with("HTTP/1.1 405"),
-                "{m} {p}"
-            );
+            assert_eq!(status(m, p).await, 405, "{m} {p}");
         }
-        assert!(
-            get(addr, &req("GET", "/debug"))
-                .await
-                .starts_with("HTTP/1.1 404")
-        );
+        assert_eq!(status("GET", "/debug").await, 404);
     }
 }

@@ -9,23 +9,18 @@ use kube::api::{Api, PostParams};
 use model_residency::api::{ModelResidency, ModelState};
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
 use serde_json::json;
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 use support::cluster::{eventually, test_env};
 
-fn http_get(port: u16, path: &str) -> Option<String> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    Some(out)
+/// GETs `path` from the operator on `port`: the status and the body.
+async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let answer = model_residency::http::send(addr, "GET", path, "")
+        .await
+        .ok()?;
+    Some((answer.status, answer.body))
 }
 
 fn free_port() -> u16 {
@@ -68,15 +63,13 @@ async fn run_checks_serves_reconciles_and_stops_on_sigterm() {
     // Dies with the test binary, even when an assertion below panics.
     let mut child = model_residency::local::control_plane::spawn_owned(cmd).unwrap();
     let ready = eventually(20, "/readyz to answer 200", || async {
-        http_get(port, "/readyz").filter(|r| r.starts_with("HTTP/1.1 200"))
+        http_get(port, "/readyz")
+            .await
+            .filter(|(status, _)| *status == 200)
     })
     .await;
-    assert!(ready.ends_with("ok\n"));
-    assert!(
-        http_get(port, "/healthz")
-            .unwrap()
-            .starts_with("HTTP/1.1 200")
-    );
+    assert_eq!(ready.1, "ok\n");
+    assert_eq!(http_get(port, "/healthz").await.unwrap().0, 200);
 
     let node = env.node("gpu");
     let _kubelet = FakeKubelet::start(env.client.clone(), KubeletConfig::instant(&[&node]))
@@ -102,7 +95,9 @@ async fn run_checks_serves_reconciles_and_stops_on_sigterm() {
     })
     .await;
     let metrics = eventually(10, "metrics for the residency", || async {
-        http_get(port, "/metrics").filter(|m| m.contains("model_residency_loads_total{"))
+        let (_, body) = http_get(port, "/metrics").await?;
+        body.contains("model_residency_loads_total{")
+            .then_some(body)
     })
     .await;
     let labels = format!(r#"{{namespace="{}",residency="gpu"}}"#, env.namespace);
@@ -116,19 +111,11 @@ async fn run_checks_serves_reconciles_and_stops_on_sigterm() {
     ] {
         assert!(metrics.contains(&want), "{want} missing in:\n{metrics}");
     }
-    assert!(http_get(port, "/metrics").is_some());
-    let post = {
-        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-        write!(
-            s,
-            "POST /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
-        )
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let post = model_residency::http::send(addr, "POST", "/metrics", "")
+        .await
         .unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).unwrap();
-        out
-    };
-    assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+    assert_eq!(post.status, 405, "{}", post.body);
 
     // 3. SIGTERM: a clean exit.
     unsafe {

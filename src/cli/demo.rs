@@ -20,7 +20,6 @@ use model_residency::demand;
 use model_residency::labels::MODEL_LABEL;
 use model_residency::local::control_plane::ControlPlane;
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
-use model_residency::local::model_server;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -144,7 +143,7 @@ async fn story(
         .await
         .map_err(fail("register the node"))?;
 
-    let operator = start_operator(plane)?;
+    let operator = start_operator(plane).await?;
 
     let namespaces: Api<Namespace> = Api::all(client.clone());
     let ns: Namespace =
@@ -283,8 +282,11 @@ async fn story(
         "The operator's metrics (curl http://{}/metrics | grep seed-gpu)",
         operator.addr
     ));
-    for line in http_get(&operator.addr, "/metrics")
+    let metrics = http_get(&operator.addr, "/metrics")
+        .await
         .unwrap_or_default()
+        .1;
+    for line in metrics
         .lines()
         .filter(|l| l.contains("residency=\"seed-gpu\""))
     {
@@ -333,23 +335,18 @@ impl Drop for Operator {
 
 const OPERATOR_NS: &str = "model-residency-system";
 
-fn http_get(addr: &str, path: &str) -> Option<String> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    Some(out)
+/// GETs `path` from the operator: the status and the body.
+async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    let addr = addr.parse().ok()?;
+    let answer = model_residency::http::send(addr, "GET", path, "")
+        .await
+        .ok()?;
+    Some((answer.status, answer.body))
 }
 
 /// Renders the chart's RBAC with helm, applies it, and runs
 /// `model-residency run --leader-elect` as the chart's ServiceAccount.
-fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
+async fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
     let helm = std::env::var("HELM").ok().or_else(|| {
         Command::new("bash")
             .arg(checkout_file("scripts/helm.sh"))
@@ -448,7 +445,10 @@ fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
     };
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        if http_get(&addr, "/readyz").is_some_and(|r| r.starts_with("HTTP/1.1 200")) {
+        if http_get(&addr, "/readyz")
+            .await
+            .is_some_and(|(status, _)| status == 200)
+        {
             break;
         }
         if Instant::now() > deadline {
@@ -460,7 +460,7 @@ fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
                 code: 1,
             });
         }
-        std::thread::sleep(Duration::from_millis(100));
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     println!("   ready: http://{addr}/readyz answers 200");
     Ok(operator)
@@ -483,7 +483,7 @@ async fn ask_the_pod(client: &kube::Client, model: &str) -> Result<(), Failure> 
     let body =
         format!(r#"{{"model": "{model}", "messages": [{{"role": "user", "content": "hi"}}]}}"#);
     println!("> POST http://{addr}/v1/chat/completions {body}   (straight to the model's pod)");
-    let answer = model_server::send(addr, "POST", "/v1/chat/completions", &body)
+    let answer = model_residency::http::send(addr, "POST", "/v1/chat/completions", &body)
         .await
         .map_err(|e| Failure::other(format!("ask {model}'s pod: {e}")))?;
     println!("{}", answer.body);

@@ -1,12 +1,12 @@
 //! The HTTP client tests talk to model pods (and, later, the router)
 //! with: the library's, on hyper.
 
-pub use model_residency::local::model_server::Answer;
+pub use model_residency::http::Answer;
 use std::net::SocketAddr;
 
 /// Sends `method path` with a JSON `body` (empty for none) to `addr`.
 pub async fn send(addr: SocketAddr, method: &str, path: &str, body: &str) -> Answer {
-    model_residency::local::model_server::send(addr, method, path, body)
+    model_residency::http::send(addr, method, path, body)
         .await
         .unwrap_or_else(|e| panic!("{method} http://{addr}{path}: {e}"))
 }
