@@ -220,6 +220,28 @@ async fn a_create_that_fails_still_writes_the_status_then_fails_the_reconcile() 
 }
 
 #[tokio::test]
+async fn two_like_events_in_one_reconcile_are_two_events_not_a_series() {
+    // A storm's batch can evict one model twice in one reconcile: each
+    // eviction is counted, so each must be its own event (a create), not a
+    // patch of the first into a series.
+    let (ctx, mut handle) = mocked();
+    let r = residency();
+    let mut d = decision();
+    (d.delete, d.create) = (Vec::new(), Vec::new());
+    let evicted = |n: u32| ModelEvent::about("a", EventReason::Evicted, format!("eviction {n}"));
+    d.events = vec![evicted(1), evicted(2)];
+    let server = async {
+        expect(&mut handle, Method::PATCH, STATUS, 200, json!(r)).await;
+        for n in 1..=2 {
+            let sent = expect(&mut handle, Method::POST, EVENTS, 201, json!({})).await;
+            assert_eq!(sent["note"], format!("eviction {n}"));
+        }
+    };
+    let (result, ()) = tokio::join!(enact(&r, "ns", &mut d, &ctx), server);
+    result.unwrap();
+}
+
+#[tokio::test]
 async fn a_failed_delete_stops_before_any_create_and_names_the_pod() {
     let (ctx, mut handle) = mocked();
     let r = residency();

@@ -241,15 +241,16 @@ async fn publish(d: &Decision, r: &ModelResidency, ctx: &Context) {
     if d.events.is_empty() {
         return;
     }
-    // A recorder per reconcile, not one for the process: kube's recorder
-    // keeps every event it published for six minutes (to count repeats into
-    // a series) and scans them all on each publish, which at thousands of
-    // residencies is megabytes and a scan per event. The operator reports
-    // transitions, which do not repeat within a reconcile, so every publish
-    // is one create.
-    let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
+    // A recorder per event, not one for the process: kube's recorder keeps
+    // every event it published for six minutes and turns a repeat (same
+    // reason, object and related pod, whatever the message) into a patch of
+    // a series, which at thousands of residencies is megabytes and a scan
+    // per event, and would fold two evictions of one model in one reconcile
+    // (a storm's batch) into one event object: each counted operation must
+    // be its own event, and every publish one create.
     let reference = r.object_ref(&());
     for e in &d.events {
+        let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
         let secondary = e.model.as_ref().map(|m| ObjectReference {
             api_version: Some("v1".into()),
             kind: Some("Pod".into()),
