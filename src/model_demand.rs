@@ -76,10 +76,11 @@ pub fn plan(
         return (KeyWrite::Keep, status);
     };
     let key = r.spec.demand.get(model);
+    let known = r.spec.models.iter().any(|m| &m.name == model);
     let write = match (requested_at, key) {
         (None, Some(_)) => KeyWrite::Remove,
         (None, None) => KeyWrite::Keep,
-        (Some(_), _) if !r.spec.models.iter().any(|m| &m.name == model) => KeyWrite::Keep,
+        (Some(_), _) if !known => KeyWrite::Keep,
         (Some(at), None) => KeyWrite::Set(at),
         // A newer request (a router's, or ours) stands.
         (Some(at), Some(t)) => match t.parse::<Timestamp>() {
@@ -91,7 +92,7 @@ pub fn plan(
         .status
         .as_ref()
         .and_then(|s| s.models.iter().find(|m| &m.name == model));
-    if !r.spec.models.iter().any(|m| &m.name == model) {
+    if !known {
         let message = format!("{model:?} is not in {r_name}'s spec.models");
         set.set(READY, false, "ModelNotFound", message);
     } else if let Some(m) = seen {

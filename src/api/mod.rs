@@ -222,6 +222,17 @@ pub struct ModelStatus {
     pub message: Option<String>,
 }
 
+impl ModelResidencyStatus {
+    /// Sets the resident, loading and refused counts from the models.
+    pub fn recount(&mut self) {
+        let count =
+            |f: fn(&ModelStatus) -> bool| self.models.iter().filter(|m| f(m)).count() as u32;
+        self.resident = count(ModelStatus::is_resident);
+        self.loading = count(|m| m.state == ModelState::Loading);
+        self.refused = count(|m| m.state == ModelState::Refused);
+    }
+}
+
 impl ModelStatus {
     /// Whether the model holds VRAM in the budget: Loaded, Loading, or Failed
     /// after it was admitted. A load refused for an invalid template fails

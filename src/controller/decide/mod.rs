@@ -134,12 +134,7 @@ impl Decision {
             st.message.clone().unwrap_or_default(),
         );
         self.events.push(event);
-        let models = &self.status.models;
-        self.status.resident = models.iter().filter(|m| m.is_resident()).count() as u32;
-        self.status.loading = models
-            .iter()
-            .filter(|m| m.state == ModelState::Loading)
-            .count() as u32;
+        self.status.recount();
         if let (Some(usage), Some(size)) = (&mut self.usage, size) {
             usage.used = usage.used.saturating_sub(size);
             usage.resident = self.status.resident;

@@ -520,30 +520,24 @@ impl<'a> Decider<'a> {
         let mut set = ConditionSet::new(&self.previous.conditions, generation, self.input.now);
         let conflict = self.input.gpu_holder.map(|h| self.conflict_message(h));
         model_conditions(&mut set, &models, conflict.as_deref());
-        let usage = Usage {
-            budget: self.valid.budget,
-            used: self.engine.used(),
-            peak: self.engine.peak(),
-            resident: models.iter().filter(|m| m.is_resident()).count() as u32,
-            gpu_conflict: conflict.is_some(),
-        };
-        let status = ModelResidencyStatus {
+        let (used, peak) = (self.engine.used(), self.engine.peak());
+        let mut status = ModelResidencyStatus {
             observed_generation: generation,
-            budget: Some(format_bytes(usage.budget)),
-            used: Some(format_bytes_rounded(usage.used)),
-            peak: Some(format_bytes_rounded(usage.peak)),
-            resident: usage.resident,
-            loading: models
-                .iter()
-                .filter(|m| m.state == ModelState::Loading)
-                .count() as u32,
-            refused: models
-                .iter()
-                .filter(|m| m.state == ModelState::Refused)
-                .count() as u32,
+            budget: Some(format_bytes(self.valid.budget)),
+            used: Some(format_bytes_rounded(used)),
+            peak: Some(format_bytes_rounded(peak)),
             models,
             counters: self.engine.counters(),
             conditions: set.finish(),
+            ..ModelResidencyStatus::default()
+        };
+        status.recount();
+        let usage = Usage {
+            budget: self.valid.budget,
+            used,
+            peak,
+            resident: status.resident,
+            gpu_conflict: conflict.is_some(),
         };
         plan.delete.sort();
         plan.delete.dedup();
