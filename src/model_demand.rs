@@ -130,6 +130,25 @@ pub enum Error {
     Finalizer(Box<kube::runtime::finalizer::Error<Error>>),
 }
 
+impl Error {
+    /// The `reason` label of `reconcile_errors_total`: the step that failed.
+    fn metric_label(&self) -> &'static str {
+        use kube::runtime::finalizer::Error as F;
+        match self {
+            Error::WriteDemand { .. } => "demand_write_demand",
+            Error::PatchStatus { .. } => "demand_patch_status",
+            Error::Finalizer(e) => match e.as_ref() {
+                F::ApplyFailed(inner) | F::CleanupFailed(inner) => inner.metric_label(),
+                // Adding or removing the finalizer lost a race: a reconcile
+                // started from a cache that had not yet seen the previous
+                // finalizer patch (kube's JSON-patch test fails). The retry
+                // reads the settled object.
+                _ => "demand_finalizer",
+            },
+        }
+    }
+}
+
 pub struct Context {
     pub client: kube::Client,
     pub metrics: Arc<Metrics>,
@@ -221,10 +240,15 @@ fn error_policy(md: Arc<ModelDemand>, error: &Error, ctx: Arc<Context>) -> Actio
     tracing::warn!(
         namespace = md.namespace().unwrap_or_default(),
         modeldemand = %md.name_any(),
+        step = error.metric_label(),
         "reconcile failed: {error}"
     );
-    ctx.metrics.reconcile_error("model_demand");
-    Action::requeue(Duration::from_secs(2))
+    ctx.metrics.reconcile_error(error.metric_label());
+    match error.metric_label() {
+        // A lost finalizer race settles as soon as the cache catches up.
+        "demand_finalizer" => Action::requeue(Duration::from_millis(200)),
+        _ => Action::requeue(Duration::from_secs(2)),
+    }
 }
 
 /// Whether the ModelDemand CRD is installed and readable (it is opt-in).

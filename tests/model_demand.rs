@@ -165,10 +165,21 @@ async fn a_demand_for_a_missing_residency_or_model_is_a_condition_not_a_loop() {
     h.create("later", "1Gi", &[("a", "1Mi", false)]).await;
     h.until_state("later", "a", ModelState::Loaded, 30).await;
     until_mirrored(&mds, "early", 1, "ModelLoaded").await;
-    // Few reconciles were spent waiting (no error loop).
-    let errors = h.ctx.metrics.sum_where(
-        "model_residency_reconcile_errors_total",
-        r#"reason="model_demand""#,
+    // Waiting was not an error loop: neither the demand write nor the status
+    // write ever failed. (A finalizer patch may lose one race against a
+    // reconcile started from a cache behind it; that is retried, and is at
+    // most one per object.)
+    let errors = |step: &str| {
+        h.ctx.metrics.sum_where(
+            "model_residency_reconcile_errors_total",
+            &format!(r#"reason="{step}""#),
+        )
+    };
+    assert_eq!(errors("demand_write_demand"), 0);
+    assert_eq!(errors("demand_patch_status"), 0);
+    assert!(
+        errors("demand_finalizer") <= 2,
+        "{}",
+        errors("demand_finalizer")
     );
-    assert_eq!(errors, 0);
 }
