@@ -18,7 +18,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 
 /// What the endpoints serve: readiness and the metrics.
 #[derive(Default)]
@@ -32,17 +32,7 @@ pub struct Endpoints {
 
 /// Serves until the task is dropped.
 pub async fn serve(listener: TcpListener, endpoints: Arc<Endpoints>) {
-    loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                // Out of file descriptors, most likely: retrying at once
-                // would spin a core until one frees up.
-                tracing::warn!(error = %e, "accepting a connection failed; pausing");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
+    accept_loop(listener, |stream| {
         let endpoints = endpoints.clone();
         tokio::spawn(async move {
             let service = service_fn(move |req: Request<Incoming>| {
@@ -56,35 +46,42 @@ pub async fn serve(listener: TcpListener, endpoints: Arc<Endpoints>) {
             // A scrape is quick; a connection held open longer is dropped.
             let _ = tokio::time::timeout(Duration::from_secs(60), connection).await;
         });
+    })
+    .await
+}
+
+/// Accepts connections until the task is dropped, handing each to
+/// `connection` (which spawns its own task).
+pub async fn accept_loop(listener: TcpListener, mut connection: impl FnMut(TcpStream)) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                let _ = stream.set_nodelay(true);
+                connection(stream)
+            }
+            Err(e) => {
+                // Out of file descriptors, most likely: retrying at once
+                // would spin a core until one frees up.
+                tracing::warn!(error = %e, "accepting a connection failed; pausing");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
     }
 }
 
 fn respond<B>(req: &Request<B>, endpoints: &Endpoints) -> Response<Full<Bytes>> {
-    const TEXT: &str = "text/plain; charset=utf-8";
-    const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
-    let path = req.uri().path();
-    let (status, content_type, body) = if !matches!(path, "/healthz" | "/readyz" | "/metrics") {
-        (StatusCode::NOT_FOUND, TEXT, "not found\n".to_owned())
-    } else if req.method() != Method::GET && req.method() != Method::HEAD {
-        (
-            StatusCode::METHOD_NOT_ALLOWED,
-            TEXT,
-            "read-only endpoint\n".to_owned(),
-        )
-    } else {
-        match path {
-            "/healthz" => (StatusCode::OK, TEXT, "ok\n".to_owned()),
-            "/readyz" if endpoints.ready.load(Ordering::Relaxed) => {
-                (StatusCode::OK, TEXT, "ok\n".to_owned())
-            }
-            "/readyz" => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                TEXT,
-                "waiting for the first watch sync\n".to_owned(),
-            ),
-            _ => (StatusCode::OK, OPENMETRICS, endpoints.metrics.encode()),
-        }
-    };
+    let ready = endpoints.ready.load(Ordering::Relaxed);
+    probe(req, ready, || endpoints.metrics.encode())
+        .unwrap_or_else(|| text_response(StatusCode::NOT_FOUND, TEXT, "not found\n".to_owned()))
+}
+
+const TEXT: &str = "text/plain; charset=utf-8";
+
+fn text_response(
+    status: StatusCode,
+    content_type: &'static str,
+    body: String,
+) -> Response<Full<Bytes>> {
     let mut response = Response::new(Full::new(Bytes::from(body)));
     *response.status_mut() = status;
     response.headers_mut().insert(
@@ -92,6 +89,41 @@ fn respond<B>(req: &Request<B>, endpoints: &Endpoints) -> Response<Full<Bytes>> 
         header::HeaderValue::from_static(content_type),
     );
     response
+}
+
+/// The answer to `/healthz`, `/readyz` or `/metrics` (read-only: other
+/// methods get 405), or `None` for any other path. Shared by the operator
+/// and the router.
+pub fn probe<B>(
+    req: &Request<B>,
+    ready: bool,
+    metrics: impl FnOnce() -> String,
+) -> Option<Response<Full<Bytes>>> {
+    const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+    let path = req.uri().path();
+    if !matches!(path, "/healthz" | "/readyz" | "/metrics") {
+        return None;
+    }
+    let (status, content_type, body) =
+        if req.method() != Method::GET && req.method() != Method::HEAD {
+            (
+                StatusCode::METHOD_NOT_ALLOWED,
+                TEXT,
+                "read-only endpoint\n".to_owned(),
+            )
+        } else {
+            match path {
+                "/healthz" => (StatusCode::OK, TEXT, "ok\n".to_owned()),
+                "/readyz" if ready => (StatusCode::OK, TEXT, "ok\n".to_owned()),
+                "/readyz" => (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    TEXT,
+                    "waiting for the first watch sync\n".to_owned(),
+                ),
+                _ => (StatusCode::OK, OPENMETRICS, metrics()),
+            }
+        };
+    Some(text_response(status, content_type, body))
 }
 
 /// An answer read by [`send`].

@@ -2,7 +2,7 @@
 //!
 //! - [`api`]: the `ModelResidency` and `ModelDemand` custom resources.
 //! - [`controller`]: the reconciler (validate, restore, decide, enact).
-//! - [`demand`]: load/unload requests (a guarded JSON patch of `spec.demand`).
+//! - [`demand`]: load/unload requests (one merge patch of a `spec.demand` key).
 //! - [`engine`]: the pure VRAM-budgeted LRU admission policy.
 //! - [`quantity`]: Kubernetes quantities as whole bytes.
 //! - [`registry`]: registry files (`{name, size, pinned}` lists).
@@ -11,6 +11,7 @@
 //! - [`lease`]: leader election on a Lease.
 //! - [`labels`]: label and annotation keys on model pods.
 //! - [`metrics`]: Prometheus metrics.
+//! - [`router`]: the request router (`model-residency route`).
 //! - [`model_demand`]: the ModelDemand controller (`/scale` for HPA and KEDA).
 //! - `local` (feature `local`): a local control plane and kubelet stand-in
 //!   (tests, benchmarks, demo); not in the operator image.
@@ -28,4 +29,5 @@ pub mod metrics;
 pub mod model_demand;
 pub mod quantity;
 pub mod registry;
+pub mod router;
 pub mod simulate;

@@ -254,14 +254,7 @@ impl Metrics {
     /// The sum of a metric's samples whose labels contain `labels`, as
     /// exposed: `sum_where(API_REQUESTS, r#"verb="create",resource="pods""#)`.
     pub fn sum_where(&self, metric: &str, labels: &str) -> u64 {
-        self.encode()
-            .lines()
-            .filter_map(|line| {
-                let (series, value) = line.rsplit_once(' ')?;
-                let (name, rest) = series.split_once('{').unwrap_or((series, ""));
-                (name == metric && rest.contains(labels)).then(|| value.parse::<f64>().ok())?
-            })
-            .sum::<f64>() as u64
+        sum_where(&self.encode(), metric, labels)
     }
 
     /// The OpenMetrics text exposition.
@@ -284,6 +277,20 @@ impl Drop for ReconcileTimer<'_> {
             .reconcile_duration
             .observe(self.start.elapsed().as_secs_f64());
     }
+}
+
+/// The sum of `metric`'s samples in an OpenMetrics exposition whose labels
+/// contain `labels` (for tests and benchmarks, which read metrics as a
+/// scraper would).
+pub fn sum_where(exposition: &str, metric: &str, labels: &str) -> u64 {
+    exposition
+        .lines()
+        .filter_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            let (name, rest) = series.split_once('{').unwrap_or((series, ""));
+            (name == metric && rest.contains(labels)).then(|| value.parse::<f64>().ok())?
+        })
+        .sum::<f64>() as u64
 }
 
 #[cfg(test)]

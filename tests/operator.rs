@@ -11,7 +11,6 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use model_residency::api::{ModelResidency, ModelState, ModelStatus};
 use model_residency::controller::pods::pod_name;
-use model_residency::engine::Engine;
 use model_residency::local::kubelet::fail_pod;
 use model_residency::metrics::{API_REQUESTS, RECONCILES};
 use serde_json::json;
@@ -19,18 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use support::cluster::eventually;
 use support::operator::{Harness, Model};
-
-const MI: u64 = 1 << 20;
-
-const SEED: &[Model<'static>] = &[
-    ("zimage", "10900Mi", false),
-    ("qwen-llm", "3000Mi", false),
-    ("sdxl", "6000Mi", false),
-    ("oversized", "20000Mi", false),
-    ("small-a", "4000Mi", false),
-    ("small-b", "4000Mi", false),
-    ("small-c", "4000Mi", false),
-];
+use support::seed::{MI, SEED, SEED_CASES, seed_engine};
 
 fn model<'a>(r: &'a ModelResidency, name: &str) -> &'a ModelStatus {
     r.status
@@ -49,15 +37,6 @@ fn condition<'a>(
         .unwrap_or_else(|| panic!("no {type_} condition"))
 }
 
-fn seed_engine(budget_mb: u64) -> Engine {
-    let mut e = Engine::new(budget_mb * MI);
-    for (n, s, _) in SEED {
-        let mb: u64 = s.trim_end_matches("Mi").parse().unwrap();
-        e.register(n, mb * MI, false).unwrap();
-    }
-    e
-}
-
 async fn events_for(h: &Harness, name: &str) -> Vec<(String, String)> {
     let api: Api<Event> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
     api.list(&ListParams::default())
@@ -74,16 +53,7 @@ async fn events_for(h: &Harness, name: &str) -> Vec<(String, String)> {
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn seed_cases_through_demand_patches_match_the_engine() {
     let h = Harness::start("seed-cases").await;
-    let cases: &[(u64, &[&str])] = &[
-        (14000, &["zimage", "zimage", "qwen-llm"]),
-        (11000, &["zimage", "qwen-llm", "zimage", "qwen-llm"]),
-        (16000, &["oversized"]),
-        (
-            9000,
-            &["small-a", "small-b", "small-a", "small-c", "small-a"],
-        ),
-        (16000, &["zimage", "sdxl", "qwen-llm", "zimage", "sdxl"]),
-    ];
+    let cases = SEED_CASES;
     let mut budgets = BTreeMap::new();
     for (i, (budget, _)) in cases.iter().enumerate() {
         budgets.insert(format!("case-{i}"), budget * MI);

@@ -6,6 +6,7 @@ mod demo;
 #[cfg(feature = "local")]
 mod local_cluster;
 mod operator;
+mod route;
 mod simulate;
 
 use clap::{Parser, Subcommand};
@@ -38,6 +39,10 @@ enum Command {
     LocalCluster(local_cluster::Args),
     /// Run the controller (watches ModelResidencies and their model pods).
     Run(operator::Args),
+    /// Run the request router: proxies model requests to the model pods,
+    /// holding a request through its model's load and turning traffic into
+    /// demand.
+    Route(route::Args),
     /// Load or unload a model by writing spec.demand.
     Demand {
         #[command(flatten)]
@@ -98,6 +103,10 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
         Command::Run(args) => {
             operator::init_logging(args.log_format());
             runtime()?.block_on(operator::run(args))
+        }
+        Command::Route(args) => {
+            operator::init_logging(args.log_format());
+            runtime()?.block_on(route::run(args))
         }
         Command::Demand { target, command } => runtime()?.block_on(demand::demand(target, command)),
         Command::Status { target, residency } => {

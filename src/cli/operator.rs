@@ -82,7 +82,7 @@ pub fn init_logging(format: LogFormat) {
     }
 }
 
-fn fatal(message: String) -> Failure {
+pub(super) fn fatal(message: String) -> Failure {
     tracing::error!("{message}");
     Failure { message, code: 1 }
 }
@@ -128,7 +128,7 @@ async fn preflight(client: &kube::Client, namespace: Option<&str>) -> Result<(),
 }
 
 /// Completes on SIGTERM or Ctrl-C.
-async fn termination() {
+pub(super) async fn termination() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}

@@ -2,6 +2,7 @@
 //! `kubectl` shows them and alerts match on them.
 
 use crate::engine::RefuseReason;
+use crate::quantity::format_bytes;
 
 /// Why a model is in its state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,6 +86,29 @@ impl From<&RefuseReason> for Reason {
 impl From<Reason> for String {
     fn from(r: Reason) -> Self {
         r.as_str().to_owned()
+    }
+}
+
+/// A refusal explained with the sizes, as the model's status message and
+/// the router's 503 say it.
+pub fn refusal_message(model: &str, reason: &RefuseReason) -> String {
+    match *reason {
+        RefuseReason::LargerThanBudget { size, budget } => format!(
+            "{model} needs {}, budget is {}",
+            format_bytes(size),
+            format_bytes(budget)
+        ),
+        RefuseReason::NoEvictableRoom {
+            size,
+            budget,
+            pinned,
+        } => format!(
+            "{model} needs {}, budget is {} and pinned models hold {}",
+            format_bytes(size),
+            format_bytes(budget),
+            format_bytes(pinned)
+        ),
+        RefuseReason::UnknownModel => format!("{model} is not in spec.models"),
     }
 }
 

@@ -5,3 +5,5 @@ pub mod cluster;
 pub mod http;
 pub mod operator;
 pub mod reference;
+pub mod router;
+pub mod seed;

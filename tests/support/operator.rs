@@ -53,32 +53,22 @@ impl Harness {
     }
 
     pub async fn start_with(test: &str, load_delay: Duration) -> Harness {
+        Self::start_kubelet(test, |c| c.load_delay = load_delay).await
+    }
+
+    /// Starts with the kubelet stand-in configured by `configure` (pods
+    /// ready at once by default).
+    pub async fn start_kubelet(test: &str, configure: impl FnOnce(&mut KubeletConfig)) -> Harness {
         let env = test_env(test).await;
         env.install_crds();
         let node = env.node("gpu");
         let mut config = KubeletConfig::instant(&[&node]);
-        config.load_delay = load_delay;
+        configure(&mut config);
         let kubelet = FakeKubelet::start(env.client.clone(), config)
             .await
             .unwrap();
         let ctx = Context::new(env.client.clone());
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let ns = env.namespace.clone();
-        let task = tokio::spawn({
-            let ctx = ctx.clone();
-            async move {
-                controller::run(
-                    ctx,
-                    Some(ns),
-                    async {
-                        let _ = stopped.await;
-                    },
-                    Arc::default(),
-                )
-                .await
-            }
-        });
-        Harness {
+        let mut h = Harness {
             api: Api::namespaced(env.client.clone(), &env.namespace),
             pods: Api::namespaced(env.client.clone(), &env.namespace),
             ctx,
@@ -87,8 +77,45 @@ impl Harness {
             last_time: Mutex::new(Timestamp::UNIX_EPOCH),
             next_device: Default::default(),
             _kubelet: kubelet,
-            stop: Some(stop),
-            task: Some(task),
+            stop: None,
+            task: None,
+        };
+        h.start_operator();
+        h
+    }
+
+    /// Starts the operator (again), with the same metrics.
+    pub fn start_operator(&mut self) {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let ns = self.env.namespace.clone();
+        let ctx = Context::with_options(
+            self.env.client.clone(),
+            self.ctx.metrics.clone(),
+            self.ctx.max_skew,
+        );
+        self.ctx = ctx.clone();
+        self.task = Some(tokio::spawn(async move {
+            controller::run(
+                ctx,
+                Some(ns),
+                async {
+                    let _ = stopped.await;
+                },
+                Arc::default(),
+            )
+            .await
+        }));
+        self.stop = Some(stop);
+    }
+
+    /// Stops the operator (its watches and its writes).
+    pub async fn stop_operator(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.abort();
+            let _ = task.await;
         }
     }
 

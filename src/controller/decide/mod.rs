@@ -22,7 +22,7 @@
 use super::conditions::{ConditionSet, DEGRADED, READY, REFUSED};
 use super::events::{EventReason, ModelEvent};
 use super::pods::{ModelPod, build_pod};
-use super::reasons::Reason;
+use super::reasons::{Reason, refusal_message};
 use super::state::{InvalidSpec, Restored, Usage, Valid, ValidModel, restore, validate};
 use crate::api::{ModelResidency, ModelResidencyStatus, ModelState, ModelStatus};
 use crate::engine::{Engine, ModelId, RefuseReason, Resize};
@@ -424,27 +424,6 @@ impl<'a> Decider<'a> {
                 build_pod(self.input.residency, &self.input.owner, m.spec, m.size).err()
             })
             .clone()
-    }
-}
-
-fn refusal_message(model: &str, reason: &RefuseReason) -> String {
-    match *reason {
-        RefuseReason::LargerThanBudget { size, budget } => format!(
-            "{model} needs {}, budget is {}",
-            format_bytes(size),
-            format_bytes(budget)
-        ),
-        RefuseReason::NoEvictableRoom {
-            size,
-            budget,
-            pinned,
-        } => format!(
-            "{model} needs {}, budget is {} and pinned models hold {}",
-            format_bytes(size),
-            format_bytes(budget),
-            format_bytes(pinned)
-        ),
-        RefuseReason::UnknownModel => format!("{model} is not in spec.models"),
     }
 }
 

@@ -1,0 +1,123 @@
+//! `model-residency route`: the request router process (see
+//! `model_residency::router`). Serves the model API, `/healthz`, `/readyz`
+//! and `/metrics` on one address; stops on SIGTERM or Ctrl-C after the
+//! requests in flight have finished (up to `--shutdown-grace`).
+
+use super::Failure;
+use super::operator::{LogFormat, fatal, parse_duration, termination};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams};
+use model_residency::api::ModelResidency;
+use model_residency::router::{Config, Router};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Serve only ModelResidencies (and their pods) in this namespace
+    /// (default: all namespaces).
+    #[arg(long, env = "WATCH_NAMESPACE")]
+    namespace: Option<String>,
+    /// Serve only ModelResidencies matching this label selector
+    /// (e.g. `tier=gpu`).
+    #[arg(long, short = 'l', env = "RESIDENCY_SELECTOR")]
+    selector: Option<String>,
+    /// Address of the model API and of /healthz, /readyz, /metrics.
+    #[arg(long, env = "HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    http_addr: SocketAddr,
+    /// A hit refreshes its model's recency (writes spec.demand) at most this
+    /// often; `0s` writes every hit (the seed's exact LRU and counters).
+    #[arg(long, env = "RECENCY_RESOLUTION", default_value = "5s", value_parser = parse_duration)]
+    recency_resolution: Duration,
+    /// The longest a request waits for its model to load (then 503).
+    #[arg(long, env = "LOAD_TIMEOUT", default_value = "10m", value_parser = parse_duration)]
+    load_timeout: Duration,
+    /// Requests that may wait for one model to load (then 429).
+    #[arg(long, env = "MAX_PENDING", default_value_t = 256)]
+    max_pending: usize,
+    /// Requests that may wait for loads in all (then 429).
+    #[arg(long, env = "MAX_PENDING_TOTAL", default_value_t = 4096)]
+    max_pending_total: usize,
+    /// The largest request body, in bytes (then 400).
+    #[arg(long, env = "MAX_BODY", default_value_t = 32 << 20)]
+    max_body: usize,
+    /// On SIGTERM, how long requests in flight may take to finish.
+    #[arg(long, default_value = "25s", value_parser = parse_duration)]
+    shutdown_grace: Duration,
+    /// Log format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+impl Args {
+    pub fn log_format(&self) -> LogFormat {
+        self.log_format
+    }
+}
+
+/// Fails fast, with the fix, when the CRD is missing or RBAC forbids the
+/// watches.
+async fn preflight(client: &kube::Client, namespace: Option<&str>) -> Result<(), Failure> {
+    let (residencies, pods): (Api<ModelResidency>, Api<Pod>) = match namespace {
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    };
+    let lp = ListParams::default().limit(1);
+    let forbidden = |what: &str, message: &str| {
+        fatal(format!(
+            "RBAC forbids listing {what}: {message}. The router needs list/watch on \
+             modelresidencies and pods, and patch on modelresidencies (the chart's router \
+             ClusterRole grants exactly that)"
+        ))
+    };
+    match residencies.list_metadata(&lp).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 404 => {
+            return Err(fatal(
+                "the ModelResidency CRD is not installed: run `model-residency crd | kubectl apply -f -`"
+                    .into(),
+            ));
+        }
+        Err(kube::Error::Api(s)) if s.code == 403 => {
+            return Err(forbidden("modelresidencies.residency.dev", &s.message));
+        }
+        Err(e) => return Err(fatal(format!("cannot reach the cluster: {e}"))),
+    }
+    match pods.list_metadata(&lp).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 403 => Err(forbidden("pods", &s.message)),
+        Err(e) => Err(fatal(format!("cannot list pods: {e}"))),
+    }
+}
+
+pub async fn run(args: Args) -> Result<(), Failure> {
+    let client = kube::Client::try_default().await.map_err(|e| {
+        fatal(format!(
+            "cannot load a kubeconfig or in-cluster config: {e}"
+        ))
+    })?;
+    preflight(&client, args.namespace.as_deref()).await?;
+    let listener = tokio::net::TcpListener::bind(args.http_addr)
+        .await
+        .map_err(|e| fatal(format!("cannot listen on {}: {e}", args.http_addr)))?;
+    let config = Config {
+        namespace: args.namespace,
+        selector: args.selector,
+        recency_resolution: args.recency_resolution,
+        load_timeout: args.load_timeout,
+        max_pending: args.max_pending,
+        max_pending_total: args.max_pending_total,
+        max_body: args.max_body,
+    };
+    tracing::info!(addr = %args.http_addr, ?config, "routing model requests");
+    let router = Router::start(client, config);
+    let serving = tokio::spawn(router.clone().serve(listener));
+    termination().await;
+    tracing::info!("shutting down: no new connections; finishing the requests in flight");
+    serving.abort();
+    router.drain(args.shutdown_grace).await;
+    Ok(())
+}

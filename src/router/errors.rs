@@ -1,0 +1,127 @@
+//! The router's own answers when it cannot proxy a request: OpenAI-shaped
+//! errors (`{"error": {"message", "type", "code"}}`), so OpenAI clients show
+//! the message as is.
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+use serde_json::json;
+use std::time::Duration;
+
+/// Why a request was not proxied.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// 400: the request names no usable model, or its body is unusable.
+    BadRequest(String),
+    /// 404: no watched residency's registry has the model.
+    ModelNotFound(String),
+    /// 503 without Retry-After: the model can never load where it is
+    /// served (waiting will not help).
+    ModelRefused(String),
+    /// 503 with Retry-After: the load failed or took longer than
+    /// `--load-timeout`.
+    ModelUnavailable {
+        message: String,
+        retry_after: Duration,
+    },
+    /// 429 with Retry-After: too many requests already wait for loads.
+    TooManyPending {
+        message: String,
+        retry_after: Duration,
+    },
+    /// 502: the model's pod could not be reached.
+    Upstream(String),
+}
+
+impl Refusal {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Refusal::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Refusal::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            Refusal::ModelRefused(_) | Refusal::ModelUnavailable { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            Refusal::TooManyPending { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Refusal::Upstream(_) => StatusCode::BAD_GATEWAY,
+        }
+    }
+
+    /// The OpenAI error `type` and `code`.
+    fn kind(&self) -> (&'static str, &'static str) {
+        match self {
+            Refusal::BadRequest(_) => ("invalid_request_error", "invalid_request"),
+            Refusal::ModelNotFound(_) => ("invalid_request_error", "model_not_found"),
+            Refusal::ModelRefused(_) => ("server_error", "model_refused"),
+            Refusal::ModelUnavailable { .. } => ("server_error", "model_unavailable"),
+            Refusal::TooManyPending { .. } => ("rate_limit_error", "too_many_pending"),
+            Refusal::Upstream(_) => ("server_error", "upstream_error"),
+        }
+    }
+
+    fn message(&self) -> &str {
+        match self {
+            Refusal::BadRequest(m)
+            | Refusal::ModelNotFound(m)
+            | Refusal::ModelRefused(m)
+            | Refusal::Upstream(m)
+            | Refusal::ModelUnavailable { message: m, .. }
+            | Refusal::TooManyPending { message: m, .. } => m,
+        }
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Refusal::ModelUnavailable { retry_after, .. }
+            | Refusal::TooManyPending { retry_after, .. } => Some(*retry_after),
+            _ => None,
+        }
+    }
+
+    /// The response the client gets.
+    pub fn response<B: From<Bytes>>(&self) -> Response<B> {
+        let (type_, code) = self.kind();
+        let body = json!({"error": {"message": self.message(), "type": type_, "code": code}});
+        let mut response = Response::new(B::from(Bytes::from(body.to_string())));
+        *response.status_mut() = self.status();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Some(after) = self.retry_after() {
+            // Whole seconds, at least one (a zero would invite a spin).
+            let secs = after.as_secs_f64().ceil().max(1.0) as u64;
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::Full;
+
+    #[test]
+    fn errors_are_openai_shaped_and_only_transient_ones_say_when_to_retry() {
+        let r: Response<Full<Bytes>> =
+            Refusal::ModelRefused("big needs 20Gi, budget is 16Gi".into()).response();
+        assert_eq!(r.status(), 503);
+        assert!(r.headers().get(header::RETRY_AFTER).is_none());
+        let r: Response<Full<Bytes>> = Refusal::ModelUnavailable {
+            message: "timed out".into(),
+            retry_after: Duration::from_millis(1500),
+        }
+        .response();
+        assert_eq!(r.status(), 503);
+        assert_eq!(r.headers()[header::RETRY_AFTER], "2");
+        let r: Response<Full<Bytes>> = Refusal::TooManyPending {
+            message: "full".into(),
+            retry_after: Duration::ZERO,
+        }
+        .response();
+        assert_eq!(
+            (r.status().as_u16(), &r.headers()[header::RETRY_AFTER]),
+            (429, &HeaderValue::from(1))
+        );
+    }
+}

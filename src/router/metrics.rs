@@ -1,0 +1,115 @@
+//! The router's Prometheus metrics (prefix `model_residency_router_`).
+//! Every request is counted here, whatever the recency resolution: the
+//! residency's own hit counter counts only the requests written to it.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CodeLabels {
+    pub model: String,
+    pub code: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabels {
+    pub model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WriteLabels {
+    /// `cold` (a load), `recency` (a hit's refresh) or `refused` (a
+    /// request no GPU can take, written so its residencies record it).
+    pub kind: &'static str,
+}
+
+pub struct RouterMetrics {
+    registry: Registry,
+    pub requests: Family<CodeLabels, Counter>,
+    pub duration: Histogram,
+    pub hold: Histogram,
+    pub cold_starts: Family<ModelLabels, Counter>,
+    pub pending: Family<ModelLabels, Gauge>,
+    pub upstream_errors: Family<ModelLabels, Counter>,
+    pub demand_writes: Family<WriteLabels, Counter>,
+    pub demand_write_errors: Counter,
+}
+
+impl Default for RouterMetrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("model_residency_router");
+        let m = RouterMetrics {
+            requests: Family::default(),
+            // 1 ms .. ~16 s for proxied answers (a stream lasts as long as
+            // it streams); loads are in `hold`.
+            duration: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
+            // 10 ms .. ~20 min: model loads are slow.
+            hold: Histogram::new(exponential_buckets(0.01, 2.0, 17)),
+            cold_starts: Family::default(),
+            pending: Family::default(),
+            upstream_errors: Family::default(),
+            demand_writes: Family::default(),
+            demand_write_errors: Counter::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "requests",
+            "Requests answered, by model and status code (the router's own errors included; model is empty when the request named none the router serves)",
+            m.requests.clone(),
+        );
+        registry.register(
+            "request_duration_seconds",
+            "Time from a request's arrival to the end of its answer",
+            m.duration.clone(),
+        );
+        registry.register(
+            "hold_seconds",
+            "Time a request waited for its model to load",
+            m.hold.clone(),
+        );
+        registry.register(
+            "cold_starts",
+            "Requests that found their model not ready and waited for a load",
+            m.cold_starts.clone(),
+        );
+        registry.register(
+            "pending_requests",
+            "Requests waiting for their model to load now",
+            m.pending.clone(),
+        );
+        registry.register(
+            "upstream_errors",
+            "Requests whose model pod could not be reached or broke off",
+            m.upstream_errors.clone(),
+        );
+        registry.register(
+            "demand_writes",
+            "Requests written into a residency's spec.demand, by kind (cold: a load; recency: a hit's refresh; refused: a request no GPU can take)",
+            m.demand_writes.clone(),
+        );
+        registry.register(
+            "demand_write_errors",
+            "Demand writes the API server did not take",
+            m.demand_write_errors.clone(),
+        );
+        RouterMetrics { registry, ..m }
+    }
+}
+
+impl RouterMetrics {
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+
+    /// The sum of a metric's samples whose labels contain `labels`.
+    pub fn sum_where(&self, metric: &str, labels: &str) -> u64 {
+        crate::metrics::sum_where(&self.encode(), metric, labels)
+    }
+}

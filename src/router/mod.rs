@@ -1,0 +1,806 @@
+//! `model-residency route`: the front door. An HTTP reverse proxy in front
+//! of the model pods that routes each request by its model id, holds a
+//! request whose model is not loaded until its pod is Ready (requesting
+//! the load itself), and turns traffic into demand.
+//!
+//! Stateless: it watches ModelResidency objects and their model pods and
+//! keeps nothing else, so any number of replicas can run side by side
+//! (no leader election). Its only write is the demand merge patch.
+//!
+//! - [`target`]: which model a request names;
+//! - [`snapshot`]: what the watches show, per model;
+//! - [`placement`]: where a model resident nowhere is loaded;
+//! - [`recency`]: when traffic becomes a demand write;
+//! - [`proxy`]: sending on and streaming back;
+//! - [`errors`]: the OpenAI-shaped answers when it cannot proxy.
+
+pub mod errors;
+pub mod metrics;
+pub mod placement;
+pub mod proxy;
+pub mod recency;
+pub mod snapshot;
+pub mod target;
+
+use crate::api::{ModelResidency, ModelState};
+use crate::controller::state::recorded_time;
+use crate::labels::MODEL_LABEL;
+use bytes::Bytes;
+use errors::Refusal;
+use futures::StreamExt;
+use http::{HeaderValue, Method, Request, Response, header};
+use http_body_util::{BodyExt, Full, combinators::BoxBody};
+use hyper::body::Incoming;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::Api;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use metrics::{CodeLabels, ModelLabels, RouterMetrics, WriteLabels};
+use placement::{Placement, place};
+use recency::{Key, Recency};
+use serde_json::json;
+use snapshot::{Endpoint, Snapshot};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, watch};
+use tokio::task::JoinHandle;
+
+/// How the router runs.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Watch only this namespace (default: all).
+    pub namespace: Option<String>,
+    /// Serve only residencies matching this label selector.
+    pub selector: Option<String>,
+    /// A hit refreshes its model's recency at most this often (zero: every
+    /// hit writes).
+    pub recency_resolution: Duration,
+    /// The longest a request waits for its model to load.
+    pub load_timeout: Duration,
+    /// Requests that may wait for loads, per model.
+    pub max_pending: usize,
+    /// Requests that may wait for loads, in all.
+    pub max_pending_total: usize,
+    /// The largest request body read.
+    pub max_body: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            namespace: None,
+            selector: None,
+            recency_resolution: Duration::from_secs(5),
+            load_timeout: Duration::from_secs(600),
+            max_pending: 256,
+            max_pending_total: 4096,
+            max_body: 32 << 20,
+        }
+    }
+}
+
+pub type ProxyBody = BoxBody<Bytes, hyper::Error>;
+
+fn full(bytes: Bytes) -> ProxyBody {
+    Full::new(bytes).map_err(|never| match never {}).boxed()
+}
+
+/// A running router: its watches, its view of the cluster, and its
+/// bookkeeping of traffic. Its tasks stop when it is dropped.
+pub struct Router {
+    config: Config,
+    client: kube::Client,
+    snapshot: watch::Receiver<Arc<Snapshot>>,
+    /// Woken when a demand write fails, so the requests waiting on it
+    /// write again.
+    retry: Notify,
+    ready: AtomicBool,
+    recency: Recency,
+    /// Requests being proxied, per pod (`<namespace>/<pod>`).
+    in_flight: Mutex<HashMap<Arc<str>, usize>>,
+    /// Requests waiting for loads, per model, and in all.
+    pending: Mutex<(HashMap<String, usize>, usize)>,
+    upstream: proxy::Upstream,
+    pub metrics: RouterMetrics,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        for task in self.tasks.get_mut().expect("tasks lock").drain(..) {
+            task.abort();
+        }
+    }
+}
+
+impl Router {
+    /// Starts the watches (and the recency ticks); the router is ready once
+    /// both watches have listed (see [`Router::ready`]).
+    pub fn start(client: kube::Client, config: Config) -> Arc<Router> {
+        let (tx, rx) = watch::channel(Arc::new(Snapshot::default()));
+        let router = Arc::new(Router {
+            recency: Recency::new(config.recency_resolution),
+            config,
+            client,
+            snapshot: rx,
+            retry: Notify::new(),
+            ready: AtomicBool::new(false),
+            in_flight: Mutex::default(),
+            pending: Mutex::default(),
+            upstream: proxy::upstream(),
+            metrics: RouterMetrics::default(),
+            tasks: Mutex::default(),
+        });
+        let watches = tokio::spawn(watch_cluster(Arc::downgrade(&router), tx));
+        let mut tasks = vec![watches];
+        if !router.config.recency_resolution.is_zero() {
+            tasks.push(tokio::spawn(refresh_recency(Arc::downgrade(&router))));
+        }
+        *router.tasks.lock().expect("tasks lock") = tasks;
+        router
+    }
+
+    /// Waits (up to `grace`) until no request is in flight: on shutdown,
+    /// after the listener is closed.
+    pub async fn drain(&self, grace: Duration) {
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline
+            && !self.in_flight.lock().expect("in-flight lock").is_empty()
+        {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Both watches have listed once.
+    pub fn ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed)
+    }
+
+    /// Serves HTTP on `listener` until the task is dropped.
+    pub async fn serve(self: Arc<Self>, listener: TcpListener) {
+        crate::http::accept_loop(listener, |stream| {
+            let router = self.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req| {
+                    let router = router.clone();
+                    async move { Ok::<_, std::convert::Infallible>(router.handle(req).await) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(Duration::from_secs(30))
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        })
+        .await
+    }
+
+    /// Answers one request.
+    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<ProxyBody> {
+        let start = Instant::now();
+        if let Some(r) = crate::http::probe(&req, self.ready(), || self.metrics.encode()) {
+            return r.map(|b| b.map_err(|never| match never {}).boxed());
+        }
+        if req.method() == Method::GET && req.uri().path() == "/v1/models" {
+            return self.list_models();
+        }
+        let (model, result) = match self.model_of(req).await {
+            Ok((model, parts, body)) => {
+                let result = self.serve_model(&model, &parts, body, start).await;
+                (self.known(&model), result)
+            }
+            Err(refusal) => (String::new(), Err(refusal)),
+        };
+        let response = result.unwrap_or_else(|r| {
+            if matches!(r, Refusal::Upstream(_)) {
+                self.metrics
+                    .upstream_errors
+                    .get_or_create(&ModelLabels {
+                        model: model.clone(),
+                    })
+                    .inc();
+            }
+            r.response::<Full<Bytes>>()
+                .map(|b| b.map_err(|never| match never {}).boxed())
+        });
+        self.metrics
+            .requests
+            .get_or_create(&CodeLabels {
+                model,
+                code: response.status().as_u16(),
+            })
+            .inc();
+        response
+    }
+
+    /// The model's name as a metric label: only names the router serves,
+    /// so a client cannot grow the label set at will.
+    fn known(&self, model: &str) -> String {
+        let known = self.snapshot.borrow().models.contains_key(model);
+        if known {
+            model.to_owned()
+        } else {
+            String::new()
+        }
+    }
+
+    /// Reads the request: its model, its head, and its body (whole, up to
+    /// `--max-body`: the model may be named inside it, and a body must be
+    /// replayable to be sent to another pod when the first is gone).
+    async fn model_of(
+        &self,
+        req: Request<Incoming>,
+    ) -> Result<(String, http::request::Parts, Bytes), Refusal> {
+        let bad = |e: target::BadRequest| Refusal::BadRequest(e.to_string());
+        let named = target::locate(req.method(), req.uri().path(), req.headers()).map_err(bad)?;
+        let limit = self.config.max_body;
+        let too_large = || bad(target::BadRequest::TooLarge { limit });
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+        if declared.is_some_and(|n| n > limit) {
+            return Err(too_large());
+        }
+        let (parts, body) = req.into_parts();
+        let body = http_body_util::Limited::new(body, limit)
+            .collect()
+            .await
+            .map_err(|e| {
+                if e.is::<http_body_util::LengthLimitError>() {
+                    too_large()
+                } else {
+                    Refusal::BadRequest(format!("the request body could not be read: {e}"))
+                }
+            })?
+            .to_bytes();
+        let model = match named {
+            target::Named::Known(m) => m,
+            target::Named::InBody => target::from_body(&body, &parts.headers).map_err(bad)?,
+        };
+        Ok((model, parts, body))
+    }
+
+    async fn serve_model(
+        self: &Arc<Self>,
+        model: &str,
+        parts: &http::request::Parts,
+        body: Bytes,
+        start: Instant,
+    ) -> Result<Response<ProxyBody>, Refusal> {
+        let mut gone: Option<Arc<str>> = None;
+        // At most two tries: a pod that went away before the request was
+        // sent is re-resolved once.
+        loop {
+            let (snap, endpoint, cold) = self.resolve(model, gone.as_deref()).await?;
+            if !cold {
+                self.refresh(&snap, &endpoint, model).await;
+            }
+            match self
+                .forward(&snap, &endpoint, model, parts, body.clone(), start)
+                .await
+            {
+                Err(proxy::SendError::Connect(e)) if gone.is_none() => {
+                    tracing::debug!(pod = %endpoint.pod, error = %e, "pod unreachable; re-resolving");
+                    gone = Some(endpoint.pod.clone());
+                }
+                Err(proxy::SendError::Connect(e) | proxy::SendError::Other(e)) => {
+                    return Err(Refusal::Upstream(format!(
+                        "model {model}'s pod {} did not answer: {e}",
+                        endpoint.pod
+                    )));
+                }
+                Ok(response) => return Ok(response),
+            }
+        }
+    }
+
+    /// A Ready pod for `model` (not `avoid`): at once if there is one, else
+    /// after holding the request through a load. `cold` says it was held.
+    async fn resolve(
+        &self,
+        model: &str,
+        avoid: Option<&str>,
+    ) -> Result<(Arc<Snapshot>, Endpoint, bool), Refusal> {
+        let mut rx = self.snapshot.clone();
+        let mut snap = rx.borrow_and_update().clone();
+        if !snap.synced {
+            // Started and asked before the first list: wait for it.
+            let deadline = tokio::time::Instant::now() + self.config.load_timeout;
+            while !snap.synced {
+                tokio::select! {
+                    changed = rx.changed() => if changed.is_err() { return Err(shutting_down()) },
+                    _ = tokio::time::sleep_until(deadline) => return Err(timed_out(model, self.config.load_timeout)),
+                }
+                snap = rx.borrow_and_update().clone();
+            }
+        }
+        let Some(view) = snap.models.get(model) else {
+            return Err(Refusal::ModelNotFound(format!(
+                "the model `{model}` does not exist: no ModelResidency this router serves lists it"
+            )));
+        };
+        if let Some(e) = self.least_busy(&view.ready, avoid) {
+            return Ok((snap.clone(), e, false));
+        }
+        let endpoint = self.hold(model, rx, avoid).await?;
+        Ok((self.snapshot.borrow().clone(), endpoint, true))
+    }
+
+    /// The Ready pod with the fewest requests in flight; a pod that could
+    /// not be reached (`avoid`) only if it is the only one still listed.
+    fn least_busy(&self, ready: &[Endpoint], avoid: Option<&str>) -> Option<Endpoint> {
+        let in_flight = self.in_flight.lock().expect("in-flight lock");
+        ready
+            .iter()
+            .filter(|e| avoid != Some(&*e.pod))
+            .min_by_key(|e| in_flight.get(&e.pod).copied().unwrap_or(0))
+            .or_else(|| ready.first())
+            .cloned()
+    }
+
+    /// Holds a request until its model has a Ready pod, requesting the load
+    /// where the placement rule says, bounded by `--load-timeout` and
+    /// `--max-pending`. Wakes on the watches, never polls.
+    async fn hold(
+        &self,
+        model: &str,
+        mut rx: watch::Receiver<Arc<Snapshot>>,
+        avoid: Option<&str>,
+    ) -> Result<Endpoint, Refusal> {
+        let _pending = self.enter_pending(model)?;
+        self.metrics
+            .cold_starts
+            .get_or_create(&ModelLabels {
+                model: model.to_owned(),
+            })
+            .inc();
+        let start = Instant::now();
+        let deadline = tokio::time::Instant::now() + self.config.load_timeout;
+        loop {
+            let snap = rx.borrow_and_update().clone();
+            if let Some(endpoint) = self.step(&snap, model, avoid).await? {
+                self.metrics.hold.observe(start.elapsed().as_secs_f64());
+                return Ok(endpoint);
+            }
+            tokio::select! {
+                changed = rx.changed() => if changed.is_err() { return Err(shutting_down()) },
+                _ = self.retry.notified() => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    return Err(timed_out(model, self.config.load_timeout));
+                }
+            }
+        }
+    }
+
+    /// One look at the cluster for a held request: its pod if one is
+    /// Ready; else nothing, after making sure a load is requested (once);
+    /// or why it will not load.
+    async fn step(
+        &self,
+        snap: &Snapshot,
+        model: &str,
+        avoid: Option<&str>,
+    ) -> Result<Option<Endpoint>, Refusal> {
+        let Some(view) = snap.models.get(model) else {
+            return Err(Refusal::ModelNotFound(format!(
+                "the model `{model}` was removed from every registry while the request waited"
+            )));
+        };
+        if let Some(e) = self.least_busy(&view.ready, avoid) {
+            return Ok(Some(e));
+        }
+        for &i in &view.homes {
+            let key = key(snap, i, model);
+            let status = snap.model_status(i, model);
+            let processed = recorded_time(status.and_then(|m| m.last_requested.as_deref()));
+            let why = || {
+                let s = status.and_then(|m| m.message.clone()).unwrap_or_default();
+                format!("{model} on {}: {s}", snap.residency_name(i))
+            };
+            match snap.state(i, model) {
+                // Admitted here: its pod is on the way.
+                ModelState::Loaded | ModelState::Loading => return Ok(None),
+                ModelState::Failed => {
+                    let retry_at = recorded_time(status.and_then(|m| m.retry_at.as_deref()));
+                    let retry_after = retry_at
+                        .and_then(|t| Duration::try_from(t.duration_since(Timestamp::now())).ok())
+                        .unwrap_or(Duration::from_secs(10));
+                    return Err(Refusal::ModelUnavailable {
+                        message: format!("the load failed: {}", why()),
+                        retry_after,
+                    });
+                }
+                ModelState::Refused if self.recency.processed(&key, processed) => {
+                    return Err(Refusal::ModelRefused(format!("refused: {}", why())));
+                }
+                _ => {}
+            }
+            if self.recency.unprocessed(&key, processed) {
+                // Our request waits for the operator.
+                return Ok(None);
+            }
+        }
+        let homes: Vec<&ModelResidency> =
+            view.homes.iter().map(|&i| &*snap.residencies[i]).collect();
+        let i = match place(model, &homes) {
+            Placement::Nowhere { why, refusing } => {
+                // The request still reaches the residencies (at most once
+                // per resolution), so their status and counters show the
+                // refusal as they would for any other writer.
+                for j in refusing {
+                    let key = key(snap, view.homes[j], model);
+                    if let Some(at) = self.recency.hit(&key, Instant::now()) {
+                        let _ = self.write(&key, at, "refused").await;
+                    }
+                }
+                return Err(Refusal::ModelRefused(why));
+            }
+            Placement::On(j) => view.homes[j],
+        };
+        let key = key(snap, i, model);
+        let processed = recorded_time(
+            snap.model_status(i, model)
+                .and_then(|m| m.last_requested.as_deref()),
+        );
+        if let Some(at) = self.recency.cold(&key, processed, Instant::now())
+            && let Err(e) = self.write(&key, at, "cold").await
+        {
+            return Err(Refusal::ModelUnavailable {
+                message: format!(
+                    "could not request {model} on {}: {e}",
+                    snap.residency_name(i)
+                ),
+                retry_after: Duration::from_secs(1),
+            });
+        }
+        Ok(None)
+    }
+
+    /// Writes a request for `key` at `at` (one merge patch).
+    async fn write(&self, key: &Key, at: Timestamp, kind: &'static str) -> Result<(), kube::Error> {
+        let api: Api<ModelResidency> = Api::namespaced(self.client.clone(), &key.0);
+        let result = crate::demand::load(&api, &key.1, &key.2, at).await;
+        self.metrics
+            .demand_writes
+            .get_or_create(&WriteLabels { kind })
+            .inc();
+        if let Err(e) = &result {
+            self.metrics.demand_write_errors.inc();
+            tracing::warn!(namespace = %key.0, residency = %key.1, model = %key.2, error = %e, "demand write failed");
+            self.recency.write_failed(key, at);
+            self.retry.notify_waiters();
+        }
+        result.map(|_| ())
+    }
+
+    /// A hit: refresh its model's recency if due (with a zero resolution,
+    /// before it is proxied, so the writes keep the requests' order).
+    async fn refresh(self: &Arc<Self>, snap: &Snapshot, endpoint: &Endpoint, model: &str) {
+        let key = key(snap, endpoint.residency, model);
+        let Some(at) = self.recency.hit(&key, Instant::now()) else {
+            return;
+        };
+        if self.config.recency_resolution.is_zero() {
+            let _ = self.write(&key, at, "recency").await;
+        } else {
+            let router = self.clone();
+            tokio::spawn(async move {
+                let _ = router.write(&key, at, "recency").await;
+            });
+        }
+    }
+
+    async fn forward(
+        self: &Arc<Self>,
+        snap: &Snapshot,
+        endpoint: &Endpoint,
+        model: &str,
+        parts: &http::request::Parts,
+        body: Bytes,
+        start: Instant,
+    ) -> Result<Response<ProxyBody>, proxy::SendError> {
+        let guard = InFlight::enter(self.clone(), snap, endpoint, model, start);
+        let answer = proxy::send(&self.upstream, endpoint.addr, parts, body).await?;
+        let (head, incoming) = answer.into_parts();
+        let mut response = Response::new(proxy::Tracked::new(incoming, guard).boxed());
+        *response.status_mut() = head.status;
+        let headers = response.headers_mut();
+        proxy::answer_headers(&head.headers, headers);
+        if let Ok(v) = HeaderValue::from_str(&snap.residency_name(endpoint.residency)) {
+            headers.insert("x-residency", v);
+        }
+        let pod = endpoint.pod.rsplit('/').next().unwrap_or_default();
+        if let Ok(v) = HeaderValue::from_str(pod) {
+            headers.insert("x-model-pod", v);
+        }
+        Ok(response)
+    }
+
+    fn enter_pending(&self, model: &str) -> Result<PendingGuard<'_>, Refusal> {
+        let mut pending = self.pending.lock().expect("pending lock");
+        let (per_model, total) = &mut *pending;
+        let here = per_model.get(model).copied().unwrap_or(0);
+        let full = |message: String| Refusal::TooManyPending {
+            message,
+            retry_after: Duration::from_secs(5),
+        };
+        if here >= self.config.max_pending {
+            return Err(full(format!(
+                "{here} requests already wait for {model} to load (--max-pending)"
+            )));
+        }
+        if *total >= self.config.max_pending_total {
+            return Err(full(format!(
+                "{total} requests already wait for models to load (--max-pending-total)"
+            )));
+        }
+        per_model.insert(model.to_owned(), here + 1);
+        *total += 1;
+        self.metrics
+            .pending
+            .get_or_create(&ModelLabels {
+                model: model.to_owned(),
+            })
+            .inc();
+        Ok(PendingGuard {
+            router: self,
+            model: model.to_owned(),
+        })
+    }
+
+    /// `GET /v1/models`: every model the router can serve, in the OpenAI
+    /// list format, with where it stands.
+    fn list_models(&self) -> Response<ProxyBody> {
+        let snap = self.snapshot.borrow().clone();
+        let mut names: Vec<&String> = snap.models.keys().collect();
+        names.sort();
+        let data: Vec<_> = names
+            .into_iter()
+            .map(|name| {
+                let view = &snap.models[name];
+                let places: Vec<(String, ModelState)> = view
+                    .homes
+                    .iter()
+                    .map(|&i| (snap.residency_name(i), snap.state(i, name)))
+                    .collect();
+                let rank = |s: ModelState| match s {
+                    ModelState::Loaded => 0,
+                    ModelState::Loading => 1,
+                    ModelState::Failed => 2,
+                    _ => 3,
+                };
+                let best = places.iter().min_by_key(|(_, s)| rank(*s));
+                json!({
+                    "id": name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "model-residency",
+                    "state": best.map(|(_, s)| format!("{s:?}")),
+                    "residency": best.map(|(r, _)| r),
+                    "residencies": places.iter().map(|(r, s)| json!({"residency": r, "state": format!("{s:?}")})).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        let body = json!({"object": "list", "data": data}).to_string();
+        let mut response = Response::new(full(Bytes::from(body)));
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        response
+    }
+}
+
+fn key(snap: &Snapshot, i: usize, model: &str) -> Key {
+    let r = &snap.residencies[i];
+    (
+        kube::ResourceExt::namespace(&**r).unwrap_or_default(),
+        kube::ResourceExt::name_any(&**r),
+        model.to_owned(),
+    )
+}
+
+fn shutting_down() -> Refusal {
+    Refusal::ModelUnavailable {
+        message: "the router is shutting down".into(),
+        retry_after: Duration::from_secs(1),
+    }
+}
+
+fn timed_out(model: &str, after: Duration) -> Refusal {
+    Refusal::ModelUnavailable {
+        message: format!(
+            "{model} did not become ready within {}s (--load-timeout)",
+            after.as_secs()
+        ),
+        retry_after: Duration::from_secs(30),
+    }
+}
+
+/// A request counted as waiting for a load until dropped.
+struct PendingGuard<'a> {
+    router: &'a Router,
+    model: String,
+}
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        let mut pending = self.router.pending.lock().expect("pending lock");
+        let (per_model, total) = &mut *pending;
+        if let Some(n) = per_model.get_mut(&self.model) {
+            *n -= 1;
+            if *n == 0 {
+                per_model.remove(&self.model);
+            }
+        }
+        *total -= 1;
+        self.router
+            .metrics
+            .pending
+            .get_or_create(&ModelLabels {
+                model: self.model.clone(),
+            })
+            .dec();
+    }
+}
+
+/// A request in flight on a pod, from just before it is sent until its
+/// answer's body has ended (or the client went away).
+struct InFlight {
+    router: Arc<Router>,
+    pod: Arc<str>,
+    key: Key,
+    start: Instant,
+}
+
+impl InFlight {
+    fn enter(
+        router: Arc<Router>,
+        snap: &Snapshot,
+        endpoint: &Endpoint,
+        model: &str,
+        start: Instant,
+    ) -> Self {
+        *router
+            .in_flight
+            .lock()
+            .expect("in-flight lock")
+            .entry(endpoint.pod.clone())
+            .or_default() += 1;
+        let key = key(snap, endpoint.residency, model);
+        router.recency.in_flight(&key, 1);
+        InFlight {
+            router,
+            pod: endpoint.pod.clone(),
+            key,
+            start,
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        {
+            let mut in_flight = self.router.in_flight.lock().expect("in-flight lock");
+            if let Some(n) = in_flight.get_mut(&self.pod) {
+                *n -= 1;
+                if *n == 0 {
+                    in_flight.remove(&self.pod);
+                }
+            }
+        }
+        self.router.recency.in_flight(&self.key, -1);
+        self.router
+            .metrics
+            .duration
+            .observe(self.start.elapsed().as_secs_f64());
+    }
+}
+
+/// Watches residencies and model pods, and publishes a new snapshot after
+/// each change (changes that come together are folded into one).
+async fn watch_cluster(router: std::sync::Weak<Router>, tx: watch::Sender<Arc<Snapshot>>) {
+    let Some((client, config)) = router
+        .upgrade()
+        .map(|r| (r.client.clone(), r.config.clone()))
+    else {
+        return;
+    };
+    let (residency_api, pod_api): (Api<ModelResidency>, Api<Pod>) = match &config.namespace {
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client, ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client)),
+    };
+    let mut residency_config = watcher::Config::default();
+    if let Some(selector) = &config.selector {
+        residency_config = residency_config.labels(selector);
+    }
+    let pod_config = watcher::Config::default().labels(MODEL_LABEL);
+    let (residencies, residency_writer) = reflector::store();
+    let (pods, pod_writer) = reflector::store();
+    let changed = Arc::new(Notify::new());
+    let watch_residencies = reflector::reflector(
+        residency_writer,
+        watcher(residency_api, residency_config).default_backoff(),
+    );
+    let watch_pods =
+        reflector::reflector(pod_writer, watcher(pod_api, pod_config).default_backoff());
+    let events = futures::stream::select(
+        watch_residencies.map(|e| e.map(|_| ())),
+        watch_pods.map(|e| e.map(|_| ())),
+    );
+    let feed = {
+        let changed = changed.clone();
+        events.for_each(move |event| {
+            if let Err(e) = event {
+                tracing::warn!(error = %e, "router watch error (retrying)");
+            }
+            changed.notify_one();
+            futures::future::ready(())
+        })
+    };
+    let publish = async {
+        let synced = async {
+            let _ = residencies.wait_until_ready().await;
+            let _ = pods.wait_until_ready().await;
+        };
+        synced.await;
+        loop {
+            let snapshot = build(&residencies, &pods);
+            if tx.send(Arc::new(snapshot)).is_err() {
+                return;
+            }
+            if let Some(r) = router.upgrade() {
+                r.ready.store(true, Ordering::Relaxed);
+            } else {
+                return;
+            }
+            changed.notified().await;
+        }
+    };
+    tokio::join!(feed, publish);
+}
+
+fn build(residencies: &Store<ModelResidency>, pods: &Store<Pod>) -> Snapshot {
+    Snapshot::build(true, residencies.state(), &pods.state())
+}
+
+/// Refreshes the recency of models hit (or with requests in flight) since
+/// their last write, every half resolution.
+async fn refresh_recency(router: std::sync::Weak<Router>) {
+    let Some(period) = router
+        .upgrade()
+        .map(|r| (r.config.recency_resolution / 2).max(Duration::from_millis(50)))
+    else {
+        return;
+    };
+    let mut ticks = tokio::time::interval(period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let Some(router) = router.upgrade() else {
+            return;
+        };
+        for (key, at) in router.recency.due(Instant::now()) {
+            let router = router.clone();
+            tokio::spawn(async move {
+                let _ = router.write(&key, at, "recency").await;
+            });
+        }
+    }
+}
+
+impl std::fmt::Debug for Router {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Router")
+            .field("config", &self.config)
+            .finish()
+    }
+}

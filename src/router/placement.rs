@@ -1,0 +1,205 @@
+//! Where a model that is resident nowhere should be loaded: the placement
+//! rule, pure (the residencies as the watch last saw them in, a choice out).
+//!
+//! Among the residencies whose registry has the model (its *homes*):
+//! 1. never one that would refuse it (larger than its budget, or room only
+//!    by evicting pinned models), one whose spec is invalid, or one that
+//!    lost its GPU to another residency (`GpuConflict`);
+//! 2. one where it fits without evicting anything, the most free VRAM
+//!    first;
+//! 3. else the one whose evictions hurt least: the most recently used of
+//!    the models it would evict was used longest ago;
+//! 4. ties by namespace/name.
+//!
+//! Loads nowhere: every home refuses it, each with its sizes.
+
+use crate::api::{ModelResidency, ModelResidencyStatus};
+use crate::controller::reasons::refusal_message;
+use crate::controller::state::{recorded_time, restore, validate};
+use crate::engine::Bytes;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+
+/// What loading the model would cost on one home.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Cost {
+    /// Fits as is; `Reverse` so more free VRAM sorts first.
+    Fits(std::cmp::Reverse<Bytes>),
+    /// Evicts models; the newest last use among them (sooner is cheaper).
+    Evicts(Option<Timestamp>),
+}
+
+/// The placement of a load.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// Load it on `homes[i]`.
+    On(usize),
+    /// Every home refuses it: `why` says why, with the sizes; `refusing`
+    /// are the homes that refuse it by size (the others are unusable).
+    Nowhere { why: String, refusing: Vec<usize> },
+}
+
+/// Why a residency is no place for any load right now, if it is not.
+fn unusable(r: &ModelResidency) -> Option<&'static str> {
+    let conflict = r.status.as_ref().is_some_and(|s| {
+        s.conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.reason == "GpuConflict")
+    });
+    conflict.then_some("another residency holds its GPU")
+}
+
+/// Chooses where to load `model` among `homes` (residencies whose registry
+/// lists it).
+pub fn place(model: &str, homes: &[&ModelResidency]) -> Placement {
+    let empty = ModelResidencyStatus::default();
+    let mut best: Option<(Cost, String, usize)> = None;
+    let mut refusals = Vec::new();
+    let mut refusing = Vec::new();
+    for (i, r) in homes.iter().enumerate() {
+        let key = format!("{}/{}", r.namespace().unwrap_or_default(), r.name_any());
+        if let Some(why) = unusable(r) {
+            refusals.push(format!("{key}: {why}"));
+            continue;
+        }
+        let valid = match validate(r) {
+            Ok(v) => v,
+            Err(e) => {
+                refusals.push(format!("{key}: invalid spec: {e}"));
+                continue;
+            }
+        };
+        let status = r.status.as_ref().unwrap_or(&empty);
+        let engine = restore(&valid, status).engine;
+        let Some(id) = engine.id(model) else {
+            continue;
+        };
+        let cost = match engine.plan_load(id) {
+            Ok(victims) if victims.is_empty() => Cost::Fits(std::cmp::Reverse(
+                engine.budget().saturating_sub(engine.used()),
+            )),
+            Ok(victims) => Cost::Evicts(
+                victims
+                    .iter()
+                    .filter_map(|&v| {
+                        let name = engine.name(v);
+                        let m = status.models.iter().find(|m| m.name == name)?;
+                        recorded_time(m.last_used.as_deref())
+                    })
+                    .max(),
+            ),
+            Err(reason) => {
+                refusals.push(format!("{key}: {}", refusal_message(model, &reason)));
+                refusing.push(i);
+                continue;
+            }
+        };
+        if best.as_ref().is_none_or(|(c, k, _)| (cost, &key) < (*c, k)) {
+            best = Some((cost, key, i));
+        }
+    }
+    match best {
+        Some((_, _, i)) => Placement::On(i),
+        None => Placement::Nowhere {
+            why: format!(
+                "{model} cannot be loaded on any GPU that serves it: {}",
+                refusals.join("; ")
+            ),
+            refusing,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{ModelState, ModelStatus};
+    use serde_json::json;
+
+    /// A residency with `models` (name, size, pinned) and the resident ones
+    /// (name, lastUsed) in status.
+    fn residency(
+        name: &str,
+        budget: &str,
+        models: &[(&str, &str, bool)],
+        resident: &[(&str, &str)],
+    ) -> ModelResidency {
+        let mut r: ModelResidency = serde_json::from_value(json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+            "metadata": {"name": name, "namespace": "ns"},
+            "spec": {"nodeName": "n", "device": "0", "budget": budget,
+                     "models": models.iter().map(|(n, s, p)| json!({"name": n, "size": s, "pinned": p})).collect::<Vec<_>>()},
+        }))
+        .unwrap();
+        let mut status = ModelResidencyStatus {
+            budget: Some(budget.into()),
+            ..Default::default()
+        };
+        for (m, used) in resident {
+            let size = models.iter().find(|x| x.0 == *m).unwrap().1;
+            status.models.push(ModelStatus {
+                name: (*m).into(),
+                state: ModelState::Loaded,
+                size: Some(size.into()),
+                last_used: Some((*used).into()),
+                ..Default::default()
+            });
+        }
+        r.status = Some(status);
+        r
+    }
+
+    const T1: &str = "2026-11-30T10:00:00Z";
+    const T2: &str = "2026-11-30T11:00:00Z";
+
+    #[test]
+    fn fitting_without_evictions_wins_then_the_most_free_vram() {
+        let models = [
+            ("a", "4Gi", false),
+            ("b", "4Gi", false),
+            ("c", "4Gi", false),
+        ];
+        let full = residency("full", "8Gi", &models, &[("a", T1), ("b", T1)]);
+        let half = residency("half", "8Gi", &models, &[("a", T1)]);
+        let empty = residency("empty", "16Gi", &models, &[]);
+        assert_eq!(place("c", &[&full, &half, &empty]), Placement::On(2));
+        assert_eq!(place("c", &[&full, &half]), Placement::On(1));
+    }
+
+    #[test]
+    fn else_the_gpu_whose_victims_were_used_longest_ago() {
+        let models = [
+            ("a", "8Gi", false),
+            ("b", "8Gi", false),
+            ("c", "8Gi", false),
+        ];
+        let recent = residency("recent", "8Gi", &models, &[("a", T2)]);
+        let stale = residency("stale", "8Gi", &models, &[("b", T1)]);
+        assert_eq!(place("c", &[&recent, &stale]), Placement::On(1));
+        assert_eq!(place("c", &[&stale, &recent]), Placement::On(0));
+    }
+
+    #[test]
+    fn never_a_gpu_that_would_refuse_it() {
+        let models = [
+            ("p", "6Gi", true),
+            ("big", "6Gi", false),
+            ("huge", "20Gi", false),
+        ];
+        let pinned = residency("pinned", "8Gi", &models, &[("p", T1)]);
+        let small = residency("small", "16Gi", &models, &[]);
+        assert_eq!(place("big", &[&pinned, &small]), Placement::On(1));
+        let Placement::Nowhere { why, refusing } = place("huge", &[&pinned, &small]) else {
+            panic!("placed a model larger than every budget");
+        };
+        assert_eq!(refusing, vec![0, 1]);
+        assert!(
+            why.contains("ns/small: huge needs 20Gi, budget is 16Gi"),
+            "{why}"
+        );
+        let Placement::Nowhere { why, .. } = place("big", &[&pinned]) else {
+            panic!("placed past pinned models");
+        };
+        assert!(why.contains("pinned models hold 6Gi"), "{why}");
+    }
+}

@@ -1,0 +1,128 @@
+//! Sending a request on to a model pod and streaming its answer back:
+//! pooled keep-alive connections (hyper-util's client), headers passed
+//! through except hop-by-hop ones, and a guard that counts the request as
+//! in flight until its answer's last byte has gone out.
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, Request, Response, header};
+use http_body_util::Full;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+pub type Upstream = Client<HttpConnector, Full<Bytes>>;
+
+/// One pool for all model pods: idle connections are kept per pod address.
+pub fn upstream() -> Upstream {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(Duration::from_secs(5)));
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(256)
+        .build(connector)
+}
+
+/// Headers that belong to one connection, not to the request (RFC 9110
+/// 7.6.1), and `host`, which the client sets for the pod.
+fn hop_by_hop(name: &HeaderName) -> bool {
+    name == header::CONNECTION
+        || name == header::HOST
+        || name == header::TE
+        || name == header::TRAILER
+        || name == header::TRANSFER_ENCODING
+        || name == header::UPGRADE
+        || name == header::PROXY_AUTHORIZATION
+        || name == header::PROXY_AUTHENTICATE
+        || name.as_str() == "keep-alive"
+        || name.as_str() == "proxy-connection"
+}
+
+fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    for (name, value) in from {
+        if !hop_by_hop(name) {
+            to.append(name.clone(), value.clone());
+        }
+    }
+}
+
+/// Why a request did not reach its pod.
+#[derive(Debug)]
+pub enum SendError {
+    /// No connection could be made: nothing was sent, so it may be sent
+    /// elsewhere.
+    Connect(String),
+    /// The connection broke after the request may have been sent.
+    Other(String),
+}
+
+/// Sends `parts` with `body` to `addr` and returns the pod's answer, its
+/// body unread.
+pub async fn send(
+    client: &Upstream,
+    addr: SocketAddr,
+    parts: &http::request::Parts,
+    body: Bytes,
+) -> Result<Response<Incoming>, SendError> {
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let uri = format!("http://{addr}{path}");
+    let mut request = Request::builder()
+        .method(parts.method.clone())
+        .uri(uri)
+        .body(Full::new(body))
+        .map_err(|e| SendError::Other(e.to_string()))?;
+    copy_headers(&parts.headers, request.headers_mut());
+    client.request(request).await.map_err(|e| {
+        if e.is_connect() {
+            SendError::Connect(e.to_string())
+        } else {
+            SendError::Other(e.to_string())
+        }
+    })
+}
+
+/// The pod's answer headers as the client gets them.
+pub fn answer_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    copy_headers(from, to);
+}
+
+/// An answer's body streamed frame by frame as the pod sends it, holding
+/// `guard` until the body ends or the client goes away.
+pub struct Tracked<G> {
+    inner: Incoming,
+    _guard: G,
+}
+
+impl<G> Tracked<G> {
+    pub fn new(inner: Incoming, guard: G) -> Self {
+        Tracked {
+            inner,
+            _guard: guard,
+        }
+    }
+}
+
+impl<G: Unpin> Body for Tracked<G> {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        Pin::new(&mut self.get_mut().inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}

@@ -1,0 +1,231 @@
+//! Demand from traffic: when the router writes a request into a
+//! residency's `spec.demand`, and when it does not.
+//!
+//! - A request for a model that is not resident writes a request once per
+//!   model and GPU: while the router's last write is not yet processed
+//!   (the model's `lastRequested` in status is older), more requests for it
+//!   wait on that write instead of adding their own.
+//! - A hit refreshes the model's recency at most once per resolution: the
+//!   first hit after a quiet `resolution` writes at once; hits within it
+//!   mark the model, and the next tick writes for it. Models with requests
+//!   in flight are refreshed on the ticks the same way, so a long stream
+//!   keeps its model recent. Steady traffic therefore costs at most one
+//!   write per model per resolution (per router replica).
+//! - With a zero resolution every hit writes, before it is proxied, in the
+//!   order the hits came: the seed's exact LRU and counters.
+//!
+//! Pure bookkeeping: the caller does the writes.
+
+use k8s_openapi::jiff::Timestamp;
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// A model on one residency: (namespace, residency, model).
+pub type Key = (String, String, String);
+
+#[derive(Default, Debug)]
+struct Entry {
+    /// When the router last wrote (or started writing) a request for it.
+    last_write: Option<Instant>,
+    /// The request time of that write.
+    written: Option<Timestamp>,
+    /// Hit since the last write.
+    dirty: bool,
+    /// Requests being proxied to it now.
+    in_flight: usize,
+}
+
+#[derive(Debug)]
+pub struct Recency {
+    resolution: Duration,
+    entries: Mutex<HashMap<Key, Entry>>,
+    /// The last request time handed out: times are strictly increasing, so
+    /// requests this router writes are processed in the order they came.
+    last_time: Mutex<Timestamp>,
+}
+
+impl Recency {
+    pub fn new(resolution: Duration) -> Self {
+        Recency {
+            resolution,
+            entries: Mutex::default(),
+            last_time: Mutex::new(Timestamp::UNIX_EPOCH),
+        }
+    }
+
+    pub fn resolution(&self) -> Duration {
+        self.resolution
+    }
+
+    fn next_time(&self) -> Timestamp {
+        let mut last = self.last_time.lock().expect("recency lock");
+        let now = Timestamp::now().max(*last + Duration::from_micros(1));
+        *last = now;
+        now
+    }
+
+    /// A hit on `key`: the request time to write now, if one is due.
+    pub fn hit(&self, key: &Key, now: Instant) -> Option<Timestamp> {
+        let mut entries = self.entries.lock().expect("recency lock");
+        let entry = entries.entry(key.clone()).or_default();
+        let due = entry
+            .last_write
+            .is_none_or(|t| now.duration_since(t) >= self.resolution);
+        if !due {
+            entry.dirty = true;
+            return None;
+        }
+        entry.dirty = false;
+        entry.last_write = Some(now);
+        let at = self.next_time();
+        entry.written = Some(at);
+        Some(at)
+    }
+
+    /// A request for `key`, which is not resident there, whose status last
+    /// processed a request from `processed`: the request time to write, or
+    /// `None` while this router's last write is still unprocessed.
+    pub fn cold(&self, key: &Key, processed: Option<Timestamp>, now: Instant) -> Option<Timestamp> {
+        let mut entries = self.entries.lock().expect("recency lock");
+        let entry = entries.entry(key.clone()).or_default();
+        if entry
+            .written
+            .is_some_and(|w| processed.is_none_or(|p| w > p))
+        {
+            return None;
+        }
+        entry.dirty = false;
+        entry.last_write = Some(now);
+        let at = self.next_time();
+        entry.written = Some(at);
+        Some(at)
+    }
+
+    /// Whether this router wrote a request for `key` that the status (last
+    /// processed at `processed`) has not seen yet.
+    pub fn unprocessed(&self, key: &Key, processed: Option<Timestamp>) -> bool {
+        let entries = self.entries.lock().expect("recency lock");
+        entries
+            .get(key)
+            .and_then(|e| e.written)
+            .is_some_and(|w| processed.is_none_or(|p| w > p))
+    }
+
+    /// Whether the router's last request for `key` was processed by the
+    /// status that last processed one at `processed`.
+    pub fn processed(&self, key: &Key, processed: Option<Timestamp>) -> bool {
+        let entries = self.entries.lock().expect("recency lock");
+        entries
+            .get(key)
+            .and_then(|e| e.written)
+            .is_some_and(|w| processed.is_some_and(|p| w <= p))
+    }
+
+    /// A write for `key` failed: forget it, so the next request writes again.
+    pub fn write_failed(&self, key: &Key, at: Timestamp) {
+        let mut entries = self.entries.lock().expect("recency lock");
+        if let Some(e) = entries.get_mut(key).filter(|e| e.written == Some(at)) {
+            e.written = None;
+            e.last_write = None;
+        }
+    }
+
+    /// A request to `key` starts or ends being proxied.
+    pub fn in_flight(&self, key: &Key, delta: isize) {
+        let mut entries = self.entries.lock().expect("recency lock");
+        let entry = entries.entry(key.clone()).or_default();
+        entry.in_flight = entry.in_flight.saturating_add_signed(delta);
+    }
+
+    /// The tick: the models hit since their last write, or with requests in
+    /// flight, whose last write is a resolution old, each with the request
+    /// time to write for it now.
+    pub fn due(&self, now: Instant) -> Vec<(Key, Timestamp)> {
+        let quiet_for = |e: &Entry| e.last_write.map(|t| now.duration_since(t));
+        let mut entries = self.entries.lock().expect("recency lock");
+        let mut due = Vec::new();
+        for (key, e) in entries.iter_mut() {
+            let old = quiet_for(e).is_none_or(|q| q >= self.resolution);
+            if old && (e.dirty || e.in_flight > 0) {
+                let at = self.next_time();
+                e.dirty = false;
+                e.last_write = Some(now);
+                e.written = Some(at);
+                due.push((key.clone(), at));
+            }
+        }
+        // Models gone quiet for a while are forgotten, so the map stays as
+        // small as the traffic (their next request writes at once).
+        let forget_after = self.resolution * 4 + Duration::from_secs(60);
+        entries.retain(|_, e| {
+            e.dirty || e.in_flight > 0 || quiet_for(e).is_some_and(|q| q < forget_after)
+        });
+        due
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(m: &str) -> Key {
+        ("ns".into(), "gpu".into(), m.into())
+    }
+
+    #[test]
+    fn steady_hits_write_once_per_resolution() {
+        let r = Recency::new(Duration::from_secs(5));
+        let t0 = Instant::now();
+        assert!(r.hit(&key("a"), t0).is_some());
+        for ms in [1, 100, 4_000] {
+            assert!(r.hit(&key("a"), t0 + Duration::from_millis(ms)).is_none());
+        }
+        // The tick before the resolution is up writes nothing; after it, one.
+        assert!(r.due(t0 + Duration::from_secs(4)).is_empty());
+        assert_eq!(r.due(t0 + Duration::from_secs(5)).len(), 1);
+        assert!(
+            r.due(t0 + Duration::from_secs(10)).is_empty(),
+            "no hits since"
+        );
+        assert!(r.hit(&key("a"), t0 + Duration::from_secs(11)).is_some());
+    }
+
+    #[test]
+    fn zero_resolution_writes_every_hit_in_order() {
+        let r = Recency::new(Duration::ZERO);
+        let t0 = Instant::now();
+        let a = r.hit(&key("a"), t0).unwrap();
+        let b = r.hit(&key("a"), t0).unwrap();
+        assert!(b > a);
+    }
+
+    #[test]
+    fn a_cold_model_is_requested_once_until_that_request_is_processed() {
+        let r = Recency::new(Duration::from_secs(5));
+        let t0 = Instant::now();
+        let at = r.cold(&key("a"), None, t0).unwrap();
+        assert!(r.cold(&key("a"), None, t0).is_none());
+        assert!(r.unprocessed(&key("a"), None));
+        assert!(!r.processed(&key("a"), None));
+        // Processed: a later request (say, after an eviction) writes again.
+        assert!(r.processed(&key("a"), Some(at)));
+        assert!(r.cold(&key("a"), Some(at), t0).is_some());
+        // A failed write is forgotten.
+        let again = r.cold(&key("b"), None, t0).unwrap();
+        r.write_failed(&key("b"), again);
+        assert!(r.cold(&key("b"), None, t0).is_some());
+    }
+
+    #[test]
+    fn a_model_with_requests_in_flight_stays_recent() {
+        let r = Recency::new(Duration::from_secs(5));
+        let t0 = Instant::now();
+        r.hit(&key("a"), t0);
+        r.in_flight(&key("a"), 1);
+        assert_eq!(r.due(t0 + Duration::from_secs(5)).len(), 1);
+        assert_eq!(r.due(t0 + Duration::from_secs(10)).len(), 1);
+        r.in_flight(&key("a"), -1);
+        assert!(r.due(t0 + Duration::from_secs(15)).is_empty());
+    }
+}

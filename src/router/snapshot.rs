@@ -1,0 +1,206 @@
+//! What the router's watches show, rebuilt after each change into one
+//! immutable value: for each model, the residencies that list it (its
+//! homes) and its Ready pods (its endpoints). Requests read the latest
+//! snapshot without a lock; waiting requests wake when a new one is
+//! published.
+
+use crate::api::{ModelResidency, ModelState, ModelStatus};
+use crate::labels::{MODEL_LABEL, RESIDENCY_LABEL};
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+/// The port the router sends to when a pod's first container declares
+/// none (the same default the kubelet stand-in serves on).
+pub const DEFAULT_MODEL_PORT: u16 = 8080;
+
+/// A Ready model pod a request can be sent to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    /// Index into [`Snapshot::residencies`].
+    pub residency: usize,
+    /// `<namespace>/<pod>`.
+    pub pod: Arc<str>,
+    pub addr: SocketAddr,
+}
+
+#[derive(Debug, Default)]
+pub struct ModelView {
+    /// Indexes into [`Snapshot::residencies`] whose registry lists it.
+    pub homes: Vec<usize>,
+    pub ready: Vec<Endpoint>,
+}
+
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    /// Both watches have listed everything once.
+    pub synced: bool,
+    /// Sorted by namespace/name.
+    pub residencies: Vec<Arc<ModelResidency>>,
+    pub models: HashMap<String, ModelView>,
+}
+
+impl Snapshot {
+    pub fn build(
+        synced: bool,
+        mut residencies: Vec<Arc<ModelResidency>>,
+        pods: &[Arc<Pod>],
+    ) -> Self {
+        residencies.sort_by_key(|r| (r.namespace(), r.name_any()));
+        let mut models: HashMap<String, ModelView> = HashMap::new();
+        let mut by_uid = HashMap::new();
+        for (i, r) in residencies.iter().enumerate() {
+            by_uid.insert(r.uid().unwrap_or_default(), i);
+            for m in &r.spec.models {
+                models.entry(m.name.clone()).or_default().homes.push(i);
+            }
+        }
+        for pod in pods {
+            let Some((i, model, addr)) = endpoint(pod, &by_uid, &residencies) else {
+                continue;
+            };
+            let Some(view) = models.get_mut(model) else {
+                continue;
+            };
+            let pod = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
+            view.ready.push(Endpoint {
+                residency: i,
+                pod: pod.into(),
+                addr,
+            });
+        }
+        Snapshot {
+            synced,
+            residencies,
+            models,
+        }
+    }
+
+    /// `<namespace>/<name>` of residency `i`.
+    pub fn residency_name(&self, i: usize) -> String {
+        let r = &self.residencies[i];
+        format!("{}/{}", r.namespace().unwrap_or_default(), r.name_any())
+    }
+
+    /// The model's entry in residency `i`'s status.
+    pub fn model_status(&self, i: usize, model: &str) -> Option<&ModelStatus> {
+        let status = self.residencies[i].status.as_ref()?;
+        status.models.iter().find(|m| m.name == model)
+    }
+
+    /// The model's state on residency `i` (Unloaded when status has none).
+    pub fn state(&self, i: usize, model: &str) -> ModelState {
+        self.model_status(i, model)
+            .map(|m| m.state)
+            .unwrap_or_default()
+    }
+}
+
+/// A pod that serves traffic: a model pod of a watched residency (owned by
+/// it: labels alone can be forged by anyone who may create pods), Ready,
+/// not terminating, with an IP. Its port is its first container's first
+/// `containerPort`.
+fn endpoint<'p>(
+    pod: &'p Pod,
+    by_uid: &HashMap<String, usize>,
+    residencies: &[Arc<ModelResidency>],
+) -> Option<(usize, &'p str, SocketAddr)> {
+    if pod.metadata.deletion_timestamp.is_some() {
+        return None;
+    }
+    let labels = pod.metadata.labels.as_ref()?;
+    let model = labels.get(MODEL_LABEL)?;
+    let owner = pod
+        .owner_references()
+        .iter()
+        .find(|o| o.controller == Some(true))?;
+    let &i = by_uid.get(&owner.uid)?;
+    if labels.get(RESIDENCY_LABEL) != Some(&residencies[i].name_any()) {
+        return None;
+    }
+    let status = pod.status.as_ref()?;
+    let ready = status
+        .conditions
+        .iter()
+        .flatten()
+        .any(|c| c.type_ == "Ready" && c.status == "True");
+    if !ready {
+        return None;
+    }
+    let ip: IpAddr = status.pod_ip.as_deref()?.parse().ok()?;
+    let port = pod
+        .spec
+        .iter()
+        .flat_map(|s| s.containers.first())
+        .flat_map(|c| c.ports.iter().flatten())
+        .map(|p| p.container_port)
+        .next()
+        .and_then(|p| u16::try_from(p).ok())
+        .unwrap_or(DEFAULT_MODEL_PORT);
+    Some((i, model, SocketAddr::new(ip, port)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn residency(name: &str, uid: &str, models: &[&str]) -> Arc<ModelResidency> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+                "metadata": {"name": name, "namespace": "ns", "uid": uid},
+                "spec": {"nodeName": "n", "device": "0", "budget": "8Gi",
+                         "models": models.iter().map(|m| json!({"name": m, "size": "1Gi"})).collect::<Vec<_>>()},
+            }))
+            .unwrap(),
+        )
+    }
+
+    fn pod(
+        name: &str,
+        residency: &str,
+        owner: &str,
+        model: &str,
+        ready: bool,
+        ip: &str,
+    ) -> Arc<Pod> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "metadata": {"name": name, "namespace": "ns",
+                    "labels": {MODEL_LABEL: model, RESIDENCY_LABEL: residency},
+                    "ownerReferences": [{"apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+                                         "name": residency, "uid": owner, "controller": true}]},
+                "spec": {"containers": [{"name": "server", "ports": [{"containerPort": 9000}]}]},
+                "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": if ready {"True"} else {"False"}}]},
+            }))
+            .unwrap(),
+        )
+    }
+
+    #[test]
+    fn only_ready_pods_owned_by_a_watched_residency_serve() {
+        let rs = vec![
+            residency("b", "u-b", &["x"]),
+            residency("a", "u-a", &["x", "y"]),
+        ];
+        let pods = [
+            pod("a-x", "a", "u-a", "x", true, "10.0.0.1"),
+            pod("a-y", "a", "u-a", "y", false, "10.0.0.2"),
+            // Labels that claim residency a, owned by something else.
+            pod("forged", "a", "u-other", "x", true, "10.0.0.3"),
+            // Owned by b but labelled for a.
+            pod("mislabelled", "a", "u-b", "x", true, "10.0.0.4"),
+        ];
+        let s = Snapshot::build(true, rs, &pods);
+        assert_eq!(s.residency_name(0), "ns/a");
+        let x = &s.models["x"];
+        assert_eq!(x.homes, vec![0, 1]);
+        assert_eq!(x.ready.len(), 1);
+        assert_eq!(&*x.ready[0].pod, "ns/a-x");
+        assert_eq!(x.ready[0].addr, "10.0.0.1:9000".parse().unwrap());
+        assert!(s.models["y"].ready.is_empty());
+    }
+}

@@ -1,0 +1,517 @@
+//! The request router against the real API server, the real operator and
+//! real HTTP: every model pod is a fake model server on its own loopback
+//! address (the kubelet stand-in), and every request goes through the
+//! router's socket.
+
+mod support;
+
+use futures::future::join_all;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Patch, PatchParams};
+use model_residency::api::{ModelResidency, ModelState};
+use model_residency::local::kubelet::FAIL_ANNOTATION;
+use model_residency::router::Config;
+use serde_json::json;
+use std::collections::BTreeSet;
+use std::time::Duration;
+use support::cluster::eventually;
+use support::operator::Harness;
+use support::router::{RouterUnderTest, assert_served_by, json_of};
+use support::seed::{SEED, SEED_CASES, seed_engine};
+
+fn exact() -> Config {
+    Config {
+        recency_resolution: Duration::ZERO,
+        ..Config::default()
+    }
+}
+
+async fn label(h: &Harness, residency: &str, key: &str, value: &str) {
+    let body = json!({"metadata": {"labels": {key: value}}});
+    h.api
+        .patch(residency, &PatchParams::default(), &Patch::Merge(&body))
+        .await
+        .unwrap();
+}
+
+fn counters(r: &ModelResidency) -> (u64, u64, u64, u64) {
+    let c = &r.status.as_ref().unwrap().counters;
+    (c.hits, c.loads, c.evictions, c.refusals)
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn seed_cases_through_the_router_give_the_seed_counters() {
+    let h = Harness::start("route-seed").await;
+    for (i, (budget, requests)) in SEED_CASES.iter().enumerate() {
+        let name = format!("case-{i}");
+        h.create(&name, &format!("{budget}Mi"), SEED).await;
+        label(&h, &name, "seed-case", &i.to_string()).await;
+        // One router per case: every case has the same registry, and the
+        // selector keeps the router to this case's GPU.
+        let router = RouterUnderTest::start(
+            &h,
+            Config {
+                selector: Some(format!("seed-case={i}")),
+                ..exact()
+            },
+        )
+        .await;
+        let mut engine = seed_engine(*budget);
+        for (n, model) in requests.iter().enumerate() {
+            let outcome = engine.request_named(model);
+            let answer = router.chat(model).await;
+            if matches!(outcome, model_residency::engine::Admission::Refused(_)) {
+                assert_eq!(answer.status, 503, "{}", answer.body);
+                assert_eq!(json_of(&answer)["error"]["code"], "model_refused");
+            } else {
+                assert_served_by(&answer, model);
+            }
+            // The request is processed before the next one is sent, as the
+            // seed's sequence is.
+            let processed = n as u64 + 1;
+            eventually(
+                30,
+                &format!("{name} to count request {processed}"),
+                || async {
+                    let r = h.api.get(&name).await.unwrap();
+                    r.status.as_ref()?;
+                    let (hits, loads, _, refusals) = counters(&r);
+                    (hits + loads + refusals == processed).then_some(())
+                },
+            )
+            .await;
+        }
+        let r = h.converged(&name).await;
+        let c = engine.counters();
+        assert_eq!(
+            counters(&r),
+            (c.hits, c.loads, c.evictions, c.refusals),
+            "{name} counters"
+        );
+        let want: BTreeSet<String> = engine
+            .residents()
+            .iter()
+            .map(|&id| engine.name(id).to_owned())
+            .collect();
+        assert_eq!(h.pods_of(&name).await.0, want, "{name} live pods");
+        assert_eq!(
+            router.metric("model_residency_router_requests_total", ""),
+            requests.len() as u64,
+            "the router counts every request"
+        );
+    }
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn fifty_concurrent_requests_for_a_cold_model_cause_one_load() {
+    let h = Harness::start_with("route-cold50", Duration::from_millis(500)).await;
+    h.create(
+        "gpu",
+        "8Gi",
+        &[("qwen", "4Gi", false), ("sd", "4Gi", false)],
+    )
+    .await;
+    let router = RouterUnderTest::start(&h, Config::default()).await;
+    let answers = join_all((0..50).map(|_| router.chat("qwen"))).await;
+    for a in &answers {
+        assert_served_by(a, "qwen");
+    }
+    let r = h.converged("gpu").await;
+    assert_eq!(counters(&r).1, 1, "exactly one load");
+    assert_eq!(
+        router.metric(
+            "model_residency_router_demand_writes_total",
+            r#"kind="cold""#
+        ),
+        1,
+        "one demand write for the load"
+    );
+    assert_eq!(
+        router.metric(
+            "model_residency_router_cold_starts_total",
+            r#"model="qwen""#
+        ),
+        50
+    );
+    assert_eq!(
+        router.metric(
+            "model_residency_router_requests_total",
+            r#"model="qwen",code="200""#
+        ),
+        50
+    );
+}
+
+/// A residency whose models' pods fail to start (`failing`) or never get
+/// going: the registry is `(name, size)`.
+async fn create_with_failing(
+    h: &Harness,
+    name: &str,
+    budget: &str,
+    models: &[(&str, &str)],
+    failing: &[&str],
+) {
+    let models: Vec<_> = models
+        .iter()
+        .map(|(n, size)| {
+            let annotations = if failing.contains(n) {
+                json!({FAIL_ANNOTATION: "CUDA out of memory"})
+            } else {
+                json!({})
+            };
+            json!({"name": n, "size": size, "template": {
+                "metadata": {"annotations": annotations},
+                "spec": {"containers": [{"name": "server", "image": format!("example/{n}:1")}]}
+            }})
+        })
+        .collect();
+    let r: ModelResidency = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": name},
+        "spec": {"nodeName": h.node, "device": "7", "budget": budget, "models": models},
+    }))
+    .unwrap();
+    h.api.create(&Default::default(), &r).await.unwrap();
+}
+
+fn error_code(a: &support::router::Answer) -> String {
+    json_of(a)["error"]["code"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn each_error_has_its_status_body_and_headers() {
+    let h = Harness::start_with("route-errors", Duration::from_millis(1500)).await;
+    create_with_failing(
+        &h,
+        "gpu",
+        "8Gi",
+        &[
+            ("ok", "2Gi"),
+            ("slow", "2Gi"),
+            ("broken", "2Gi"),
+            ("huge", "20Gi"),
+        ],
+        &["broken"],
+    )
+    .await;
+    let router = RouterUnderTest::start(&h, Config::default()).await;
+
+    // 404: no residency lists it.
+    let a = router.chat("gpt-17").await;
+    assert_eq!(
+        (a.status, error_code(&a).as_str()),
+        (404, "model_not_found")
+    );
+    assert!(
+        json_of(&a)["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("gpt-17")
+    );
+
+    // 503 refused, with the sizes and no Retry-After.
+    let a = router.chat("huge").await;
+    assert_eq!((a.status, error_code(&a).as_str()), (503, "model_refused"));
+    let message = json_of(&a)["error"]["message"].as_str().unwrap().to_owned();
+    assert!(
+        message.contains("20Gi") && message.contains("8Gi"),
+        "{message}"
+    );
+    assert!(!a.headers.contains_key("retry-after"));
+
+    // 503 unavailable with Retry-After: the load failed.
+    let a = router.chat("broken").await;
+    assert_eq!(
+        (a.status, error_code(&a).as_str()),
+        (503, "model_unavailable"),
+        "{}",
+        a.body
+    );
+    assert!(a.headers.contains_key("retry-after"));
+    assert!(a.body.contains("CUDA out of memory"), "{}", a.body);
+
+    // 503 unavailable with Retry-After: the load took longer than the
+    // router's --load-timeout (the stand-in takes 1.5 s).
+    let impatient = RouterUnderTest::start(
+        &h,
+        Config {
+            load_timeout: Duration::from_millis(300),
+            ..Config::default()
+        },
+    )
+    .await;
+    let a = impatient.chat("slow").await;
+    assert_eq!(
+        (a.status, error_code(&a).as_str()),
+        (503, "model_unavailable")
+    );
+    assert!(a.headers.contains_key("retry-after"));
+    assert!(a.body.contains("--load-timeout"), "{}", a.body);
+    drop(impatient);
+    h.until_state("gpu", "slow", ModelState::Loaded, 30).await;
+
+    // 429 with Retry-After: more requests than --max-pending wait for ok.
+    let strict = RouterUnderTest::start(
+        &h,
+        Config {
+            max_pending: 1,
+            ..Config::default()
+        },
+    )
+    .await;
+    let answers = join_all((0..3).map(|_| strict.chat("ok"))).await;
+    let codes: Vec<u16> = answers.iter().map(|a| a.status).collect();
+    assert_eq!(codes.iter().filter(|&&c| c == 200).count(), 1, "{codes:?}");
+    for a in answers.iter().filter(|a| a.status != 200) {
+        assert_eq!(
+            (a.status, error_code(a).as_str()),
+            (429, "too_many_pending")
+        );
+        assert!(a.headers.contains_key("retry-after"));
+    }
+    drop(strict);
+
+    // 400s: what is wrong with the request, said.
+    let bad = [
+        (r#"{"messages":[]}"#, "has no"),
+        (r#"{"model":42}"#, "must be a string"),
+        ("not json", "not JSON"),
+    ];
+    for (body, says) in bad {
+        let a = router.post("/v1/chat/completions", body).await;
+        assert_eq!(
+            (a.status, error_code(&a).as_str()),
+            (400, "invalid_request"),
+            "{body}"
+        );
+        assert!(a.body.contains(says), "{body}: {}", a.body);
+    }
+    let small = RouterUnderTest::start(
+        &h,
+        Config {
+            max_body: 64,
+            ..Config::default()
+        },
+    )
+    .await;
+    let long = json!({"model": "ok", "prompt": "x".repeat(100)}).to_string();
+    let a = small.post("/v1/completions", &long).await;
+    assert_eq!(a.status, 400);
+    assert!(a.body.contains("--max-body"), "{}", a.body);
+
+    // 502: the pod is listed Ready but nothing answers at its address.
+    let pods = h.pods.list(&Default::default()).await.unwrap();
+    let ok_pod: &Pod = pods
+        .items
+        .iter()
+        .find(|p| p.metadata.labels.as_ref().unwrap()["residency.dev/model"] == "slow")
+        .unwrap();
+    let name = ok_pod.metadata.name.clone().unwrap();
+    let body = json!({"status": {"podIP": "127.254.0.1"}});
+    h.pods
+        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&body))
+        .await
+        .unwrap();
+    eventually(10, "the router to see the new pod IP", || async {
+        let a = router.chat("slow").await;
+        (a.status == 502).then_some(a)
+    })
+    .await;
+    assert!(
+        router.metric(
+            "model_residency_router_upstream_errors_total",
+            r#"model="slow""#
+        ) >= 1
+    );
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn streamed_answers_arrive_chunk_by_chunk() {
+    let h = Harness::start_kubelet("route-stream", |c| {
+        c.stream_delay = Duration::from_millis(200)
+    })
+    .await;
+    h.create("gpu", "8Gi", &[("qwen", "4Gi", false)]).await;
+    let router = RouterUnderTest::start(&h, Config::default()).await;
+    assert_served_by(&router.chat("qwen").await, "qwen");
+    let body = json!({"model": "qwen", "stream": true, "messages": []}).to_string();
+    let a = router.post("/v1/chat/completions", &body).await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.headers["content-type"], "text/event-stream");
+    assert!(a.body.ends_with("data: [DONE]\n\n"), "{}", a.body);
+    // Four events 200 ms apart: had the router buffered the answer, they
+    // would arrive as one chunk, at once.
+    assert!(a.chunks.len() >= 4, "{} chunks", a.chunks.len());
+    let first = a.chunks.first().unwrap().0;
+    let last = a.chunks.last().unwrap().0;
+    assert!(
+        last - first >= Duration::from_millis(500),
+        "chunks spread over {:?}",
+        last - first
+    );
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn with_the_operator_stopped_resident_models_serve_and_cold_ones_wait() {
+    let mut h = Harness::start("route-no-operator").await;
+    h.create(
+        "gpu",
+        "8Gi",
+        &[("qwen", "4Gi", false), ("sd", "4Gi", false)],
+    )
+    .await;
+    let router = RouterUnderTest::start(&h, Config::default()).await;
+    assert_served_by(&router.chat("qwen").await, "qwen");
+    h.stop_operator().await;
+    for _ in 0..5 {
+        assert_served_by(&router.chat("qwen").await, "qwen");
+    }
+    let cold = tokio::spawn({
+        let addr = router.addr;
+        async move {
+            let body = json!({"model": "sd", "messages": []}).to_string();
+            support::http::send(addr, "POST", "/v1/chat/completions", &body).await
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        !cold.is_finished(),
+        "the cold request waits for the operator"
+    );
+    let r = h.api.get("gpu").await.unwrap();
+    assert!(r.spec.demand.contains_key("sd"), "its load was requested");
+    h.start_operator();
+    let a = tokio::time::timeout(Duration::from_secs(30), cold)
+        .await
+        .expect("served once the operator is back")
+        .unwrap();
+    assert_served_by(&a, "sd");
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn two_gpus_placement_follows_the_rule_and_a_storm_loses_nothing() {
+    let h = Harness::start_kubelet("route-two-gpus", |c| {
+        c.load_delay = Duration::from_millis(100);
+        // Evicted pods keep serving what they took for a moment, as a model
+        // server does in its termination grace period.
+        c.terminating_delay = Duration::from_millis(300);
+    })
+    .await;
+    let models: &[(&str, &str, bool)] = &[
+        ("a", "4Gi", false),
+        ("b", "4Gi", false),
+        ("c", "4Gi", false),
+        ("d", "4Gi", false),
+        ("e", "4Gi", false),
+    ];
+    h.create("gpu-0", "8Gi", models).await;
+    h.create("gpu-1", "8Gi", models).await;
+    let router = RouterUnderTest::start(&h, exact()).await;
+    let served_on = |a: &support::router::Answer| {
+        a.headers["x-residency"]
+            .to_str()
+            .unwrap()
+            .rsplit('/')
+            .next()
+            .unwrap()
+            .to_owned()
+    };
+    // Both empty: a tie on free VRAM, broken by name. Then the most free
+    // VRAM, then a tie again; once both are full, the GPU whose victim was
+    // used longest ago (gpu-0's a, before gpu-1's b).
+    let mut placed = Vec::new();
+    for m in ["a", "b", "c", "d", "e"] {
+        let a = router.chat(m).await;
+        assert_served_by(&a, m);
+        placed.push((m, served_on(&a)));
+    }
+    let want = [
+        ("a", "gpu-0"),
+        ("b", "gpu-1"),
+        ("c", "gpu-0"),
+        ("d", "gpu-1"),
+        ("e", "gpu-0"),
+    ];
+    assert_eq!(placed, want.map(|(m, g)| (m, g.to_owned())));
+    let r0 = h.converged("gpu-0").await;
+    let resident: BTreeSet<&str> = r0
+        .status
+        .as_ref()
+        .unwrap()
+        .models
+        .iter()
+        .filter(|m| m.state == ModelState::Loaded)
+        .map(|m| m.name.as_str())
+        .collect();
+    assert_eq!(resident, BTreeSet::from(["c", "e"]), "a was evicted for e");
+
+    // A storm of mixed requests, 16 at a time, across evictions: every one
+    // answered by the model it asked for.
+    let storm = RouterUnderTest::start(&h, Config::default()).await;
+    let names = ["a", "b", "c", "d", "e"];
+    let sequence: Vec<&str> = (0..240).map(|i| names[(i * 7 + i / 5) % 5]).collect();
+    for chunk in sequence.chunks(16) {
+        let answers = join_all(chunk.iter().map(|m| storm.chat(m))).await;
+        for (a, m) in answers.iter().zip(chunk) {
+            assert_served_by(a, m);
+        }
+    }
+    let loads = counters(&h.api.get("gpu-0").await.unwrap()).1
+        + counters(&h.api.get("gpu-1").await.unwrap()).1;
+    assert!(loads > 5, "the storm moved models ({loads} loads in all)");
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn models_are_listed_and_routed_by_path() {
+    let h = Harness::start("route-list").await;
+    h.create(
+        "gpu",
+        "8Gi",
+        &[("qwen", "4Gi", false), ("resnet", "1Gi", false)],
+    )
+    .await;
+    let router = RouterUnderTest::start(&h, Config::default()).await;
+    // KServe v2 names the model in the path.
+    let a = router
+        .post("/v2/models/resnet/infer", r#"{"inputs":[]}"#)
+        .await;
+    assert_served_by(&a, "resnet");
+    h.converged("gpu").await;
+    let list = json_of(&router.get("/v1/models").await);
+    assert_eq!(list["object"], "list");
+    let entries = list["data"].as_array().unwrap();
+    let ids: Vec<&str> = entries.iter().map(|e| e["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["qwen", "resnet"]);
+    let resnet = &entries[1];
+    assert_eq!(
+        (resnet["state"].as_str(), resnet["residency"].as_str()),
+        (
+            Some("Loaded"),
+            Some(format!("{}/gpu", h.env.namespace).as_str())
+        )
+    );
+    assert_eq!(entries[0]["state"], "Unloaded");
+    let unrouted = router.get("/generate").await;
+    assert_eq!(unrouted.status, 400);
+    assert!(unrouted.body.contains("X-Model"), "{}", unrouted.body);
+    let health = router.get("/healthz").await;
+    assert_eq!(health.status, 200);
+    let metrics = router.get("/metrics").await;
+    assert!(
+        metrics
+            .body
+            .contains("model_residency_router_requests_total"),
+        "{}",
+        metrics.body
+    );
+}
