@@ -105,30 +105,68 @@ fn chart_lints_and_renders_hardened_least_privilege_manifests() {
         ]
     );
 
-    let deployment = of_kind(&docs, "Deployment")[0];
-    let pod = &deployment["spec"]["template"]["spec"];
-    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
-    assert_eq!(
-        pod["securityContext"]["seccompProfile"]["type"],
-        "RuntimeDefault"
-    );
-    let c = &pod["containers"][0];
-    assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
-    assert_eq!(c["securityContext"]["allowPrivilegeEscalation"], false);
-    assert_eq!(c["securityContext"]["capabilities"]["drop"], json!(["ALL"]));
-    for kind in ["requests", "limits"] {
-        assert!(
-            c["resources"][kind]["memory"].is_string() && c["resources"][kind]["cpu"].is_string()
+    let deployments = of_kind(&docs, "Deployment");
+    let named = |name: &str| {
+        *deployments
+            .iter()
+            .find(|d| d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no Deployment {name}"))
+    };
+    let controller = named("mr-model-residency");
+    let router = named("mr-model-residency-router");
+    for deployment in [controller, router] {
+        let pod = &deployment["spec"]["template"]["spec"];
+        assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+        assert_eq!(
+            pod["securityContext"]["seccompProfile"]["type"],
+            "RuntimeDefault"
         );
+        let c = &pod["containers"][0];
+        assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
+        assert_eq!(c["securityContext"]["allowPrivilegeEscalation"], false);
+        assert_eq!(c["securityContext"]["capabilities"]["drop"], json!(["ALL"]));
+        for kind in ["requests", "limits"] {
+            assert!(
+                c["resources"][kind]["memory"].is_string()
+                    && c["resources"][kind]["cpu"].is_string()
+            );
+        }
+        assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/healthz");
+        assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
     }
-    assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/healthz");
-    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+    let args = |d: &Value| d["spec"]["template"]["spec"]["containers"][0]["args"].clone();
     assert!(
-        c["args"]
+        args(controller)
             .as_array()
             .unwrap()
             .contains(&json!("--leader-elect"))
     );
+    let router_args = args(router);
+    assert_eq!(router_args[0], "route");
+    assert!(
+        router_args
+            .as_array()
+            .unwrap()
+            .contains(&json!("--recency-resolution=5s"))
+    );
+    assert!(
+        router_args
+            .as_array()
+            .unwrap()
+            .contains(&json!("--max-body=33554432")),
+        "{router_args}"
+    );
+    assert_eq!(router["spec"]["replicas"], 2);
+    // The controller's selector must not take in router pods (and the
+    // router Service must select only them).
+    let selects = |d: &Value| d["spec"]["selector"]["matchLabels"].clone();
+    assert_ne!(selects(controller), selects(router));
+    let services = of_kind(&docs, "Service");
+    let router_service = services
+        .iter()
+        .find(|s| s["metadata"]["name"] == "mr-model-residency-router")
+        .expect("a router Service");
+    assert_eq!(router_service["spec"]["selector"], selects(router));
 
     let mut rules = Vec::new();
     for kind in ["ClusterRole", "Role"] {
@@ -160,6 +198,13 @@ fn chart_lints_and_renders_hardened_least_privilege_manifests() {
     ));
     assert_eq!(of_kind(&with_monitor, "ServiceMonitor").len(), 1);
     assert!(of_kind(&docs, "ServiceMonitor").is_empty());
+    let without_router = documents(&render(
+        &helm,
+        RELEASE,
+        "mr-system",
+        &["--set", "router.enabled=false"],
+    ));
+    assert_eq!(of_kind(&without_router, "Deployment").len(), 1);
 }
 
 fn kubectl_stdin(env: &TestEnv, args: &[&str], input: &str) -> std::process::Output {
@@ -467,4 +512,108 @@ async fn a_standby_takes_over_within_the_lease_and_never_writes_alongside() {
     );
     sampler.abort();
     assert!(!both.load(Ordering::SeqCst), "two replicas led at once");
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn the_router_does_its_job_with_only_its_charts_rbac() {
+    let helm = helm();
+    let env = test_env("chart-router").await;
+    install_chart(&env, &helm, "front");
+    let user = format!(
+        "system:serviceaccount:{}:front-model-residency-router",
+        env.namespace
+    );
+    let groups = [
+        "system:serviceaccounts".to_owned(),
+        format!("system:serviceaccounts:{}", env.namespace),
+        "system:authenticated".to_owned(),
+    ];
+    let can = |verb: &str, resource: &str| {
+        let out = env.kubectl(&["auth", "can-i", verb, resource, "--as", &user]);
+        String::from_utf8_lossy(&out.stdout).trim() == "yes"
+    };
+    for (verb, resource, want) in [
+        ("watch", "modelresidencies.residency.dev", true),
+        ("patch", "modelresidencies.residency.dev", true),
+        ("watch", "pods", true),
+        ("update", "modelresidencies.residency.dev", false),
+        ("delete", "modelresidencies.residency.dev", false),
+        ("create", "pods", false),
+        ("delete", "pods", false),
+        ("watch", "modeldemands.residency.dev", false),
+        ("get", "secrets", false),
+        ("create", "events.events.k8s.io", false),
+    ] {
+        assert_eq!(can(verb, resource), want, "router can-i {verb} {resource}");
+    }
+    let out = env.kubectl(&[
+        "auth",
+        "can-i",
+        "patch",
+        "modelresidencies.residency.dev",
+        "--subresource=status",
+        "--as",
+        &user,
+    ]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "no",
+        "no status writes"
+    );
+
+    // The whole job with its credentials: a cold request is held, its load
+    // requested (a demand write), and the answer proxied.
+    let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
+    let client = env.plane.client_as(&user, &groups).await.unwrap();
+    let node = env.node("gpu");
+    let _kubelet = FakeKubelet::start(env.client.clone(), KubeletConfig::instant(&[&node]))
+        .await
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let operator = tokio::spawn(controller::run(
+        Context::new(env.client.clone()),
+        Some(env.namespace.clone()),
+        async {
+            let _ = stopped.await;
+        },
+        Arc::default(),
+    ));
+    let admin: Api<ModelResidency> = Api::namespaced(env.client.clone(), &env.namespace);
+    let r: ModelResidency = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": "gpu"},
+        "spec": {"nodeName": node, "device": "0", "budget": "10Gi", "models": [
+            {"name": "a", "size": "6Gi", "template": {"spec": {"containers": [{"name": "s", "image": "i"}]}}},
+        ]},
+    }))
+    .unwrap();
+    admin.create(&PostParams::default(), &r).await.unwrap();
+    let router = model_residency::router::Router::start(
+        client,
+        model_residency::router::Config {
+            namespace: Some(env.namespace.clone()),
+            ..Default::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let serving = tokio::spawn(router.clone().serve(listener));
+    eventually(30, "the router to be ready", || async {
+        router.ready().then_some(())
+    })
+    .await;
+    let body = json!({"model": "a", "messages": []}).to_string();
+    let answer = support::http::send(addr, "POST", "/v1/chat/completions", &body).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert!(answer.body.contains("\"model\":\"a\""), "{}", answer.body);
+    assert_eq!(
+        router
+            .metrics
+            .sum_where("model_residency_router_demand_write_errors_total", ""),
+        0
+    );
+    serving.abort();
+    let _ = stop.send(());
+    let _ = operator.await;
 }

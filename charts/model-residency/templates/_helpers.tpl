@@ -32,3 +32,20 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{- define "model-residency.routerName" -}}
+{{- printf "%s-router" (include "model-residency.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "model-residency.routerSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "model-residency.name" . }}-router
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "model-residency.routerServiceAccountName" -}}
+{{- if .Values.router.serviceAccount.create -}}
+{{- default (include "model-residency.routerName" .) .Values.router.serviceAccount.name -}}
+{{- else -}}
+{{- required "router.serviceAccount.name is required when router.serviceAccount.create is false" .Values.router.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
