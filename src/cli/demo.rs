@@ -2,22 +2,23 @@
 //! about half a minute, explaining itself as it goes.
 //!
 //! Starts a real kube-apiserver + etcd + garbage collector, installs the
-//! CRD and the chart's RBAC, runs `model-residency run --leader-elect` as a
-//! separate process with the chart's ServiceAccount permissions, plays the
-//! kubelet for one fake GPU node, applies `examples/seed-registry.yaml` (the
-//! seed's models on a 16000Mi GPU) and drives demand: loads, a hit, LRU
-//! evictions, an oversized model refused, an unload. It ends with events,
-//! pods, counters and the operator's metrics, and stops everything it
+//! CRD and the chart's RBAC, runs `model-residency run --leader-elect` and
+//! `model-residency route` as separate processes, each with its chart
+//! ServiceAccount's permissions, plays the kubelet for one fake GPU node
+//! (every model pod a real HTTP server), applies
+//! `examples/seed-registry.yaml` (the seed's models on a 16000Mi GPU) and
+//! sends the seed's requests through the router as real HTTP: held cold
+//! starts, hits, LRU evictions, an oversized model refused (503 with the
+//! sizes), an unknown model (404), then an unload. It ends with events,
+//! pods, counters and both processes' metrics, and stops everything it
 //! started.
 
 use super::Failure;
 use super::demand::render_status;
 use k8s_openapi::api::core::v1::Namespace;
-use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use model_residency::api::{ModelResidency, ModelState};
 use model_residency::demand;
-use model_residency::labels::MODEL_LABEL;
 use model_residency::local::control_plane::ControlPlane;
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
 use std::path::{Path, PathBuf};
@@ -168,54 +169,48 @@ async fn story(
     settle(&api, &name).await?;
     kubectl(kc, &["get", "mres", "-n", NAMESPACE]);
 
-    let steps: &[(&str, &str, &str)] = &[
+    let router = start_router(plane).await?;
+    let steps: &[(Step, &str)] = &[
         (
-            "load",
-            "zimage",
-            "zimage (10900Mi) fits in the empty 16000Mi budget: a load.",
+            Step::Ask("zimage"),
+            "zimage (10900Mi) is not loaded: the router holds the request, writes the load into spec.demand, waits for the pod to be Ready, then proxies.",
         ),
         (
-            "load",
-            "qwen-llm",
-            "qwen-llm (3000Mi) fits next to it: 13900Mi used.",
+            Step::Ask("qwen-llm"),
+            "qwen-llm (3000Mi) fits next to it: another held cold start; 13900Mi used.",
         ),
         (
-            "load",
-            "qwen-llm",
-            "qwen-llm again: already resident, a hit; it becomes the most recently used.",
+            Step::Ask("qwen-llm"),
+            "qwen-llm again: resident, a hit, answered at once; it becomes the most recently used.",
         ),
         (
-            "load",
-            "sdxl",
+            Step::Ask("sdxl"),
             "sdxl (6000Mi) does not fit: the least recently used model (zimage) is evicted first, and sdxl's pod starts only once zimage's pod is gone.",
         ),
-        ("load", "small-a", "small-a (4000Mi) fits: 13000Mi used."),
+        (Step::Ask("small-a"), "small-a (4000Mi) fits: 13000Mi used."),
         (
-            "load",
-            "oversized",
-            "oversized (20000Mi) is larger than the whole budget: refused, nothing evicted.",
+            Step::Ask("oversized"),
+            "oversized (20000Mi) is larger than the whole budget: 503 model_refused with the sizes, nothing evicted.",
         ),
         (
-            "load",
-            "zimage",
+            Step::Ask("gpt-4"),
+            "gpt-4 is in no registry: 404 model_not_found.",
+        ),
+        (
+            Step::Ask("zimage"),
             "zimage comes back: qwen-llm and sdxl are the least recently used, so both go.",
         ),
         (
-            "unload",
-            "small-a",
+            Step::Unload("small-a"),
             "An autoscaler scales small-a down: its demand entry is removed, the model unloaded (not an eviction).",
         ),
     ];
-    for (i, (verb, model, why)) in steps.iter().enumerate() {
+    for (i, (step, why)) in steps.iter().enumerate() {
         say(&format!("Step {}: {why}", i + 1));
-        println!("$ model-residency demand {verb} {name} {model} -n {NAMESPACE}");
-        match *verb {
-            "load" => {
-                demand::load(&api, &name, model, Timestamp::now())
-                    .await
-                    .map_err(fail("write demand"))?;
-            }
-            _ => {
+        match *step {
+            Step::Ask(model) => ask(&router.addr, model).await?,
+            Step::Unload(model) => {
+                println!("$ model-residency demand unload {name} {model} -n {NAMESPACE}");
                 demand::unload(&api, &name, model)
                     .await
                     .map_err(fail("write demand"))?;
@@ -223,12 +218,26 @@ async fn story(
         }
         let r = settle(&api, &name).await?;
         kubectl(kc, &["get", "mres", "-n", NAMESPACE]);
-        if i == 1 {
-            ask_the_pod(&client, "qwen-llm").await?;
-        }
-        if matches!(i, 3 | 5 | 6) {
+        if matches!(i, 3 | 5 | 7) {
             println!("$ model-residency status {name} -n {NAMESPACE}");
             print!("{}", render_status(&r));
+        }
+    }
+
+    say("What the router serves (curl /v1/models)");
+    println!("$ curl -s http://{}/v1/models", router.addr);
+    let models = http_get(&router.addr, "/v1/models")
+        .await
+        .unwrap_or_default()
+        .1;
+    if let Ok(list) = serde_json::from_str::<serde_json::Value>(&models) {
+        for m in list["data"].as_array().into_iter().flatten() {
+            println!(
+                "   {:<10} {:<9} {}",
+                m["id"].as_str().unwrap_or_default(),
+                m["state"].as_str().unwrap_or_default(),
+                m["residency"].as_str().unwrap_or_default()
+            );
         }
     }
 
@@ -292,21 +301,86 @@ async fn story(
     {
         println!("   {line}");
     }
+    say(&format!(
+        "The router's metrics (curl http://{}/metrics | grep requests_total): every request, by model and code",
+        router.addr
+    ));
+    let metrics = http_get(&router.addr, "/metrics")
+        .await
+        .unwrap_or_default()
+        .1;
+    for line in metrics.lines().filter(|l| {
+        l.starts_with("model_residency_router_requests_total")
+            || l.starts_with("model_residency_router_demand_writes_total")
+    }) {
+        println!("   {line}");
+    }
+    router.stop();
     operator.stop();
     Ok(())
 }
 
-/// The operator as a separate process, with only the chart's RBAC.
-struct Operator {
+/// One step of the demo's story.
+enum Step {
+    /// A chat completion for the model, through the router.
+    Ask(&'static str),
+    /// An unload, as an autoscaler writes it.
+    Unload(&'static str),
+}
+
+/// Sends a chat completion for `model` through the router, as a client
+/// would, and shows the answer and how long it took.
+async fn ask(router: &str, model: &str) -> Result<(), Failure> {
+    let addr: std::net::SocketAddr = router.parse().map_err(Failure::other)?;
+    let body = format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}]}}"#);
+    println!("$ curl -s http://{router}/v1/chat/completions -d '{body}'");
+    let start = Instant::now();
+    let answer = model_residency::http::send(addr, "POST", "/v1/chat/completions", &body)
+        .await
+        .map_err(|e| Failure::other(format!("ask the router for {model}: {e}")))?;
+    let header = |h: &str| {
+        answer
+            .headers
+            .get(h)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("-")
+            .to_owned()
+    };
+    println!(
+        "   HTTP {} in {:.2} s   x-model-pod: {}   x-residency: {}",
+        answer.status,
+        start.elapsed().as_secs_f64(),
+        header("x-model-pod"),
+        header("x-residency"),
+    );
+    let shown = match serde_json::from_str::<serde_json::Value>(&answer.body) {
+        Ok(v) if answer.status == 200 => v["choices"][0]["message"]["content"]
+            .as_str()
+            .map(|c| format!("answer: {c:?}"))
+            .unwrap_or_else(|| answer.body.clone()),
+        Ok(v) => format!("error: {}", v["error"]),
+        Err(_) => answer.body.clone(),
+    };
+    println!("   {shown}");
+    Ok(())
+}
+
+/// A `model-residency` subcommand run as a separate process with only its
+/// chart ServiceAccount's RBAC.
+struct Process {
+    what: &'static str,
     child: std::process::Child,
     addr: String,
     log: PathBuf,
     _dir: tempfile::TempDir,
 }
 
-impl Operator {
+impl Process {
     fn stop(mut self) {
-        say("Stopping the operator with SIGTERM (a Deployment's pod shutdown)");
+        say(&format!(
+            "Stopping the {} with SIGTERM (a Deployment's pod shutdown)",
+            self.what
+        ));
         // SAFETY: kill(2) on our own child's pid.
         unsafe {
             libc::kill(self.child.id() as i32, libc::SIGTERM);
@@ -326,7 +400,7 @@ impl Operator {
     }
 }
 
-impl Drop for Operator {
+impl Drop for Process {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -335,7 +409,7 @@ impl Drop for Operator {
 
 const OPERATOR_NS: &str = "model-residency-system";
 
-/// GETs `path` from the operator: the status and the body.
+/// GETs `path` from one of the demo's processes: the status and the body.
 async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     let addr = addr.parse().ok()?;
     let answer = model_residency::http::send(addr, "GET", path, "")
@@ -344,9 +418,9 @@ async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     Some((answer.status, answer.body))
 }
 
-/// Renders the chart's RBAC with helm, applies it, and runs
-/// `model-residency run --leader-elect` as the chart's ServiceAccount.
-async fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
+/// Renders the chart with helm and applies its ServiceAccounts and RBAC
+/// (the operator's and the router's).
+fn install_rbac(plane: &ControlPlane) -> Result<(), Failure> {
     let helm = std::env::var("HELM").ok().or_else(|| {
         Command::new("bash")
             .arg(checkout_file("scripts/helm.sh"))
@@ -356,8 +430,6 @@ async fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
             .and_then(|o| String::from_utf8(o.stdout).ok())
             .map(|s| s.trim().to_owned())
     });
-    let dir = tempfile::tempdir().map_err(Failure::other)?;
-    let kc = plane.kubeconfig();
     let Some(helm) = helm else {
         return Err(Failure {
             message: "helm is needed to render the chart's RBAC: run `bash scripts/helm.sh` (or set HELM)".into(),
@@ -365,7 +437,7 @@ async fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
         });
     };
     say(
-        "Installing the chart's ServiceAccount and RBAC (helm template charts/model-residency | kubectl apply)",
+        "Installing the chart's ServiceAccounts and RBAC (helm template charts/model-residency | kubectl apply)",
     );
     let rendered = Command::new(&helm)
         .args(["template", "model-residency"])
@@ -397,47 +469,54 @@ async fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
             })
         })
         .collect();
+    let dir = tempfile::tempdir().map_err(Failure::other)?;
     let rbac_file = dir.path().join("rbac.yaml");
     std::fs::write(&rbac_file, rbac.join("\n---")).map_err(Failure::other)?;
+    let kc = plane.kubeconfig();
     kubectl(kc, &["create", "namespace", OPERATOR_NS]);
     kubectl(kc, &["apply", "-f", rbac_file.to_str().unwrap_or_default()]);
+    Ok(())
+}
 
-    say("Starting the operator: model-residency run --leader-elect, as the chart's ServiceAccount");
-    let sa = format!("system:serviceaccount:{OPERATOR_NS}:model-residency");
+/// Runs `model-residency <args> --http-addr <a free port>` as ServiceAccount
+/// `account` of the chart, and waits for its /readyz.
+async fn spawn_as(
+    plane: &ControlPlane,
+    what: &'static str,
+    account: &str,
+    args: &[&str],
+) -> Result<Process, Failure> {
+    let dir = tempfile::tempdir().map_err(Failure::other)?;
+    let sa = format!("system:serviceaccount:{OPERATOR_NS}:{account}");
     let sa_groups = [
         "system:serviceaccounts",
         "system:serviceaccounts:model-residency-system",
         "system:authenticated",
     ];
-    let sa_kubeconfig = dir.path().join("operator.kubeconfig");
+    let kubeconfig = dir.path().join("kubeconfig");
     plane
-        .write_kubeconfig_as(&sa_kubeconfig, &sa, &sa_groups)
+        .write_kubeconfig_as(&kubeconfig, &sa, &sa_groups)
         .map_err(Failure::other)?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .map_err(Failure::other)?;
     let addr = format!("127.0.0.1:{port}");
-    let log = dir.path().join("operator.log");
+    let log = dir.path().join("log");
     let log_file = std::fs::File::create(&log).map_err(Failure::other)?;
     let exe = std::env::current_exe().map_err(Failure::other)?;
     let mut cmd = Command::new(exe);
-    cmd.env("KUBECONFIG", &sa_kubeconfig)
-        .env("POD_NAME", "model-residency-demo")
-        .args([
-            "run",
-            "--leader-elect",
-            "--lease-namespace",
-            OPERATOR_NS,
-            "--http-addr",
-            &addr,
-        ])
+    cmd.env("KUBECONFIG", &kubeconfig)
+        .env("POD_NAME", format!("model-residency-demo-{what}"))
+        .args(args)
+        .args(["--http-addr", &addr])
         .stdout(std::process::Stdio::null())
         .stderr(log_file);
     // Dies with the demo, however the demo ends.
     let child = model_residency::local::control_plane::spawn_owned(cmd)
-        .map_err(|e| Failure::other(format!("start the operator: {e}")))?;
-    let operator = Operator {
+        .map_err(|e| Failure::other(format!("start the {what}: {e}")))?;
+    let process = Process {
+        what,
         child,
         addr: addr.clone(),
         log,
@@ -454,8 +533,8 @@ async fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
         if Instant::now() > deadline {
             return Err(Failure {
                 message: format!(
-                    "the operator did not become ready; its log:\n{}",
-                    std::fs::read_to_string(&operator.log).unwrap_or_default()
+                    "the {what} did not become ready; its log:\n{}",
+                    std::fs::read_to_string(&process.log).unwrap_or_default()
                 ),
                 code: 1,
             });
@@ -463,34 +542,34 @@ async fn start_operator(plane: &ControlPlane) -> Result<Operator, Failure> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     println!("   ready: http://{addr}/readyz answers 200");
-    Ok(operator)
+    Ok(process)
 }
 
-/// Sends one real HTTP request to a resident model's pod (the stand-in's
-/// fake model server at the pod's IP), as a client will through the router.
-async fn ask_the_pod(client: &kube::Client, model: &str) -> Result<(), Failure> {
-    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), NAMESPACE);
-    let lp = kube::api::ListParams::default().labels(&format!("{MODEL_LABEL}={model}"));
-    let pod = pods.list(&lp).await.map_err(fail("list pods"))?.items;
-    let Some(ip) = pod
-        .iter()
-        .filter_map(|p| p.status.as_ref()?.pod_ip.clone())
-        .next()
-    else {
-        return Ok(());
-    };
-    let addr: std::net::SocketAddr = format!("{ip}:8080").parse().map_err(Failure::other)?;
-    let body =
-        format!(r#"{{"model": "{model}", "messages": [{{"role": "user", "content": "hi"}}]}}"#);
-    println!("> POST http://{addr}/v1/chat/completions {body}   (straight to the model's pod)");
-    let answer = model_residency::http::send(addr, "POST", "/v1/chat/completions", &body)
-        .await
-        .map_err(|e| Failure::other(format!("ask {model}'s pod: {e}")))?;
-    println!("{}", answer.body);
-    println!(
-        "   (the stand-in's fake model server; a request router in front of the pods is not built yet)"
-    );
-    Ok(())
+/// `model-residency run --leader-elect`, as the chart's ServiceAccount.
+async fn start_operator(plane: &ControlPlane) -> Result<Process, Failure> {
+    install_rbac(plane)?;
+    say("Starting the operator: model-residency run --leader-elect, as the chart's ServiceAccount");
+    spawn_as(
+        plane,
+        "operator",
+        "model-residency",
+        &["run", "--leader-elect", "--lease-namespace", OPERATOR_NS],
+    )
+    .await
+}
+
+/// `model-residency route`, as the chart's router ServiceAccount. A zero
+/// recency resolution writes every hit, so the residency's counters are the
+/// seed's exactly.
+async fn start_router(plane: &ControlPlane) -> Result<Process, Failure> {
+    say("Starting the request router: model-residency route --recency-resolution 0s, as the chart's router ServiceAccount");
+    spawn_as(
+        plane,
+        "router",
+        "model-residency-router",
+        &["route", "--recency-resolution", "0s", "--load-timeout", "60s"],
+    )
+    .await
 }
 
 /// Waits until the status reflects the spec and nothing is loading.
