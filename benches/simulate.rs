@@ -18,8 +18,8 @@ mod reference;
 
 use model_residency::engine::{Engine, ModelId};
 use model_residency::quantity::{format_bytes, parse_bytes};
-use model_residency::simulate::replay_trace;
 use model_residency::simulate::trace::TraceReader;
+use model_residency::simulate::{ReplayOptions, replay_trace};
 use std::io::{BufWriter, Write};
 use std::time::Instant;
 
@@ -135,7 +135,8 @@ fn main() {
     let start = Instant::now();
     let mut engine = Engine::new(cfg.budget);
     let mut trace = TraceReader::open(&path).expect("open trace");
-    let report = replay_trace(&mut engine, &mut trace, None, |_| {}).expect("valid trace");
+    let report = replay_trace(&mut engine, &mut trace, ReplayOptions::default(), |_| {})
+        .expect("valid trace");
     let e2e = start.elapsed().as_secs_f64();
     assert_eq!(report.requests as usize, cfg.requests);
     assert_eq!(report.over_budget_steps, 0);

@@ -65,6 +65,7 @@ fn simulate_json_has_the_documented_keys() {
         "peak_bytes",
         "budget_bytes",
         "over_budget_steps",
+        "demand_writes",
     ];
     want.sort();
     let mut got = keys.clone();

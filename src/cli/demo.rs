@@ -562,12 +562,20 @@ async fn start_operator(plane: &ControlPlane) -> Result<Process, Failure> {
 /// recency resolution writes every hit, so the residency's counters are the
 /// seed's exactly.
 async fn start_router(plane: &ControlPlane) -> Result<Process, Failure> {
-    say("Starting the request router: model-residency route --recency-resolution 0s, as the chart's router ServiceAccount");
+    say(
+        "Starting the request router: model-residency route --recency-resolution 0s, as the chart's router ServiceAccount",
+    );
     spawn_as(
         plane,
         "router",
         "model-residency-router",
-        &["route", "--recency-resolution", "0s", "--load-timeout", "60s"],
+        &[
+            "route",
+            "--recency-resolution",
+            "0s",
+            "--load-timeout",
+            "60s",
+        ],
     )
     .await
 }

@@ -6,7 +6,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use model_residency::quantity::parse_bytes;
 use model_residency::registry;
 use model_residency::simulate::trace::TraceReader;
-use model_residency::simulate::{Report, replay_names, replay_trace};
+use model_residency::simulate::{ReplayOptions, Report, replay_names, replay_trace};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
@@ -28,6 +28,13 @@ pub struct Args {
     /// unit (the operator's spec.keepAlive); needs --trace.
     #[arg(long, requires = "trace", value_name = "TIME")]
     keep_alive: Option<f64>,
+    /// Write requests as the router does with this --recency-resolution
+    /// (in the trace's time unit): hits are written at most once per
+    /// resolution per model, so the LRU order is approximate. `hits` then
+    /// counts requests that found their model resident; `demand writes`
+    /// counts what reached the residency. Needs --trace.
+    #[arg(long, requires = "trace", value_name = "TIME")]
+    recency_resolution: Option<f64>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Output::Text)]
     output: Output,
@@ -54,7 +61,19 @@ pub fn run(args: Args) -> Result<(), Failure> {
             if args.keep_alive.is_some_and(|k| !(k.is_finite() && k > 0.0)) {
                 return Err(Failure::bad_input("--keep-alive must be a positive number"));
             }
-            let report = replay_trace(&mut engine, &mut trace, args.keep_alive, |t| {
+            if args
+                .recency_resolution
+                .is_some_and(|r| !(r.is_finite() && r >= 0.0))
+            {
+                return Err(Failure::bad_input(
+                    "--recency-resolution must be zero or a positive number",
+                ));
+            }
+            let options = ReplayOptions {
+                keep_alive: args.keep_alive,
+                recency_resolution: args.recency_resolution,
+            };
+            let report = replay_trace(&mut engine, &mut trace, options, |t| {
                 if let Some(bar) = &bar {
                     bar.set_position(t.progress().0);
                 }

@@ -6,7 +6,8 @@ pub mod trace;
 use crate::engine::{Admission, Bytes, Engine, ModelId};
 use crate::quantity::format_bytes;
 use serde::Serialize;
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet};
 use trace::{TraceError, TraceReader};
 
 /// The outcome of a replay. Field names are the `--output json` keys.
@@ -23,6 +24,10 @@ pub struct Report {
     /// Steps after which `used > budget`: an independent check of the
     /// engine's invariant, expected to stay 0.
     pub over_budget_steps: u64,
+    /// Requests written to the residency (demand writes). Every request
+    /// without a recency resolution; fewer with one, whose `hits` then
+    /// count requests that found their model resident.
+    pub demand_writes: u64,
 }
 
 impl Report {
@@ -47,6 +52,7 @@ impl Report {
             ("peak", format_bytes(self.peak_bytes)),
             ("hit ratio", format!("{:.2}%", 100.0 * self.hit_ratio())),
             ("over-budget steps", self.over_budget_steps.to_string()),
+            ("demand writes", self.demand_writes.to_string()),
         ];
         rows.iter().map(|(k, v)| format!("{k:<18} {v}\n")).collect()
     }
@@ -57,6 +63,9 @@ impl Report {
 struct Replay {
     requests: u64,
     over_budget_steps: u64,
+    /// With a recency resolution: requests that found their model
+    /// resident, and the writes made.
+    resolved: Option<(u64, u64)>,
 }
 
 impl Replay {
@@ -69,9 +78,11 @@ impl Replay {
 
     fn report(&self, engine: &Engine) -> Report {
         let c = engine.counters();
+        let (hits, demand_writes) = self.resolved.unwrap_or((c.hits, self.requests));
         Report {
             requests: self.requests,
-            hits: c.hits,
+            hits,
+            demand_writes,
             loads: c.loads,
             evictions: c.evictions,
             refusals: c.refusals,
@@ -129,21 +140,110 @@ impl KeepAlive {
     }
 }
 
+/// How a trace is replayed, in the trace's time unit.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ReplayOptions {
+    /// Unload a model not requested for this long first, as the operator's
+    /// `spec.keepAlive` does.
+    pub keep_alive: Option<f64>,
+    /// Write requests as the router does with `--recency-resolution`: a
+    /// request for a model that is not resident is written at once; a hit
+    /// is written only if the model's last write is this old, else folded
+    /// into one write a resolution after the last (if the model is still
+    /// resident then).
+    pub recency_resolution: Option<f64>,
+}
+
+/// The router's recency resolution in a replay: the writes it defers.
+struct Resolution {
+    resolution: f64,
+    last_write: HashMap<ModelId, f64>,
+    /// Deferred refreshes, by due time.
+    due: BinaryHeap<Reverse<(Time, ModelId)>>,
+    deferred: HashSet<ModelId>,
+    hits: u64,
+    writes: u64,
+}
+
+/// A trace time, ordered (times are finite: the reader checks).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Time(f64);
+
+impl Eq for Time {}
+
+impl PartialOrd for Time {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Time {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0)
+    }
+}
+
+impl Resolution {
+    /// The deferred refreshes due by `now`, in order.
+    fn flush(&mut self, engine: &mut Engine, now: f64, idle: &mut Option<KeepAlive>) {
+        while let Some(&Reverse((Time(at), id))) = self.due.peek() {
+            if at > now {
+                break;
+            }
+            self.due.pop();
+            self.deferred.remove(&id);
+            // An evicted model is not refreshed: that would load it back.
+            if engine.is_resident(id) {
+                engine.request(id);
+                self.writes += 1;
+                self.last_write.insert(id, at);
+                if let Some(idle) = idle {
+                    idle.last_use.insert(id, at);
+                }
+            }
+        }
+    }
+
+    /// A request for `id` at `now`: whether it is written now.
+    fn request(&mut self, engine: &Engine, id: ModelId, now: f64) -> bool {
+        if !engine.is_resident(id) {
+            return true;
+        }
+        self.hits += 1;
+        let last = self.last_write.get(&id).copied();
+        if last.is_none_or(|l| l + self.resolution <= now) {
+            return true;
+        }
+        if self.deferred.insert(id) {
+            let at = last.unwrap_or(now) + self.resolution;
+            self.due.push(Reverse((Time(at), id)));
+        }
+        false
+    }
+}
+
 /// Replays a trace. A row's size registers or resizes its model; a model
-/// neither registered nor sized is an error. With `keep_alive`, a model not
-/// requested for that long (trace time units) is unloaded first, as the
-/// operator's `spec.keepAlive` does. `progress` is called every 64Ki rows
+/// neither registered nor sized is an error. `options` add idle unload and
+/// the router's recency resolution. `progress` is called every 64Ki rows
 /// with the reader, for a progress display.
 pub fn replay_trace(
     engine: &mut Engine,
     trace: &mut TraceReader,
-    keep_alive: Option<f64>,
+    options: ReplayOptions,
     mut progress: impl FnMut(&TraceReader),
 ) -> Result<Report, TraceError> {
     let mut replay = Replay::default();
-    let mut idle = keep_alive.map(|idle| KeepAlive {
+    let mut idle = options.keep_alive.map(|idle| KeepAlive {
         idle,
         last_use: HashMap::new(),
+    });
+    let mut resolution = options.recency_resolution.map(|resolution| Resolution {
+        resolution,
+        last_write: HashMap::new(),
+        due: BinaryHeap::new(),
+        deferred: HashSet::new(),
+        hits: 0,
+        writes: 0,
     });
     loop {
         let (id, line, time) = {
@@ -172,18 +272,31 @@ pub fn replay_trace(
                 }
             }
         };
+        if let Some(r) = &mut resolution {
+            r.flush(engine, time, &mut idle);
+        }
         if let Some(idle) = &mut idle {
             idle.expire(engine, time);
         }
-        let used = !matches!(engine.request(id), Admission::Refused(_));
-        if let (Some(idle), true) = (&mut idle, used) {
-            idle.last_use.insert(id, time);
+        let written = resolution
+            .as_mut()
+            .is_none_or(|r| r.request(engine, id, time));
+        if written {
+            let used = !matches!(engine.request(id), Admission::Refused(_));
+            if let (Some(idle), true) = (&mut idle, used) {
+                idle.last_use.insert(id, time);
+            }
+            if let Some(r) = &mut resolution {
+                r.writes += 1;
+                r.last_write.insert(id, time);
+            }
         }
         replay.step(engine);
         if line.is_multiple_of(65536) {
             progress(trace);
         }
     }
+    replay.resolved = resolution.map(|r| (r.hits, r.writes));
     Ok(replay.report(engine))
 }
 
@@ -199,7 +312,11 @@ mod tests {
             let mut engine = Engine::new(10);
             let reader = Box::new(std::io::Cursor::new(text.to_owned()));
             let mut trace = TraceReader::from_reader(reader, "t.csv");
-            replay_trace(&mut engine, &mut trace, keep_alive, |_| {}).unwrap()
+            let options = ReplayOptions {
+                keep_alive,
+                ..Default::default()
+            };
+            replay_trace(&mut engine, &mut trace, options, |_| {}).unwrap()
         };
         let kept = run(None);
         assert_eq!((kept.hits, kept.loads, kept.unloads), (2, 3, 0));
@@ -248,7 +365,8 @@ mod tests {
         let text = "time,model,size\n0,a,6\n1,b,4\n2,a\n3,b,7\n";
         let mut trace = TraceReader::from_reader(Box::new(text.as_bytes()), "t.csv");
         let mut engine = Engine::new(10);
-        let report = replay_trace(&mut engine, &mut trace, None, |_| {}).unwrap();
+        let report =
+            replay_trace(&mut engine, &mut trace, ReplayOptions::default(), |_| {}).unwrap();
         // a(6) load, b(4) load, a hit, b grows to 7: a is evicted, b hit.
         assert_eq!(
             (report.requests, report.loads, report.hits, report.evictions),
@@ -262,10 +380,68 @@ mod tests {
     fn trace_rows_without_size_for_unknown_models_fail_at_their_line() {
         let text = "0,a,6\n1,b\n";
         let mut trace = TraceReader::from_reader(Box::new(text.as_bytes()), "t.csv");
-        let err = replay_trace(&mut Engine::new(10), &mut trace, None, |_| {}).unwrap_err();
+        let err = replay_trace(
+            &mut Engine::new(10),
+            &mut trace,
+            ReplayOptions::default(),
+            |_| {},
+        )
+        .unwrap_err();
         assert_eq!(
             err.to_string(),
             "t.csv:2: model \"b\" is not in the registry and the row gives no size"
         );
+    }
+
+    #[test]
+    fn a_recency_resolution_folds_hits_into_fewer_writes() {
+        // a and b fit together; c needs a's room. Hits on a at 1..4 fold
+        // into one write at 5; b at 2 and 6; c at 7 evicts the least
+        // recently *written*: b (6) is newer than a's folded write (5).
+        let text = "time,model,size\n0,a,4\n1,a\n2,b,4\n3,a\n4,a\n6,b\n7,c,4\n8,a\n";
+        let run = |recency_resolution| {
+            let mut engine = Engine::new(8);
+            let mut trace = TraceReader::from_reader(Box::new(text.as_bytes()), "t.csv");
+            let options = ReplayOptions {
+                recency_resolution,
+                ..Default::default()
+            };
+            replay_trace(&mut engine, &mut trace, options, |_| {}).unwrap()
+        };
+        let exact = run(None);
+        assert_eq!(run(Some(0.0)), exact, "a zero resolution is exact");
+        assert_eq!(exact.demand_writes, 8);
+        let coarse = run(Some(5.0));
+        // Writes: a@0 (load), b@2 (load), a@5 (hits at 1, 3, 4 folded),
+        // b@7 (the hit at 6, due a resolution after b@2), c@7 (load,
+        // evicts a: written at 5, before b's 7), a@8 (load, evicts b).
+        assert_eq!(coarse.demand_writes, 6, "{coarse:?}");
+        assert_eq!(
+            (coarse.hits, coarse.loads, coarse.evictions),
+            (4, 4, 2),
+            "{coarse:?}"
+        );
+        assert_eq!(
+            (exact.hits, exact.loads, exact.evictions),
+            (4, 4, 2),
+            "{exact:?}"
+        );
+
+        // Where it changes the outcome: a's hit at 3 is not written by 4,
+        // so c evicts a (written at 0) instead of b (written at 2).
+        let text = "time,model,size\n0,a,4\n2,b,4\n3,a\n4,c,4\n";
+        let resident_after = |recency_resolution| {
+            let mut engine = Engine::new(8);
+            let mut trace = TraceReader::from_reader(Box::new(text.as_bytes()), "t.csv");
+            let options = ReplayOptions {
+                recency_resolution,
+                ..Default::default()
+            };
+            replay_trace(&mut engine, &mut trace, options, |_| {}).unwrap();
+            let a = engine.id("a").unwrap();
+            engine.is_resident(a)
+        };
+        assert!(resident_after(None));
+        assert!(!resident_after(Some(5.0)));
     }
 }
