@@ -772,6 +772,17 @@ fn build(residencies: &Store<ModelResidency>, pods: &Store<Pod>) -> Snapshot {
     Snapshot::build(true, residencies.state(), &pods.state())
 }
 
+/// Whether `key`'s model is Loaded or Loading on its residency.
+fn still_resident(snap: &Snapshot, key: &Key) -> bool {
+    snap.residencies
+        .iter()
+        .position(|r| {
+            kube::ResourceExt::namespace(&**r).as_deref() == Some(key.0.as_str())
+                && kube::ResourceExt::name_any(&**r) == key.1
+        })
+        .is_some_and(|i| matches!(snap.state(i, &key.2), ModelState::Loaded | ModelState::Loading))
+}
+
 /// Refreshes the recency of models hit (or with requests in flight) since
 /// their last write, every half resolution.
 async fn refresh_recency(router: std::sync::Weak<Router>) {
@@ -788,7 +799,13 @@ async fn refresh_recency(router: std::sync::Weak<Router>) {
         let Some(router) = router.upgrade() else {
             return;
         };
+        let snap = router.snapshot.borrow().clone();
         for (key, at) in router.recency.due(Instant::now()) {
+            // A model evicted since its hits is not refreshed: the write
+            // would load it back for requests that are already answered.
+            if !still_resident(&snap, &key) {
+                continue;
+            }
             let router = router.clone();
             tokio::spawn(async move {
                 let _ = router.write(&key, at, "recency").await;
