@@ -14,11 +14,11 @@
 //! - `memory [--counts 1000,10000]`: `model-residency run` as a separate
 //!   process; its RSS once N residencies and their pods have converged.
 
-use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use model_residency::api::{ModelResidency, ModelState};
 use model_residency::controller::{self, Context};
@@ -30,17 +30,13 @@ use serde_json::json;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod support;
+
+use support::{arg, create_namespace, ms, percentile, poke, watch_named, watch_poke};
+
 const NS: &str = "bench";
 /// Where the ModelResidency floor object lives: no operator watches it.
 const FLOOR_NS: &str = "bench-floor";
-
-fn arg(args: &[String], name: &str, default: &str) -> String {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-        .unwrap_or_else(|| default.to_owned())
-}
 
 fn main() {
     let args: Vec<String> = std::env::args()
@@ -91,69 +87,6 @@ async fn setup(client: &kube::Client) {
     create_namespace(client, NS).await;
 }
 
-async fn create_namespace(client: &kube::Client, name: &str) {
-    let nss: Api<Namespace> = Api::all(client.clone());
-    nss.create(
-        &PostParams::default(),
-        &serde_json::from_value(json!({"metadata": {"name": name}})).unwrap(),
-    )
-    .await
-    .unwrap();
-}
-
-/// What `read` makes of each version of the object `name` seen through a
-/// watch (versions it maps to `None` are skipped), latest first.
-fn watch_named<K, T>(
-    api: Api<K>,
-    name: &str,
-    read: impl Fn(K) -> Option<T> + Send + 'static,
-) -> tokio::sync::watch::Receiver<T>
-where
-    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
-    T: Default + Send + Sync + 'static,
-{
-    let (tx, rx) = tokio::sync::watch::channel(T::default());
-    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    tokio::spawn(async move {
-        let mut s = watcher(api, config).applied_objects().boxed();
-        while let Ok(Some(o)) = s.try_next().await {
-            if let Some(v) = read(o) {
-                let _ = tx.send(v);
-            }
-        }
-    });
-    rx
-}
-
-/// The latest `poke` annotation of the object named `floor`.
-fn watch_poke<K>(api: Api<K>) -> tokio::sync::watch::Receiver<String>
-where
-    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
-{
-    watch_named(api, "floor", |o: K| {
-        Some(o.annotations().get("poke").cloned().unwrap_or_default())
-    })
-}
-
-/// One floor sample: merge-patch `floor`'s `poke` annotation to `value`,
-/// until the watch sees it.
-async fn poke<K>(api: &Api<K>, seen: &tokio::sync::watch::Receiver<String>, value: &str) -> Duration
-where
-    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned,
-{
-    let mut seen = seen.clone();
-    let t0 = Instant::now();
-    api.patch(
-        "floor",
-        &PatchParams::default(),
-        &Patch::Merge(json!({"metadata": {"annotations": {"poke": value}}})),
-    )
-    .await
-    .unwrap();
-    seen.wait_for(|v| v == value).await.unwrap();
-    t0.elapsed()
-}
-
 fn residency(name: &str, node: &str, budget: &str, models: &[(String, String)]) -> ModelResidency {
     let models: Vec<_> = models
         .iter()
@@ -177,14 +110,6 @@ fn gpu_of(name: &str) -> String {
 
 fn start_operator(client: &kube::Client) -> (Arc<Context>, tokio::task::JoinHandle<()>) {
     controller::spawn_for_namespace(client.clone(), NS)
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1]
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
 }
 
 async fn latency(client: &kube::Client, samples: usize) {

@@ -191,7 +191,13 @@ impl Router {
         let (model, result) = match self.model_of(req).await {
             Ok((model, parts, body)) => {
                 let result = self.serve_model(&model, &parts, body, start).await;
-                (self.known(&model), result)
+                // A proxied request's model is one the router serves.
+                let model = if result.is_ok() {
+                    model
+                } else {
+                    self.known(&model)
+                };
+                (model, result)
             }
             Err(refusal) => (String::new(), Err(refusal)),
         };
@@ -276,14 +282,11 @@ impl Router {
         // At most two tries: a pod that went away before the request was
         // sent is re-resolved once.
         loop {
-            let (snap, endpoint, cold) = self.resolve(model, gone.as_deref()).await?;
+            let (endpoint, cold) = self.resolve(model, gone.as_deref()).await?;
             if !cold {
-                self.refresh(&snap, &endpoint, model).await;
+                self.refresh(&endpoint).await;
             }
-            match self
-                .forward(&snap, &endpoint, model, parts, body.clone(), start)
-                .await
-            {
+            match self.forward(&endpoint, parts, body.clone(), start).await {
                 Err(proxy::SendError::Connect(e)) if gone.is_none() => {
                     tracing::debug!(pod = %endpoint.pod, error = %e, "pod unreachable; re-resolving");
                     gone = Some(endpoint.pod.clone());
@@ -301,11 +304,7 @@ impl Router {
 
     /// A Ready pod for `model` (not `avoid`): at once if there is one, else
     /// after holding the request through a load. `cold` says it was held.
-    async fn resolve(
-        &self,
-        model: &str,
-        avoid: Option<&str>,
-    ) -> Result<(Arc<Snapshot>, Endpoint, bool), Refusal> {
+    async fn resolve(&self, model: &str, avoid: Option<&str>) -> Result<(Endpoint, bool), Refusal> {
         let mut rx = self.snapshot.clone();
         let mut snap = rx.borrow_and_update().clone();
         if !snap.synced {
@@ -325,10 +324,10 @@ impl Router {
             )));
         };
         if let Some(e) = self.least_busy(&view.ready, avoid) {
-            return Ok((snap.clone(), e, false));
+            return Ok((e, false));
         }
         let endpoint = self.hold(model, rx, avoid).await?;
-        Ok((self.snapshot.borrow().clone(), endpoint, true))
+        Ok((endpoint, true))
     }
 
     /// The Ready pod with the fewest requests in flight; a pod that could
@@ -480,8 +479,8 @@ impl Router {
 
     /// A hit: refresh its model's recency if due (with a zero resolution,
     /// before it is proxied, so the writes keep the requests' order).
-    async fn refresh(self: &Arc<Self>, snap: &Snapshot, endpoint: &Endpoint, model: &str) {
-        let key = key(snap, endpoint.residency, model);
+    async fn refresh(self: &Arc<Self>, endpoint: &Endpoint) {
+        let key = endpoint.key.clone();
         let Some(at) = self.recency.hit(&key, Instant::now()) else {
             return;
         };
@@ -497,27 +496,20 @@ impl Router {
 
     async fn forward(
         self: &Arc<Self>,
-        snap: &Snapshot,
         endpoint: &Endpoint,
-        model: &str,
         parts: &http::request::Parts,
         body: Bytes,
         start: Instant,
     ) -> Result<Response<ProxyBody>, proxy::SendError> {
-        let guard = InFlight::enter(self.clone(), snap, endpoint, model, start);
+        let guard = InFlight::enter(self.clone(), endpoint, start);
         let answer = proxy::send(&self.upstream, endpoint.addr, parts, body).await?;
         let (head, incoming) = answer.into_parts();
         let mut response = Response::new(proxy::Tracked::new(incoming, guard).boxed());
         *response.status_mut() = head.status;
         let headers = response.headers_mut();
         proxy::answer_headers(&head.headers, headers);
-        if let Ok(v) = HeaderValue::from_str(&snap.residency_name(endpoint.residency)) {
-            headers.insert("x-residency", v);
-        }
-        let pod = endpoint.pod.rsplit('/').next().unwrap_or_default();
-        if let Ok(v) = HeaderValue::from_str(pod) {
-            headers.insert("x-model-pod", v);
-        }
+        headers.insert("x-residency", endpoint.residency_header.clone());
+        headers.insert("x-model-pod", endpoint.pod_header.clone());
         Ok(response)
     }
 
@@ -598,11 +590,11 @@ impl Router {
 
 fn key(snap: &Snapshot, i: usize, model: &str) -> Key {
     let r = &snap.residencies[i];
-    (
+    Arc::new((
         kube::ResourceExt::namespace(&**r).unwrap_or_default(),
         kube::ResourceExt::name_any(&**r),
         model.to_owned(),
-    )
+    ))
 }
 
 fn shutting_down() -> Refusal {
@@ -659,20 +651,14 @@ struct InFlight {
 }
 
 impl InFlight {
-    fn enter(
-        router: Arc<Router>,
-        snap: &Snapshot,
-        endpoint: &Endpoint,
-        model: &str,
-        start: Instant,
-    ) -> Self {
+    fn enter(router: Arc<Router>, endpoint: &Endpoint, start: Instant) -> Self {
         *router
             .in_flight
             .lock()
             .expect("in-flight lock")
             .entry(endpoint.pod.clone())
             .or_default() += 1;
-        let key = key(snap, endpoint.residency, model);
+        let key = endpoint.key.clone();
         router.recency.in_flight(&key, 1);
         InFlight {
             router,
@@ -780,7 +766,12 @@ fn still_resident(snap: &Snapshot, key: &Key) -> bool {
             kube::ResourceExt::namespace(&**r).as_deref() == Some(key.0.as_str())
                 && kube::ResourceExt::name_any(&**r) == key.1
         })
-        .is_some_and(|i| matches!(snap.state(i, &key.2), ModelState::Loaded | ModelState::Loading))
+        .is_some_and(|i| {
+            matches!(
+                snap.state(i, &key.2),
+                ModelState::Loaded | ModelState::Loading
+            )
+        })
 }
 
 /// Refreshes the recency of models hit (or with requests in flight) since

@@ -18,11 +18,12 @@
 
 use k8s_openapi::jiff::Timestamp;
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// A model on one residency: (namespace, residency, model).
-pub type Key = (String, String, String);
+/// A model on one residency: (namespace, residency, model). Shared, so the
+/// hit path never copies the names.
+pub type Key = Arc<(String, String, String)>;
 
 #[derive(Default, Debug)]
 struct Entry {
@@ -170,7 +171,7 @@ mod tests {
     use super::*;
 
     fn key(m: &str) -> Key {
-        ("ns".into(), "gpu".into(), m.into())
+        Arc::new(("ns".into(), "gpu".into(), m.into()))
     }
 
     #[test]

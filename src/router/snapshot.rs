@@ -4,8 +4,10 @@
 //! snapshot without a lock; waiting requests wake when a new one is
 //! published.
 
+use super::recency::Key;
 use crate::api::{ModelResidency, ModelState, ModelStatus};
 use crate::labels::{MODEL_LABEL, RESIDENCY_LABEL};
+use http::HeaderValue;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use std::collections::HashMap;
@@ -16,7 +18,8 @@ use std::sync::Arc;
 /// none (the same default the kubelet stand-in serves on).
 pub const DEFAULT_MODEL_PORT: u16 = 8080;
 
-/// A Ready model pod a request can be sent to.
+/// A Ready model pod a request can be sent to, with what the hit path
+/// needs made once per snapshot rather than per request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Endpoint {
     /// Index into [`Snapshot::residencies`].
@@ -24,6 +27,11 @@ pub struct Endpoint {
     /// `<namespace>/<pod>`.
     pub pod: Arc<str>,
     pub addr: SocketAddr,
+    /// (namespace, residency, model): its recency bookkeeping's key.
+    pub key: Key,
+    /// The `X-Residency` and `X-Model-Pod` answer headers.
+    pub residency_header: HeaderValue,
+    pub pod_header: HeaderValue,
 }
 
 #[derive(Debug, Default)]
@@ -64,11 +72,26 @@ impl Snapshot {
             let Some(view) = models.get_mut(model) else {
                 continue;
             };
-            let pod = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
+            let (ns, name) = (pod.namespace().unwrap_or_default(), pod.name_any());
+            let r = &residencies[i];
+            let residency = format!("{}/{}", r.namespace().unwrap_or_default(), r.name_any());
+            let (Ok(residency_header), Ok(pod_header)) = (
+                HeaderValue::from_str(&residency),
+                HeaderValue::from_str(&name),
+            ) else {
+                continue;
+            };
             view.ready.push(Endpoint {
                 residency: i,
-                pod: pod.into(),
+                pod: format!("{ns}/{name}").into(),
                 addr,
+                key: Arc::new((
+                    r.namespace().unwrap_or_default(),
+                    r.name_any(),
+                    model.to_owned(),
+                )),
+                residency_header,
+                pod_header,
             });
         }
         Snapshot {

@@ -1,0 +1,489 @@
+//! The request router against the local control plane, with real HTTP.
+//!
+//! Run: `cargo bench --bench router [-- --seconds 5 --cold-samples 10
+//! --floor-samples 50 --steady 20]` (needs `bash scripts/control-plane.sh`
+//! once; installs nginx-light and wrk from Debian's packages through
+//! `scripts/bench-tools.sh`). Prints its figures; the ones in
+//! docs/performance.md came from this command.
+//!
+//! - **Hit path**: wrk (POST chat completions for one resident model) at 1
+//!   and 64 connections against the same fake model server, three ways in
+//!   one run: straight to the pod, through nginx as a plain reverse proxy,
+//!   and through `model-residency route` (a separate process): p50, p99,
+//!   requests/s.
+//! - **Cold path**: time to the first answer byte for a model that is not
+//!   resident, minus the pod's own creation-to-Ready time (both seen
+//!   through watches), against the ModelResidency write-to-watch round trip
+//!   measured in the same run.
+//! - **Write cost**: demand writes per second from one router under a
+//!   constant load on 20 resident models.
+
+mod support;
+
+use futures::TryStreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use model_residency::api::{ModelResidency, ModelState};
+use model_residency::local::control_plane::{ControlPlane, spawn_owned};
+use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
+use serde_json::json;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::process::{Child, Command};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use support::{arg, create_namespace, ms, percentile, poke, watch_poke};
+
+const NS: &str = "bench-router";
+const FLOOR_NS: &str = "bench-router-floor";
+const NODE: &str = "node-r";
+/// The fake pods' own creation-to-Ready time.
+const LOAD_DELAY: Duration = Duration::from_millis(200);
+
+#[derive(Clone)]
+struct Tools {
+    nginx: String,
+    wrk: String,
+}
+
+fn tools() -> Tools {
+    let out = Command::new("bash")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/bench-tools.sh"
+        ))
+        .output()
+        .expect("bash scripts/bench-tools.sh");
+    assert!(
+        out.status.success(),
+        "bench-tools: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let field = |k: &str| {
+        text.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{k}=")))
+            .unwrap_or_else(|| panic!("bench-tools printed no {k}: {text}"))
+            .to_owned()
+    };
+    Tools {
+        nginx: field("nginx"),
+        wrk: field("wrk"),
+    }
+}
+
+/// A child process killed with the bench.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // SIGTERM, not SIGKILL: nginx's master stops its workers on TERM,
+        // while a killed master leaves them running.
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.0.id() as i32, libc::SIGTERM);
+        }
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+async fn until_listening(addr: SocketAddr) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while tokio::net::TcpStream::connect(addr).await.is_err() {
+        assert!(Instant::now() < deadline, "nothing listens on {addr}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// nginx as a plain reverse proxy to `upstream` (keep-alive upstream
+/// connections, as any tuned proxy has), on its own port.
+fn start_nginx(nginx: &str, upstream: SocketAddr, dir: &std::path::Path) -> (Proc, SocketAddr) {
+    let port = free_port();
+    let d = dir.display();
+    // Workers run as root when the bench does: their temp dirs are ours.
+    let user = if unsafe { libc::geteuid() } == 0 {
+        "user root;"
+    } else {
+        ""
+    };
+    let conf = format!(
+        "{user}
+worker_processes auto;
+daemon off;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {d}/body;
+  proxy_temp_path {d}/proxy;
+  fastcgi_temp_path {d}/fastcgi;
+  uwsgi_temp_path {d}/uwsgi;
+  scgi_temp_path {d}/scgi;
+  upstream pod {{ server {upstream}; keepalive 128; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://pod;
+      proxy_http_version 1.1;
+      proxy_set_header Connection \"\";
+    }}
+  }}
+}}
+"
+    );
+    let path = dir.join("nginx.conf");
+    std::fs::write(&path, conf).unwrap();
+    let mut cmd = Command::new(nginx);
+    cmd.arg("-p").arg(dir).arg("-c").arg(&path);
+    let child = spawn_owned(cmd).expect("start nginx");
+    (Proc(child), SocketAddr::from(([127, 0, 0, 1], port)))
+}
+
+/// One wrk run's figures.
+#[derive(Debug)]
+struct Load {
+    p50: Duration,
+    p99: Duration,
+    rps: f64,
+    errors: String,
+}
+
+fn parse_wrk_duration(s: &str) -> Duration {
+    let (num, unit) = s.split_at(s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len()));
+    let v: f64 = num.parse().unwrap_or(f64::NAN);
+    let secs = match unit {
+        "us" => v / 1e6,
+        "ms" => v / 1e3,
+        "s" => v,
+        "m" => v * 60.0,
+        _ => f64::NAN,
+    };
+    Duration::from_secs_f64(secs.max(0.0))
+}
+
+/// A wrk Lua script that POSTs a chat completion, round-robin over `models`.
+fn wrk_script(dir: &std::path::Path, models: &[String]) -> std::path::PathBuf {
+    let list: Vec<String> = models.iter().map(|m| format!("{m:?}")).collect();
+    let script = format!(
+        r#"local models = {{{}}}
+local i = 0
+request = function()
+  i = i + 1
+  local m = models[(i % #models) + 1]
+  local body = '{{"model":"' .. m .. '","messages":[{{"role":"user","content":"hi"}}]}}'
+  return wrk.format("POST", "/v1/chat/completions", {{["Content-Type"] = "application/json"}}, body)
+end
+"#,
+        list.join(", ")
+    );
+    let path = dir.join(format!("post-{}.lua", models.len()));
+    std::fs::write(&path, script).unwrap();
+    path
+}
+
+fn wrk(tools: &Tools, script: &std::path::Path, addr: SocketAddr, conns: usize, secs: u64) -> Load {
+    let threads = conns.min(2);
+    let out = Command::new(&tools.wrk)
+        .args(["-t", &threads.to_string(), "-c", &conns.to_string()])
+        .args(["-d", &format!("{secs}s"), "--latency", "-s"])
+        .arg(script)
+        .arg(format!("http://{addr}/v1/chat/completions"))
+        .output()
+        .expect("run wrk");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let pct = |p: &str| {
+        text.lines()
+            .map(str::trim)
+            .find_map(|l| l.strip_prefix(p))
+            .map(|rest| parse_wrk_duration(rest.trim()))
+            .unwrap_or_else(|| panic!("wrk printed no {p} latency:\n{text}"))
+    };
+    let rps = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Requests/sec:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("wrk printed no Requests/sec:\n{text}"));
+    let errors = text
+        .lines()
+        .filter(|l| l.contains("Non-2xx") || l.contains("Socket errors"))
+        .map(str::trim)
+        .collect::<Vec<_>>()
+        .join("; ");
+    Load {
+        p50: pct("50%"),
+        p99: pct("99%"),
+        rps,
+        errors,
+    }
+}
+
+fn residency(models: &[String]) -> ModelResidency {
+    let models: Vec<_> = models
+        .iter()
+        .map(|n| json!({"name": n, "size": "1Gi",
+            "template": {"spec": {"containers": [{"name": "server", "image": format!("example/{n}:1")}]}}}))
+        .collect();
+    serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": "gpu"},
+        "spec": {"nodeName": NODE, "device": "0", "budget": "64Gi", "models": models},
+    }))
+    .unwrap()
+}
+
+async fn until_state(api: &Api<ModelResidency>, model: &str, want: ModelState) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let r = api.get("gpu").await.unwrap();
+        let state = r
+            .status
+            .as_ref()
+            .and_then(|s| s.models.iter().find(|m| m.name == model))
+            .map(|m| m.state);
+        if state == Some(want) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{model} never became {want:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// When each pod of model `cold` was first seen and first seen Ready, by
+/// uid, through a watch.
+type PodTimes = Arc<Mutex<HashMap<String, (Instant, Option<Instant>)>>>;
+
+fn watch_cold_pods(pods: Api<Pod>) -> PodTimes {
+    let times: PodTimes = Arc::default();
+    let out = times.clone();
+    tokio::spawn(async move {
+        let config = watcher::Config::default().labels("residency.dev/model=cold");
+        let mut s = std::pin::pin!(watcher(pods, config).applied_objects());
+        while let Ok(Some(p)) = s.try_next().await {
+            let now = Instant::now();
+            let uid = p.metadata.uid.clone().unwrap_or_default();
+            let ready = p
+                .status
+                .iter()
+                .flat_map(|s| s.conditions.iter().flatten())
+                .any(|c| c.type_ == "Ready" && c.status == "True");
+            let mut t = times.lock().unwrap();
+            let entry = t.entry(uid).or_insert((now, None));
+            if ready && entry.1.is_none() {
+                entry.1 = Some(now);
+            }
+        }
+    });
+    out
+}
+
+async fn router_metric(router: SocketAddr, name: &str) -> u64 {
+    let answer = model_residency::http::send(router, "GET", "/metrics", "")
+        .await
+        .unwrap();
+    model_residency::metrics::sum_where(&answer.body, name, "")
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
+    let secs: u64 = arg(&args, "--seconds", "5").parse().unwrap();
+    let cold_samples: usize = arg(&args, "--cold-samples", "10").parse().unwrap();
+    let floor_samples: usize = arg(&args, "--floor-samples", "50").parse().unwrap();
+    let steady: u64 = arg(&args, "--steady", "20").parse().unwrap();
+    let tools = tools();
+    let plane =
+        ControlPlane::start().expect("start the control plane (bash scripts/control-plane.sh)");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    rt.block_on(async {
+        let client = plane.client().await.unwrap();
+        model_residency::local::install_crd(&client).await.unwrap();
+        create_namespace(&client, NS).await;
+        create_namespace(&client, FLOOR_NS).await;
+        let mut config = KubeletConfig::instant(&[NODE]);
+        config.load_delay = LOAD_DELAY;
+        let _kubelet = FakeKubelet::start(client.clone(), config).await.unwrap();
+        let (_ctx, _operator) = model_residency::controller::spawn_for_namespace(client.clone(), NS);
+
+        let hot: Vec<String> = (0..20).map(|i| format!("m{i}")).collect();
+        let mut all = hot.clone();
+        all.push("cold".into());
+        let api: Api<ModelResidency> = Api::namespaced(client.clone(), NS);
+        api.create(&PostParams::default(), &residency(&all))
+            .await
+            .unwrap();
+        for m in &hot {
+            model_residency::demand::load(&api, "gpu", m, k8s_openapi::jiff::Timestamp::now())
+                .await
+                .unwrap();
+        }
+        for m in &hot {
+            until_state(&api, m, ModelState::Loaded).await;
+        }
+
+        // The router, as `model-residency route` runs in its Deployment.
+        let router_addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_model-residency"));
+        cmd.env("KUBECONFIG", plane.kubeconfig())
+            .env("RUST_LOG", "warn")
+            .args(["route", "--namespace", NS, "--recency-resolution", "5s"])
+            .args(["--http-addr", &router_addr.to_string()])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("router.log")).unwrap());
+        let _router = Proc(spawn_owned(cmd).expect("start the router"));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let ready = model_residency::http::send(router_addr, "GET", "/readyz", "")
+                .await
+                .is_ok_and(|a| a.status == 200);
+            if ready {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the router never became ready");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+
+        let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+        let m0 = pods
+            .list(&kube::api::ListParams::default().labels("residency.dev/model=m0"))
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .find(|p| p.metadata.deletion_timestamp.is_none())
+            .expect("m0's pod");
+        let pod_ip = m0.status.unwrap().pod_ip.unwrap();
+        let pod_addr: SocketAddr = format!("{pod_ip}:8080").parse().unwrap();
+        let (_nginx, nginx_addr) = start_nginx(&tools.nginx, pod_addr, dir.path());
+        until_listening(nginx_addr).await;
+
+        println!("== hit path: POST /v1/chat/completions for one resident model, {secs} s per run");
+        println!(
+            "{:<7} {:<8} {:>10} {:>10} {:>12}  errors",
+            "conns", "via", "p50 ms", "p99 ms", "requests/s"
+        );
+        let one = wrk_script(dir.path(), &hot[..1]);
+        for conns in [1usize, 64] {
+            let mut row = Vec::new();
+            for (via, addr) in [("direct", pod_addr), ("nginx", nginx_addr), ("router", router_addr)] {
+                let (tools, one) = (tools.clone(), one.clone());
+                let load = tokio::task::spawn_blocking(move || wrk(&tools, &one, addr, conns, secs))
+                    .await
+                    .unwrap();
+                println!(
+                    "{conns:<7} {via:<8} {:>10.3} {:>10.3} {:>12.0}  {}",
+                    ms(load.p50),
+                    ms(load.p99),
+                    load.rps,
+                    load.errors
+                );
+                row.push(load);
+            }
+            let (direct, nginx, router) = (&row[0], &row[1], &row[2]);
+            println!(
+                "   added p50: nginx {:.3} ms, router {:.3} ms; throughput router/nginx {:.2}x",
+                ms(nginx.p50.saturating_sub(direct.p50)),
+                ms(router.p50.saturating_sub(direct.p50)),
+                router.rps / nginx.rps
+            );
+        }
+
+        println!("\n== write cost: 64 connections round-robin over 20 resident models for {steady} s, --recency-resolution 5s");
+        let twenty = wrk_script(dir.path(), &hot);
+        let before = router_metric(router_addr, "model_residency_router_demand_writes_total").await;
+        let load = tokio::task::spawn_blocking({
+            let tools = tools.clone();
+            move || wrk(&tools, &twenty, router_addr, 64, steady)
+        })
+        .await
+        .unwrap();
+        let after = router_metric(router_addr, "model_residency_router_demand_writes_total").await;
+        let writes = after - before;
+        println!(
+            "   {:.0} requests/s, {writes} demand writes in {steady} s = {:.2} writes/s (goal at most 20 / 5 s = 4.00)  {}",
+            load.rps,
+            writes as f64 / steady as f64,
+            load.errors
+        );
+
+        println!("\n== cold path: {cold_samples} loads of a model that is not resident");
+        let crs: Api<ModelResidency> = Api::namespaced(client.clone(), FLOOR_NS);
+        let mut floor_object = residency(&["x".into()]);
+        floor_object.metadata.name = Some("floor".into());
+        crs.create(&PostParams::default(), &floor_object).await.unwrap();
+        let seen = watch_poke(crs.clone());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut floor = Vec::new();
+        for i in 0..floor_samples {
+            floor.push(poke(&crs, &seen, &format!("p{i}")).await);
+        }
+        floor.sort();
+        let times = watch_cold_pods(pods.clone());
+        let body = r#"{"model":"cold","messages":[{"role":"user","content":"hi"}]}"#;
+        let mut overhead = Vec::new();
+        let mut ttfbs = Vec::new();
+        for _ in 0..cold_samples {
+            let known: Vec<String> = times.lock().unwrap().keys().cloned().collect();
+            let answer = model_residency::http::send(router_addr, "POST", "/v1/chat/completions", body)
+                .await
+                .unwrap();
+            assert_eq!(answer.status, 200, "{}", answer.body);
+            let ttfb = answer.chunks.first().expect("a body").0;
+            let pod_ready = {
+                let t = times.lock().unwrap();
+                let (_, (created, ready)) = t
+                    .iter()
+                    .find(|(uid, _)| !known.contains(uid))
+                    .expect("the cold model's new pod was seen");
+                ready.expect("and seen Ready") - *created
+            };
+            ttfbs.push(ttfb);
+            overhead.push(ttfb.saturating_sub(pod_ready));
+            model_residency::demand::unload(&api, "gpu", "cold").await.unwrap();
+            until_state(&api, "cold", ModelState::Unloaded).await;
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !pods
+                .list(&kube::api::ListParams::default().labels("residency.dev/model=cold"))
+                .await
+                .unwrap()
+                .items
+                .is_empty()
+            {
+                assert!(Instant::now() < deadline, "cold's pod never went");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        overhead.sort();
+        ttfbs.sort();
+        let p50 = percentile(&overhead, 0.5);
+        let floor50 = percentile(&floor, 0.5);
+        println!(
+            "   first byte p50 {:.1} ms (pod creation-to-Ready {:.0} ms of the stand-in's included); router's part p50 {:.1} ms, p99 {:.1} ms",
+            ms(percentile(&ttfbs, 0.5)),
+            ms(LOAD_DELAY),
+            ms(p50),
+            ms(percentile(&overhead, 0.99))
+        );
+        println!(
+            "   ModelResidency write-to-watch round trip p50 {:.2} ms; ratio {:.2}x (goal at most 3x)",
+            ms(floor50),
+            p50.as_secs_f64() / floor50.as_secs_f64()
+        );
+    });
+}

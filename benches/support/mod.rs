@@ -1,0 +1,94 @@
+//! What the cluster and router benchmarks share: arguments, namespaces,
+//! the write-to-watch floor (a patch until a watch sees it), percentiles.
+#![allow(dead_code)]
+
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::ResourceExt;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use serde_json::json;
+use std::time::{Duration, Instant};
+
+pub fn arg(args: &[String], name: &str, default: &str) -> String {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+        .unwrap_or_else(|| default.to_owned())
+}
+
+pub async fn create_namespace(client: &kube::Client, name: &str) {
+    let nss: Api<Namespace> = Api::all(client.clone());
+    nss.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({"metadata": {"name": name}})).unwrap(),
+    )
+    .await
+    .unwrap();
+}
+
+/// What `read` makes of each version of the object `name` seen through a
+/// watch (versions it maps to `None` are skipped), latest first.
+pub fn watch_named<K, T>(
+    api: Api<K>,
+    name: &str,
+    read: impl Fn(K) -> Option<T> + Send + 'static,
+) -> tokio::sync::watch::Receiver<T>
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
+    T: Default + Send + Sync + 'static,
+{
+    let (tx, rx) = tokio::sync::watch::channel(T::default());
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    tokio::spawn(async move {
+        let mut s = watcher(api, config).applied_objects().boxed();
+        while let Ok(Some(o)) = s.try_next().await {
+            if let Some(v) = read(o) {
+                let _ = tx.send(v);
+            }
+        }
+    });
+    rx
+}
+
+/// The latest `poke` annotation of the object named `floor`.
+pub fn watch_poke<K>(api: Api<K>) -> tokio::sync::watch::Receiver<String>
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
+{
+    watch_named(api, "floor", |o: K| {
+        Some(o.annotations().get("poke").cloned().unwrap_or_default())
+    })
+}
+
+/// One floor sample: merge-patch `floor`'s `poke` annotation to `value`,
+/// until the watch sees it.
+pub async fn poke<K>(
+    api: &Api<K>,
+    seen: &tokio::sync::watch::Receiver<String>,
+    value: &str,
+) -> Duration
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned,
+{
+    let mut seen = seen.clone();
+    let t0 = Instant::now();
+    api.patch(
+        "floor",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"annotations": {"poke": value}}})),
+    )
+    .await
+    .unwrap();
+    seen.wait_for(|v| v == value).await.unwrap();
+    t0.elapsed()
+}
+
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1]
+}
+
+pub fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
