@@ -12,6 +12,8 @@
 //! - [`labels`]: label and annotation keys on model pods.
 //! - [`metrics`]: Prometheus metrics.
 //! - [`router`]: the request router (`model-residency route`).
+//! - [`node_agent`]: the node's disk tier for model artifacts (what to keep,
+//!   fetching); in progress.
 //! - [`model_demand`]: the ModelDemand controller (`/scale` for HPA and KEDA).
 //! - `local` (feature `local`): a local control plane and kubelet stand-in
 //!   (tests, benchmarks, demo); not in the operator image.
@@ -27,6 +29,7 @@ pub mod lease;
 pub mod local;
 pub mod metrics;
 pub mod model_demand;
+pub mod node_agent;
 pub mod quantity;
 pub mod registry;
 pub mod router;

@@ -504,7 +504,21 @@ impl Router {
         let guard = InFlight::enter(self.clone(), endpoint, start);
         let answer = proxy::send(&self.upstream, endpoint.addr, parts, body).await?;
         let (head, incoming) = answer.into_parts();
-        let mut response = Response::new(proxy::Tracked::new(incoming, guard).boxed());
+        let body = if proxy::small_and_whole(&head.headers) {
+            // A short answer of known length (most non-streamed answers)
+            // is read whole, so it goes out with its head in one write;
+            // anything else (SSE, chunked, large) streams frame by frame.
+            match incoming.collect().await {
+                Ok(collected) => {
+                    drop(guard);
+                    full(collected.to_bytes())
+                }
+                Err(e) => return Err(proxy::SendError::Other(e.to_string())),
+            }
+        } else {
+            proxy::Tracked::new(incoming, guard).boxed()
+        };
+        let mut response = Response::new(body);
         *response.status_mut() = head.status;
         let headers = response.headers_mut();
         proxy::answer_headers(&head.headers, headers);

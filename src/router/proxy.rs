@@ -86,6 +86,21 @@ pub async fn send(
     })
 }
 
+/// The largest answer read whole before it is sent on.
+const WHOLE_ANSWER_MAX: u64 = 64 << 10;
+
+/// Whether an answer declares a length of at most [`WHOLE_ANSWER_MAX`]
+/// and is not an event stream.
+pub fn small_and_whole(headers: &HeaderMap) -> bool {
+    let len = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let streaming = headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    len.is_some_and(|n| n <= WHOLE_ANSWER_MAX) && !streaming
+}
+
 /// The pod's answer headers as the client gets them.
 pub fn answer_headers(from: &HeaderMap, to: &mut HeaderMap) {
     copy_headers(from, to);

@@ -1,0 +1,429 @@
+//! Fetching an artifact into the node's cache directory, done right:
+//!
+//! - every source is checked against `--allowed-sources` (URI prefixes)
+//!   and every `path` against escaping the model's directory *before*
+//!   anything is downloaded;
+//! - files are downloaded into a temporary directory in the cache
+//!   directory (`.partial-<key>-<n>`), hashed as they arrive, checked
+//!   against their `sha256`, then the directory is renamed into place in
+//!   one step: no half artifact is ever visible under its name;
+//! - a download that goes past the declared size (plus a small margin) is
+//!   stopped; a connection cut mid-body, a non-200 answer or a checksum
+//!   mismatch fail with the reason; on any failure the temporary directory
+//!   is removed;
+//! - [`clean_partials`] removes what a crash left (run at start).
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use tokio::io::AsyncWriteExt;
+
+/// Prefix of temporary download directories in the cache directory.
+pub const PARTIAL_PREFIX: &str = ".partial-";
+
+/// One file of an artifact.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileSource {
+    pub uri: String,
+    /// Relative path inside the model's directory (default: the URI's last
+    /// segment).
+    pub path: Option<String>,
+    /// Expected SHA-256, hex.
+    pub sha256: Option<String>,
+}
+
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FetchError {
+    #[error("{uri} is not under an allowed source (--allowed-sources: {allowed})")]
+    NotAllowed { uri: String, allowed: String },
+    #[error("{uri} is not an http or https URI")]
+    BadUri { uri: String },
+    #[error("path {path:?} must be relative and stay inside the model's directory")]
+    PathEscapes { path: String },
+    #[error("two files of the artifact are both written to {path:?}")]
+    DuplicatePath { path: String },
+    #[error("sha256 {value:?} is not 64 hex digits")]
+    BadChecksum { value: String },
+    #[error("{uri} answered {status}")]
+    Status { uri: String, status: u16 },
+    #[error("fetching {uri}: {message}")]
+    Transfer { uri: String, message: String },
+    #[error("{uri}: sha256 is {got}, expected {want}")]
+    ChecksumMismatch {
+        uri: String,
+        want: String,
+        got: String,
+    },
+    #[error(
+        "the artifact is larger than its declared size {declared} bytes (stopped at {got} bytes)"
+    )]
+    TooLarge { declared: u64, got: u64 },
+    #[error("writing to the cache directory: {0}")]
+    Io(String),
+}
+
+impl FetchError {
+    /// The CamelCase reason a status shows.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            FetchError::NotAllowed { .. } => "SourceNotAllowed",
+            FetchError::BadUri { .. }
+            | FetchError::PathEscapes { .. }
+            | FetchError::DuplicatePath { .. }
+            | FetchError::BadChecksum { .. } => "InvalidArtifact",
+            FetchError::Status { .. } | FetchError::Transfer { .. } => "DownloadFailed",
+            FetchError::ChecksumMismatch { .. } => "ChecksumMismatch",
+            FetchError::TooLarge { .. } => "LargerThanDeclared",
+            FetchError::Io(_) => "DiskError",
+        }
+    }
+
+    /// Whether trying again may succeed (a server or network problem), as
+    /// opposed to a spec that will fail the same way every time.
+    pub fn retryable(&self) -> bool {
+        matches!(
+            self,
+            FetchError::Status { .. } | FetchError::Transfer { .. } | FetchError::Io(_)
+        )
+    }
+}
+
+fn io(e: std::io::Error) -> FetchError {
+    FetchError::Io(e.to_string())
+}
+
+/// How far past its declared size an artifact may go: 1 % plus 1 MiB (a
+/// declared size is rounded; a runaway download is not).
+pub fn size_limit(declared: u64) -> u64 {
+    declared + declared / 100 + (1 << 20)
+}
+
+/// A checked file: where it goes and what it must hash to.
+#[derive(Debug)]
+struct Checked {
+    uri: String,
+    path: PathBuf,
+    sha256: Option<Vec<u8>>,
+}
+
+/// Checks every file before anything is fetched: allowed source, http(s),
+/// a relative path that stays inside the directory, a well-formed sha256.
+fn check(files: &[FileSource], allowed: &[String]) -> Result<Vec<Checked>, FetchError> {
+    let mut seen = std::collections::HashSet::new();
+    let mut checked = Vec::new();
+    for f in files {
+        let uri: http::Uri = f
+            .uri
+            .parse()
+            .map_err(|_| FetchError::BadUri { uri: f.uri.clone() })?;
+        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
+            return Err(FetchError::BadUri { uri: f.uri.clone() });
+        }
+        if !allowed
+            .iter()
+            .any(|prefix| f.uri.starts_with(prefix.as_str()))
+        {
+            return Err(FetchError::NotAllowed {
+                uri: f.uri.clone(),
+                allowed: if allowed.is_empty() {
+                    "none, so every source is refused".into()
+                } else {
+                    allowed.join(", ")
+                },
+            });
+        }
+        let raw = match &f.path {
+            Some(p) => p.clone(),
+            None => uri.path().rsplit('/').next().unwrap_or_default().to_owned(),
+        };
+        let path = PathBuf::from(&raw);
+        let inside = !raw.is_empty()
+            && path
+                .components()
+                .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+            && path.components().any(|c| matches!(c, Component::Normal(_)));
+        if !inside {
+            return Err(FetchError::PathEscapes { path: raw });
+        }
+        if !seen.insert(path.clone()) {
+            return Err(FetchError::DuplicatePath { path: raw });
+        }
+        let sha256 = match &f.sha256 {
+            None => None,
+            Some(hex) => Some(
+                decode_hex(hex).ok_or_else(|| FetchError::BadChecksum { value: hex.clone() })?,
+            ),
+        };
+        checked.push(Checked {
+            uri: f.uri.clone(),
+            path,
+            sha256,
+        });
+    }
+    Ok(checked)
+}
+
+fn decode_hex(s: &str) -> Option<Vec<u8>> {
+    if s.len() != 64 {
+        return None;
+    }
+    (0..32)
+        .map(|i| u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok())
+        .collect()
+}
+
+fn encode_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+type Https = hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>;
+
+/// The download client: http and https (verified against the system's CA
+/// certificates), pooled.
+pub fn client() -> Result<Client<Https, Empty<Bytes>>, FetchError> {
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_native_roots()
+        .map_err(|e| FetchError::Io(format!("no system CA certificates for https: {e}")))?
+        .https_or_http()
+        .enable_http1()
+        .build();
+    Ok(Client::builder(TokioExecutor::new()).build(https))
+}
+
+/// A fetch's progress, readable while it runs.
+#[derive(Debug, Default)]
+pub struct Progress {
+    pub bytes: AtomicU64,
+}
+
+/// Fetches `files` into `<cache>/<key>/`, replacing whatever was there,
+/// within `declared` bytes (plus [`size_limit`]'s margin). Returns the
+/// bytes written.
+pub async fn fetch(
+    client: &Client<Https, Empty<Bytes>>,
+    cache: &Path,
+    key: &str,
+    files: &[FileSource],
+    declared: u64,
+    allowed: &[String],
+    progress: &Progress,
+) -> Result<u64, FetchError> {
+    let checked = check(files, allowed)?;
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let partial = cache.join(format!(
+        "{PARTIAL_PREFIX}{key}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    tokio::fs::create_dir_all(&partial).await.map_err(io)?;
+    let result = download_all(client, &partial, &checked, declared, progress).await;
+    let result = match result {
+        Ok(total) => {
+            let target = cache.join(key);
+            // A stale copy (an earlier failed verification left none; an
+            // edited spec may leave one) is replaced as a whole.
+            if tokio::fs::metadata(&target).await.is_ok() {
+                tokio::fs::remove_dir_all(&target).await.map_err(io)?;
+            }
+            tokio::fs::rename(&partial, &target)
+                .await
+                .map(|_| total)
+                .map_err(io)
+        }
+        Err(e) => Err(e),
+    };
+    if result.is_err() {
+        let _ = tokio::fs::remove_dir_all(&partial).await;
+    }
+    result
+}
+
+async fn download_all(
+    client: &Client<Https, Empty<Bytes>>,
+    dir: &Path,
+    files: &[Checked],
+    declared: u64,
+    progress: &Progress,
+) -> Result<u64, FetchError> {
+    let limit = size_limit(declared);
+    let mut total = 0u64;
+    for f in files {
+        let transfer = |message: String| FetchError::Transfer {
+            uri: f.uri.clone(),
+            message,
+        };
+        let uri: http::Uri = f
+            .uri
+            .parse()
+            .map_err(|_| FetchError::BadUri { uri: f.uri.clone() })?;
+        let response = client
+            .get(uri)
+            .await
+            .map_err(|e| transfer(error_chain(&e)))?;
+        if response.status() != http::StatusCode::OK {
+            return Err(FetchError::Status {
+                uri: f.uri.clone(),
+                status: response.status().as_u16(),
+            });
+        }
+        let path = dir.join(&f.path);
+        if let Some(parent) = path.parent() {
+            tokio::fs::create_dir_all(parent).await.map_err(io)?;
+        }
+        let mut file = tokio::fs::File::create(&path).await.map_err(io)?;
+        let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
+        let mut body = response.into_body();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| transfer(error_chain(&e)))?;
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            total += data.len() as u64;
+            if total > limit {
+                return Err(FetchError::TooLarge {
+                    declared,
+                    got: total,
+                });
+            }
+            hash.update(&data);
+            file.write_all(&data).await.map_err(io)?;
+            progress.bytes.store(total, Ordering::Relaxed);
+        }
+        file.sync_all().await.map_err(io)?;
+        if let Some(want) = &f.sha256 {
+            let got = hash.finish();
+            if got.as_ref() != want.as_slice() {
+                return Err(FetchError::ChecksumMismatch {
+                    uri: f.uri.clone(),
+                    want: encode_hex(want),
+                    got: encode_hex(got.as_ref()),
+                });
+            }
+        }
+    }
+    Ok(total)
+}
+
+/// An error with its causes (hyper's top-level messages alone are vague).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+/// Removes the temporary directories a crash left in `cache`. Returns how
+/// many were removed.
+pub fn clean_partials(cache: &Path) -> std::io::Result<usize> {
+    let mut removed = 0;
+    for entry in std::fs::read_dir(cache)? {
+        let entry = entry?;
+        if entry
+            .file_name()
+            .to_string_lossy()
+            .starts_with(PARTIAL_PREFIX)
+        {
+            std::fs::remove_dir_all(entry.path())?;
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
+/// Bytes under `dir` (the size of an artifact on disk).
+pub fn disk_usage(dir: &Path) -> std::io::Result<u64> {
+    let mut total = 0;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let meta = entry.metadata()?;
+        total += if meta.is_dir() {
+            disk_usage(&entry.path())?
+        } else {
+            meta.len()
+        };
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(uri: &str, path: Option<&str>) -> FileSource {
+        FileSource {
+            uri: uri.into(),
+            path: path.map(Into::into),
+            sha256: None,
+        }
+    }
+
+    #[test]
+    fn sources_and_paths_are_checked_before_anything_is_fetched() {
+        let allowed = vec!["http://models.local/".to_owned()];
+        assert!(check(&[file("http://models.local/a/w.bin", None)], &allowed).is_ok());
+        assert!(matches!(
+            check(&[file("http://evil.example/w.bin", None)], &allowed),
+            Err(FetchError::NotAllowed { .. })
+        ));
+        assert!(matches!(
+            check(&[file("http://models.local/w.bin", None)], &[]),
+            Err(FetchError::NotAllowed { .. })
+        ));
+        assert!(matches!(
+            check(
+                &[file("ftp://models.local/w.bin", None)],
+                &["ftp://".into()]
+            ),
+            Err(FetchError::BadUri { .. })
+        ));
+        for bad in ["../w.bin", "/etc/passwd", "a/../../w.bin", "", "."] {
+            assert!(
+                matches!(
+                    check(&[file("http://models.local/w.bin", Some(bad))], &allowed),
+                    Err(FetchError::PathEscapes { .. })
+                ),
+                "{bad}"
+            );
+        }
+        assert!(
+            check(
+                &[file("http://models.local/w.bin", Some("sub/dir/w.bin"))],
+                &allowed
+            )
+            .is_ok()
+        );
+        // The URI's last segment is the default path; a URI ending in / has none.
+        assert!(matches!(
+            check(&[file("http://models.local/dir/", None)], &allowed),
+            Err(FetchError::PathEscapes { .. })
+        ));
+        let dup = [
+            file("http://models.local/a/w.bin", None),
+            file("http://models.local/b/w.bin", None),
+        ];
+        assert!(matches!(
+            check(&dup, &allowed),
+            Err(FetchError::DuplicatePath { .. })
+        ));
+        let mut bad_sum = file("http://models.local/w.bin", None);
+        bad_sum.sha256 = Some("abc".into());
+        assert!(matches!(
+            check(&[bad_sum], &allowed),
+            Err(FetchError::BadChecksum { .. })
+        ));
+    }
+
+    #[test]
+    fn hex_round_trips() {
+        let bytes: Vec<u8> = (0..32).collect();
+        assert_eq!(decode_hex(&encode_hex(&bytes)), Some(bytes));
+        assert_eq!(decode_hex(&"zz".repeat(32)), None);
+    }
+}

@@ -1,0 +1,267 @@
+//! What a node keeps on its disk: the second residency tier's policy, pure
+//! (artifacts in, a plan out), with the same discipline as VRAM: a budget
+//! never exceeded, LRU eviction, pinning, clear refusals.
+//!
+//! - *Required*: the artifacts of models resident or loading on the node.
+//!   Each is kept, or fetched if it is missing.
+//! - *Prefetch*: artifacts of recently requested models that are not
+//!   resident. Fetched only into room that evicting nothing wanted makes.
+//! - Room comes from evicting artifacts nobody requires, least recently
+//!   used first; a pinned model's artifact is never evicted.
+//! - A required artifact that does not fit even then is refused (the
+//!   `DiskFull` condition, with the sizes); nothing is ever fetched into
+//!   part of its room.
+//!
+//! Downloads in progress hold their declared size, so the budget holds
+//! while they run.
+
+use crate::engine::Bytes;
+use crate::quantity::format_bytes;
+use k8s_openapi::jiff::Timestamp;
+use std::collections::{HashMap, HashSet};
+
+/// Why the node wants an artifact.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Want {
+    /// Its model is resident or loading on this node.
+    Required,
+    /// Its model was requested recently and may be requested again.
+    Prefetch,
+}
+
+/// An artifact the node's residencies ask for.
+#[derive(Clone, Debug)]
+pub struct Wanted {
+    pub key: String,
+    /// The declared size.
+    pub size: Bytes,
+    pub want: Want,
+    pub pinned: bool,
+    /// Its model's last request, newest first among equals.
+    pub requested: Option<Timestamp>,
+}
+
+/// An artifact on disk (or being fetched: it holds its declared size).
+#[derive(Clone, Debug)]
+pub struct Held {
+    pub key: String,
+    pub size: Bytes,
+    pub last_use: Option<Timestamp>,
+}
+
+/// What to do now.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// Fetch these (required first, then prefetch), in this order.
+    pub fetch: Vec<String>,
+    /// Delete these first.
+    pub evict: Vec<String>,
+    /// Required artifacts that cannot fit: key and the `DiskFull` message.
+    pub refused: Vec<(String, String)>,
+}
+
+/// Plans the disk within `budget` given what is `held` and what is `wanted`.
+pub fn plan(budget: Bytes, held: &[Held], wanted: &[Wanted]) -> Plan {
+    let mut plan = Plan::default();
+    let wants: HashMap<&str, &Wanted> = wanted.iter().map(|w| (w.key.as_str(), w)).collect();
+    let on_disk: HashSet<&str> = held.iter().map(|h| h.key.as_str()).collect();
+    let mut used: Bytes = held.iter().map(|h| h.size).sum();
+    // Evictable, least recently used first: what no one requires and no
+    // pinned model owns. Unwanted before prefetch-wanted at equal age.
+    let mut evictable: Vec<&Held> = held
+        .iter()
+        .filter(|h| {
+            wants
+                .get(h.key.as_str())
+                .is_none_or(|w| w.want != Want::Required && !w.pinned)
+        })
+        .collect();
+    evictable.sort_by(|a, b| {
+        let wanted = |h: &Held| wants.contains_key(h.key.as_str());
+        (wanted(a), a.last_use, &a.key).cmp(&(wanted(b), b.last_use, &b.key))
+    });
+    let mut evicted = 0;
+    // Newest request first, within each kind.
+    let mut missing: Vec<&Wanted> = wanted
+        .iter()
+        .filter(|w| !on_disk.contains(w.key.as_str()))
+        .collect();
+    missing.sort_by(|a, b| {
+        (a.want, std::cmp::Reverse(a.requested), &a.key).cmp(&(
+            b.want,
+            std::cmp::Reverse(b.requested),
+            &b.key,
+        ))
+    });
+    for w in missing {
+        match w.want {
+            Want::Required => {
+                // Room by evicting unrequired artifacts, LRU first.
+                let mut after = used + w.size;
+                let mut take = evicted;
+                while after > budget && take < evictable.len() {
+                    after -= evictable[take].size;
+                    take += 1;
+                }
+                if after > budget {
+                    let pinned_or_required =
+                        used - evictable[evicted..].iter().map(|h| h.size).sum::<Bytes>();
+                    plan.refused.push((
+                        w.key.clone(),
+                        format!(
+                            "{} needs {} on disk; the disk budget is {} and required or pinned artifacts hold {}",
+                            w.key,
+                            format_bytes(w.size),
+                            format_bytes(budget),
+                            format_bytes(pinned_or_required)
+                        ),
+                    ));
+                    continue;
+                }
+                for h in &evictable[evicted..take] {
+                    plan.evict.push(h.key.clone());
+                    used -= h.size;
+                }
+                evicted = take;
+                used += w.size;
+                plan.fetch.push(w.key.clone());
+            }
+            Want::Prefetch => {
+                // Only into room made by evicting what no one wants.
+                let mut after = used + w.size;
+                let mut take = evicted;
+                while after > budget
+                    && take < evictable.len()
+                    && !wants.contains_key(evictable[take].key.as_str())
+                {
+                    after -= evictable[take].size;
+                    take += 1;
+                }
+                if after > budget {
+                    continue;
+                }
+                for h in &evictable[evicted..take] {
+                    plan.evict.push(h.key.clone());
+                    used -= h.size;
+                }
+                evicted = take;
+                used += w.size;
+                plan.fetch.push(w.key.clone());
+            }
+        }
+    }
+    plan
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(s: u64) -> Option<Timestamp> {
+        Some(Timestamp::from_second(1_700_000_000 + s as i64).unwrap())
+    }
+
+    fn held(key: &str, size: Bytes, used: u64) -> Held {
+        Held {
+            key: key.into(),
+            size,
+            last_use: t(used),
+        }
+    }
+
+    fn wanted(key: &str, size: Bytes, want: Want, pinned: bool, at: u64) -> Wanted {
+        Wanted {
+            key: key.into(),
+            size,
+            want,
+            pinned,
+            requested: t(at),
+        }
+    }
+
+    #[test]
+    fn room_for_a_required_artifact_comes_from_the_least_recently_used() {
+        let held = [held("a", 4, 1), held("b", 4, 2), held("c", 4, 3)];
+        let want = [wanted("d", 6, Want::Required, false, 10)];
+        let p = plan(12, &held, &want);
+        assert_eq!(p.evict, ["a", "b"]);
+        assert_eq!(p.fetch, ["d"]);
+        assert!(p.refused.is_empty());
+    }
+
+    #[test]
+    fn pinned_and_required_artifacts_stay_and_a_misfit_is_refused_whole() {
+        let held = [held("p", 6, 1), held("r", 4, 2), held("old", 2, 0)];
+        let want = [
+            wanted("p", 6, Want::Prefetch, true, 1),
+            wanted("r", 4, Want::Required, false, 2),
+            wanted("big", 4, Want::Required, false, 5),
+        ];
+        let p = plan(12, &held, &want);
+        assert!(p.fetch.is_empty() && p.evict.is_empty(), "{p:?}");
+        assert_eq!(p.refused.len(), 1);
+        let msg = &p.refused[0].1;
+        assert!(msg.contains("needs 4") && msg.contains("hold 10"), "{msg}");
+    }
+
+    #[test]
+    fn prefetch_uses_free_room_and_never_evicts_what_is_wanted() {
+        let held = [held("unwanted", 4, 0), held("warm", 4, 1)];
+        let want = [
+            wanted("warm", 4, Want::Prefetch, false, 1),
+            wanted("next", 4, Want::Prefetch, false, 9),
+            wanted("later", 4, Want::Prefetch, false, 5),
+        ];
+        let p = plan(12, &held, &want);
+        // 4 free: `next` (newest) fits; `later` only by evicting the
+        // unwanted artifact, which prefetch may do; never `warm`.
+        assert_eq!(p.fetch, ["next", "later"]);
+        assert_eq!(p.evict, ["unwanted"]);
+    }
+
+    #[test]
+    fn the_budget_is_never_exceeded() {
+        // Every combination of held and wanted sizes over a small budget.
+        for budget in 0..12u64 {
+            for mask in 0..64u32 {
+                let held: Vec<Held> = (0..3)
+                    .filter(|i| mask & (1 << i) != 0)
+                    .map(|i| held(&format!("h{i}"), 2 + i as u64, i as u64))
+                    .collect();
+                let used: Bytes = held.iter().map(|h| h.size).sum();
+                let want: Vec<Wanted> = (0..3)
+                    .filter(|i| mask & (8 << i) != 0)
+                    .map(|i| {
+                        wanted(
+                            &format!("w{i}"),
+                            3 + i as u64,
+                            if i == 0 {
+                                Want::Prefetch
+                            } else {
+                                Want::Required
+                            },
+                            false,
+                            10 + i as u64,
+                        )
+                    })
+                    .collect();
+                let p = plan(budget, &held, &want);
+                let evicted: Bytes = held
+                    .iter()
+                    .filter(|h| p.evict.contains(&h.key))
+                    .map(|h| h.size)
+                    .sum();
+                let fetched: Bytes = want
+                    .iter()
+                    .filter(|w| p.fetch.contains(&w.key))
+                    .map(|w| w.size)
+                    .sum();
+                let after = used - evicted + fetched;
+                assert!(
+                    fetched == 0 || after <= budget,
+                    "budget {budget} mask {mask}: {p:?}"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,287 @@
+//! Fetching model artifacts onto a real disk from a real HTTP server the
+//! test starts: verified, renamed into place, never half-visible, and every
+//! failure with its reason and nothing left behind.
+
+use bytes::Bytes;
+use futures::StreamExt;
+use http::{Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
+use hyper::body::{Frame, Incoming};
+use model_residency::node_agent::fetch::{
+    FetchError, FileSource, PARTIAL_PREFIX, Progress, clean_partials, client, disk_usage, fetch,
+    size_limit,
+};
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+type Body = BoxBody<Bytes, std::io::Error>;
+
+/// 256 KiB of a repeating pattern, and its sha256.
+fn weights() -> Vec<u8> {
+    (0..256 * 1024).map(|i| (i % 251) as u8).collect()
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    ring::digest::digest(&ring::digest::SHA256, data)
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The artifact server: `/weights.bin`, `/config.json`, `/missing` (404),
+/// `/cut` (declares 256 KiB, sends 64 KiB, then breaks the connection),
+/// `/endless` (streams without end). Counts the requests it got.
+async fn serve() -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let requests = Arc::new(AtomicUsize::new(0));
+    let counter = requests.clone();
+    tokio::spawn(model_residency::http::accept_loop(
+        listener,
+        move |stream| {
+            let counter = counter.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    async move { Ok::<_, Infallible>(answer(req.uri().path())) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        },
+    ));
+    (addr, requests)
+}
+
+fn answer(path: &str) -> Response<Body> {
+    let full = |b: Vec<u8>| {
+        Full::new(Bytes::from(b))
+            .map_err(|never| match never {})
+            .boxed()
+    };
+    let mut response = match path {
+        "/weights.bin" => Response::new(full(weights())),
+        "/config.json" => Response::new(full(br#"{"layers": 2}"#.to_vec())),
+        "/cut" => {
+            let chunks = futures::stream::iter([
+                Ok(Frame::data(Bytes::from(vec![1u8; 64 * 1024]))),
+                Err(std::io::Error::other("the server went away")),
+            ]);
+            let mut r = Response::new(BodyExt::boxed(StreamBody::new(chunks)));
+            r.headers_mut()
+                .insert(header::CONTENT_LENGTH, (256 * 1024).into());
+            r
+        }
+        "/endless" => {
+            let chunks = futures::stream::repeat(())
+                .map(|_| Ok(Frame::data(Bytes::from(vec![7u8; 64 * 1024]))));
+            Response::new(BodyExt::boxed(StreamBody::new(chunks)))
+        }
+        _ => {
+            let mut r = Response::new(full(b"no such file".to_vec()));
+            *r.status_mut() = StatusCode::NOT_FOUND;
+            r
+        }
+    };
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        "application/octet-stream".parse().unwrap(),
+    );
+    response
+}
+
+fn source(addr: SocketAddr, path: &str, sha256: Option<String>) -> FileSource {
+    FileSource {
+        uri: format!("http://{addr}{path}"),
+        path: None,
+        sha256,
+    }
+}
+
+/// Everything in the cache directory, by name.
+fn entries(cache: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(cache)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+#[tokio::test]
+async fn an_artifact_is_fetched_verified_and_renamed_into_place() {
+    let (addr, _) = serve().await;
+    let cache = tempfile::tempdir().unwrap();
+    let allowed = vec![format!("http://{addr}/")];
+    let files = [
+        source(addr, "/weights.bin", Some(sha256_hex(&weights()))),
+        FileSource {
+            path: Some("conf/config.json".into()),
+            ..source(addr, "/config.json", None)
+        },
+    ];
+    let progress = Progress::default();
+    let client = client().unwrap();
+    let bytes = fetch(
+        &client,
+        cache.path(),
+        "qwen",
+        &files,
+        300 * 1024,
+        &allowed,
+        &progress,
+    )
+    .await
+    .unwrap();
+    assert_eq!(bytes, weights().len() as u64 + 13);
+    assert_eq!(progress.bytes.load(Ordering::Relaxed), bytes);
+    assert_eq!(entries(cache.path()), ["qwen"]);
+    let dir = cache.path().join("qwen");
+    assert_eq!(std::fs::read(dir.join("weights.bin")).unwrap(), weights());
+    assert_eq!(
+        std::fs::read_to_string(dir.join("conf/config.json")).unwrap(),
+        r#"{"layers": 2}"#
+    );
+    assert_eq!(disk_usage(&dir).unwrap(), bytes);
+}
+
+#[tokio::test]
+async fn each_failure_says_why_and_leaves_nothing_behind() {
+    let (addr, requests) = serve().await;
+    let cache = tempfile::tempdir().unwrap();
+    let allowed = vec![format!("http://{addr}/")];
+    let client = client().unwrap();
+    // A good artifact already in place must not be disturbed by the
+    // failures of others.
+    fetch(
+        &client,
+        cache.path(),
+        "good",
+        &[source(addr, "/weights.bin", None)],
+        1 << 20,
+        &allowed,
+        &Progress::default(),
+    )
+    .await
+    .unwrap();
+    let run = |key: &'static str, files: Vec<FileSource>, declared: u64, allowed: Vec<String>| {
+        let (client, cache) = (client.clone(), cache.path().to_owned());
+        async move {
+            fetch(
+                &client,
+                &cache,
+                key,
+                &files,
+                declared,
+                &allowed,
+                &Progress::default(),
+            )
+            .await
+            .unwrap_err()
+        }
+    };
+
+    let wrong = "0".repeat(64);
+    let e = run(
+        "sum",
+        vec![source(addr, "/weights.bin", Some(wrong.clone()))],
+        1 << 20,
+        allowed.clone(),
+    )
+    .await;
+    assert!(
+        matches!(&e, FetchError::ChecksumMismatch { want, got, .. } if *want == wrong && *got == sha256_hex(&weights())),
+        "{e}"
+    );
+    assert_eq!(e.reason(), "ChecksumMismatch");
+
+    let before = requests.load(Ordering::Relaxed);
+    let e = run(
+        "elsewhere",
+        vec![source(addr, "/weights.bin", None)],
+        1 << 20,
+        vec!["http://models.internal/".into()],
+    )
+    .await;
+    assert_eq!(e.reason(), "SourceNotAllowed");
+    assert!(e.to_string().contains("models.internal"), "{e}");
+    let e = run(
+        "nothing-allowed",
+        vec![source(addr, "/weights.bin", None)],
+        1 << 20,
+        vec![],
+    )
+    .await;
+    assert!(e.to_string().contains("every source is refused"), "{e}");
+    let escape = FileSource {
+        path: Some("../../etc/cron.d/x".into()),
+        ..source(addr, "/weights.bin", None)
+    };
+    let e = run("escape", vec![escape], 1 << 20, allowed.clone()).await;
+    assert_eq!(e.reason(), "InvalidArtifact");
+    assert_eq!(
+        requests.load(Ordering::Relaxed),
+        before,
+        "refused before any request"
+    );
+
+    let e = run(
+        "missing",
+        vec![source(addr, "/missing", None)],
+        1 << 20,
+        allowed.clone(),
+    )
+    .await;
+    assert!(matches!(e, FetchError::Status { status: 404, .. }), "{e}");
+    assert!(e.retryable());
+
+    let e = run(
+        "cut",
+        vec![source(addr, "/cut", None)],
+        1 << 20,
+        allowed.clone(),
+    )
+    .await;
+    assert!(matches!(e, FetchError::Transfer { .. }), "{e}");
+
+    let e = run(
+        "runaway",
+        vec![source(addr, "/endless", None)],
+        1 << 20,
+        allowed.clone(),
+    )
+    .await;
+    assert!(
+        matches!(e, FetchError::TooLarge { declared, got } if declared == 1 << 20 && got <= size_limit(declared) + (64 << 10)),
+        "{e}"
+    );
+    assert_eq!(e.reason(), "LargerThanDeclared");
+
+    // Nothing half-written, nothing of the failed keys, the good one intact.
+    assert_eq!(entries(cache.path()), ["good"]);
+    assert_eq!(
+        std::fs::read(cache.path().join("good/weights.bin")).unwrap(),
+        weights()
+    );
+}
+
+#[test]
+fn what_a_crash_left_is_cleaned_up_at_start() {
+    let cache = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(cache.path().join(format!("{PARTIAL_PREFIX}qwen-1-0/sub"))).unwrap();
+    std::fs::write(
+        cache
+            .path()
+            .join(format!("{PARTIAL_PREFIX}qwen-1-0/sub/w.bin")),
+        b"half",
+    )
+    .unwrap();
+    std::fs::create_dir_all(cache.path().join("sdxl")).unwrap();
+    assert_eq!(clean_partials(cache.path()).unwrap(), 1);
+    assert_eq!(entries(cache.path()), ["sdxl"]);
+}
