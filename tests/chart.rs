@@ -101,7 +101,8 @@ fn chart_lints_and_renders_hardened_least_privilege_manifests() {
         names,
         [
             "modeldemands.residency.dev",
-            "modelresidencies.residency.dev"
+            "modelresidencies.residency.dev",
+            "nodemodelcaches.residency.dev"
         ]
     );
 

@@ -62,6 +62,7 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
         size: ByteQuantity(size),
         pinned,
         // Now and then an idle timeout of its own.
+        artifact: None,
         keep_alive: (t == 0).then(|| "90s".into()),
         template: match t {
             0 => None,
@@ -137,6 +138,7 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
                     device: "0".into(),
                     budget: ByteQuantity(budget),
                     models,
+                    prefetch: 0,
                     keep_alive: Some("5m".into()),
                     demand: demand.into(),
                 },

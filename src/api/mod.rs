@@ -2,9 +2,14 @@
 //! object per GPU. `crds/modelresidency.yaml` is generated from these types
 //! by `model-residency crd`; a test fails when the two drift apart.
 
+mod artifact;
 mod demand_map;
 mod model_demand;
 
+pub use artifact::{
+    ArtifactFile, ArtifactSpec, ArtifactState, CachedArtifact, NodeModelCache, NodeModelCacheSpec,
+    NodeModelCacheStatus,
+};
 pub use demand_map::DemandMap;
 pub use model_demand::{ModelDemand, ModelDemandSpec, ModelDemandStatus};
 
@@ -78,6 +83,16 @@ pub struct ModelResidencySpec {
     /// apply owns single keys.
     #[serde(default, skip_serializing_if = "DemandMap::is_empty")]
     pub demand: DemandMap,
+    /// How many of the most recently requested models that are not
+    /// resident keep their artifacts on the node's disk (fetched ahead of
+    /// their next request), within the node's disk budget. Default 0.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    #[schemars(range(min = 0, max = 64))]
+    pub prefetch: u32,
+}
+
+fn is_zero_u32(n: &u32) -> bool {
+    *n == 0
 }
 
 /// One model in the registry.
@@ -106,6 +121,12 @@ pub struct ModelSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "template_schema")]
     pub template: Option<PodTemplate>,
+    /// Files the model's pod needs on the node's disk: fetched by the node
+    /// agent (model-residency node-agent) before the pod starts, kept in
+    /// the node's cache within its disk budget, and mounted read-only at
+    /// mountPath. While they are fetched the model is Fetching.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact: Option<ArtifactSpec>,
 }
 
 /// A model's pod template, kept as its compact JSON text.
@@ -191,7 +212,7 @@ pub struct ModelResidencyStatus {
 pub struct ModelStatus {
     /// Model name.
     pub name: String,
-    /// Loaded, Loading, Evicted, Refused, Unloaded or Failed.
+    /// Loaded, Loading, Fetching, Evicted, Refused, Unloaded or Failed.
     pub state: ModelState,
     /// Declared size the state was computed with.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -228,7 +249,7 @@ impl ModelResidencyStatus {
         let count =
             |f: fn(&ModelStatus) -> bool| self.models.iter().filter(|m| f(m)).count() as u32;
         self.resident = count(ModelStatus::is_resident);
-        self.loading = count(|m| m.state == ModelState::Loading);
+        self.loading = count(|m| matches!(m.state, ModelState::Loading | ModelState::Fetching));
         self.refused = count(|m| m.state == ModelState::Refused);
     }
 }
@@ -259,6 +280,9 @@ pub enum ModelState {
     Loaded,
     /// Resident; its pod is starting, or waiting for evicted pods to go.
     Loading,
+    /// Resident; its artifact is being fetched onto the node's disk (by the
+    /// node agent) before its pod may start.
+    Fetching,
     /// Taken out to make room for another model or by a budget shrink.
     Evicted,
     /// Its last request was refused (see reason).
@@ -277,7 +301,7 @@ impl ModelState {
     pub fn is_resident(self) -> bool {
         matches!(
             self,
-            ModelState::Loaded | ModelState::Loading | ModelState::Failed
+            ModelState::Loaded | ModelState::Loading | ModelState::Fetching | ModelState::Failed
         )
     }
 }
@@ -349,10 +373,12 @@ pub fn model_demand_crd_yaml() -> String {
 }
 
 /// Every CRD of the project, as committed under `crds/` (file name, YAML).
-pub fn crd_files() -> [(&'static str, String); 2] {
+pub fn crd_files() -> [(&'static str, String); 3] {
+    use kube::CustomResourceExt;
     [
         ("modelresidency.yaml", crd_yaml()),
         ("modeldemand.yaml", model_demand_crd_yaml()),
+        ("nodemodelcache.yaml", yaml_document(&NodeModelCache::crd())),
     ]
 }
 

@@ -5,6 +5,7 @@ mod demand;
 mod demo;
 #[cfg(feature = "local")]
 mod local_cluster;
+mod node_agent;
 mod operator;
 mod route;
 mod simulate;
@@ -27,7 +28,7 @@ enum Command {
     /// Replay requests through the residency engine and report hits, loads,
     /// evictions, refusals and peak VRAM.
     Simulate(simulate::Args),
-    /// Print the ModelResidency and ModelDemand CustomResourceDefinitions
+    /// Print the ModelResidency, ModelDemand and NodeModelCache CustomResourceDefinitions
     /// as YAML (`model-residency crd | kubectl apply -f -`).
     Crd,
     /// Run the whole thing end to end on a local control plane, explained.
@@ -43,6 +44,9 @@ enum Command {
     /// holding a request through its model's load and turning traffic into
     /// demand.
     Route(route::Args),
+    /// Run the node agent: keeps model artifacts on this node's disk within
+    /// a budget and reports them in the node's NodeModelCache.
+    NodeAgent(node_agent::Args),
     /// Load or unload a model by writing spec.demand.
     Demand {
         #[command(flatten)]
@@ -107,6 +111,10 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
         Command::Route(args) => {
             operator::init_logging(args.log_format());
             runtime()?.block_on(route::run(args))
+        }
+        Command::NodeAgent(args) => {
+            operator::init_logging(args.log_format());
+            runtime()?.block_on(node_agent::run(args))
         }
         Command::Demand { target, command } => runtime()?.block_on(demand::demand(target, command)),
         Command::Status { target, residency } => {

@@ -5,6 +5,7 @@
 //! publish the events ([`events`]), and count every API request in the
 //! metrics.
 
+pub mod artifacts;
 pub mod claims;
 pub mod conditions;
 pub mod decide;
@@ -114,6 +115,8 @@ pub struct Context {
     pub written: WrittenStatuses,
     /// How far ahead of this clock a request's time may be.
     pub max_skew: Duration,
+    /// The nodes' artifact caches, as their agents report them.
+    pub node_caches: artifacts::NodeCaches,
 }
 
 impl Context {
@@ -139,6 +142,7 @@ impl Context {
             templates: TemplateVerdicts::default(),
             written: WrittenStatuses::default(),
             max_skew,
+            node_caches: Default::default(),
         })
     }
 }
@@ -336,6 +340,7 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
         Default::default()
     };
     let gpu_holder = ctx.claims.holder_other_than(&r);
+    let node_cache = ctx.node_caches.get(&r.spec.node_name);
     let mut decision = decide(&Observed {
         residency: &r,
         owner,
@@ -344,6 +349,7 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
         max_skew: ctx.max_skew,
         gpu_holder: gpu_holder.as_deref(),
         rejected_templates: &rejected_templates,
+        artifacts: node_cache.as_deref(),
     });
     let retry_soon = enact(&r, &ns, &mut decision, &ctx).await?;
     Ok(match (retry_soon, decision.requeue_after) {
@@ -477,9 +483,13 @@ pub async fn run(
             };
             futures::stream::iter(touched)
         });
+    let cache_events = node_cache_events(ctx.clone(), store.clone()).await;
     let sync = tokio::spawn(mark_synced(store, ctx.clone(), synced));
     controller
-        .reconcile_on(futures::stream::select(pod_events, claim_rx))
+        .reconcile_on(futures::stream::select(
+            futures::stream::select(pod_events, claim_rx),
+            cache_events,
+        ))
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {
@@ -513,6 +523,53 @@ async fn start_model_demands(
         changed,
     );
     Some(AbortOnDrop(tokio::spawn(task)))
+}
+
+/// The nodes' artifact caches (`NodeModelCache`, when its opt-in CRD is
+/// installed): each change is recorded in the context and wakes the
+/// residencies on that node (a model waiting in Fetching may start).
+async fn node_cache_events(
+    ctx: Arc<Context>,
+    residencies: reflector::Store<ModelResidency>,
+) -> futures::stream::BoxStream<'static, ObjectRef<ModelResidency>> {
+    use crate::api::NodeModelCache;
+    let api: Api<NodeModelCache> = Api::all(ctx.client.clone());
+    match api
+        .list_metadata(&kube::api::ListParams::default().limit(1))
+        .await
+    {
+        Ok(_) => {}
+        Err(e) => {
+            tracing::info!(error = %e, "NodeModelCache objects are not served: models with an artifact wait in Fetching");
+            return futures::stream::empty().boxed();
+        }
+    }
+    watcher(api, watcher::Config::default())
+        .default_backoff()
+        .flat_map(move |event| {
+            let mut nodes = Vec::new();
+            match event {
+                Ok(watcher::Event::Apply(c) | watcher::Event::InitApply(c)) => {
+                    if ctx.node_caches.record(&c) {
+                        nodes.push(c.name_any());
+                    }
+                }
+                Ok(watcher::Event::Delete(c)) => {
+                    ctx.node_caches.forget(&c.name_any());
+                    nodes.push(c.name_any());
+                }
+                Ok(_) => {}
+                Err(e) => tracing::debug!(error = %e, "NodeModelCache watch"),
+            }
+            let touched: Vec<ObjectRef<ModelResidency>> = residencies
+                .state()
+                .iter()
+                .filter(|r| nodes.contains(&r.spec.node_name))
+                .map(|r| ObjectRef::from_obj(&**r))
+                .collect();
+            futures::stream::iter(touched)
+        })
+        .boxed()
 }
 
 /// Sets `synced` once the residency store and the pod cache hold their

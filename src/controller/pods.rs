@@ -240,6 +240,7 @@ mod tests {
                 device: "GPU-1234".into(),
                 budget: ByteQuantity("16Gi".into()),
                 models: vec![],
+                prefetch: 0,
                 keep_alive: None,
                 demand: Default::default(),
             },
@@ -253,6 +254,7 @@ mod tests {
             name: "zimage".into(),
             size: ByteQuantity("1Gi".into()),
             pinned: false,
+            artifact: None,
             keep_alive: None,
             template: Some(template.into()),
         }

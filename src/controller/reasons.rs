@@ -9,6 +9,12 @@ use crate::quantity::format_bytes;
 pub enum Reason {
     /// Its pod was just created.
     PodCreated,
+    /// Its artifact is being fetched onto the node's disk.
+    FetchingArtifact,
+    /// Its artifact could not be fetched (the node agent says why).
+    ArtifactFailed,
+    /// The node's disk budget cannot hold its artifact.
+    DiskFull,
     /// Its pod exists and is not Ready yet.
     PodStarting,
     /// Resident, but waits for evicted pods to release their VRAM.
@@ -51,6 +57,9 @@ impl Reason {
     pub fn as_str(self) -> &'static str {
         match self {
             Reason::PodCreated => "PodCreated",
+            Reason::FetchingArtifact => "FetchingArtifact",
+            Reason::ArtifactFailed => "ArtifactFailed",
+            Reason::DiskFull => "DiskFull",
             Reason::PodStarting => "PodStarting",
             Reason::WaitingForVram => "WaitingForVram",
             Reason::Resized => "Resized",

@@ -263,10 +263,12 @@ mod tests {
                         name: (*n).into(),
                         size: ByteQuantity((*s).into()),
                         pinned: false,
+                        artifact: None,
                         keep_alive: None,
                         template: None,
                     })
                     .collect(),
+                prefetch: 0,
                 keep_alive: None,
                 demand: [("b", "2026-11-30T03:00:02Z"), ("a", "2026-11-30T03:00:01Z")]
                     .map(|(m, t)| (m.to_owned(), t.to_owned()))

@@ -13,7 +13,10 @@
 //!   probe is evaluated; no image is pulled.
 //! - **Failing pods.** A pod annotated `kubelet-standin.residency.dev/fail:
 //!   <message>` is marked `Failed` (reason `StandInFailure`) instead, and
-//!   [`fail_pod`] fails a running pod on request.
+//!   [`fail_pod`] fails a running pod on request. So is a pod with a
+//!   `hostPath` volume of `type: Directory` whose directory does not exist
+//!   on this machine, as a kubelet refuses it (the node agent's artifacts
+//!   are real directories here).
 //! - **Serving.** When it marks a pod Ready it starts a fake model server
 //!   for it ([`super::model_server`]) on a loopback address of the pod's own
 //!   (its `status.podIP`) and the first container's first `containerPort`
@@ -284,6 +287,7 @@ async fn start_pod(
         .as_ref()
         .and_then(|a| a.get(FAIL_ANNOTATION))
         .cloned();
+    let fail = fail.or_else(|| missing_host_dir(&current));
     match fail {
         Some(message) => set_failed(api, &current, &message).await,
         None => {
@@ -328,6 +332,19 @@ async fn serve(pod: &Pod, servers: &Servers, stream_delay: Duration) -> Ipv4Addr
         }
     }
     ip
+}
+
+/// A `hostPath` volume of `type: Directory` whose directory does not
+/// exist: a kubelet does not start such a pod (nor does the stand-in).
+fn missing_host_dir(pod: &Pod) -> Option<String> {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.volumes.iter().flatten())
+        .filter_map(|v| v.host_path.as_ref())
+        .find(|h| {
+            h.type_.as_deref() == Some("Directory") && !std::path::Path::new(&h.path).is_dir()
+        })
+        .map(|h| format!("hostPath type check failed: {} is not a directory", h.path))
 }
 
 fn containers(pod: &Pod) -> Vec<(String, String)> {

@@ -6,24 +6,29 @@ pub mod control_plane;
 pub mod kubelet;
 pub mod model_server;
 
-use crate::api::{ModelDemand, ModelResidency};
+use crate::api::{ModelDemand, ModelResidency, NodeModelCache};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use std::time::Duration;
 
-/// Installs (server-side applies) the ModelResidency and ModelDemand CRDs
-/// and waits until the API server serves both types, which comes a moment
-/// after creation.
+/// Installs (server-side applies) the ModelResidency, ModelDemand and
+/// NodeModelCache CRDs and waits until the API server serves the types,
+/// which comes a moment after creation.
 pub async fn install_crd(client: &kube::Client) -> Result<(), kube::Error> {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for crd in [ModelResidency::crd(), ModelDemand::crd()] {
+    for crd in [
+        ModelResidency::crd(),
+        ModelDemand::crd(),
+        NodeModelCache::crd(),
+    ] {
         let name = crd.metadata.name.clone().unwrap_or_default();
         let pp = PatchParams::apply("model-residency-local").force();
         crds.patch(&name, &pp, &Patch::Apply(crd)).await?;
     }
     served::<ModelResidency>(client).await?;
-    served::<ModelDemand>(client).await
+    served::<ModelDemand>(client).await?;
+    served::<NodeModelCache>(client).await
 }
 
 async fn served<K>(client: &kube::Client) -> Result<(), kube::Error>

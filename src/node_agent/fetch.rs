@@ -181,9 +181,12 @@ fn encode_hex(bytes: &[u8]) -> String {
 
 type Https = hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>;
 
+/// The download client's type.
+pub type HttpsClient = Client<Https, Empty<Bytes>>;
+
 /// The download client: http and https (verified against the system's CA
 /// certificates), pooled.
-pub fn client() -> Result<Client<Https, Empty<Bytes>>, FetchError> {
+pub fn client() -> Result<HttpsClient, FetchError> {
     let https = hyper_rustls::HttpsConnectorBuilder::new()
         .with_native_roots()
         .map_err(|e| FetchError::Io(format!("no system CA certificates for https: {e}")))?
@@ -203,7 +206,7 @@ pub struct Progress {
 /// within `declared` bytes (plus [`size_limit`]'s margin). Returns the
 /// bytes written.
 pub async fn fetch(
-    client: &Client<Https, Empty<Bytes>>,
+    client: &HttpsClient,
     cache: &Path,
     key: &str,
     files: &[FileSource],
@@ -242,7 +245,7 @@ pub async fn fetch(
 }
 
 async fn download_all(
-    client: &Client<Https, Empty<Bytes>>,
+    client: &HttpsClient,
     dir: &Path,
     files: &[Checked],
     declared: u64,

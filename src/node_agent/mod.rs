@@ -1,13 +1,17 @@
-//! The node's disk as a second residency tier (issue #15, in progress):
-//! the parts of the node agent that decide and fetch.
+//! The node's disk as a second residency tier: the node agent
+//! (`model-residency node-agent`, one per node, a DaemonSet in the chart).
 //!
 //! - [`keep`]: what the node keeps within its disk budget (pure);
 //! - [`fetch`]: downloading an artifact into the cache directory, verified
-//!   and renamed into place, never half-visible.
+//!   and renamed into place, never half-visible;
+//! - [`agent`]: the loop that reads the residencies on its node, plans,
+//!   fetches, evicts and reports in the node's `NodeModelCache`.
 //!
-//! Not built yet: the `node-agent` subcommand and its `NodeModelCache`
-//! object, the registry's `artifact` field, the operator's `Fetching` gate
-//! and the hostPath mount (see the README's "Limits").
+//! The operator reads `NodeModelCache` objects: a model with an artifact
+//! is `Fetching` until its artifact is Ready on the node, then its pod
+//! starts with the artifact's directory mounted read-only
+//! (`controller::artifacts`).
 
+pub mod agent;
 pub mod fetch;
 pub mod keep;

@@ -403,7 +403,7 @@ impl Router {
             };
             match snap.state(i, model) {
                 // Admitted here: its pod is on the way.
-                ModelState::Loaded | ModelState::Loading => return Ok(None),
+                ModelState::Loaded | ModelState::Loading | ModelState::Fetching => return Ok(None),
                 ModelState::Failed => {
                     let retry_at = recorded_time(status.and_then(|m| m.retry_at.as_deref()));
                     let retry_after = retry_at
@@ -576,7 +576,7 @@ impl Router {
                     .collect();
                 let rank = |s: ModelState| match s {
                     ModelState::Loaded => 0,
-                    ModelState::Loading => 1,
+                    ModelState::Loading | ModelState::Fetching => 1,
                     ModelState::Failed => 2,
                     _ => 3,
                 };
@@ -783,7 +783,7 @@ fn still_resident(snap: &Snapshot, key: &Key) -> bool {
         .is_some_and(|i| {
             matches!(
                 snap.state(i, &key.2),
-                ModelState::Loaded | ModelState::Loading
+                ModelState::Loaded | ModelState::Loading | ModelState::Fetching
             )
         })
 }

@@ -94,6 +94,7 @@ impl TestEnv {
                 "--timeout=30s",
                 "crd/modelresidencies.residency.dev",
                 "crd/modeldemands.residency.dev",
+                "crd/nodemodelcaches.residency.dev",
             ]);
             assert!(out.status.success(), "kubectl wait: {}", stderr(&out));
             // Established comes a moment before discovery and the published

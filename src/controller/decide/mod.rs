@@ -19,6 +19,7 @@
 //! GPU or template is replaced. Nothing here does I/O, so a reconcile with
 //! nothing new yields the previous status unchanged and no actions.
 
+use super::artifacts::NodeArtifacts;
 use super::conditions::{ConditionSet, DEGRADED, READY, REFUSED};
 use super::events::{EventReason, ModelEvent};
 use super::pods::{ModelPod, build_pod};
@@ -51,6 +52,9 @@ pub struct Observed<'a> {
     /// Models whose pod the API server rejected (a server-side dry run),
     /// with its message.
     pub rejected_templates: &'a BTreeMap<String, String>,
+    /// The residency's node's artifact cache, as its agent reports it
+    /// (none: no agent, so models with an artifact wait in Fetching).
+    pub artifacts: Option<&'a NodeArtifacts>,
 }
 
 /// Requests may be this far ahead of the operator's clock by default.
@@ -74,6 +78,7 @@ impl<'a> Observed<'a> {
             max_skew: DEFAULT_MAX_SKEW,
             gpu_holder: None,
             rejected_templates: &NONE,
+            artifacts: None,
         }
     }
 }

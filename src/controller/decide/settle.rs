@@ -3,6 +3,7 @@
 
 use super::{Decider, Decision, PodRef};
 use crate::api::{ModelResidencyStatus, ModelState, ModelStatus};
+use crate::controller::artifacts::{ArtifactGate, artifact_gate, mount_artifact};
 use crate::controller::conditions::{ConditionSet, model_conditions};
 use crate::controller::events::{EventReason, transition_events};
 use crate::controller::pods::{ModelPod, PodPhase, build_pod, pod_name, template_hash};
@@ -391,7 +392,7 @@ impl<'a> Decider<'a> {
     ) -> ModelStatus {
         let r = self.input.residency;
         let budget = self.valid.budget;
-        let pod = match build_pod(r, &self.input.owner, m.spec, size) {
+        let mut pod = match build_pod(r, &self.input.owner, m.spec, size) {
             Ok(pod) => pod,
             Err(problem) => {
                 st.state = ModelState::Failed;
@@ -401,6 +402,27 @@ impl<'a> Decider<'a> {
                 return st;
             }
         };
+        // A model with an artifact starts only once the node holds it.
+        if let Some(artifact) = &m.spec.artifact {
+            match artifact_gate(self.input.artifacts, artifact, m.name(), &r.spec.node_name) {
+                ArtifactGate::Mount { host_dir } => {
+                    mount_artifact(&mut pod, &host_dir, &artifact.mount_path_for(m.name()));
+                }
+                ArtifactGate::Wait { message } => {
+                    st.state = ModelState::Fetching;
+                    st.reason = Some(Reason::FetchingArtifact.into());
+                    st.message = Some(message);
+                    return st;
+                }
+                ArtifactGate::Fail { reason, message } => {
+                    st.state = ModelState::Failed;
+                    st.failures = st.failures.max(1);
+                    st.reason = Some(reason.into());
+                    st.message = Some(message);
+                    return st;
+                }
+            }
+        }
         st.state = ModelState::Loading;
         if pods.live_declared + size > budget {
             st.reason = Some(Reason::WaitingForVram.into());

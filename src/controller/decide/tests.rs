@@ -32,12 +32,14 @@ fn residency(
                     name: (*n).into(),
                     size: ByteQuantity((*s).into()),
                     pinned: *p,
+                    artifact: None,
                     keep_alive: None,
                     template: Some(
                         json!({"spec": {"containers": [{"name": "s", "image": "i"}]}}).into(),
                     ),
                 })
                 .collect(),
+            prefetch: 0,
             keep_alive: None,
             demand: demand
                 .iter()
@@ -296,6 +298,7 @@ fn demand_written_before_its_registry_entry_loads_once_the_model_is_added() {
         name: "new".into(),
         size: ByteQuantity("2Gi".into()),
         pinned: false,
+        artifact: None,
         keep_alive: None,
         template: r.spec.models[0].template.clone(),
     });

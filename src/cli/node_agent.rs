@@ -1,0 +1,95 @@
+//! `model-residency node-agent`: keeps model artifacts on this node's disk
+//! within a budget (see `model_residency::node_agent`). Serves `/healthz`,
+//! `/readyz` and `/metrics`; stops on SIGTERM or Ctrl-C (a download in
+//! flight is abandoned; its partial directory is removed at the next
+//! start).
+
+use super::Failure;
+use super::operator::{LogFormat, fatal, termination};
+use model_residency::http::{Endpoints, serve};
+use model_residency::node_agent::agent::{AgentConfig, run as run_agent};
+use model_residency::quantity::parse_bytes;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// This node's name (the chart passes spec.nodeName).
+    #[arg(long, env = "NODE_NAME")]
+    node: String,
+    /// Where artifacts live on the node (a hostPath in the chart).
+    #[arg(long, env = "CACHE_DIR", default_value = "/var/cache/model-residency")]
+    cache_dir: PathBuf,
+    /// The most the artifacts may declare together on this node.
+    #[arg(long, env = "DISK_BUDGET")]
+    disk_budget: String,
+    /// URI prefixes artifacts may be fetched from, comma-separated (e.g.
+    /// `https://models.example.com/,http://minio.models:9000/`). None by
+    /// default: every source is refused, so a tenant's ModelResidency cannot
+    /// make nodes fetch arbitrary addresses.
+    #[arg(long, env = "ALLOWED_SOURCES", value_delimiter = ',')]
+    allowed_sources: Vec<String>,
+    /// Downloads at once.
+    #[arg(long, env = "MAX_CONCURRENT_DOWNLOADS", default_value_t = 2)]
+    max_concurrent_downloads: usize,
+    /// Address of /healthz, /readyz and /metrics.
+    #[arg(long, env = "HTTP_ADDR", default_value = "0.0.0.0:8081")]
+    http_addr: SocketAddr,
+    /// Log format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+impl Args {
+    pub fn log_format(&self) -> LogFormat {
+        self.log_format
+    }
+}
+
+pub async fn run(args: Args) -> Result<(), Failure> {
+    let budget = parse_bytes(&args.disk_budget)
+        .map_err(|e| Failure::bad_input(format!("--disk-budget: {e}")))?;
+    if args.allowed_sources.iter().any(|s| s.trim().is_empty()) {
+        return Err(Failure::bad_input(
+            "--allowed-sources: an empty prefix would allow every source",
+        ));
+    }
+    let client = kube::Client::try_default().await.map_err(|e| {
+        fatal(format!(
+            "cannot load a kubeconfig or in-cluster config: {e}"
+        ))
+    })?;
+    let endpoints = Arc::new(Endpoints::default());
+    let listener = tokio::net::TcpListener::bind(args.http_addr)
+        .await
+        .map_err(|e| fatal(format!("cannot listen on {}: {e}", args.http_addr)))?;
+    let http = tokio::spawn(serve(listener, endpoints.clone()));
+    if args.allowed_sources.is_empty() {
+        tracing::warn!("--allowed-sources is empty: every artifact source is refused");
+    }
+    let config = AgentConfig {
+        node: args.node,
+        cache_dir: args.cache_dir,
+        budget,
+        allowed_sources: args.allowed_sources,
+        max_concurrent_downloads: args.max_concurrent_downloads,
+    };
+    tracing::info!(?config, "keeping model artifacts on this node");
+    let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mirror = {
+        let (ready, endpoints) = (ready.clone(), endpoints.clone());
+        tokio::spawn(async move {
+            while !ready.load(std::sync::atomic::Ordering::Relaxed) {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            endpoints
+                .ready
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        })
+    };
+    let result = run_agent(client, config, ready, termination()).await;
+    mirror.abort();
+    http.abort();
+    result.map_err(fatal)
+}

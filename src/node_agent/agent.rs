@@ -1,0 +1,578 @@
+//! The node agent's loop: reads the residencies on its node, decides with
+//! [`keep::plan`] what the disk holds, fetches and evicts, and reports it
+//! all in its node's `NodeModelCache`.
+//!
+//! Required artifacts are those of models resident on the node (Fetching,
+//! Loading, Loaded, or Failed while admitted); prefetch ones the
+//! `spec.prefetch` most recently requested models of each residency that
+//! are not resident. A failed fetch is retried with backoff (5 s, doubling,
+//! at most 5 min). It is the only writer of its `NodeModelCache` (one
+//! server-side apply of the whole object per change).
+
+use super::fetch::{self, FileSource, Progress};
+use super::keep::{self, Held, Want, Wanted};
+use crate::api::{
+    ArtifactState, CachedArtifact, ModelResidency, NodeModelCache, NodeModelCacheSpec,
+    NodeModelCacheStatus,
+};
+use crate::controller::state::recorded_time;
+use crate::quantity::{format_bytes, parse_bytes};
+use futures::StreamExt;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{Notify, Semaphore, mpsc};
+
+const MANAGER: &str = "model-residency-node-agent";
+
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    pub node: String,
+    pub cache_dir: PathBuf,
+    pub budget: u64,
+    pub allowed_sources: Vec<String>,
+    pub max_concurrent_downloads: usize,
+}
+
+/// One artifact the agent knows of.
+#[derive(Debug, Clone)]
+struct Entry {
+    model: String,
+    /// Declared size (or, for one found on disk at start and not yet
+    /// declared by any residency, its size on disk).
+    size: u64,
+    state: ArtifactState,
+    bytes: u64,
+    last_use: Option<Timestamp>,
+    reason: Option<String>,
+    message: Option<String>,
+    retry_at: Option<Timestamp>,
+    failures: u32,
+    progress: Option<Arc<Progress>>,
+}
+
+/// An artifact some residency on the node declares.
+#[derive(Debug, Clone)]
+struct Declared {
+    model: String,
+    files: Vec<FileSource>,
+    size: u64,
+    want: Want,
+    pinned: bool,
+    requested: Option<Timestamp>,
+}
+
+/// What the residencies on `node` want on its disk, by cache key.
+fn declared(residencies: &[Arc<ModelResidency>], node: &str) -> HashMap<String, Declared> {
+    let mut out: HashMap<String, Declared> = HashMap::new();
+    let mut add = |key: String, d: Declared| {
+        out.entry(key)
+            .and_modify(|e| {
+                e.want = e.want.min(d.want);
+                e.pinned |= d.pinned;
+                e.requested = e.requested.max(d.requested);
+            })
+            .or_insert(d);
+    };
+    for r in residencies.iter().filter(|r| r.spec.node_name == node) {
+        let status = r.status.as_ref();
+        let state_of = |m: &str| status.and_then(|s| s.models.iter().find(|x| x.name == m));
+        let mut idle = Vec::new();
+        for m in &r.spec.models {
+            let Some(artifact) = &m.artifact else {
+                continue;
+            };
+            let Ok(size) = parse_bytes(&artifact.size.0) else {
+                continue;
+            };
+            let st = state_of(&m.name);
+            let requested = st
+                .and_then(|s| recorded_time(s.last_requested.as_deref()))
+                .or_else(|| r.spec.demand.get(&m.name).and_then(|t| t.parse().ok()));
+            let d = Declared {
+                model: m.name.clone(),
+                files: artifact
+                    .files
+                    .iter()
+                    .map(|f| FileSource {
+                        uri: f.uri.clone(),
+                        path: f.path.clone(),
+                        sha256: f.sha256.as_ref().map(|s| s.to_lowercase()),
+                    })
+                    .collect(),
+                size,
+                want: Want::Required,
+                pinned: m.pinned,
+                requested,
+            };
+            if st.is_some_and(|s| s.is_resident()) {
+                add(artifact.cache_key(&m.name), d);
+            } else if requested.is_some() {
+                idle.push((artifact.cache_key(&m.name), d));
+            }
+        }
+        idle.sort_by_key(|(_, d)| std::cmp::Reverse(d.requested));
+        for (key, mut d) in idle.into_iter().take(r.spec.prefetch as usize) {
+            d.want = Want::Prefetch;
+            add(key, d);
+        }
+    }
+    out
+}
+
+fn retry_delay(failures: u32) -> Duration {
+    Duration::from_secs(
+        5u64.saturating_mul(1 << failures.saturating_sub(1).min(6))
+            .min(300),
+    )
+}
+
+/// The agent's state: its artifacts and what to do next.
+struct Agent {
+    config: AgentConfig,
+    entries: HashMap<String, Entry>,
+    downloads: Arc<Semaphore>,
+    done: mpsc::UnboundedSender<(String, Result<u64, fetch::FetchError>)>,
+    client: fetch::HttpsClient,
+}
+
+impl Agent {
+    /// Artifacts already on disk (a restart): Ready at their size on disk.
+    fn scan(&mut self) -> std::io::Result<()> {
+        for entry in std::fs::read_dir(&self.config.cache_dir)? {
+            let entry = entry?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with(fetch::PARTIAL_PREFIX) || !entry.file_type()?.is_dir() {
+                continue;
+            }
+            let bytes = fetch::disk_usage(&entry.path())?;
+            let model = name
+                .rsplit_once('-')
+                .map_or(name.as_str(), |(m, _)| m)
+                .to_owned();
+            self.entries.insert(
+                name,
+                Entry {
+                    model,
+                    size: bytes,
+                    state: ArtifactState::Ready,
+                    bytes,
+                    last_use: None,
+                    reason: None,
+                    message: None,
+                    retry_at: None,
+                    failures: 0,
+                    progress: None,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// One pass: plan against what the residencies want, evict, start
+    /// fetches, mark refusals.
+    fn step(&mut self, residencies: &[Arc<ModelResidency>]) {
+        let now = Timestamp::now();
+        let wanted = declared(residencies, &self.config.node);
+        for (key, d) in &wanted {
+            if let Some(e) = self.entries.get_mut(key) {
+                e.size = d.size;
+                if d.want == Want::Required {
+                    e.last_use = e.last_use.max(d.requested).or(Some(now));
+                }
+            }
+        }
+        let held: Vec<Held> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| matches!(e.state, ArtifactState::Ready | ArtifactState::Fetching))
+            .map(|(k, e)| Held {
+                key: k.clone(),
+                size: e.size,
+                last_use: e.last_use,
+            })
+            .collect();
+        let want: Vec<Wanted> = wanted
+            .iter()
+            .map(|(k, d)| Wanted {
+                key: k.clone(),
+                size: d.size,
+                want: d.want,
+                pinned: d.pinned,
+                requested: d.requested,
+            })
+            .collect();
+        let plan = keep::plan(self.config.budget, &held, &want);
+        for key in &plan.evict {
+            let fetching = self
+                .entries
+                .get(key)
+                .is_some_and(|e| e.state == ArtifactState::Fetching);
+            if fetching {
+                continue;
+            }
+            let dir = self.config.cache_dir.join(key);
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => {
+                    tracing::info!(artifact = %key, "evicted from the disk cache");
+                    self.entries.remove(key);
+                }
+                Err(e) => tracing::warn!(artifact = %key, error = %e, "evicting failed"),
+            }
+        }
+        for key in &plan.fetch {
+            let d = &wanted[key];
+            let entry = self.entries.entry(key.clone()).or_insert_with(|| Entry {
+                model: d.model.clone(),
+                size: d.size,
+                state: ArtifactState::Failed,
+                bytes: 0,
+                last_use: d.requested,
+                reason: None,
+                message: None,
+                retry_at: None,
+                failures: 0,
+                progress: None,
+            });
+            let waiting =
+                entry.state == ArtifactState::Failed && entry.retry_at.is_some_and(|at| at > now);
+            if entry.state == ArtifactState::Fetching || waiting {
+                continue;
+            }
+            entry.state = ArtifactState::Fetching;
+            entry.reason = None;
+            entry.message = None;
+            entry.retry_at = None;
+            let progress = Arc::new(Progress::default());
+            entry.progress = Some(progress.clone());
+            let (client, cache, key, files, size, allowed, permits, done) = (
+                self.client.clone(),
+                self.config.cache_dir.clone(),
+                key.clone(),
+                d.files.clone(),
+                d.size,
+                self.config.allowed_sources.clone(),
+                self.downloads.clone(),
+                self.done.clone(),
+            );
+            tokio::spawn(async move {
+                let _permit = permits.acquire_owned().await;
+                let result =
+                    fetch::fetch(&client, &cache, &key, &files, size, &allowed, &progress).await;
+                let _ = done.send((key, result));
+            });
+        }
+        let refused: HashMap<&String, &String> = plan.refused.iter().map(|(k, m)| (k, m)).collect();
+        // Refusals are current: earlier ones that now fit (or are no longer
+        // wanted) go.
+        self.entries
+            .retain(|k, e| e.state != ArtifactState::Refused || refused.contains_key(k));
+        for (key, message) in refused {
+            let d = &wanted[key];
+            let e = self.entries.entry(key.clone()).or_insert_with(|| Entry {
+                model: d.model.clone(),
+                size: d.size,
+                state: ArtifactState::Refused,
+                bytes: 0,
+                last_use: d.requested,
+                reason: None,
+                message: None,
+                retry_at: None,
+                failures: 0,
+                progress: None,
+            });
+            if e.state != ArtifactState::Fetching && e.state != ArtifactState::Ready {
+                e.state = ArtifactState::Refused;
+                e.reason = Some("DiskFull".into());
+                e.message = Some(message.clone());
+            }
+        }
+        // Failures of artifacts nobody wants any more are forgotten.
+        self.entries
+            .retain(|k, e| e.state != ArtifactState::Failed || wanted.contains_key(k));
+    }
+
+    fn finished(&mut self, key: &str, result: Result<u64, fetch::FetchError>) {
+        let Some(e) = self.entries.get_mut(key) else {
+            return;
+        };
+        e.progress = None;
+        match result {
+            Ok(bytes) => {
+                tracing::info!(artifact = %key, bytes, "fetched");
+                e.state = ArtifactState::Ready;
+                e.bytes = bytes;
+                e.failures = 0;
+            }
+            Err(err) => {
+                e.failures += 1;
+                let delay = retry_delay(e.failures);
+                tracing::warn!(artifact = %key, error = %err, retry_in = ?delay, "fetch failed");
+                e.state = ArtifactState::Failed;
+                e.bytes = 0;
+                e.reason = Some(err.reason().into());
+                e.message = Some(err.to_string());
+                e.retry_at = Some(Timestamp::now() + delay);
+            }
+        }
+    }
+
+    fn fetching(&self) -> bool {
+        self.entries.values().any(|e| {
+            e.state == ArtifactState::Fetching
+                || (e.state == ArtifactState::Failed && e.retry_at.is_some())
+        })
+    }
+
+    fn status(&self) -> NodeModelCacheStatus {
+        let mut keys: Vec<&String> = self.entries.keys().collect();
+        keys.sort();
+        let mut status = NodeModelCacheStatus::default();
+        let mut used = 0;
+        for key in keys {
+            let e = &self.entries[key];
+            let bytes = match &e.progress {
+                Some(p) => p.bytes.load(std::sync::atomic::Ordering::Relaxed),
+                None => e.bytes,
+            };
+            match e.state {
+                ArtifactState::Ready => {
+                    status.ready += 1;
+                    used += e.size;
+                }
+                ArtifactState::Fetching => {
+                    status.fetching += 1;
+                    used += e.size;
+                }
+                _ => {}
+            }
+            status.artifacts.push(CachedArtifact {
+                key: key.clone(),
+                model: e.model.clone(),
+                state: e.state,
+                bytes,
+                size: Some(format_bytes(e.size)),
+                last_use: e.last_use.map(|t| t.to_string()),
+                reason: e.reason.clone(),
+                message: e.message.clone(),
+                retry_at: e.retry_at.map(|t| t.to_string()),
+            });
+        }
+        status.used = Some(format_bytes(used));
+        let refused: Vec<&CachedArtifact> = status
+            .artifacts
+            .iter()
+            .filter(|a| a.state == ArtifactState::Refused)
+            .collect();
+        let (value, reason, message) = match refused.first() {
+            Some(a) => (
+                "True",
+                "RequiredArtifactRefused",
+                a.message.clone().unwrap_or_default(),
+            ),
+            None => (
+                "False",
+                "Fits",
+                "every required artifact fits the disk budget".to_owned(),
+            ),
+        };
+        status.conditions.push(Condition {
+            type_: "DiskFull".into(),
+            status: value.into(),
+            reason: reason.into(),
+            message,
+            last_transition_time: Time(Timestamp::now()),
+            observed_generation: None,
+        });
+        status
+    }
+}
+
+/// Writes the node's `NodeModelCache` when its content changed (the
+/// condition's transition time kept from the last write).
+async fn publish(
+    api: &Api<NodeModelCache>,
+    config: &AgentConfig,
+    mut status: NodeModelCacheStatus,
+    last: &mut Option<NodeModelCacheStatus>,
+) {
+    if let Some(before) = last {
+        for c in &mut status.conditions {
+            if let Some(b) = before
+                .conditions
+                .iter()
+                .find(|b| b.type_ == c.type_ && b.status == c.status)
+            {
+                c.last_transition_time = b.last_transition_time.clone();
+            }
+        }
+        if *before == status {
+            return;
+        }
+    }
+    let body = serde_json::json!({
+        "apiVersion": "residency.dev/v1alpha1",
+        "kind": "NodeModelCache",
+        "metadata": {"name": config.node},
+        "spec": NodeModelCacheSpec {
+            budget: format_bytes(config.budget),
+            cache_dir: config.cache_dir.display().to_string(),
+        },
+        "status": status,
+    });
+    let pp = PatchParams::apply(MANAGER).force();
+    match api.patch(&config.node, &pp, &Patch::Apply(&body)).await {
+        Ok(_) => *last = Some(status),
+        Err(e) => tracing::warn!(error = %e, "writing the NodeModelCache failed; retrying"),
+    }
+}
+
+/// Runs the agent until `shutdown` completes. `ready` is set after the
+/// first pass.
+pub async fn run(
+    client: kube::Client,
+    config: AgentConfig,
+    ready: Arc<std::sync::atomic::AtomicBool>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), String> {
+    std::fs::create_dir_all(&config.cache_dir)
+        .map_err(|e| format!("creating {}: {e}", config.cache_dir.display()))?;
+    let cleaned = fetch::clean_partials(&config.cache_dir)
+        .map_err(|e| format!("cleaning {}: {e}", config.cache_dir.display()))?;
+    if cleaned > 0 {
+        tracing::info!(cleaned, "removed partial downloads left by a previous run");
+    }
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+    let mut agent = Agent {
+        downloads: Arc::new(Semaphore::new(config.max_concurrent_downloads.max(1))),
+        client: fetch::client().map_err(|e| e.to_string())?,
+        config: config.clone(),
+        entries: HashMap::new(),
+        done: done_tx,
+    };
+    agent
+        .scan()
+        .map_err(|e| format!("reading {}: {e}", config.cache_dir.display()))?;
+    let caches: Api<NodeModelCache> = Api::all(client.clone());
+    // Last uses survive a restart through the object.
+    if let Ok(Some(previous)) = caches.get_opt(&config.node).await {
+        for a in previous.status.iter().flat_map(|s| s.artifacts.iter()) {
+            if let Some(e) = agent.entries.get_mut(&a.key) {
+                e.last_use = recorded_time(a.last_use.as_deref());
+            }
+        }
+    }
+    let (store, writer): (Store<ModelResidency>, _) = reflector::store();
+    let changed = Arc::new(Notify::new());
+    let watch = {
+        let changed = changed.clone();
+        reflector::reflector(
+            writer,
+            watcher(
+                Api::<ModelResidency>::all(client),
+                watcher::Config::default(),
+            )
+            .default_backoff(),
+        )
+        .for_each(move |_| {
+            changed.notify_one();
+            futures::future::ready(())
+        })
+    };
+    let watch = tokio::spawn(watch);
+    let _ = store.wait_until_ready().await;
+    let mut last = None;
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        agent.step(&store.state());
+        publish(&caches, &config, agent.status(), &mut last).await;
+        ready.store(true, std::sync::atomic::Ordering::Relaxed);
+        // Progress and retries are looked at every second while anything
+        // is fetching or waiting to retry; otherwise only on changes.
+        let tick = if agent.fetching() {
+            Duration::from_secs(1)
+        } else {
+            Duration::from_secs(60)
+        };
+        tokio::select! {
+            _ = changed.notified() => {}
+            Some((key, result)) = done_rx.recv() => agent.finished(&key, result),
+            _ = tokio::time::sleep(tick) => {}
+            _ = &mut shutdown => break,
+        }
+    }
+    watch.abort();
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn residency(
+        node: &str,
+        prefetch: u32,
+        resident: &[&str],
+        requested: &[(&str, u64)],
+    ) -> Arc<ModelResidency> {
+        let models: Vec<_> = ["a", "b", "c", "plain"]
+            .iter()
+            .map(|m| {
+                let mut v = json!({"name": m, "size": "1Gi"});
+                if *m != "plain" {
+                    v["artifact"] =
+                        json!({"files": [{"uri": format!("http://h/{m}.bin")}], "size": "2Gi"});
+                }
+                v
+            })
+            .collect();
+        let statuses: Vec<_> = requested
+            .iter()
+            .map(|(m, t)| {
+                let state = if resident.contains(m) { "Loaded" } else { "Evicted" };
+                json!({"name": m, "state": state, "size": "1Gi",
+                       "lastRequested": Timestamp::from_second(1_700_000_000 + *t as i64).unwrap().to_string()})
+            })
+            .collect();
+        Arc::new(
+            serde_json::from_value(json!({
+                "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+                "metadata": {"name": "gpu", "namespace": "ns"},
+                "spec": {"nodeName": node, "device": "0", "budget": "8Gi", "models": models, "prefetch": prefetch},
+                "status": {"models": statuses},
+            }))
+            .unwrap(),
+        )
+    }
+
+    #[test]
+    fn resident_models_require_their_artifacts_and_recent_ones_are_prefetched() {
+        let r = residency("n1", 1, &["a"], &[("a", 1), ("b", 5), ("c", 3)]);
+        let other_node = residency("n2", 3, &["b"], &[("b", 9)]);
+        let d = declared(&[r, other_node], "n1");
+        let want = |m: &str| d.values().find(|x| x.model == m).map(|x| x.want);
+        assert_eq!(want("a"), Some(Want::Required));
+        assert_eq!(
+            want("b"),
+            Some(Want::Prefetch),
+            "the most recent non-resident"
+        );
+        assert_eq!(want("c"), None, "beyond prefetch: 1");
+        assert_eq!(want("plain"), None, "no artifact");
+        assert!(d.values().all(|x| x.size == 2 << 30));
+    }
+
+    #[test]
+    fn retries_back_off_to_five_minutes() {
+        assert_eq!(retry_delay(1), Duration::from_secs(5));
+        assert_eq!(retry_delay(2), Duration::from_secs(10));
+        assert_eq!(retry_delay(30), Duration::from_secs(300));
+    }
+}
