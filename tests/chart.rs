@@ -206,6 +206,45 @@ fn chart_lints_and_renders_hardened_least_privilege_manifests() {
         &["--set", "router.enabled=false"],
     ));
     assert_eq!(of_kind(&without_router, "Deployment").len(), 1);
+    // The node agent is opt-in; its RBAC writes only NodeModelCaches.
+    assert!(of_kind(&docs, "DaemonSet").is_empty());
+    let with_agent = documents(&render(
+        &helm,
+        RELEASE,
+        "mr-system",
+        &[
+            "--set",
+            "nodeAgent.enabled=true",
+            "--set",
+            "nodeAgent.allowedSources={https://models.example.com/}",
+        ],
+    ));
+    let agent = of_kind(&with_agent, "DaemonSet")[0];
+    let args = &agent["spec"]["template"]["spec"]["containers"][0]["args"];
+    assert!(
+        args.as_array()
+            .unwrap()
+            .contains(&json!("--allowed-sources=https://models.example.com/")),
+        "{args}"
+    );
+    assert!(
+        args.as_array()
+            .unwrap()
+            .contains(&json!("--disk-budget=200Gi")),
+        "{args}"
+    );
+    let agent_role = of_kind(&with_agent, "ClusterRole")
+        .into_iter()
+        .find(|r| r["metadata"]["name"] == "mr-model-residency-node-agent")
+        .expect("the agent's ClusterRole");
+    for rule in agent_role["rules"].as_array().unwrap() {
+        for verb in rule["verbs"].as_array().unwrap() {
+            assert!(
+                !["delete", "update", "*"].contains(&verb.as_str().unwrap()),
+                "{rule}"
+            );
+        }
+    }
 }
 
 fn kubectl_stdin(env: &TestEnv, args: &[&str], input: &str) -> std::process::Output {

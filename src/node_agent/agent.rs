@@ -6,8 +6,9 @@
 //! Loading, Loaded, or Failed while admitted); prefetch ones the
 //! `spec.prefetch` most recently requested models of each residency that
 //! are not resident. A failed fetch is retried with backoff (5 s, doubling,
-//! at most 5 min). It is the only writer of its `NodeModelCache` (one
-//! server-side apply of the whole object per change).
+//! at most 5 min). It is the only writer of its `NodeModelCache`: on each
+//! change, a server-side apply of the object (its spec: budget and cache
+//! directory) and one of its status.
 
 use super::fetch::{self, FileSource, Progress};
 use super::keep::{self, Held, Want, Wanted};
@@ -416,18 +417,37 @@ async fn publish(
             return;
         }
     }
-    let body = serde_json::json!({
-        "apiVersion": "residency.dev/v1alpha1",
-        "kind": "NodeModelCache",
-        "metadata": {"name": config.node},
-        "spec": NodeModelCacheSpec {
-            budget: format_bytes(config.budget),
-            cache_dir: config.cache_dir.display().to_string(),
-        },
-        "status": status,
-    });
+    let object = |part: &str, value: serde_json::Value| {
+        serde_json::json!({
+            "apiVersion": "residency.dev/v1alpha1",
+            "kind": "NodeModelCache",
+            "metadata": {"name": config.node},
+            part: value,
+        })
+    };
     let pp = PatchParams::apply(MANAGER).force();
-    match api.patch(&config.node, &pp, &Patch::Apply(&body)).await {
+    let spec = NodeModelCacheSpec {
+        budget: format_bytes(config.budget),
+        cache_dir: config.cache_dir.display().to_string(),
+    };
+    // The object (created by the first apply), then its status subresource.
+    let spec = serde_json::to_value(spec).expect("serializable");
+    let status_value = serde_json::to_value(&status).expect("serializable");
+    let result = match api
+        .patch(&config.node, &pp, &Patch::Apply(object("spec", spec)))
+        .await
+    {
+        Ok(_) => {
+            api.patch_status(
+                &config.node,
+                &pp,
+                &Patch::Apply(object("status", status_value)),
+            )
+            .await
+        }
+        Err(e) => Err(e),
+    };
+    match result {
         Ok(_) => *last = Some(status),
         Err(e) => tracing::warn!(error = %e, "writing the NodeModelCache failed; retrying"),
     }

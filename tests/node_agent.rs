@@ -1,0 +1,331 @@
+//! The node's disk tier end to end: the real API server, the operator, the
+//! node agent as a real process (`model-residency node-agent`), artifacts
+//! served over real HTTP by a server the test starts, files on a real disk.
+
+mod support;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams, PostParams};
+use model_residency::api::{ArtifactState, ModelResidency, ModelState, NodeModelCache};
+use model_residency::local::control_plane::spawn_owned;
+use serde_json::{Value, json};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use support::artifact_server::{serve, sha256_hex, weights};
+use support::cluster::eventually;
+use support::operator::Harness;
+
+/// The agent process; killed (SIGKILL, no cleanup) when dropped.
+struct Agent(Child);
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_agent(h: &Harness, cache: &Path, budget: &str, allowed: &str) -> Agent {
+    // The agent's log, beside the cache (kept while the test runs).
+    let log = std::fs::File::create(cache.with_extension("log")).unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_model-residency"));
+    cmd.env("KUBECONFIG", h.env.plane.kubeconfig())
+        .env("RUST_LOG", "info")
+        .args(["node-agent", "--node", &h.node, "--disk-budget", budget])
+        .arg("--cache-dir")
+        .arg(cache)
+        .args(["--allowed-sources", allowed, "--http-addr", "127.0.0.1:0"])
+        .stdout(std::process::Stdio::null())
+        .stderr(log);
+    Agent(spawn_owned(cmd).expect("start the node agent"))
+}
+
+/// A registry entry with a pod template and, optionally, an artifact.
+fn model(name: &str, size: &str, artifact: Option<Value>) -> Value {
+    let mut m = json!({"name": name, "size": size, "template": {"spec": {
+        "containers": [{"name": "server", "image": format!("example/{name}:1")}]}}});
+    if let Some(a) = artifact {
+        m["artifact"] = a;
+    }
+    m
+}
+
+async fn create(h: &Harness, name: &str, budget: &str, models: Vec<Value>, prefetch: u32) {
+    let r: ModelResidency = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": name},
+        "spec": {"nodeName": h.node, "device": "0", "budget": budget, "models": models, "prefetch": prefetch},
+    }))
+    .unwrap();
+    h.api.create(&PostParams::default(), &r).await.unwrap();
+}
+
+async fn node_cache(h: &Harness) -> Option<NodeModelCache> {
+    let api: Api<NodeModelCache> = Api::all(h.env.client.clone());
+    api.get_opt(&h.node).await.unwrap()
+}
+
+async fn artifact_state(h: &Harness, model: &str) -> Option<ArtifactState> {
+    node_cache(h)
+        .await?
+        .status?
+        .artifacts
+        .iter()
+        .find(|a| a.model == model)
+        .map(|a| a.state)
+}
+
+fn status_of<'a>(r: &'a ModelResidency, model: &str) -> &'a model_residency::api::ModelStatus {
+    r.status
+        .as_ref()
+        .unwrap()
+        .models
+        .iter()
+        .find(|m| m.name == model)
+        .unwrap()
+}
+
+/// Names in the cache directory.
+fn cached(cache: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(cache)
+        .map(|d| {
+            d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+fn weights_artifact(addr: SocketAddr) -> Value {
+    json!({"files": [{"uri": format!("http://{addr}/weights.bin"), "sha256": sha256_hex(&weights())}], "size": "1Mi"})
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn an_artifact_is_fetched_once_mounted_and_reused_after_eviction() {
+    let h = Harness::start("agent-fetch").await;
+    let (addr, requests) = serve().await;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let _agent = start_agent(&h, &cache, "10Mi", &format!("http://{addr}/"));
+    create(
+        &h,
+        "gpu",
+        "2Gi",
+        vec![
+            model("qwen", "1Gi", Some(weights_artifact(addr))),
+            model("sd", "2Gi", None),
+        ],
+        0,
+    )
+    .await;
+    h.request_nowait("gpu", "qwen").await;
+    let r = h.until_state("gpu", "qwen", ModelState::Loaded, 60).await;
+    let key = status_of(&r, "qwen").pod.clone().unwrap();
+    let pod: Pod = h.pods.get(&key).await.unwrap();
+    let spec = pod.spec.unwrap();
+    let host = spec.volumes.unwrap()[0].host_path.clone().unwrap();
+    assert!(
+        host.path.starts_with(&cache.display().to_string()),
+        "{}",
+        host.path
+    );
+    assert_eq!(host.type_.as_deref(), Some("Directory"));
+    let mount = &spec.containers[0].volume_mounts.as_ref().unwrap()[0];
+    assert_eq!(
+        (mount.mount_path.as_str(), mount.read_only),
+        ("/models/qwen", Some(true))
+    );
+    assert_eq!(
+        std::fs::read(Path::new(&host.path).join("weights.bin")).unwrap(),
+        weights()
+    );
+    assert_eq!(requests.load(Ordering::Relaxed), 1, "fetched once");
+    assert_eq!(artifact_state(&h, "qwen").await, Some(ArtifactState::Ready));
+
+    // Evicted from VRAM, kept on disk; loaded again without a download.
+    h.request_nowait("gpu", "sd").await;
+    h.until_state("gpu", "qwen", ModelState::Evicted, 30).await;
+    h.until_state("gpu", "sd", ModelState::Loaded, 30).await;
+    assert!(Path::new(&host.path).join("weights.bin").exists());
+    h.request_nowait("gpu", "qwen").await;
+    h.until_state("gpu", "qwen", ModelState::Loaded, 30).await;
+    assert_eq!(
+        requests.load(Ordering::Relaxed),
+        1,
+        "a cached artifact is not fetched again"
+    );
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn artifact_failures_fail_the_load_with_their_reason_and_leave_nothing() {
+    let h = Harness::start("agent-failures").await;
+    let (addr, requests) = serve().await;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let _agent = start_agent(&h, &cache, "10Mi", &format!("http://{addr}/"));
+    let artifact = |uri: String, sha: Option<String>, size: &str| json!({"files": [{"uri": uri, "sha256": sha}], "size": size});
+    create(
+        &h,
+        "gpu",
+        "8Gi",
+        vec![
+            model(
+                "badsum",
+                "1Gi",
+                Some(artifact(
+                    format!("http://{addr}/weights.bin"),
+                    Some("0".repeat(64)),
+                    "1Mi",
+                )),
+            ),
+            model(
+                "elsewhere",
+                "1Gi",
+                Some(artifact("http://10.255.255.1/w.bin".into(), None, "1Mi")),
+            ),
+            model(
+                "missing",
+                "1Gi",
+                Some(artifact(format!("http://{addr}/missing"), None, "1Mi")),
+            ),
+            model(
+                "huge",
+                "1Gi",
+                Some(artifact(format!("http://{addr}/weights.bin"), None, "20Mi")),
+            ),
+        ],
+        0,
+    )
+    .await;
+    for (m, reason, says) in [
+        ("badsum", "ArtifactFailed", "sha256"),
+        ("elsewhere", "ArtifactFailed", "allowed source"),
+        ("missing", "ArtifactFailed", "404"),
+        ("huge", "DiskFull", "disk budget"),
+    ] {
+        h.request_nowait("gpu", m).await;
+        let r = h.until_state("gpu", m, ModelState::Failed, 60).await;
+        let st = status_of(&r, m);
+        assert_eq!(st.reason.as_deref(), Some(reason), "{m}: {st:?}");
+        assert!(
+            st.message.as_deref().unwrap_or_default().contains(says),
+            "{m}: {st:?}"
+        );
+        assert!(st.pod.is_none(), "{m}: no pod for a missing artifact");
+    }
+    let c = node_cache(&h).await.unwrap();
+    let disk_full = c
+        .status
+        .unwrap()
+        .conditions
+        .into_iter()
+        .find(|c| c.type_ == "DiskFull")
+        .unwrap();
+    assert_eq!(disk_full.status, "True");
+    // Nothing half-written, nothing of the failed artifacts.
+    assert!(cached(&cache).is_empty(), "{:?}", cached(&cache));
+    let r = h.api.get("gpu").await.unwrap();
+    assert_eq!(
+        r.status
+            .unwrap()
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Degraded")
+            .unwrap()
+            .status,
+        "True"
+    );
+    assert!(
+        requests.load(Ordering::Relaxed) >= 2,
+        "badsum and missing were fetched, the others never"
+    );
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn an_agent_killed_mid_download_restarts_cleanly() {
+    let h = Harness::start("agent-killed").await;
+    let (addr, _) = serve().await;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let agent = start_agent(&h, &cache, "10Mi", &format!("http://{addr}/"));
+    let slow =
+        json!({"files": [{"uri": format!("http://{addr}/slow"), "path": "w.bin"}], "size": "1Mi"});
+    create(&h, "gpu", "8Gi", vec![model("slow", "1Gi", Some(slow))], 0).await;
+    h.request_nowait("gpu", "slow").await;
+    h.until_state("gpu", "slow", ModelState::Fetching, 30).await;
+    eventually(30, "a partial download on disk", || async {
+        cached(&cache)
+            .iter()
+            .any(|n| n.starts_with(".partial-"))
+            .then_some(())
+    })
+    .await;
+    drop(agent); // SIGKILL: no cleanup
+    assert!(cached(&cache).iter().any(|n| n.starts_with(".partial-")));
+    let _agent = start_agent(&h, &cache, "10Mi", &format!("http://{addr}/"));
+    let r = h.until_state("gpu", "slow", ModelState::Loaded, 60).await;
+    let names = cached(&cache);
+    assert_eq!(
+        names.len(),
+        1,
+        "{names:?}: the partial is gone, the artifact in place"
+    );
+    assert_eq!(
+        std::fs::metadata(cache.join(&names[0]).join("w.bin"))
+            .unwrap()
+            .len(),
+        10 * 26 * 1024,
+        "the whole file"
+    );
+    assert!(status_of(&r, "slow").pod.is_some());
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn recently_requested_models_are_prefetched_and_load_without_a_download() {
+    let h = Harness::start("agent-prefetch").await;
+    let (addr, requests) = serve().await;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let _agent = start_agent(&h, &cache, "10Mi", &format!("http://{addr}/"));
+    // One model fits in VRAM at a time; the disk holds all three.
+    let models = ["a", "b", "c"]
+        .iter()
+        .map(|m| model(m, "1Gi", Some(json!({"files": [{"uri": format!("http://{addr}/weights.bin")}], "size": format!("{}Ki", 300 + m.as_bytes()[0] as u32)}))))
+        .collect();
+    create(&h, "gpu", "1Gi", models, 2).await;
+    for m in ["a", "b", "c"] {
+        h.request_nowait("gpu", m).await;
+        h.until_state("gpu", m, ModelState::Loaded, 60).await;
+    }
+    // c is resident; a and b, the two most recent others, stay on disk.
+    for m in ["a", "b", "c"] {
+        assert_eq!(
+            artifact_state(&h, m).await,
+            Some(ArtifactState::Ready),
+            "{m}"
+        );
+    }
+    let fetched = requests.load(Ordering::Relaxed);
+    assert_eq!(fetched, 3);
+    h.request_nowait("gpu", "a").await;
+    h.until_state("gpu", "a", ModelState::Loaded, 30).await;
+    assert_eq!(
+        requests.load(Ordering::Relaxed),
+        fetched,
+        "a was on disk already"
+    );
+    let pods = h
+        .pods
+        .list(&ListParams::default().labels("residency.dev/model=a"))
+        .await
+        .unwrap();
+    assert!(!pods.items.is_empty());
+}
