@@ -13,7 +13,6 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command};
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 use support::artifact_server::{serve, sha256_hex, weights};
 use support::cluster::eventually;
 use support::operator::Harness;
