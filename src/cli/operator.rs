@@ -88,8 +88,12 @@ pub(super) fn fatal(message: String) -> Failure {
 }
 
 /// Fails fast, with the fix, when the CRD is missing or RBAC forbids what
-/// the controller must watch.
-async fn preflight(client: &kube::Client, namespace: Option<&str>) -> Result<(), Failure> {
+/// a process must watch (`needs` says what it needs, for the message).
+pub(super) async fn preflight(
+    client: &kube::Client,
+    namespace: Option<&str>,
+    needs: &str,
+) -> Result<(), Failure> {
     let (residencies, pods): (Api<ModelResidency>, Api<Pod>) = match namespace {
         Some(ns) => (
             Api::namespaced(client.clone(), ns),
@@ -98,6 +102,9 @@ async fn preflight(client: &kube::Client, namespace: Option<&str>) -> Result<(),
         None => (Api::all(client.clone()), Api::all(client.clone())),
     };
     let lp = ListParams::default().limit(1);
+    let forbidden = |what: &str, message: &str| {
+        fatal(format!("RBAC forbids listing {what}: {message}. {needs}"))
+    };
     match residencies.list_metadata(&lp).await {
         Ok(_) => {}
         Err(kube::Error::Api(s)) if s.code == 404 => {
@@ -108,21 +115,13 @@ async fn preflight(client: &kube::Client, namespace: Option<&str>) -> Result<(),
             ));
         }
         Err(kube::Error::Api(s)) if s.code == 403 => {
-            return Err(fatal(format!(
-                "RBAC forbids listing modelresidencies.residency.dev: {}. Grant list/watch on \
-                 modelresidencies and patch on modelresidencies/status (the chart's ClusterRole does)",
-                s.message
-            )));
+            return Err(forbidden("modelresidencies.residency.dev", &s.message));
         }
         Err(e) => return Err(fatal(format!("cannot reach the cluster: {e}"))),
     }
     match pods.list_metadata(&lp).await {
         Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 403 => Err(fatal(format!(
-            "RBAC forbids listing pods: {}. Grant list/watch/create/delete on pods \
-             (the chart's ClusterRole does)",
-            s.message
-        ))),
+        Err(kube::Error::Api(s)) if s.code == 403 => Err(forbidden("pods", &s.message)),
         Err(e) => Err(fatal(format!("cannot list pods: {e}"))),
     }
 }
@@ -147,7 +146,13 @@ pub async fn run(args: Args) -> Result<(), Failure> {
             "cannot load a kubeconfig or in-cluster config: {e}"
         ))
     })?;
-    preflight(&client, args.namespace.as_deref()).await?;
+    preflight(
+        &client,
+        args.namespace.as_deref(),
+        "The controller needs list/watch on modelresidencies and pods, patch on \
+         modelresidencies/status, create/delete on pods (the chart's ClusterRole grants them)",
+    )
+    .await?;
 
     let endpoints = Arc::new(Endpoints::default());
     let listener = tokio::net::TcpListener::bind(args.http_addr)

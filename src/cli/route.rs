@@ -4,10 +4,7 @@
 //! requests in flight have finished (up to `--shutdown-grace`).
 
 use super::Failure;
-use super::operator::{LogFormat, fatal, parse_duration, termination};
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ListParams};
-use model_residency::api::ModelResidency;
+use super::operator::{LogFormat, fatal, parse_duration, preflight, termination};
 use model_residency::router::{Config, Router};
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -55,51 +52,19 @@ impl Args {
     }
 }
 
-/// Fails fast, with the fix, when the CRD is missing or RBAC forbids the
-/// watches.
-async fn preflight(client: &kube::Client, namespace: Option<&str>) -> Result<(), Failure> {
-    let (residencies, pods): (Api<ModelResidency>, Api<Pod>) = match namespace {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
-    };
-    let lp = ListParams::default().limit(1);
-    let forbidden = |what: &str, message: &str| {
-        fatal(format!(
-            "RBAC forbids listing {what}: {message}. The router needs list/watch on \
-             modelresidencies and pods, and patch on modelresidencies (the chart's router \
-             ClusterRole grants exactly that)"
-        ))
-    };
-    match residencies.list_metadata(&lp).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(s)) if s.code == 404 => {
-            return Err(fatal(
-                "the ModelResidency CRD is not installed: run `model-residency crd | kubectl apply -f -`"
-                    .into(),
-            ));
-        }
-        Err(kube::Error::Api(s)) if s.code == 403 => {
-            return Err(forbidden("modelresidencies.residency.dev", &s.message));
-        }
-        Err(e) => return Err(fatal(format!("cannot reach the cluster: {e}"))),
-    }
-    match pods.list_metadata(&lp).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 403 => Err(forbidden("pods", &s.message)),
-        Err(e) => Err(fatal(format!("cannot list pods: {e}"))),
-    }
-}
-
 pub async fn run(args: Args) -> Result<(), Failure> {
     let client = kube::Client::try_default().await.map_err(|e| {
         fatal(format!(
             "cannot load a kubeconfig or in-cluster config: {e}"
         ))
     })?;
-    preflight(&client, args.namespace.as_deref()).await?;
+    preflight(
+        &client,
+        args.namespace.as_deref(),
+        "The router needs list/watch on modelresidencies and pods, and patch on \
+         modelresidencies (the chart's router ClusterRole grants exactly that)",
+    )
+    .await?;
     let listener = tokio::net::TcpListener::bind(args.http_addr)
         .await
         .map_err(|e| fatal(format!("cannot listen on {}: {e}", args.http_addr)))?;

@@ -300,15 +300,7 @@ async fn start_pod(
 /// Starts the pod's fake model server; its address is the pod's IP.
 async fn serve(pod: &Pod, servers: &Servers, stream_delay: Duration) -> Ipv4Addr {
     let ip = next_pod_ip();
-    let port = pod
-        .spec
-        .iter()
-        .flat_map(|s| s.containers.first())
-        .flat_map(|c| c.ports.iter().flatten())
-        .map(|p| p.container_port)
-        .next()
-        .and_then(|p| u16::try_from(p).ok())
-        .unwrap_or(8080);
+    let port = crate::router::snapshot::serving_port(pod);
     let meta = &pod.metadata;
     let pod_name = meta.name.clone().unwrap_or_default();
     let model = meta

@@ -58,6 +58,23 @@ struct Entry {
     progress: Option<Arc<Progress>>,
 }
 
+impl Entry {
+    fn new(model: String, size: u64, state: ArtifactState, last_use: Option<Timestamp>) -> Self {
+        Entry {
+            model,
+            size,
+            state,
+            bytes: 0,
+            last_use,
+            reason: None,
+            message: None,
+            retry_at: None,
+            failures: 0,
+            progress: None,
+        }
+    }
+}
+
 /// An artifact some residency on the node declares.
 #[derive(Debug, Clone)]
 struct Declared {
@@ -157,21 +174,9 @@ impl Agent {
                 .rsplit_once('-')
                 .map_or(name.as_str(), |(m, _)| m)
                 .to_owned();
-            self.entries.insert(
-                name,
-                Entry {
-                    model,
-                    size: bytes,
-                    state: ArtifactState::Ready,
-                    bytes,
-                    last_use: None,
-                    reason: None,
-                    message: None,
-                    retry_at: None,
-                    failures: 0,
-                    progress: None,
-                },
-            );
+            let mut entry = Entry::new(model, bytes, ArtifactState::Ready, None);
+            entry.bytes = bytes;
+            self.entries.insert(name, entry);
         }
         Ok(())
     }
@@ -229,17 +234,8 @@ impl Agent {
         }
         for key in &plan.fetch {
             let d = &wanted[key];
-            let entry = self.entries.entry(key.clone()).or_insert_with(|| Entry {
-                model: d.model.clone(),
-                size: d.size,
-                state: ArtifactState::Failed,
-                bytes: 0,
-                last_use: d.requested,
-                reason: None,
-                message: None,
-                retry_at: None,
-                failures: 0,
-                progress: None,
+            let entry = self.entries.entry(key.clone()).or_insert_with(|| {
+                Entry::new(d.model.clone(), d.size, ArtifactState::Failed, d.requested)
             });
             let waiting =
                 entry.state == ArtifactState::Failed && entry.retry_at.is_some_and(|at| at > now);
@@ -276,17 +272,8 @@ impl Agent {
             .retain(|k, e| e.state != ArtifactState::Refused || refused.contains_key(k));
         for (key, message) in refused {
             let d = &wanted[key];
-            let e = self.entries.entry(key.clone()).or_insert_with(|| Entry {
-                model: d.model.clone(),
-                size: d.size,
-                state: ArtifactState::Refused,
-                bytes: 0,
-                last_use: d.requested,
-                reason: None,
-                message: None,
-                retry_at: None,
-                failures: 0,
-                progress: None,
+            let e = self.entries.entry(key.clone()).or_insert_with(|| {
+                Entry::new(d.model.clone(), d.size, ArtifactState::Refused, d.requested)
             });
             if e.state != ArtifactState::Fetching && e.state != ArtifactState::Ready {
                 e.state = ArtifactState::Refused;

@@ -19,7 +19,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use tokio::io::AsyncWriteExt;
+
+/// Bytes gathered before each write to disk.
+const WRITE_CHUNK: usize = 1 << 20;
 
 /// Prefix of temporary download directories in the cache directory.
 pub const PARTIAL_PREFIX: &str = ".partial-";
@@ -276,28 +278,47 @@ async fn download_all(
         if let Some(parent) = path.parent() {
             tokio::fs::create_dir_all(parent).await.map_err(io)?;
         }
-        let mut file = tokio::fs::File::create(&path).await.map_err(io)?;
-        let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
+        // Received here, hashed and written on a blocking thread, chunk by
+        // chunk, so the network, the hash and the disk overlap.
+        let (chunks, mut sink) = disk_writer(path);
+        let mut pending = bytes::BytesMut::with_capacity(WRITE_CHUNK);
         let mut body = response.into_body();
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|e| transfer(error_chain(&e)))?;
-            let Ok(data) = frame.into_data() else {
-                continue;
-            };
-            total += data.len() as u64;
-            if total > limit {
-                return Err(FetchError::TooLarge {
-                    declared,
-                    got: total,
-                });
+        let received: Result<(), FetchError> = async {
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|e| transfer(error_chain(&e)))?;
+                let Ok(data) = frame.into_data() else {
+                    continue;
+                };
+                total += data.len() as u64;
+                if total > limit {
+                    return Err(FetchError::TooLarge {
+                        declared,
+                        got: total,
+                    });
+                }
+                pending.extend_from_slice(&data);
+                if pending.len() >= WRITE_CHUNK {
+                    let chunk = pending.split().freeze();
+                    if chunks.send(chunk).await.is_err() {
+                        break; // the writer failed; its error follows
+                    }
+                }
+                progress.bytes.store(total, Ordering::Relaxed);
             }
-            hash.update(&data);
-            file.write_all(&data).await.map_err(io)?;
-            progress.bytes.store(total, Ordering::Relaxed);
+            Ok(())
         }
-        file.sync_all().await.map_err(io)?;
+        .await;
+        if received.is_ok() && !pending.is_empty() {
+            let _ = chunks.send(pending.split().freeze()).await;
+        }
+        drop(chunks);
+        let written = (&mut sink)
+            .await
+            .map_err(|e| FetchError::Io(e.to_string()))?;
+        received?;
+        let digest = written.map_err(io)?;
         if let Some(want) = &f.sha256 {
-            let got = hash.finish();
+            let got = digest;
             if got.as_ref() != want.as_slice() {
                 return Err(FetchError::ChecksumMismatch {
                     uri: f.uri.clone(),
@@ -308,6 +329,31 @@ async fn download_all(
         }
     }
     Ok(total)
+}
+
+/// A blocking thread that writes the chunks it is sent to `path`, hashing
+/// them, then syncs the file to disk (before it is renamed into place: a
+/// crash after the rename never leaves a visible artifact with missing
+/// data). Yields the SHA-256 of what it wrote.
+fn disk_writer(
+    path: PathBuf,
+) -> (
+    tokio::sync::mpsc::Sender<Bytes>,
+    tokio::task::JoinHandle<std::io::Result<ring::digest::Digest>>,
+) {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(4);
+    let task = tokio::task::spawn_blocking(move || {
+        use std::io::Write;
+        let mut file = std::fs::File::create(&path)?;
+        let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
+        while let Some(chunk) = rx.blocking_recv() {
+            hash.update(&chunk);
+            file.write_all(&chunk)?;
+        }
+        file.sync_all()?;
+        Ok(hash.finish())
+    });
+    (tx, task)
 }
 
 /// An error with its causes (hyper's top-level messages alone are vague).

@@ -153,16 +153,21 @@ fn endpoint<'p>(
         return None;
     }
     let ip: IpAddr = status.pod_ip.as_deref()?.parse().ok()?;
-    let port = pod
-        .spec
+    Some((i, model, SocketAddr::new(ip, serving_port(pod))))
+}
+
+/// The port a model pod serves on: its first container's first
+/// `containerPort`, else [`DEFAULT_MODEL_PORT`]. (The kubelet stand-in's
+/// fake servers listen there too.)
+pub fn serving_port(pod: &Pod) -> u16 {
+    pod.spec
         .iter()
         .flat_map(|s| s.containers.first())
         .flat_map(|c| c.ports.iter().flatten())
         .map(|p| p.container_port)
         .next()
         .and_then(|p| u16::try_from(p).ok())
-        .unwrap_or(DEFAULT_MODEL_PORT);
-    Some((i, model, SocketAddr::new(ip, port)))
+        .unwrap_or(DEFAULT_MODEL_PORT)
 }
 
 #[cfg(test)]

@@ -1,0 +1,250 @@
+//! The node's disk tier: how fast the node agent downloads, and what a
+//! cached artifact saves.
+//!
+//! Run: `cargo bench --bench artifacts [-- --mib 512 --rounds 3 --model-mib 200]`
+//! (the second part needs `bash scripts/control-plane.sh` once). Prints its
+//! figures; the ones in docs/performance.md came from this command.
+//!
+//! - **Download throughput**: one file of `--mib` MiB from a local HTTP
+//!   server, fetched by the agent's fetcher (sha256 verified, written to
+//!   disk, renamed into place) and by `curl -o` (no verification), in the
+//!   same run, alternating, `--rounds` each; the median of each.
+//! - **Time to Ready**: a model with a `--model-mib` MiB artifact, from its
+//!   request until its status is Loaded: fetched on demand, then (after an
+//!   eviction) from the cache.
+
+mod support;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use kube::api::{Api, PostParams};
+use model_residency::api::{ModelResidency, ModelState};
+use model_residency::local::control_plane::ControlPlane;
+use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
+use model_residency::node_agent::agent::AgentConfig;
+use model_residency::node_agent::fetch::{FileSource, Progress, client, fetch};
+use serde_json::json;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use support::{arg, create_namespace};
+
+const NS: &str = "bench-artifacts";
+const NODE: &str = "node-art";
+
+/// Serves `data` at every path, from a runtime of its own (so the server
+/// takes no time from the fetcher's runtime, as it takes none from curl).
+async fn serve(data: Bytes) -> SocketAddr {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let _ = tx.send(listener.local_addr().unwrap());
+            model_residency::http::accept_loop(listener, move |stream| {
+                let data = data.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |_req: Request<Incoming>| {
+                        let data = data.clone();
+                        async move { Ok::<_, Infallible>(Response::new(Full::new(data))) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                });
+            })
+            .await
+        })
+    });
+    rx.await.unwrap()
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn mib_per_s(bytes: usize, d: Duration) -> f64 {
+    bytes as f64 / (1 << 20) as f64 / d.as_secs_f64()
+}
+
+async fn throughput(mib: usize, rounds: usize) {
+    let data: Vec<u8> = (0..mib << 20).map(|i| (i % 251) as u8).collect();
+    let sha: String = ring::digest::digest(&ring::digest::SHA256, &data)
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let len = data.len();
+    let addr = serve(Bytes::from(data)).await;
+    let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
+    let files = [FileSource {
+        uri: format!("http://{addr}/weights.bin"),
+        path: None,
+        sha256: Some(sha),
+    }];
+    let allowed = vec![format!("http://{addr}/")];
+    let http = client().unwrap();
+    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let t = Instant::now();
+        fetch(
+            &http,
+            dir.path(),
+            &format!("m{round}"),
+            &files,
+            len as u64,
+            &allowed,
+            &Progress::default(),
+        )
+        .await
+        .unwrap();
+        ours.push(t.elapsed());
+        std::fs::remove_dir_all(dir.path().join(format!("m{round}"))).unwrap();
+        let out = dir.path().join("curl.bin");
+        let t = Instant::now();
+        let status = tokio::task::spawn_blocking({
+            let (out, uri) = (out.clone(), files[0].uri.clone());
+            move || {
+                Command::new("curl")
+                    .args(["-sf", "-o"])
+                    .arg(&out)
+                    .arg(uri)
+                    .status()
+            }
+        })
+        .await
+        .unwrap()
+        .expect("curl");
+        theirs.push(t.elapsed());
+        assert!(status.success());
+        assert_eq!(std::fs::metadata(&out).unwrap().len(), len as u64);
+        std::fs::remove_file(&out).unwrap();
+    }
+    let (o, c) = (median(ours), median(theirs));
+    println!("== download throughput: {mib} MiB, median of {rounds}");
+    println!(
+        "   node agent (sha256 verified, renamed into place): {:.0} MiB/s ({:.2} s)",
+        mib_per_s(len, o),
+        o.as_secs_f64()
+    );
+    println!(
+        "   curl -o (no verification):                        {:.0} MiB/s ({:.2} s)",
+        mib_per_s(len, c),
+        c.as_secs_f64()
+    );
+    println!(
+        "   ratio agent/curl: {:.2}x (goal at least 0.9x)",
+        c.as_secs_f64() / o.as_secs_f64()
+    );
+}
+
+async fn until_loaded(api: &Api<ModelResidency>, model: &str) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let r = api.get("gpu").await.unwrap();
+        let loaded = r
+            .status
+            .iter()
+            .flat_map(|s| s.models.iter())
+            .any(|m| m.name == model && m.state == ModelState::Loaded);
+        if loaded {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{model} never loaded");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn time_to_ready(plane: &ControlPlane, model_mib: usize) {
+    let client = plane.client().await.unwrap();
+    model_residency::local::install_crd(&client).await.unwrap();
+    create_namespace(&client, NS).await;
+    let _kubelet = FakeKubelet::start(client.clone(), KubeletConfig::instant(&[NODE]))
+        .await
+        .unwrap();
+    let (_ctx, _operator) = model_residency::controller::spawn_for_namespace(client.clone(), NS);
+    let data: Vec<u8> = (0..model_mib << 20).map(|i| (i % 241) as u8).collect();
+    let addr = serve(Bytes::from(data)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = AgentConfig {
+        node: NODE.into(),
+        cache_dir: dir.path().join("cache"),
+        budget: 10 << 30,
+        allowed_sources: vec![format!("http://{addr}/")],
+        max_concurrent_downloads: 2,
+    };
+    let agent = tokio::spawn(model_residency::node_agent::agent::run(
+        client.clone(),
+        config,
+        Arc::default(),
+        std::future::pending(),
+    ));
+    let template = json!({"spec": {"containers": [{"name": "s", "image": "i"}]}});
+    let r: ModelResidency = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": "gpu"},
+        "spec": {"nodeName": NODE, "device": "0", "budget": "1Gi", "models": [
+            {"name": "big", "size": "1Gi", "template": template,
+             "artifact": {"files": [{"uri": format!("http://{addr}/w.bin")}], "size": format!("{model_mib}Mi")}},
+            {"name": "other", "size": "1Gi", "template": template},
+        ]},
+    }))
+    .unwrap();
+    let api: Api<ModelResidency> = Api::namespaced(client.clone(), NS);
+    api.create(&PostParams::default(), &r).await.unwrap();
+    let request = |m: &'static str| {
+        let api = api.clone();
+        async move {
+            let t = Instant::now();
+            model_residency::demand::load(&api, "gpu", m, k8s_openapi::jiff::Timestamp::now())
+                .await
+                .unwrap();
+            until_loaded(&api, m).await;
+            t.elapsed()
+        }
+    };
+    let cold = request("big").await;
+    request("other").await;
+    let cached = request("big").await;
+    println!(
+        "\n== time to Ready of a model with a {model_mib} MiB artifact (request to status Loaded)"
+    );
+    println!("   fetched on demand: {:.0} ms", cold.as_secs_f64() * 1e3);
+    println!(
+        "   from the node's cache (after an eviction): {:.0} ms",
+        cached.as_secs_f64() * 1e3
+    );
+    println!(
+        "   the cache saves {:.0} ms ({:.1}x faster)",
+        (cold - cached).as_secs_f64() * 1e3,
+        cold.as_secs_f64() / cached.as_secs_f64()
+    );
+    agent.abort();
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
+    let mib: usize = arg(&args, "--mib", "512").parse().unwrap();
+    let rounds: usize = arg(&args, "--rounds", "3").parse().unwrap();
+    let model_mib: usize = arg(&args, "--model-mib", "200").parse().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(throughput(mib, rounds));
+    let plane =
+        ControlPlane::start().expect("start the control plane (bash scripts/control-plane.sh)");
+    rt.block_on(time_to_ready(&plane, model_mib));
+}
