@@ -94,61 +94,38 @@ pub fn plan(budget: Bytes, held: &[Held], wanted: &[Wanted]) -> Plan {
         ))
     });
     for w in missing {
-        match w.want {
-            Want::Required => {
-                // Room by evicting unrequired artifacts, LRU first.
-                let mut after = used + w.size;
-                let mut take = evicted;
-                while after > budget && take < evictable.len() {
-                    after -= evictable[take].size;
-                    take += 1;
-                }
-                if after > budget {
-                    let pinned_or_required =
-                        used - evictable[evicted..].iter().map(|h| h.size).sum::<Bytes>();
-                    plan.refused.push((
-                        w.key.clone(),
-                        format!(
-                            "{} needs {} on disk; the disk budget is {} and required or pinned artifacts hold {}",
-                            w.key,
-                            format_bytes(w.size),
-                            format_bytes(budget),
-                            format_bytes(pinned_or_required)
-                        ),
-                    ));
-                    continue;
-                }
-                for h in &evictable[evicted..take] {
-                    plan.evict.push(h.key.clone());
-                    used -= h.size;
-                }
-                evicted = take;
-                used += w.size;
-                plan.fetch.push(w.key.clone());
-            }
-            Want::Prefetch => {
-                // Only into room made by evicting what no one wants.
-                let mut after = used + w.size;
-                let mut take = evicted;
-                while after > budget
-                    && take < evictable.len()
-                    && !wants.contains_key(evictable[take].key.as_str())
-                {
-                    after -= evictable[take].size;
-                    take += 1;
-                }
-                if after > budget {
-                    continue;
-                }
-                for h in &evictable[evicted..take] {
-                    plan.evict.push(h.key.clone());
-                    used -= h.size;
-                }
-                evicted = take;
-                used += w.size;
-                plan.fetch.push(w.key.clone());
-            }
+        // Evict LRU first; prefetch only what no one wants.
+        let may_evict = |h: &Held| w.want == Want::Required || !wants.contains_key(h.key.as_str());
+        let mut after = used + w.size;
+        let mut take = evicted;
+        while after > budget && take < evictable.len() && may_evict(evictable[take]) {
+            after -= evictable[take].size;
+            take += 1;
         }
+        if after > budget {
+            if w.want == Want::Required {
+                let pinned_or_required =
+                    used - evictable[evicted..].iter().map(|h| h.size).sum::<Bytes>();
+                plan.refused.push((
+                    w.key.clone(),
+                    format!(
+                        "{} needs {} on disk; the disk budget is {} and required or pinned artifacts hold {}",
+                        w.key,
+                        format_bytes(w.size),
+                        format_bytes(budget),
+                        format_bytes(pinned_or_required)
+                    ),
+                ));
+            }
+            continue;
+        }
+        for h in &evictable[evicted..take] {
+            plan.evict.push(h.key.clone());
+            used -= h.size;
+        }
+        evicted = take;
+        used += w.size;
+        plan.fetch.push(w.key.clone());
     }
     plan
 }
