@@ -100,10 +100,14 @@ fn bad_input_exits_2_with_file_line_and_problem() {
 fn crd_prints_the_committed_crd() {
     let out = run(&["crd"]);
     assert!(out.status.success());
-    let committed: String = ["crds/modelresidency.yaml", "crds/modeldemand.yaml"]
-        .iter()
-        .map(|p| std::fs::read_to_string(p).unwrap())
-        .collect();
+    let committed: String = [
+        "crds/modelresidency.yaml",
+        "crds/modeldemand.yaml",
+        "crds/nodemodelcache.yaml",
+    ]
+    .iter()
+    .map(|p| std::fs::read_to_string(p).unwrap())
+    .collect();
     assert_eq!(stdout(&out), committed);
 }
 

@@ -328,3 +328,99 @@ async fn recently_requested_models_are_prefetched_and_load_without_a_download() 
         .unwrap();
     assert!(!pods.items.is_empty());
 }
+
+/// Bytes of the regular files under `dir`, partial downloads included.
+fn bytes_on_disk(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .filter_map(Result::ok)
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => bytes_on_disk(&e.path()),
+            Ok(_) => e.metadata().map(|m| m.len()).unwrap_or(0),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_storm_of_loads_never_puts_more_on_disk_than_the_budget() {
+    let h = Harness::start("agent-storm").await;
+    let (addr, _) = serve().await;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    // Room for three 300Ki artifacts (each file is 256 KiB): a pinned one
+    // and two others.
+    let _agent = start_agent(&h, &cache, "900Ki", &format!("http://{addr}/"));
+    let artifact =
+        json!({"files": [{"uri": format!("http://{addr}/weights.bin")}], "size": "300Ki"});
+    let mut models = vec![{
+        let mut p = model("pinned", "1Gi", Some(artifact.clone()));
+        p["pinned"] = json!(true);
+        p
+    }];
+    // Distinct artifacts: the path differs, so the cache key does.
+    for i in 0..6 {
+        let a = json!({"files": [{"uri": format!("http://{addr}/weights.bin"), "path": format!("m{i}.bin")}], "size": "300Ki"});
+        models.push(model(&format!("m{i}"), "1Gi", Some(a)));
+    }
+    create(&h, "gpu", "2Gi", models, 0).await;
+    h.request_nowait("gpu", "pinned").await;
+    h.until_state("gpu", "pinned", ModelState::Loaded, 60).await;
+
+    // An independent watcher of the directory itself, every 10 ms.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = std::thread::spawn({
+        let (cache, stop) = (cache.clone(), stop.clone());
+        move || {
+            let mut most = 0;
+            while !stop.load(Ordering::Relaxed) {
+                most = most.max(bytes_on_disk(&cache));
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            most
+        }
+    });
+    let order = [0, 3, 1, 4, 2, 5, 0, 1, 5, 3, 2, 4, 0, 5];
+    for i in order {
+        h.request_nowait("gpu", &format!("m{i}")).await;
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    }
+    let last = format!("m{}", order[order.len() - 1]);
+    h.until_state("gpu", &last, ModelState::Loaded, 60).await;
+    stop.store(true, Ordering::Relaxed);
+    let most = watcher.join().unwrap();
+    assert!(
+        most <= 900 * 1024,
+        "{most} bytes on disk at most, budget 900Ki"
+    );
+    assert!(
+        most >= 2 * 256 * 1024,
+        "the watcher saw the artifacts ({most})"
+    );
+    // The pinned model's artifact was never evicted; the resident one is
+    // there; the disk never ran out for a required artifact.
+    assert_eq!(
+        artifact_state(&h, "pinned").await,
+        Some(ArtifactState::Ready)
+    );
+    assert_eq!(artifact_state(&h, &last).await, Some(ArtifactState::Ready));
+    let status = node_cache(&h).await.unwrap().status.unwrap();
+    let ready = status
+        .artifacts
+        .iter()
+        .filter(|a| a.state == ArtifactState::Ready)
+        .count();
+    assert!(ready <= 3, "{ready} artifacts of 300Ki in a 900Ki budget");
+    let r = h.api.get("gpu").await.unwrap();
+    assert!(
+        r.status
+            .unwrap()
+            .models
+            .iter()
+            .all(|m| m.reason.as_deref() != Some("DiskFull")),
+        "never refused: only unrequired artifacts had to go"
+    );
+}
