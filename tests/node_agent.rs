@@ -258,7 +258,13 @@ async fn an_agent_killed_mid_download_restarts_cleanly() {
         json!({"files": [{"uri": format!("http://{addr}/slow"), "path": "w.bin"}], "size": "1Mi"});
     create(&h, "gpu", "8Gi", vec![model("slow", "1Gi", Some(slow))], 0).await;
     h.request_nowait("gpu", "slow").await;
-    h.until_state("gpu", "slow", ModelState::Fetching, 30).await;
+    let r = h.until_state("gpu", "slow", ModelState::Fetching, 30).await;
+    let s = r.status.as_ref().unwrap();
+    assert_eq!(
+        (s.fetching, s.loading, s.resident),
+        (1, 0, 1),
+        "counted as fetching"
+    );
     eventually(30, "a partial download on disk", || async {
         cached(&cache)
             .iter()

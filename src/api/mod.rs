@@ -46,6 +46,7 @@ const POSITIVE_QUANTITY: &str = r"^\+?(0*[1-9][0-9]*(\.[0-9]*)?|0*\.0*[1-9][0-9]
     printcolumn = r#"{"name":"Used","type":"string","jsonPath":".status.used"}"#,
     printcolumn = r#"{"name":"Resident","type":"integer","jsonPath":".status.resident"}"#,
     printcolumn = r#"{"name":"Loading","type":"integer","jsonPath":".status.loading"}"#,
+    printcolumn = r#"{"name":"Fetching","type":"integer","jsonPath":".status.fetching","priority":1}"#,
     printcolumn = r#"{"name":"Refused","type":"integer","jsonPath":".status.refused"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
@@ -190,6 +191,10 @@ pub struct ModelResidencyStatus {
     /// Number of resident models whose pod is not Ready yet.
     #[serde(default)]
     pub loading: u32,
+    /// Number of resident models waiting for their artifact on the node's
+    /// disk (before their pod may start).
+    #[serde(default)]
+    pub fetching: u32,
     /// Number of models whose last request was refused.
     #[serde(default)]
     pub refused: u32,
@@ -249,7 +254,8 @@ impl ModelResidencyStatus {
         let count =
             |f: fn(&ModelStatus) -> bool| self.models.iter().filter(|m| f(m)).count() as u32;
         self.resident = count(ModelStatus::is_resident);
-        self.loading = count(|m| matches!(m.state, ModelState::Loading | ModelState::Fetching));
+        self.loading = count(|m| m.state == ModelState::Loading);
+        self.fetching = count(|m| m.state == ModelState::Fetching);
         self.refused = count(|m| m.state == ModelState::Refused);
     }
 }

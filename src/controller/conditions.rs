@@ -80,7 +80,7 @@ pub fn model_conditions(
         .count();
     let loading: Vec<&str> = resident
         .iter()
-        .filter(|m| m.state == ModelState::Loading)
+        .filter(|m| matches!(m.state, ModelState::Loading | ModelState::Fetching))
         .map(|m| m.name.as_str())
         .collect();
     match conflict {
