@@ -45,7 +45,7 @@ async fn an_artifact_is_fetched_verified_and_renamed_into_place() {
     ];
     let progress = Progress::default();
     let client = client().unwrap();
-    let bytes = fetch(
+    let fetched = fetch(
         &client,
         cache.path(),
         "qwen",
@@ -56,6 +56,14 @@ async fn an_artifact_is_fetched_verified_and_renamed_into_place() {
     )
     .await
     .unwrap();
+    // Two files: the recorded sha256 is that of their manifest.
+    let manifest = format!(
+        "{}  weights.bin\n{}  conf/config.json\n",
+        sha256_hex(&weights()),
+        sha256_hex(br#"{"layers": 2}"#)
+    );
+    assert_eq!(fetched.sha256, sha256_hex(manifest.as_bytes()));
+    let bytes = fetched.bytes;
     assert_eq!(bytes, weights().len() as u64 + 13);
     assert_eq!(progress.bytes.load(Ordering::Relaxed), bytes);
     assert_eq!(entries(cache.path()), ["qwen"]);

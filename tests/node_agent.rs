@@ -145,6 +145,13 @@ async fn an_artifact_is_fetched_once_mounted_and_reused_after_eviction() {
     );
     assert_eq!(requests.load(Ordering::Relaxed), 1, "fetched once");
     assert_eq!(artifact_state(&h, "qwen").await, Some(ArtifactState::Ready));
+    let status = node_cache(&h).await.unwrap().status.unwrap();
+    let qwen = status.artifacts.iter().find(|a| a.model == "qwen").unwrap();
+    assert_eq!(
+        qwen.sha256.as_deref(),
+        Some(sha256_hex(&weights()).as_str())
+    );
+    assert_eq!(qwen.bytes, weights().len() as u64);
 
     // Evicted from VRAM, kept on disk; loaded again without a download.
     h.request_nowait("gpu", "sd").await;
@@ -420,6 +427,14 @@ async fn a_storm_of_loads_never_puts_more_on_disk_than_the_budget() {
         .filter(|a| a.state == ArtifactState::Ready)
         .count();
     assert!(ready <= 3, "{ready} artifacts of 300Ki in a 900Ki budget");
+    assert!(
+        status
+            .artifacts
+            .iter()
+            .any(|a| a.state == ArtifactState::Evicted),
+        "least recently used artifacts were evicted: {:?}",
+        status.artifacts
+    );
     let r = h.api.get("gpu").await.unwrap();
     assert!(
         r.status

@@ -124,6 +124,9 @@ pub enum ArtifactState {
     Failed,
     /// Required but refused: the disk budget cannot hold it (DiskFull).
     Refused,
+    /// Taken off the disk to make room (least recently used, unrequired);
+    /// fetched again when a model needs it.
+    Evicted,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
@@ -139,6 +142,10 @@ pub struct CachedArtifact {
     /// Declared size.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub size: Option<String>,
+    /// SHA-256 of what was fetched: the file's, for a one-file artifact;
+    /// else of its manifest (`<hex>  <path>` lines, sha256sum style).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
     /// When a model last needed it (the LRU key).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_use: Option<String>,

@@ -56,6 +56,7 @@ struct Entry {
     retry_at: Option<Timestamp>,
     failures: u32,
     progress: Option<Arc<Progress>>,
+    sha256: Option<String>,
 }
 
 impl Entry {
@@ -71,6 +72,7 @@ impl Entry {
             retry_at: None,
             failures: 0,
             progress: None,
+            sha256: None,
         }
     }
 }
@@ -144,6 +146,19 @@ fn declared(residencies: &[Arc<ModelResidency>], node: &str) -> HashMap<String, 
     out
 }
 
+/// Every artifact key the registries on `node` declare.
+fn registry_keys(
+    residencies: &[Arc<ModelResidency>],
+    node: &str,
+) -> std::collections::HashSet<String> {
+    residencies
+        .iter()
+        .filter(|r| r.spec.node_name == node)
+        .flat_map(|r| r.spec.models.iter())
+        .filter_map(|m| m.artifact.as_ref().map(|a| a.cache_key(&m.name)))
+        .collect()
+}
+
 fn retry_delay(failures: u32) -> Duration {
     Duration::from_secs(
         5u64.saturating_mul(1 << failures.saturating_sub(1).min(6))
@@ -156,7 +171,7 @@ struct Agent {
     config: AgentConfig,
     entries: HashMap<String, Entry>,
     downloads: Arc<Semaphore>,
-    done: mpsc::UnboundedSender<(String, Result<u64, fetch::FetchError>)>,
+    done: mpsc::UnboundedSender<(String, Result<fetch::Fetched, fetch::FetchError>)>,
     client: fetch::HttpsClient,
 }
 
@@ -227,7 +242,10 @@ impl Agent {
             match std::fs::remove_dir_all(&dir) {
                 Ok(()) => {
                     tracing::info!(artifact = %key, "evicted from the disk cache");
-                    self.entries.remove(key);
+                    if let Some(e) = self.entries.get_mut(key) {
+                        e.state = ArtifactState::Evicted;
+                        e.bytes = 0;
+                    }
                 }
                 Err(e) => tracing::warn!(artifact = %key, error = %e, "evicting failed"),
             }
@@ -281,21 +299,27 @@ impl Agent {
                 e.message = Some(message.clone());
             }
         }
-        // Failures of artifacts nobody wants any more are forgotten.
-        self.entries
-            .retain(|k, e| e.state != ArtifactState::Failed || wanted.contains_key(k));
+        // Failures of artifacts nobody wants any more are forgotten, and
+        // evictions of artifacts no registry on the node declares.
+        let declared_here = registry_keys(residencies, &self.config.node);
+        self.entries.retain(|k, e| match e.state {
+            ArtifactState::Failed => wanted.contains_key(k),
+            ArtifactState::Evicted => declared_here.contains(k),
+            _ => true,
+        });
     }
 
-    fn finished(&mut self, key: &str, result: Result<u64, fetch::FetchError>) {
+    fn finished(&mut self, key: &str, result: Result<fetch::Fetched, fetch::FetchError>) {
         let Some(e) = self.entries.get_mut(key) else {
             return;
         };
         e.progress = None;
         match result {
-            Ok(bytes) => {
-                tracing::info!(artifact = %key, bytes, "fetched");
+            Ok(fetched) => {
+                tracing::info!(artifact = %key, bytes = fetched.bytes, sha256 = %fetched.sha256, "fetched");
                 e.state = ArtifactState::Ready;
-                e.bytes = bytes;
+                e.bytes = fetched.bytes;
+                e.sha256 = Some(fetched.sha256);
                 e.failures = 0;
             }
             Err(err) => {
@@ -304,6 +328,7 @@ impl Agent {
                 tracing::warn!(artifact = %key, error = %err, retry_in = ?delay, "fetch failed");
                 e.state = ArtifactState::Failed;
                 e.bytes = 0;
+                e.sha256 = None;
                 e.reason = Some(err.reason().into());
                 e.message = Some(err.to_string());
                 e.retry_at = Some(Timestamp::now() + delay);
@@ -346,6 +371,7 @@ impl Agent {
                 state: e.state,
                 bytes,
                 size: Some(format_bytes(e.size)),
+                sha256: e.sha256.clone(),
                 last_use: e.last_use.map(|t| t.to_string()),
                 reason: e.reason.clone(),
                 message: e.message.clone(),

@@ -204,9 +204,19 @@ pub struct Progress {
     pub bytes: AtomicU64,
 }
 
+/// What a fetch put in place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fetched {
+    /// Bytes written.
+    pub bytes: u64,
+    /// The SHA-256 (hex) of the file, for a one-file artifact; else of its
+    /// manifest, the `sha256sum`-style lines `<hex>  <path>` of its files
+    /// in order.
+    pub sha256: String,
+}
+
 /// Fetches `files` into `<cache>/<key>/`, replacing whatever was there,
-/// within `declared` bytes (plus [`size_limit`]'s margin). Returns the
-/// bytes written.
+/// within `declared` bytes (plus [`size_limit`]'s margin).
 pub async fn fetch(
     client: &HttpsClient,
     cache: &Path,
@@ -215,7 +225,7 @@ pub async fn fetch(
     declared: u64,
     allowed: &[String],
     progress: &Progress,
-) -> Result<u64, FetchError> {
+) -> Result<Fetched, FetchError> {
     let checked = check(files, allowed)?;
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let partial = cache.join(format!(
@@ -226,7 +236,7 @@ pub async fn fetch(
     tokio::fs::create_dir_all(&partial).await.map_err(io)?;
     let result = download_all(client, &partial, &checked, declared, progress).await;
     let result = match result {
-        Ok(total) => {
+        Ok(fetched) => {
             let target = cache.join(key);
             // A stale copy (an earlier failed verification left none; an
             // edited spec may leave one) is replaced as a whole.
@@ -235,7 +245,7 @@ pub async fn fetch(
             }
             tokio::fs::rename(&partial, &target)
                 .await
-                .map(|_| total)
+                .map(|_| fetched)
                 .map_err(io)
         }
         Err(e) => Err(e),
@@ -252,9 +262,10 @@ async fn download_all(
     files: &[Checked],
     declared: u64,
     progress: &Progress,
-) -> Result<u64, FetchError> {
+) -> Result<Fetched, FetchError> {
     let limit = size_limit(declared);
     let mut total = 0u64;
+    let mut manifest = String::new();
     for f in files {
         let transfer = |message: String| FetchError::Transfer {
             uri: f.uri.clone(),
@@ -317,6 +328,11 @@ async fn download_all(
             .map_err(|e| FetchError::Io(e.to_string()))?;
         received?;
         let digest = written.map_err(io)?;
+        manifest.push_str(&format!(
+            "{}  {}\n",
+            encode_hex(digest.as_ref()),
+            f.path.display()
+        ));
         if let Some(want) = &f.sha256 {
             let got = digest;
             if got.as_ref() != want.as_slice() {
@@ -328,7 +344,18 @@ async fn download_all(
             }
         }
     }
-    Ok(total)
+    let sha256 = match files {
+        [_one] => manifest
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_owned(),
+        _ => encode_hex(ring::digest::digest(&ring::digest::SHA256, manifest.as_bytes()).as_ref()),
+    };
+    Ok(Fetched {
+        bytes: total,
+        sha256,
+    })
 }
 
 /// A blocking thread that writes the chunks it is sent to `path`, hashing
