@@ -31,7 +31,7 @@ use std::net::SocketAddr;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::{arg, create_namespace};
+use support::{arg, bench_args, create_namespace, runtime, start_plane};
 
 const NS: &str = "bench-artifacts";
 const NODE: &str = "node-art";
@@ -231,20 +231,12 @@ async fn time_to_ready(plane: &ControlPlane, model_mib: usize) {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| a != "--bench")
-        .collect();
+    let args = bench_args();
     let mib: usize = arg(&args, "--mib", "512").parse().unwrap();
     let rounds: usize = arg(&args, "--rounds", "3").parse().unwrap();
     let model_mib: usize = arg(&args, "--model-mib", "200").parse().unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     rt.block_on(throughput(mib, rounds));
-    let plane =
-        ControlPlane::start().expect("start the control plane (bash scripts/control-plane.sh)");
+    let plane = start_plane();
     rt.block_on(time_to_ready(&plane, model_mib));
 }

@@ -32,25 +32,20 @@ use std::time::{Duration, Instant};
 
 mod support;
 
-use support::{arg, create_namespace, ms, percentile, poke, watch_named, watch_poke};
+use support::{
+    arg, bench_args, create_namespace, ms, percentile, poke, runtime, start_plane, watch_named,
+    watch_poke,
+};
 
 const NS: &str = "bench";
 /// Where the ModelResidency floor object lives: no operator watches it.
 const FLOOR_NS: &str = "bench-floor";
 
 fn main() {
-    let args: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| a != "--bench")
-        .collect();
+    let args = bench_args();
     let mode = args.first().cloned().unwrap_or_else(|| "latency".into());
-    let plane =
-        ControlPlane::start().expect("start the control plane (bash scripts/control-plane.sh)");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let plane = start_plane();
+    let rt = runtime();
     rt.block_on(async {
         let client = plane.client().await.unwrap();
         setup(&client).await;

@@ -25,7 +25,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use model_residency::api::{ModelResidency, ModelState};
-use model_residency::local::control_plane::{ControlPlane, spawn_owned};
+use model_residency::local::control_plane::spawn_owned;
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
 use serde_json::json;
 use std::collections::HashMap;
@@ -33,7 +33,9 @@ use std::net::SocketAddr;
 use std::process::{Child, Command};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use support::{arg, create_namespace, ms, percentile, poke, watch_poke};
+use support::{
+    arg, bench_args, create_namespace, ms, percentile, poke, runtime, start_plane, watch_poke,
+};
 
 const NS: &str = "bench-router";
 const FLOOR_NS: &str = "bench-router-floor";
@@ -294,22 +296,14 @@ async fn router_metric(router: SocketAddr, name: &str) -> u64 {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| a != "--bench")
-        .collect();
+    let args = bench_args();
     let secs: u64 = arg(&args, "--seconds", "5").parse().unwrap();
     let cold_samples: usize = arg(&args, "--cold-samples", "10").parse().unwrap();
     let floor_samples: usize = arg(&args, "--floor-samples", "50").parse().unwrap();
     let steady: u64 = arg(&args, "--steady", "20").parse().unwrap();
     let tools = tools();
-    let plane =
-        ControlPlane::start().expect("start the control plane (bash scripts/control-plane.sh)");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let plane = start_plane();
+    let rt = runtime();
     let dir = tempfile::tempdir().unwrap();
     rt.block_on(async {
         let client = plane.client().await.unwrap();

@@ -131,6 +131,14 @@ pub enum Error {
 }
 
 impl Error {
+    /// Adding or removing the finalizer lost a race: a reconcile started
+    /// from a cache that had not yet seen the previous finalizer patch
+    /// (kube's JSON-patch test fails). The retry reads the settled object.
+    fn is_finalizer_race(&self) -> bool {
+        use kube::runtime::finalizer::Error as F;
+        matches!(self, Error::Finalizer(e) if !matches!(e.as_ref(), F::ApplyFailed(_) | F::CleanupFailed(_)))
+    }
+
     /// The `reason` label of `reconcile_errors_total`: the step that failed.
     fn metric_label(&self) -> &'static str {
         use kube::runtime::finalizer::Error as F;
@@ -139,10 +147,6 @@ impl Error {
             Error::PatchStatus { .. } => "demand_patch_status",
             Error::Finalizer(e) => match e.as_ref() {
                 F::ApplyFailed(inner) | F::CleanupFailed(inner) => inner.metric_label(),
-                // Adding or removing the finalizer lost a race: a reconcile
-                // started from a cache that had not yet seen the previous
-                // finalizer patch (kube's JSON-patch test fails). The retry
-                // reads the settled object.
                 _ => "demand_finalizer",
             },
         }
@@ -244,10 +248,11 @@ fn error_policy(md: Arc<ModelDemand>, error: &Error, ctx: Arc<Context>) -> Actio
         "reconcile failed: {error}"
     );
     ctx.metrics.reconcile_error(error.metric_label());
-    match error.metric_label() {
-        // A lost finalizer race settles as soon as the cache catches up.
-        "demand_finalizer" => Action::requeue(Duration::from_millis(200)),
-        _ => Action::requeue(Duration::from_secs(2)),
+    if error.is_finalizer_race() {
+        // Settles as soon as the cache catches up.
+        Action::requeue(Duration::from_millis(200))
+    } else {
+        Action::requeue(Duration::from_secs(2))
     }
 }
 

@@ -10,6 +10,29 @@ use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::json;
 use std::time::{Duration, Instant};
 
+/// The arguments after `cargo bench -- ` (without the `--bench` cargo adds).
+pub fn bench_args() -> Vec<String> {
+    std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect()
+}
+
+/// The runtime every bench runs on: two workers, as the machine has cores.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// The local control plane, built once by `scripts/control-plane.sh`.
+pub fn start_plane() -> model_residency::local::control_plane::ControlPlane {
+    model_residency::local::control_plane::ControlPlane::start()
+        .expect("start the control plane (bash scripts/control-plane.sh)")
+}
+
 pub fn arg(args: &[String], name: &str, default: &str) -> String {
     args.iter()
         .position(|a| a == name)

@@ -5,7 +5,7 @@
 //! start).
 
 use super::Failure;
-use super::operator::{LogFormat, fatal, termination};
+use super::operator::{LogFormat, cluster_client, fatal, termination};
 use model_residency::http::{Endpoints, serve};
 use model_residency::node_agent::agent::{AgentConfig, run as run_agent};
 use model_residency::quantity::parse_bytes;
@@ -55,11 +55,7 @@ pub async fn run(args: Args) -> Result<(), Failure> {
             "--allowed-sources: an empty prefix would allow every source",
         ));
     }
-    let client = kube::Client::try_default().await.map_err(|e| {
-        fatal(format!(
-            "cannot load a kubeconfig or in-cluster config: {e}"
-        ))
-    })?;
+    let client = cluster_client().await?;
     let endpoints = Arc::new(Endpoints::default());
     let listener = tokio::net::TcpListener::bind(args.http_addr)
         .await

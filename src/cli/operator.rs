@@ -126,6 +126,16 @@ pub(super) async fn preflight(
     }
 }
 
+/// The in-cluster or kubeconfig client of a long-running process, or a
+/// logged, fatal failure.
+pub(super) async fn cluster_client() -> Result<kube::Client, Failure> {
+    kube::Client::try_default().await.map_err(|e| {
+        fatal(format!(
+            "cannot load a kubeconfig or in-cluster config: {e}"
+        ))
+    })
+}
+
 /// Completes on SIGTERM or Ctrl-C.
 pub(super) async fn termination() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
@@ -141,11 +151,7 @@ pub(super) async fn termination() {
 }
 
 pub async fn run(args: Args) -> Result<(), Failure> {
-    let client = kube::Client::try_default().await.map_err(|e| {
-        fatal(format!(
-            "cannot load a kubeconfig or in-cluster config: {e}"
-        ))
-    })?;
+    let client = cluster_client().await?;
     preflight(
         &client,
         args.namespace.as_deref(),

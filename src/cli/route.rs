@@ -4,7 +4,7 @@
 //! requests in flight have finished (up to `--shutdown-grace`).
 
 use super::Failure;
-use super::operator::{LogFormat, fatal, parse_duration, preflight, termination};
+use super::operator::{LogFormat, cluster_client, fatal, parse_duration, preflight, termination};
 use model_residency::router::{Config, Router};
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -53,11 +53,7 @@ impl Args {
 }
 
 pub async fn run(args: Args) -> Result<(), Failure> {
-    let client = kube::Client::try_default().await.map_err(|e| {
-        fatal(format!(
-            "cannot load a kubeconfig or in-cluster config: {e}"
-        ))
-    })?;
+    let client = cluster_client().await?;
     preflight(
         &client,
         args.namespace.as_deref(),

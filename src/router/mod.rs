@@ -86,7 +86,12 @@ impl Default for Config {
 pub type ProxyBody = BoxBody<Bytes, hyper::Error>;
 
 fn full(bytes: Bytes) -> ProxyBody {
-    Full::new(bytes).map_err(|never| match never {}).boxed()
+    boxed(Full::new(bytes))
+}
+
+/// The router's own answers in the proxy's body type.
+fn boxed(body: Full<Bytes>) -> ProxyBody {
+    body.map_err(|never| match never {}).boxed()
 }
 
 /// A running router: its watches, its view of the cluster, and its
@@ -183,7 +188,7 @@ impl Router {
     pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<ProxyBody> {
         let start = Instant::now();
         if let Some(r) = crate::http::probe(&req, self.ready(), || self.metrics.encode()) {
-            return r.map(|b| b.map_err(|never| match never {}).boxed());
+            return r.map(boxed);
         }
         if req.method() == Method::GET && req.uri().path() == "/v1/models" {
             return self.list_models();
@@ -210,8 +215,7 @@ impl Router {
                     })
                     .inc();
             }
-            r.response::<Full<Bytes>>()
-                .map(|b| b.map_err(|never| match never {}).boxed())
+            r.response::<Full<Bytes>>().map(boxed)
         });
         self.metrics
             .requests
@@ -305,10 +309,12 @@ impl Router {
     /// A Ready pod for `model` (not `avoid`): at once if there is one, else
     /// after holding the request through a load. `cold` says it was held.
     async fn resolve(&self, model: &str, avoid: Option<&str>) -> Result<(Endpoint, bool), Refusal> {
-        let mut rx = self.snapshot.clone();
-        let mut snap = rx.borrow_and_update().clone();
+        // The hit path only reads the latest snapshot; a receiver of its
+        // own is made only for waiting.
+        let mut snap = self.snapshot.borrow().clone();
         if !snap.synced {
             // Started and asked before the first list: wait for it.
+            let mut rx = self.snapshot.clone();
             let deadline = tokio::time::Instant::now() + self.config.load_timeout;
             while !snap.synced {
                 tokio::select! {
@@ -326,7 +332,7 @@ impl Router {
         if let Some(e) = self.least_busy(&view.ready, avoid) {
             return Ok((e, false));
         }
-        let endpoint = self.hold(model, rx, avoid).await?;
+        let endpoint = self.hold(model, self.snapshot.clone(), avoid).await?;
         Ok((endpoint, true))
     }
 
@@ -521,7 +527,7 @@ impl Router {
         let mut response = Response::new(body);
         *response.status_mut() = head.status;
         let headers = response.headers_mut();
-        proxy::answer_headers(&head.headers, headers);
+        proxy::copy_headers(&head.headers, headers);
         headers.insert("x-residency", endpoint.residency_header.clone());
         headers.insert("x-model-pod", endpoint.pod_header.clone());
         Ok(response)

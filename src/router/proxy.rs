@@ -43,7 +43,9 @@ fn hop_by_hop(name: &HeaderName) -> bool {
         || name.as_str() == "proxy-connection"
 }
 
-fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
+/// Copies headers across the proxy (a request's to the pod, the pod's
+/// answer's to the client), leaving the hop-by-hop ones.
+pub fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
     for (name, value) in from {
         if !hop_by_hop(name) {
             to.append(name.clone(), value.clone());
@@ -99,11 +101,6 @@ pub fn small_and_whole(headers: &HeaderMap) -> bool {
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
     len.is_some_and(|n| n <= WHOLE_ANSWER_MAX) && !streaming
-}
-
-/// The pod's answer headers as the client gets them.
-pub fn answer_headers(from: &HeaderMap, to: &mut HeaderMap) {
-    copy_headers(from, to);
 }
 
 /// An answer's body streamed frame by frame as the pod sends it, holding
