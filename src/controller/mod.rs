@@ -10,6 +10,7 @@ pub mod claims;
 pub mod conditions;
 pub mod decide;
 pub mod events;
+pub mod fast_lane;
 pub mod pod_cache;
 pub mod pods;
 pub mod reasons;
@@ -117,6 +118,11 @@ pub struct Context {
     pub max_skew: Duration,
     /// The nodes' artifact caches, as their agents report them.
     pub node_caches: artifacts::NodeCaches,
+    /// Which residencies are being reconciled, by the controller or the
+    /// fast lane.
+    pub turns: Arc<fast_lane::Turns>,
+    /// The fast lane's reconciles at once (0 turns it off).
+    pub fast_lane_slots: usize,
 }
 
 impl Context {
@@ -143,6 +149,8 @@ impl Context {
             written: WrittenStatuses::default(),
             max_skew,
             node_caches: Default::default(),
+            turns: Arc::default(),
+            fast_lane_slots: fast_lane::FAST_LANE_SLOTS,
         })
     }
 }
@@ -366,6 +374,12 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
 /// Transient errors retry with a short backoff; conflicts at once. The one
 /// log line of a failed reconcile is written here.
 pub fn error_policy(r: Arc<ModelResidency>, error: &Error, ctx: Arc<Context>) -> Action {
+    report_failure(&r, error, &ctx);
+    Action::requeue(error_delay(error))
+}
+
+/// The log line and the metric of a failed reconcile.
+fn report_failure(r: &ModelResidency, error: &Error, ctx: &Context) {
     tracing::warn!(
         namespace = r.namespace().unwrap_or_default(),
         residency = %r.name_any(),
@@ -373,9 +387,29 @@ pub fn error_policy(r: Arc<ModelResidency>, error: &Error, ctx: Arc<Context>) ->
         "reconcile failed: {error}"
     );
     ctx.metrics.reconcile_error(error.metric_label());
+}
+
+/// How long to wait before trying a failed reconcile again.
+fn error_delay(error: &Error) -> Duration {
     match error.api_code() {
-        Some(409) => Action::requeue(Duration::from_millis(200)),
-        _ => Action::requeue(Duration::from_secs(2)),
+        Some(409) => Duration::from_millis(200),
+        _ => Duration::from_secs(2),
+    }
+}
+
+/// The controller's reconcile: once the residency's turn is free (the fast
+/// lane may hold it), on the store's copy as it is then.
+async fn reconcile_in_turn(
+    r: Arc<ModelResidency>,
+    ctx: Arc<Context>,
+    store: reflector::Store<ModelResidency>,
+) -> Result<Action> {
+    let key = ObjectRef::from_obj(&*r);
+    let _turn = ctx.turns.take(&key).await;
+    match store.get(&key) {
+        Some(latest) => reconcile(latest, ctx).await,
+        // Deleted while it waited.
+        None => Ok(Action::await_change()),
     }
 }
 
@@ -415,6 +449,13 @@ pub async fn run(
     let (store, writer) = reflector::store();
     let (claim_tx, claim_rx) = futures::channel::mpsc::unbounded();
     let (changed_tx, changed_rx) = futures::channel::mpsc::unbounded();
+    let (handed_back_tx, handed_back_rx) = futures::channel::mpsc::unbounded();
+    let lane = fast_lane::FastLane::new(
+        ctx.clone(),
+        store.clone(),
+        ctx.fast_lane_slots,
+        handed_back_tx,
+    );
     let model_demands = start_model_demands(
         &ctx,
         namespace.as_deref(),
@@ -459,7 +500,10 @@ pub async fn run(
                 let _ = changed_tx.unbounded_send(ObjectRef::from_obj(r));
             }
         })
-        .touched_objects();
+        .touched_objects()
+        // A residency's own changes are reconciled at once when the fast
+        // lane can take them; the rest go through the controller's queue.
+        .try_filter_map(move |r| futures::future::ready(Ok(lane.offer(r))));
     // At most this many reconciles at once: each holds an API connection
     // (TLS and HTTP buffers, pooled afterwards), so an unbounded burst at
     // start-up over thousands of residencies costs memory and floods the
@@ -484,14 +528,18 @@ pub async fn run(
             futures::stream::iter(touched)
         });
     let cache_events = node_cache_events(ctx.clone(), store.clone()).await;
-    let sync = tokio::spawn(mark_synced(store, ctx.clone(), synced));
+    let sync = tokio::spawn(mark_synced(store.clone(), ctx.clone(), synced));
     controller
         .reconcile_on(futures::stream::select(
             futures::stream::select(pod_events, claim_rx),
-            cache_events,
+            futures::stream::select(cache_events, handed_back_rx),
         ))
         .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, ctx)
+        .run(
+            move |r, ctx| reconcile_in_turn(r, ctx, store.clone()),
+            error_policy,
+            ctx,
+        )
         .for_each(|result| async move {
             if let Err(e) = result {
                 log_controller_error(&e);
@@ -610,13 +658,17 @@ pub fn spawn_for_namespace(
     namespace: &str,
 ) -> (Arc<Context>, tokio::task::JoinHandle<()>) {
     let ctx = Context::new(client);
-    let task = tokio::spawn(run(
-        ctx.clone(),
+    (ctx.clone(), spawn_with(ctx, namespace))
+}
+
+/// Starts a controller for one namespace with the given context.
+pub fn spawn_with(ctx: Arc<Context>, namespace: &str) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(run(
+        ctx,
         Some(namespace.to_owned()),
         std::future::pending(),
         Arc::default(),
-    ));
-    (ctx, task)
+    ))
 }
 
 /// A term of leadership: dropping it (stepping down, or the whole task being

@@ -1,0 +1,208 @@
+//! A reconcile started straight from a residency's watch event.
+//!
+//! kube-runtime's controller passes every reconcile request, even one due
+//! now, through its scheduler's `DelayQueue`, which rounds the deadline up
+//! to the next millisecond and then sleeps on tokio's timer: 1-2 ms between
+//! a watch event and its reconcile (docs/performance.md). A request costs
+//! two API writes in series (the demand, then the status), so that wait is
+//! a large share of what the operator adds to it.
+//!
+//! The fast lane runs the reconcile for a residency's watch event at once
+//! when one of its few slots is free and no one is reconciling that
+//! residency; every other event goes to the controller as before, which
+//! keeps the queueing, the coalescing of a busy residency's events (a
+//! storm fills the slots and falls through to it), the requeues and the
+//! retries. A fast-lane reconcile that asks for a requeue, or fails, hands
+//! the residency back to the controller (after the error's backoff).
+//!
+//! One reconcile per residency at a time holds across both paths: each
+//! takes the residency's turn ([`Turns`]) first, and the controller's path
+//! reads the residency from the store again once it has its turn (the
+//! copy it was handed may predate a change the fast lane just acted on).
+
+use super::{Context, error_delay, reconcile, report_failure};
+use crate::api::ModelResidency;
+use futures::channel::mpsc::UnboundedSender;
+use kube::runtime::controller::Action;
+use kube::runtime::reflector::{ObjectRef, Store};
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+
+/// Reconciles the fast lane runs at once, beside the controller's own
+/// (enough for the requests that arrive one at a time; a burst goes to the
+/// controller, which bounds the API connections it holds).
+pub const FAST_LANE_SLOTS: usize = 2;
+
+type Key = ObjectRef<ModelResidency>;
+
+/// Which residencies are being reconciled right now, by either path.
+#[derive(Debug, Default)]
+pub struct Turns {
+    busy: Mutex<HashSet<Key>>,
+    freed: Notify,
+}
+
+/// A residency's turn; the next may reconcile it once this is dropped.
+pub struct Turn {
+    turns: Arc<Turns>,
+    key: Key,
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        self.turns
+            .busy
+            .lock()
+            .expect("turns lock")
+            .remove(&self.key);
+        self.turns.freed.notify_waiters();
+    }
+}
+
+impl Turns {
+    /// The residency's turn, if no one holds it.
+    pub fn try_take(self: &Arc<Self>, key: &Key) -> Option<Turn> {
+        let fresh = self.busy.lock().expect("turns lock").insert(key.clone());
+        fresh.then(|| Turn {
+            turns: self.clone(),
+            key: key.clone(),
+        })
+    }
+
+    /// The residency's turn, once whoever holds it is done.
+    pub async fn take(self: &Arc<Self>, key: &Key) -> Turn {
+        loop {
+            // Registered before trying, so a release in between still wakes it.
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            if let Some(turn) = self.try_take(key) {
+                return turn;
+            }
+            freed.await;
+        }
+    }
+}
+
+/// Where residency events go first; see the module's comment.
+pub struct FastLane {
+    ctx: Arc<Context>,
+    /// The residency cache, which has every event before the lane sees it.
+    store: Store<ModelResidency>,
+    slots: Arc<Semaphore>,
+    /// Residencies handed back to the controller (a requeue, a retry).
+    to_controller: UnboundedSender<Key>,
+    /// The lane's reconciles; dropped (and so aborted) with the lane, which
+    /// lives inside the controller's event stream, so a controller that
+    /// stops (leadership lost) stops them too.
+    running: Mutex<JoinSet<()>>,
+}
+
+impl FastLane {
+    /// A lane with `slots` reconciles at once (0: every event goes to the
+    /// controller).
+    pub fn new(
+        ctx: Arc<Context>,
+        store: Store<ModelResidency>,
+        slots: usize,
+        to_controller: UnboundedSender<Key>,
+    ) -> Self {
+        FastLane {
+            ctx,
+            store,
+            slots: Arc::new(Semaphore::new(slots)),
+            to_controller,
+            running: Mutex::default(),
+        }
+    }
+
+    /// Starts `r`'s reconcile now when a slot and its turn are free (`None`),
+    /// or gives `r` back for the controller.
+    pub fn offer(&self, r: ModelResidency) -> Option<ModelResidency> {
+        let key = ObjectRef::from_obj(&r);
+        // Not in the cache: deleted (the controller skips it), or still in
+        // the first list, which the cache takes in whole once it is done
+        // (the controller waits for that).
+        let Some(latest) = self.store.get(&key) else {
+            return Some(r);
+        };
+        let Ok(slot) = self.slots.clone().try_acquire_owned() else {
+            return Some(r);
+        };
+        let Some(turn) = self.ctx.turns.try_take(&key) else {
+            return Some(r);
+        };
+        let mut running = self.running.lock().expect("fast lane lock");
+        while running.try_join_next().is_some() {}
+        running.spawn(run(
+            latest,
+            self.ctx.clone(),
+            (slot, turn),
+            key,
+            self.to_controller.clone(),
+        ));
+        None
+    }
+}
+
+/// One fast-lane reconcile, then what the controller must take over.
+async fn run(
+    r: Arc<ModelResidency>,
+    ctx: Arc<Context>,
+    held: (OwnedSemaphorePermit, Turn),
+    key: Key,
+    to_controller: UnboundedSender<Key>,
+) {
+    let result = reconcile(r.clone(), ctx.clone()).await;
+    drop(held);
+    let delay = match result {
+        Ok(action) if action == Action::await_change() => return,
+        // The controller's scheduler keeps requeues (one entry per
+        // residency, the earliest wins); its reconcile finds nothing new to
+        // write and asks for the same requeue.
+        Ok(_) => None,
+        Err(e) => {
+            report_failure(&r, &e, &ctx);
+            Some(error_delay(&e))
+        }
+    };
+    if let Some(delay) = delay {
+        tokio::time::sleep(delay).await;
+    }
+    let _ = to_controller.unbounded_send(key);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn key(name: &str) -> Key {
+        ObjectRef::new(name).within("ns")
+    }
+
+    #[tokio::test]
+    async fn a_turn_is_held_by_one_path_at_a_time() {
+        let turns = Arc::new(Turns::default());
+        let a = turns.try_take(&key("a")).expect("free");
+        assert!(turns.try_take(&key("a")).is_none(), "a is taken");
+        let b = turns.try_take(&key("b"));
+        assert!(b.is_some(), "another residency is not");
+        let waiter = tokio::spawn({
+            let turns = turns.clone();
+            async move { turns.take(&key("a")).await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiter.is_finished(), "waits while a is held");
+        drop(a);
+        let again = tokio::time::timeout(Duration::from_secs(1), waiter)
+            .await
+            .expect("woken when a is released")
+            .unwrap();
+        assert!(turns.try_take(&key("a")).is_none(), "the waiter holds a");
+        drop(again);
+        assert!(turns.try_take(&key("a")).is_some());
+    }
+}
