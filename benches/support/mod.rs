@@ -115,3 +115,39 @@ pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
 pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
+
+/// Copies residency `name`, its spec and its status, to `floor` in `to`'s
+/// namespace (which no operator watches), replacing an earlier copy: a
+/// floor object as large as the one measured. A custom resource's write
+/// costs the API server more the larger the object is (decoding, schema
+/// validation and pruning, managedFields), so a one-model object's round
+/// trip understates what a write to a 20-model residency with its status
+/// can take.
+pub async fn copy_as_floor(
+    from: &Api<model_residency::api::ModelResidency>,
+    name: &str,
+    to: &Api<model_residency::api::ModelResidency>,
+) {
+    let r = from.get(name).await.unwrap();
+    let copy = model_residency::api::ModelResidency::new("floor", r.spec.clone());
+    match to.create(&PostParams::default(), &copy).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 409 => {
+            to.patch(
+                "floor",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": r.spec})),
+            )
+            .await
+            .unwrap();
+        }
+        Err(e) => panic!("create the floor copy: {e}"),
+    }
+    to.patch_status(
+        "floor",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": r.status})),
+    )
+    .await
+    .unwrap();
+}
