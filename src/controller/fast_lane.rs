@@ -8,11 +8,14 @@
 //! a large share of what the operator adds to it.
 //!
 //! The fast lane runs the reconcile for a residency's watch event at once
-//! when one of its few slots is free and no one is reconciling that
+//! when the operator is nearly idle (fewer than [`FAST_LANE_SLOTS`]
+//! reconciles running, by either path) and no one is reconciling that
 //! residency; every other event goes to the controller as before, which
-//! keeps the queueing, the coalescing of a busy residency's events (a
-//! storm fills the slots and falls through to it), the requeues and the
-//! retries. A fast-lane reconcile that asks for a requeue, or fails, hands
+//! keeps the queueing, the coalescing of a busy residency's events, the
+//! requeues and the retries. So a request that arrives alone is reconciled
+//! at once, and a storm goes through the controller as it did before the
+//! lane existed (taking storm events in the lane as well cost the
+//! coalescing: 12 % more reconciles at 1,000 residencies). A fast-lane reconcile that asks for a requeue, or fails, hands
 //! the residency back to the controller (after the error's backoff).
 //!
 //! One reconcile per residency at a time holds across both paths: each
@@ -27,12 +30,10 @@ use kube::runtime::controller::Action;
 use kube::runtime::reflector::{ObjectRef, Store};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
-/// Reconciles the fast lane runs at once, beside the controller's own
-/// (enough for the requests that arrive one at a time; a burst goes to the
-/// controller, which bounds the API connections it holds).
+/// The lane takes an event only while fewer reconciles than this run.
 pub const FAST_LANE_SLOTS: usize = 2;
 
 type Key = ObjectRef<ModelResidency>;
@@ -62,6 +63,11 @@ impl Drop for Turn {
 }
 
 impl Turns {
+    /// How many residencies are being reconciled.
+    pub fn held(&self) -> usize {
+        self.busy.lock().expect("turns lock").len()
+    }
+
     /// The residency's turn, if no one holds it.
     pub fn try_take(self: &Arc<Self>, key: &Key) -> Option<Turn> {
         let fresh = self.busy.lock().expect("turns lock").insert(key.clone());
@@ -91,7 +97,7 @@ pub struct FastLane {
     ctx: Arc<Context>,
     /// The residency cache, which has every event before the lane sees it.
     store: Store<ModelResidency>,
-    slots: Arc<Semaphore>,
+    slots: usize,
     /// Residencies handed back to the controller (a requeue, a retry).
     to_controller: UnboundedSender<Key>,
     /// The lane's reconciles; dropped (and so aborted) with the lane, which
@@ -101,8 +107,8 @@ pub struct FastLane {
 }
 
 impl FastLane {
-    /// A lane with `slots` reconciles at once (0: every event goes to the
-    /// controller).
+    /// A lane that takes events while fewer than `slots` reconciles run (0:
+    /// every event goes to the controller).
     pub fn new(
         ctx: Arc<Context>,
         store: Store<ModelResidency>,
@@ -112,14 +118,14 @@ impl FastLane {
         FastLane {
             ctx,
             store,
-            slots: Arc::new(Semaphore::new(slots)),
+            slots,
             to_controller,
             running: Mutex::default(),
         }
     }
 
-    /// Starts `r`'s reconcile now when a slot and its turn are free (`None`),
-    /// or gives `r` back for the controller.
+    /// Starts `r`'s reconcile now when the operator is nearly idle and no
+    /// one holds its turn (`None`), or gives `r` back for the controller.
     pub fn offer(&self, r: ModelResidency) -> Option<ModelResidency> {
         let key = ObjectRef::from_obj(&r);
         // Not in the cache: deleted (the controller skips it), or still in
@@ -128,9 +134,11 @@ impl FastLane {
         let Some(latest) = self.store.get(&key) else {
             return Some(r);
         };
-        let Ok(slot) = self.slots.clone().try_acquire_owned() else {
+        // Offers come one at a time from the event stream, so no other
+        // lane reconcile can start between this count and the take.
+        if self.ctx.turns.held() >= self.slots {
             return Some(r);
-        };
+        }
         let Some(turn) = self.ctx.turns.try_take(&key) else {
             return Some(r);
         };
@@ -139,7 +147,7 @@ impl FastLane {
         running.spawn(run(
             latest,
             self.ctx.clone(),
-            (slot, turn),
+            turn,
             key,
             self.to_controller.clone(),
         ));
@@ -151,12 +159,12 @@ impl FastLane {
 async fn run(
     r: Arc<ModelResidency>,
     ctx: Arc<Context>,
-    held: (OwnedSemaphorePermit, Turn),
+    turn: Turn,
     key: Key,
     to_controller: UnboundedSender<Key>,
 ) {
     let result = reconcile(r.clone(), ctx.clone()).await;
-    drop(held);
+    drop(turn);
     let delay = match result {
         Ok(action) if action == Action::await_change() => return,
         // The controller's scheduler keeps requeues (one entry per
