@@ -484,11 +484,17 @@ async fn api_server_time(client: &kube::Client) {
 }
 
 fn rss_of(pid: u32) -> u64 {
+    status_bytes(pid, "VmRSS:")
+}
+
+/// A size field of `/proc/<pid>/status` (`VmRSS:`, or `VmHWM:`, the peak
+/// RSS), in bytes.
+fn status_bytes(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
+                .find(|l| l.starts_with(field))
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|k| k.parse::<u64>().ok())
         })
@@ -534,11 +540,13 @@ async fn memory(plane: &ControlPlane, client: &kube::Client, counts: &[usize]) {
             .await;
         wait_converged(&api, count).await;
         total = count;
+        let converged = t0.elapsed();
         tokio::time::sleep(Duration::from_secs(5)).await;
         println!(
-            "  {count:>6} residencies + {count} pods: operator RSS {} MiB (converged in {:.0} s); control plane {} MiB",
+            "  {count:>6} residencies + {count} pods: operator RSS {} MiB (converged in {:.0} s), peak {} MiB; control plane {} MiB",
             rss_of(op.id()) >> 20,
-            t0.elapsed().as_secs_f64(),
+            converged.as_secs_f64(),
+            status_bytes(op.id(), "VmHWM:") >> 20,
             plane.rss_bytes() >> 20
         );
     }
