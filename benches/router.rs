@@ -310,6 +310,31 @@ fn watch_cold_demand(api: Api<ModelResidency>) -> Arc<Mutex<Vec<Instant>>> {
     out
 }
 
+/// Each model's distinct request times in the residency's `spec.demand`,
+/// in the order the watch showed them.
+type DemandTimes = Arc<Mutex<HashMap<String, Vec<k8s_openapi::jiff::Timestamp>>>>;
+
+fn watch_demand_times(api: Api<ModelResidency>) -> DemandTimes {
+    let times: DemandTimes = Arc::default();
+    let out = times.clone();
+    tokio::spawn(async move {
+        let mut s = std::pin::pin!(watcher(api, watcher::Config::default()).applied_objects());
+        while let Ok(Some(r)) = s.try_next().await {
+            let mut t = times.lock().unwrap();
+            for model in r.spec.demand.keys() {
+                let Some(at) = r.spec.demand.get(model).and_then(|v| v.parse().ok()) else {
+                    continue;
+                };
+                let seen = t.entry(model.clone()).or_default();
+                if seen.last() != Some(&at) {
+                    seen.push(at);
+                }
+            }
+        }
+    });
+    out
+}
+
 async fn router_metric(router: SocketAddr, name: &str) -> u64 {
     let answer = model_residency::http::send(router, "GET", "/metrics", "")
         .await
@@ -423,6 +448,14 @@ fn main() {
 
         println!("\n== write cost: 64 connections round-robin over 20 resident models for {steady} s, --recency-resolution 5s");
         let twenty = wrk_script(dir.path(), &hot);
+        // Every request time written for each model, as the residency's
+        // watch shows them: the bound is per model, one write per
+        // resolution, so the gap between two of one model's writes is
+        // checked as well as the count in the window (a window of T s can
+        // hold T / 5 + 1 writes of a model whose writes are 5 s apart).
+        let written = watch_demand_times(api.clone());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        written.lock().unwrap().clear();
         let before = router_metric(router_addr, "model_residency_router_demand_writes_total").await;
         let load = tokio::task::spawn_blocking({
             let tools = tools.clone();
@@ -437,6 +470,23 @@ fn main() {
             load.rps,
             writes as f64 / steady as f64,
             load.errors
+        );
+        let gaps: Vec<Duration> = written
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(model, _)| hot.contains(model))
+            .flat_map(|(_, times)| {
+                times
+                    .windows(2)
+                    .map(|w| Duration::try_from(w[1].duration_since(w[0])).unwrap_or_default())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        println!(
+            "   shortest gap between two writes of one model: {:.2} s over {} gaps (goal at least 5 s)",
+            gaps.iter().min().copied().unwrap_or_default().as_secs_f64(),
+            gaps.len()
         );
 
         println!("\n== cold path: {cold_samples} loads of a model that is not resident");
@@ -476,13 +526,21 @@ fn main() {
                 .unwrap();
             assert_eq!(answer.status, 200, "{}", answer.body);
             let ttfb = answer.chunks.first().expect("a body").0;
-            let (created, ready) = {
-                let t = times.lock().unwrap();
-                let (_, (created, ready)) = t
+            // The router may see the pod Ready (and answer) just before
+            // this bench's own watch does.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let (created, ready) = loop {
+                let seen = times
+                    .lock()
+                    .unwrap()
                     .iter()
                     .find(|(uid, _)| !known.contains(uid))
-                    .expect("the cold model's new pod was seen");
-                (*created, ready.expect("and seen Ready"))
+                    .map(|(_, t)| *t);
+                match seen {
+                    Some((created, Some(ready))) => break (created, ready),
+                    _ if Instant::now() > deadline => panic!("the cold model's new pod was not seen Ready"),
+                    _ => tokio::time::sleep(Duration::from_millis(2)).await,
+                }
             };
             let pod_ready = ready - created;
             if let Some(&requested) = demanded.lock().unwrap().get(requests_before) {
