@@ -100,9 +100,8 @@ pub struct FastLane {
     slots: usize,
     /// Residencies handed back to the controller (a requeue, a retry).
     to_controller: UnboundedSender<Key>,
-    /// The lane's reconciles; dropped (and so aborted) with the lane, which
-    /// lives inside the controller's event stream, so a controller that
-    /// stops (leadership lost) stops them too.
+    /// The lane's reconciles; dropped (and so aborted) with the lane, so a
+    /// controller task that is aborted (leadership lost) stops them too.
     running: Mutex<JoinSet<()>>,
 }
 
@@ -155,6 +154,15 @@ impl FastLane {
     }
 }
 
+impl FastLane {
+    /// Waits for the lane's reconciles (the controller has stopped, so no
+    /// more are offered).
+    pub async fn finish(&self) {
+        let mut running = std::mem::take(&mut *self.running.lock().expect("fast lane lock"));
+        while running.join_next().await.is_some() {}
+    }
+}
+
 /// One fast-lane reconcile, then what the controller must take over.
 async fn run(
     r: Arc<ModelResidency>,
@@ -176,10 +184,19 @@ async fn run(
             Some(error_delay(&e))
         }
     };
-    if let Some(delay) = delay {
-        tokio::time::sleep(delay).await;
+    match delay {
+        None => {
+            let _ = to_controller.unbounded_send(key);
+        }
+        // Waited out apart, so a shutdown does not wait for it (the
+        // controller is gone by then and the send just fails).
+        Some(delay) => {
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                let _ = to_controller.unbounded_send(key);
+            });
+        }
     }
-    let _ = to_controller.unbounded_send(key);
 }
 
 #[cfg(test)]

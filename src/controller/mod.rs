@@ -121,7 +121,8 @@ pub struct Context {
     /// Which residencies are being reconciled, by the controller or the
     /// fast lane.
     pub turns: Arc<fast_lane::Turns>,
-    /// The fast lane's reconciles at once (0 turns it off).
+    /// The fast lane takes events while fewer reconciles than this run (0
+    /// turns it off).
     pub fast_lane_slots: usize,
 }
 
@@ -450,12 +451,13 @@ pub async fn run(
     let (claim_tx, claim_rx) = futures::channel::mpsc::unbounded();
     let (changed_tx, changed_rx) = futures::channel::mpsc::unbounded();
     let (handed_back_tx, handed_back_rx) = futures::channel::mpsc::unbounded();
-    let lane = fast_lane::FastLane::new(
+    let lane = Arc::new(fast_lane::FastLane::new(
         ctx.clone(),
         store.clone(),
         ctx.fast_lane_slots,
         handed_back_tx,
-    );
+    ));
+    let offered = lane.clone();
     let model_demands = start_model_demands(
         &ctx,
         namespace.as_deref(),
@@ -500,10 +502,20 @@ pub async fn run(
                 let _ = changed_tx.unbounded_send(ObjectRef::from_obj(r));
             }
         })
-        .touched_objects()
-        // A residency's own changes are reconciled at once when the fast
-        // lane can take them; the rest go through the controller's queue.
-        .try_filter_map(move |r| futures::future::ready(Ok(lane.offer(r))));
+        // A residency's own change is reconciled at once when the fast
+        // lane can take it; the rest go through the controller's queue.
+        // Only live changes: during a list (a watch that restarts) the
+        // cache keeps the previous copies until the whole list is in, so a
+        // reconcile started at once would act on an old copy and swallow
+        // the event (seen in the API-server-restart fault test); list
+        // events keep going through the controller's queue as before.
+        .try_filter_map(move |event| {
+            futures::future::ready(Ok(match event {
+                watcher::Event::Apply(r) => offered.offer(r).map(watcher::Event::Apply),
+                other => Some(other),
+            }))
+        })
+        .touched_objects();
     // At most this many reconciles at once: each holds an API connection
     // (TLS and HTTP buffers, pooled afterwards), so an unbounded burst at
     // start-up over thousands of residencies costs memory and floods the
@@ -546,6 +558,9 @@ pub async fn run(
             }
         })
         .await;
+    // A graceful shutdown lets the lane's reconciles finish as the
+    // controller's did (an aborted run drops them with the lane).
+    lane.finish().await;
     sync.abort();
 }
 
