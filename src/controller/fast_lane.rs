@@ -7,16 +7,17 @@
 //! two API writes in series (the demand, then the status), so that wait is
 //! a large share of what the operator adds to it.
 //!
-//! The fast lane runs the reconcile for a residency's watch event at once
-//! when the operator is nearly idle (fewer than [`FAST_LANE_SLOTS`]
-//! reconciles running, by either path) and no one is reconciling that
-//! residency; every other event goes to the controller as before, which
-//! keeps the queueing, the coalescing of a busy residency's events, the
-//! requeues and the retries. So a request that arrives alone is reconciled
-//! at once, and a storm goes through the controller as it did before the
-//! lane existed (taking storm events in the lane as well cost the
-//! coalescing: 12 % more reconciles at 1,000 residencies). A fast-lane reconcile that asks for a requeue, or fails, hands
-//! the residency back to the controller (after the error's backoff).
+//! The fast lane runs the reconcile for a residency's live watch change
+//! (not a re-list's events) at once when the operator is nearly idle
+//! (fewer than [`FAST_LANE_SLOTS`] reconciles running, by either path) and
+//! no one is reconciling that residency; every other event goes to the
+//! controller as before, which keeps the queueing, the coalescing of a busy
+//! residency's events, the requeues and the retries. So a request that
+//! arrives alone is reconciled at once, and a storm goes through the
+//! controller as it did before the lane existed (taking storm events in the
+//! lane as well cost the coalescing: 12 % more reconciles at 1,000
+//! residencies). A fast-lane reconcile that asks for a requeue, or fails,
+//! hands the residency back to the controller (after the error's backoff).
 //!
 //! One reconcile per residency at a time holds across both paths: each
 //! takes the residency's turn ([`Turns`]) first, and the controller's path
@@ -127,9 +128,8 @@ impl FastLane {
     /// one holds its turn (`None`), or gives `r` back for the controller.
     pub fn offer(&self, r: ModelResidency) -> Option<ModelResidency> {
         let key = ObjectRef::from_obj(&r);
-        // Not in the cache: deleted (the controller skips it), or still in
-        // the first list, which the cache takes in whole once it is done
-        // (the controller waits for that).
+        // A live change is in the cache before the lane sees it; should it
+        // not be, the controller decides what to do.
         let Some(latest) = self.store.get(&key) else {
             return Some(r);
         };
@@ -152,9 +152,7 @@ impl FastLane {
         ));
         None
     }
-}
 
-impl FastLane {
     /// Waits for the lane's reconciles (the controller has stopped, so no
     /// more are offered).
     pub async fn finish(&self) {
