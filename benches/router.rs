@@ -1,6 +1,6 @@
 //! The request router against the local control plane, with real HTTP.
 //!
-//! Run: `cargo bench --bench router [-- --seconds 5 --cold-samples 10
+//! Run: `cargo bench --bench router [-- --seconds 5 --rounds 3 --cold-samples 10
 //! --floor-samples 50 --steady 20]` (needs `bash scripts/control-plane.sh`
 //! once; installs nginx-light and wrk from Debian's packages through
 //! `scripts/bench-tools.sh`). Prints its figures; the ones in
@@ -9,8 +9,10 @@
 //! - **Hit path**: wrk (POST chat completions for one resident model) at 1
 //!   and 64 connections against the same fake model server, three ways in
 //!   one run: straight to the pod, through nginx as a plain reverse proxy,
-//!   and through `model-residency route` (a separate process): p50, p99,
-//!   requests/s.
+//!   and through `model-residency route` (a separate process), in
+//!   `--rounds` interleaved rounds: p50, p99, requests/s, and the medians
+//!   over the rounds of the router's added p50 against nginx's and of its
+//!   throughput over nginx's.
 //! - **Cold path**: time to the first answer byte for a model that is not
 //!   resident, minus the pod's own creation-to-Ready time (both seen
 //!   through watches), against the ModelResidency write-to-watch round trip
@@ -345,6 +347,7 @@ async fn router_metric(router: SocketAddr, name: &str) -> u64 {
 fn main() {
     let args = bench_args();
     let secs: u64 = arg(&args, "--seconds", "5").parse().unwrap();
+    let rounds: usize = arg(&args, "--rounds", "3").parse().unwrap();
     let cold_samples: usize = arg(&args, "--cold-samples", "10").parse().unwrap();
     let floor_samples: usize = arg(&args, "--floor-samples", "50").parse().unwrap();
     let steady: u64 = arg(&args, "--steady", "20").parse().unwrap();
@@ -415,34 +418,55 @@ fn main() {
         let (_nginx, nginx_addr) = start_nginx(&tools.nginx, pod_addr, dir.path());
         until_listening(nginx_addr).await;
 
-        println!("== hit path: POST /v1/chat/completions for one resident model, {secs} s per run");
         println!(
-            "{:<7} {:<8} {:>10} {:>10} {:>12}  errors",
-            "conns", "via", "p50 ms", "p99 ms", "requests/s"
+            "== hit path: POST /v1/chat/completions for one resident model, {secs} s per run, {rounds} rounds of the three targets back to back"
+        );
+        println!(
+            "{:<7} {:<6} {:<8} {:>10} {:>10} {:>12}  errors",
+            "conns", "round", "via", "p50 ms", "p99 ms", "requests/s"
         );
         let one = wrk_script(dir.path(), &hot[..1]);
         for conns in [1usize, 64] {
-            let mut row = Vec::new();
-            for (via, addr) in [("direct", pod_addr), ("nginx", nginx_addr), ("router", router_addr)] {
-                let (tools, one) = (tools.clone(), one.clone());
-                let load = tokio::task::spawn_blocking(move || wrk(&tools, &one, addr, conns, secs))
-                    .await
-                    .unwrap();
-                println!(
-                    "{conns:<7} {via:<8} {:>10.3} {:>10.3} {:>12.0}  {}",
-                    ms(load.p50),
-                    ms(load.p99),
-                    load.rps,
-                    load.errors
+            // Per round: the router's added p50 minus nginx's, and its
+            // throughput over nginx's. Rounds interleave the targets so a
+            // machine that slows down or speeds up weighs on all three.
+            let (mut added_gap, mut ratios) = (Vec::new(), Vec::new());
+            for round in 1..=rounds {
+                let mut row = Vec::new();
+                for (via, addr) in [("direct", pod_addr), ("nginx", nginx_addr), ("router", router_addr)] {
+                    let (tools, one) = (tools.clone(), one.clone());
+                    let load = tokio::task::spawn_blocking(move || wrk(&tools, &one, addr, conns, secs))
+                        .await
+                        .unwrap();
+                    println!(
+                        "{conns:<7} {round:<6} {via:<8} {:>10.3} {:>10.3} {:>12.0}  {}",
+                        ms(load.p50),
+                        ms(load.p99),
+                        load.rps,
+                        load.errors
+                    );
+                    row.push(load);
+                }
+                let (direct, nginx, router) = (&row[0], &row[1], &row[2]);
+                let (nginx_added, router_added) = (
+                    ms(nginx.p50.saturating_sub(direct.p50)),
+                    ms(router.p50.saturating_sub(direct.p50)),
                 );
-                row.push(load);
+                println!(
+                    "   added p50: nginx {nginx_added:.3} ms, router {router_added:.3} ms; throughput router/nginx {:.2}x",
+                    router.rps / nginx.rps
+                );
+                added_gap.push(router_added - nginx_added);
+                ratios.push(router.rps / nginx.rps);
             }
-            let (direct, nginx, router) = (&row[0], &row[1], &row[2]);
+            let median = |v: &mut Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            };
             println!(
-                "   added p50: nginx {:.3} ms, router {:.3} ms; throughput router/nginx {:.2}x",
-                ms(nginx.p50.saturating_sub(direct.p50)),
-                ms(router.p50.saturating_sub(direct.p50)),
-                router.rps / nginx.rps
+                "   {conns} connection(s), median of {rounds} rounds: router's added p50 minus nginx's {:+.3} ms (goal <= 0); throughput router/nginx {:.2}x (goal >= 1)",
+                median(&mut added_gap),
+                median(&mut ratios)
             );
         }
 
