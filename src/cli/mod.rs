@@ -105,15 +105,15 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
         #[cfg(feature = "local")]
         Command::LocalCluster(args) => local_cluster::run(args),
         Command::Run(args) => {
-            operator::init_logging(args.log_format());
+            args.logging.init();
             runtime()?.block_on(operator::run(args))
         }
         Command::Route(args) => {
-            operator::init_logging(args.log_format());
+            args.logging.init();
             runtime()?.block_on(route::run(args))
         }
         Command::NodeAgent(args) => {
-            operator::init_logging(args.log_format());
+            args.logging.init();
             runtime()?.block_on(node_agent::run(args))
         }
         Command::Demand { target, command } => runtime()?.block_on(demand::demand(target, command)),

@@ -5,7 +5,7 @@
 //! start).
 
 use super::Failure;
-use super::operator::{LogFormat, cluster_client, fatal, termination};
+use super::operator::{Logging, cluster_client, fatal, termination};
 use model_residency::http::{Endpoints, serve};
 use model_residency::node_agent::agent::{AgentConfig, run as run_agent};
 use model_residency::quantity::parse_bytes;
@@ -36,15 +36,8 @@ pub struct Args {
     /// Address of /healthz, /readyz and /metrics.
     #[arg(long, env = "HTTP_ADDR", default_value = "0.0.0.0:8081")]
     http_addr: SocketAddr,
-    /// Log format.
-    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
-    log_format: LogFormat,
-}
-
-impl Args {
-    pub fn log_format(&self) -> LogFormat {
-        self.log_format
-    }
+    #[command(flatten)]
+    pub logging: Logging,
 }
 
 pub async fn run(args: Args) -> Result<(), Failure> {

@@ -24,9 +24,8 @@ pub struct Args {
     /// Address of /healthz, /readyz and /metrics.
     #[arg(long, env = "HTTP_ADDR", default_value = "0.0.0.0:8080")]
     http_addr: SocketAddr,
-    /// Log format.
-    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
-    log_format: LogFormat,
+    #[command(flatten)]
+    pub logging: Logging,
     /// Elect a leader among replicas through a Lease; only the leader writes.
     #[arg(long, env = "LEADER_ELECT")]
     leader_elect: bool,
@@ -57,9 +56,26 @@ pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     std::time::Duration::try_from(d).map_err(|_| format!("{s:?} is negative"))
 }
 
-impl Args {
-    pub fn log_format(&self) -> LogFormat {
-        self.log_format
+/// How a long-running subcommand (`run`, `route`, `node-agent`) logs.
+#[derive(clap::Args, Clone, Copy, Debug)]
+pub struct Logging {
+    /// Log format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+impl Logging {
+    pub fn init(self) {
+        use tracing_subscriber::EnvFilter;
+        let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+        let builder = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+        match self.log_format {
+            LogFormat::Text => builder.init(),
+            LogFormat::Json => builder.json().init(),
+        }
     }
 }
 
@@ -67,19 +83,6 @@ impl Args {
 pub enum LogFormat {
     Text,
     Json,
-}
-
-pub fn init_logging(format: LogFormat) {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
 }
 
 pub(super) fn fatal(message: String) -> Failure {

@@ -4,7 +4,7 @@
 //! requests in flight have finished (up to `--shutdown-grace`).
 
 use super::Failure;
-use super::operator::{LogFormat, cluster_client, fatal, parse_duration, preflight, termination};
+use super::operator::{Logging, cluster_client, fatal, parse_duration, preflight, termination};
 use model_residency::router::{Config, Router};
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -41,15 +41,8 @@ pub struct Args {
     /// On SIGTERM, how long requests in flight may take to finish.
     #[arg(long, default_value = "25s", value_parser = parse_duration)]
     shutdown_grace: Duration,
-    /// Log format.
-    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
-    log_format: LogFormat,
-}
-
-impl Args {
-    pub fn log_format(&self) -> LogFormat {
-        self.log_format
-    }
+    #[command(flatten)]
+    pub logging: Logging,
 }
 
 pub async fn run(args: Args) -> Result<(), Failure> {
