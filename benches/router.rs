@@ -293,43 +293,25 @@ fn watch_cold_pods(pods: Api<Pod>) -> PodTimes {
     out
 }
 
-/// When the residency's watch showed each new request for model `cold`.
-fn watch_cold_demand(api: Api<ModelResidency>) -> Arc<Mutex<Vec<Instant>>> {
-    let times: Arc<Mutex<Vec<Instant>>> = Arc::default();
-    let out = times.clone();
+/// Each model's distinct request times in the residency's `spec.demand`,
+/// with when the watch showed each, in that order.
+type DemandSeen = Arc<Mutex<HashMap<String, Vec<(k8s_openapi::jiff::Timestamp, Instant)>>>>;
+
+fn watch_demand(api: Api<ModelResidency>) -> DemandSeen {
+    let seen: DemandSeen = Arc::default();
+    let out = seen.clone();
     tokio::spawn(async move {
         let mut s = std::pin::pin!(watcher(api, watcher::Config::default()).applied_objects());
-        let mut last: Option<String> = None;
         while let Ok(Some(r)) = s.try_next().await {
             let now = Instant::now();
-            let at = r.spec.demand.get("cold").cloned();
-            if at.is_some() && at != last {
-                times.lock().unwrap().push(now);
-            }
-            last = at;
-        }
-    });
-    out
-}
-
-/// Each model's distinct request times in the residency's `spec.demand`,
-/// in the order the watch showed them.
-type DemandTimes = Arc<Mutex<HashMap<String, Vec<k8s_openapi::jiff::Timestamp>>>>;
-
-fn watch_demand_times(api: Api<ModelResidency>) -> DemandTimes {
-    let times: DemandTimes = Arc::default();
-    let out = times.clone();
-    tokio::spawn(async move {
-        let mut s = std::pin::pin!(watcher(api, watcher::Config::default()).applied_objects());
-        while let Ok(Some(r)) = s.try_next().await {
-            let mut t = times.lock().unwrap();
+            let mut seen = seen.lock().unwrap();
             for model in r.spec.demand.keys() {
                 let Some(at) = r.spec.demand.get(model).and_then(|v| v.parse().ok()) else {
                     continue;
                 };
-                let seen = t.entry(model.clone()).or_default();
-                if seen.last() != Some(&at) {
-                    seen.push(at);
+                let times = seen.entry(model.clone()).or_default();
+                if times.last().map(|(t, _)| t) != Some(&at) {
+                    times.push((at, now));
                 }
             }
         }
@@ -477,7 +459,7 @@ fn main() {
         // resolution, so the gap between two of one model's writes is
         // checked as well as the count in the window (a window of T s can
         // hold T / 5 + 1 writes of a model whose writes are 5 s apart).
-        let written = watch_demand_times(api.clone());
+        let written = watch_demand(api.clone());
         tokio::time::sleep(Duration::from_millis(300)).await;
         written.lock().unwrap().clear();
         let before = router_metric(router_addr, "model_residency_router_demand_writes_total").await;
@@ -503,7 +485,7 @@ fn main() {
             .flat_map(|(_, times)| {
                 times
                     .windows(2)
-                    .map(|w| Duration::try_from(w[1].duration_since(w[0])).unwrap_or_default())
+                    .map(|w| Duration::try_from(w[1].0.duration_since(w[0].0)).unwrap_or_default())
                     .collect::<Vec<_>>()
             })
             .collect();
@@ -533,7 +515,7 @@ fn main() {
         floor.sort();
         shaped_floor.sort();
         let times = watch_cold_pods(pods.clone());
-        let demanded = watch_cold_demand(api.clone());
+        let demanded = watch_demand(api.clone());
         // Where the router's part goes: until the residency's watch shows
         // the router's request; from there until the operator's pod shows;
         // from the pod seen Ready until the first answer byte.
@@ -543,7 +525,7 @@ fn main() {
         let mut ttfbs = Vec::new();
         for _ in 0..cold_samples {
             let known: Vec<String> = times.lock().unwrap().keys().cloned().collect();
-            let requests_before = demanded.lock().unwrap().len();
+            let requests_before = demanded.lock().unwrap().get("cold").map_or(0, Vec::len);
             let sent = Instant::now();
             let answer = model_residency::http::send(router_addr, "POST", "/v1/chat/completions", body)
                 .await
@@ -567,7 +549,13 @@ fn main() {
                 }
             };
             let pod_ready = ready - created;
-            if let Some(&requested) = demanded.lock().unwrap().get(requests_before) {
+            let requested = demanded
+                .lock()
+                .unwrap()
+                .get("cold")
+                .and_then(|times| times.get(requests_before))
+                .map(|&(_, seen)| seen);
+            if let Some(requested) = requested {
                 to_demand.push(requested.saturating_duration_since(sent));
                 to_pod.push(created.saturating_duration_since(requested));
                 to_byte.push((sent + ttfb).saturating_duration_since(ready));
