@@ -28,7 +28,7 @@ use super::{Context, error_delay, reconcile, report_failure};
 use crate::api::ModelResidency;
 use futures::channel::mpsc::UnboundedSender;
 use kube::runtime::controller::Action;
-use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::reflector::ObjectRef;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
@@ -96,8 +96,6 @@ impl Turns {
 /// Where residency events go first; see the module's comment.
 pub struct FastLane {
     ctx: Arc<Context>,
-    /// The residency cache, which has every event before the lane sees it.
-    store: Store<ModelResidency>,
     slots: usize,
     /// Residencies handed back to the controller (a requeue, a retry).
     to_controller: UnboundedSender<Key>,
@@ -109,30 +107,20 @@ pub struct FastLane {
 impl FastLane {
     /// A lane that takes events while fewer than `slots` reconciles run (0:
     /// every event goes to the controller).
-    pub fn new(
-        ctx: Arc<Context>,
-        store: Store<ModelResidency>,
-        slots: usize,
-        to_controller: UnboundedSender<Key>,
-    ) -> Self {
+    pub fn new(ctx: Arc<Context>, slots: usize, to_controller: UnboundedSender<Key>) -> Self {
         FastLane {
             ctx,
-            store,
             slots,
             to_controller,
             running: Mutex::default(),
         }
     }
 
-    /// Starts `r`'s reconcile now when the operator is nearly idle and no
-    /// one holds its turn (`None`), or gives `r` back for the controller.
+    /// Starts the reconcile of `r` (a live change, already in the cache) now
+    /// when the operator is nearly idle and no one holds its turn (`None`),
+    /// or gives `r` back for the controller.
     pub fn offer(&self, r: ModelResidency) -> Option<ModelResidency> {
         let key = ObjectRef::from_obj(&r);
-        // A live change is in the cache before the lane sees it; should it
-        // not be, the controller decides what to do.
-        let Some(latest) = self.store.get(&key) else {
-            return Some(r);
-        };
         // Offers come one at a time from the event stream, so no other
         // lane reconcile can start between this count and the take.
         if self.ctx.turns.held() >= self.slots {
@@ -144,7 +132,7 @@ impl FastLane {
         let mut running = self.running.lock().expect("fast lane lock");
         while running.try_join_next().is_some() {}
         running.spawn(run(
-            latest,
+            Arc::new(r),
             self.ctx.clone(),
             turn,
             key,

@@ -453,7 +453,6 @@ pub async fn run(
     let (handed_back_tx, handed_back_rx) = futures::channel::mpsc::unbounded();
     let lane = Arc::new(fast_lane::FastLane::new(
         ctx.clone(),
-        store.clone(),
         ctx.fast_lane_slots,
         handed_back_tx,
     ));
