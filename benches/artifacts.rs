@@ -31,7 +31,7 @@ use std::net::SocketAddr;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::{arg, bench_args, create_namespace, runtime, start_plane};
+use support::{arg, bench_args, create_namespace, runtime, start_plane, until_state};
 
 const NS: &str = "bench-artifacts";
 const NODE: &str = "node-art";
@@ -146,23 +146,6 @@ async fn throughput(mib: usize, rounds: usize) {
     );
 }
 
-async fn until_loaded(api: &Api<ModelResidency>, model: &str) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let r = api.get("gpu").await.unwrap();
-        let loaded = r
-            .status
-            .iter()
-            .flat_map(|s| s.models.iter())
-            .any(|m| m.name == model && m.state == ModelState::Loaded);
-        if loaded {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{model} never loaded");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 async fn time_to_ready(plane: &ControlPlane, model_mib: usize) {
     let client = plane.client().await.unwrap();
     model_residency::local::install_crd(&client).await.unwrap();
@@ -207,7 +190,7 @@ async fn time_to_ready(plane: &ControlPlane, model_mib: usize) {
             model_residency::demand::load(&api, "gpu", m, k8s_openapi::jiff::Timestamp::now())
                 .await
                 .unwrap();
-            until_loaded(&api, m).await;
+            until_state(&api, m, ModelState::Loaded, Duration::from_secs(120)).await;
             t.elapsed()
         }
     };

@@ -37,7 +37,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use support::{
     arg, bench_args, copy_as_floor, create_namespace, ms, percentile, poke, runtime, start_plane,
-    watch_poke,
+    until_state, watch_poke,
 };
 
 const NS: &str = "bench-router";
@@ -248,23 +248,6 @@ fn residency(models: &[String]) -> ModelResidency {
     .unwrap()
 }
 
-async fn until_state(api: &Api<ModelResidency>, model: &str, want: ModelState) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let r = api.get("gpu").await.unwrap();
-        let state = r
-            .status
-            .as_ref()
-            .and_then(|s| s.models.iter().find(|m| m.name == model))
-            .map(|m| m.state);
-        if state == Some(want) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{model} never became {want:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// When each pod of model `cold` was first seen and first seen Ready, by
 /// uid, through a watch.
 type PodTimes = Arc<Mutex<HashMap<String, (Instant, Option<Instant>)>>>;
@@ -361,7 +344,7 @@ fn main() {
                 .unwrap();
         }
         for m in &hot {
-            until_state(&api, m, ModelState::Loaded).await;
+            until_state(&api, m, ModelState::Loaded, Duration::from_secs(60)).await;
         }
 
         // The router, as `model-residency route` runs in its Deployment.
@@ -563,7 +546,7 @@ fn main() {
             ttfbs.push(ttfb);
             overhead.push(ttfb.saturating_sub(pod_ready));
             model_residency::demand::unload(&api, "gpu", "cold").await.unwrap();
-            until_state(&api, "cold", ModelState::Unloaded).await;
+            until_state(&api, "cold", ModelState::Unloaded, Duration::from_secs(60)).await;
             let deadline = Instant::now() + Duration::from_secs(30);
             while !pods
                 .list(&kube::api::ListParams::default().labels("residency.dev/model=cold"))

@@ -151,3 +151,27 @@ pub async fn copy_as_floor(
     .await
     .unwrap();
 }
+
+/// Waits until model `model` of residency `gpu` is in state `want`, looking
+/// every 10 ms (fine enough to time a load by), for at most `within`.
+pub async fn until_state(
+    api: &Api<model_residency::api::ModelResidency>,
+    model: &str,
+    want: model_residency::api::ModelState,
+    within: Duration,
+) {
+    let deadline = Instant::now() + within;
+    loop {
+        let r = api.get("gpu").await.unwrap();
+        let state = r
+            .status
+            .as_ref()
+            .and_then(|s| s.models.iter().find(|m| m.name == model))
+            .map(|m| m.state);
+        if state == Some(want) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{model} never became {want:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
