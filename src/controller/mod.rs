@@ -243,9 +243,12 @@ async fn write_status(
         .patch_status(&r.name_any(), &pp, &Patch::Apply(&body))
         .await;
     ctx.metrics.api_request("patch", "modelresidencies/status");
-    result
-        .map(drop)
-        .map_err(|source| Error::PatchStatus { source })
+    // The next reconcile may start before the watch delivers this write
+    // (at once, on the fast lane): it reads this copy instead of deciding
+    // again from the older status and announcing the same transitions.
+    let written = result.map_err(|source| Error::PatchStatus { source })?;
+    ctx.written.record(written);
+    Ok(())
 }
 
 /// Publishes the decision's events (after the status, so an event never
