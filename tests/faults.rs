@@ -238,7 +238,10 @@ async fn check_converged(rig: &Rig, within: Duration, demanded_only: bool) -> Du
         if settled {
             let unique: BTreeSet<&String> = live.iter().collect();
             assert_eq!(unique.len(), live.len(), "duplicate model pods: {live:?}");
-            // Every demand entry was processed.
+            // Every demand entry was processed: the status has seen its
+            // time or a later one (two writers' times can reach the API
+            // server out of order; an older time than one processed is
+            // ignored, as the README says).
             for (model, at) in &r.spec.demand {
                 let st = s
                     .models
@@ -248,7 +251,10 @@ async fn check_converged(rig: &Rig, within: Duration, demanded_only: bool) -> Du
                 let seen: k8s_openapi::jiff::Timestamp =
                     st.last_requested.as_deref().unwrap().parse().unwrap();
                 let want: k8s_openapi::jiff::Timestamp = at.parse().unwrap();
-                assert_eq!(seen, want, "demand for {model} lost");
+                assert!(
+                    seen >= want,
+                    "demand for {model} lost: processed {seen}, requested {want}"
+                );
             }
             if !demanded_only {
                 return t0.elapsed();
