@@ -519,7 +519,12 @@ async fn memory(plane: &ControlPlane, client: &kube::Client, counts: &[usize]) {
     println!(
         "memory: `model-residency run` RSS, residencies with 3 models and one resident model (one pod) each"
     );
-    println!("  idle: {} MiB", rss_of(op.id()) >> 20);
+    println!(
+        "  idle: {} MiB ({} MiB heap and stacks, {} MiB of the binary's pages)",
+        rss_of(op.id()) >> 20,
+        status_bytes(op.id(), "RssAnon:") >> 20,
+        status_bytes(op.id(), "RssFile:") >> 20
+    );
     let api: Api<ModelResidency> = Api::namespaced(client.clone(), NS);
     let mut total = 0;
     for (round, &count) in counts.iter().enumerate() {
@@ -543,8 +548,10 @@ async fn memory(plane: &ControlPlane, client: &kube::Client, counts: &[usize]) {
         let converged = t0.elapsed();
         tokio::time::sleep(Duration::from_secs(5)).await;
         println!(
-            "  {count:>6} residencies + {count} pods: operator RSS {} MiB (converged in {:.0} s), peak {} MiB; control plane {} MiB",
+            "  {count:>6} residencies + {count} pods: operator RSS {} MiB ({} MiB heap and stacks, {} MiB of the binary's pages) (converged in {:.0} s), peak {} MiB; control plane {} MiB",
             rss_of(op.id()) >> 20,
+            status_bytes(op.id(), "RssAnon:") >> 20,
+            status_bytes(op.id(), "RssFile:") >> 20,
             converged.as_secs_f64(),
             status_bytes(op.id(), "VmHWM:") >> 20,
             plane.rss_bytes() >> 20

@@ -10,6 +10,7 @@
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher;
 use model_residency::api::{ModelResidency, ModelResidencyStatus};
+use model_residency::controller::cached;
 use model_residency::controller::claims::GpuClaims;
 use model_residency::controller::pod_cache::PodCache;
 use model_residency::controller::state::Usage;
@@ -64,7 +65,15 @@ fn residency_json(i: usize) -> String {
         "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
         "metadata": {"name": format!("m0-{i}"), "namespace": "bench",
             "uid": "0b6f6a55-3a4e-4d1e-9a57-2f1c9d7c2c11", "resourceVersion": "1234567",
-            "generation": 2, "creationTimestamp": "2026-11-30T07:00:00Z"},
+            "generation": 2, "creationTimestamp": "2026-11-30T07:00:00Z",
+            // As the API server sends it: who wrote what (the cache drops it).
+            "managedFields": [
+                {"manager": "bench", "operation": "Update", "apiVersion": "residency.dev/v1alpha1",
+                    "time": "2026-11-30T07:00:00Z", "fieldsType": "FieldsV1",
+                    "fieldsV1": {"f:spec": {".": {}, "f:budget": {}, "f:device": {}, "f:models": {}, "f:nodeName": {}}}},
+                {"manager": "model-residency", "operation": "Apply", "apiVersion": "residency.dev/v1alpha1",
+                    "time": "2026-11-30T07:00:02Z", "fieldsType": "FieldsV1", "subresource": "status",
+                    "fieldsV1": {"f:status": {"f:budget": {}, "f:conditions": {}, "f:counters": {}, "f:models": {}}}}]},
         "spec": {"nodeName": "node-34", "device": i.to_string(), "budget": "8Gi", "models": models,
             "demand": {"model-0": "2026-11-30T07:00:01.123456Z"}},
         "status": {"observedGeneration": 2, "budget": "8Gi", "used": "2Gi", "peak": "2Gi",
@@ -104,12 +113,13 @@ fn pod(i: usize) -> Pod {
 
 fn main() {
     let texts: Vec<String> = (0..N).map(residency_json).collect();
-    // Kept the way the reflector keeps them; the vector is allocated first.
+    // Kept the way the reflector keeps them (trimmed as the operator's watch
+    // trims them); the vector is allocated first.
     let mut store = Vec::with_capacity(N);
     let residency = retained_per_item(|i| {
-        store.push(Arc::new(
-            serde_json::from_str::<ModelResidency>(&texts[i]).unwrap(),
-        ))
+        let mut r = serde_json::from_str::<ModelResidency>(&texts[i]).unwrap();
+        cached::compact(&mut r);
+        store.push(Arc::new(r))
     });
     let status: ModelResidencyStatus = serde_json::from_str::<ModelResidency>(&texts[0])
         .unwrap()

@@ -6,6 +6,7 @@
 //! metrics.
 
 pub mod artifacts;
+pub mod cached;
 pub mod claims;
 pub mod conditions;
 pub mod decide;
@@ -41,9 +42,6 @@ use written::WrittenStatuses;
 
 /// The field manager of everything the operator writes.
 pub const MANAGER: &str = "model-residency";
-
-/// The annotation `kubectl apply` keeps its last applied copy in.
-const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
 
 /// Reconciles running at once.
 const RECONCILE_CONCURRENCY: u16 = 8;
@@ -447,9 +445,7 @@ pub async fn run(
         ),
         None => (Api::all(client.clone()), Api::all(client)),
     };
-    // The cache of residencies keeps no managedFields and no kubectl
-    // last-applied copy: they are the largest parts of a stored object
-    // (the second a copy of the spec), and nothing here reads them.
+    // The cache of residencies keeps what `cached::compact` leaves.
     let (store, writer) = reflector::store();
     let (claim_tx, claim_rx) = futures::channel::mpsc::unbounded();
     let (changed_tx, changed_rx) = futures::channel::mpsc::unbounded();
@@ -470,10 +466,7 @@ pub async fn run(
     .await;
     let residency_events = watcher(residencies, watcher::Config::default())
         .default_backoff()
-        .modify(|r: &mut ModelResidency| {
-            r.managed_fields_mut().clear();
-            r.annotations_mut().remove(LAST_APPLIED);
-        })
+        .modify(cached::compact)
         .inspect_ok({
             // A deleted residency's metrics go with it. (One deleted while
             // the watch was down keeps them until the operator restarts.)

@@ -110,7 +110,12 @@ fn insert(pods: &mut Pods, key: Key, e: Entry) {
     let list = pods.entry(key).or_default();
     match list.iter_mut().find(|old| old.pod.name == e.pod.name) {
         Some(old) => *old = e,
-        None => list.push(e),
+        // Room for exactly one more: a vector's first push makes room for
+        // four, and a residency almost always has one pod.
+        None => {
+            list.reserve_exact(1);
+            list.push(e);
+        }
     }
 }
 

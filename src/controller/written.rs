@@ -25,7 +25,7 @@ impl WrittenStatuses {
     /// Records the object a status write returned (the whole object: its
     /// spec is as new as its status).
     pub fn record(&self, mut written: ModelResidency) {
-        written.managed_fields_mut().clear();
+        super::cached::compact(&mut written);
         let k = key(&written);
         self.0
             .lock()
