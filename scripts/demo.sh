@@ -9,6 +9,7 @@ export MODEL_RESIDENCY_ASSETS
 HELM=$(bash scripts/helm.sh)
 export HELM
 command -v kubectl >/dev/null || echo "note: kubectl not found; the demo prints its own views only" >&2
+bash scripts/build-tools.sh
 echo "[demo] building model-residency (release)..." >&2
 cargo build --release --locked --quiet
 exec ./target/release/model-residency demo "$@"

@@ -28,6 +28,7 @@ else
   echo "warning: could not provision helm; the chart tests will say so" >&2
 fi
 
+bash scripts/build-tools.sh
 cargo fmt --all -- --check
 cargo clippy --locked --all-targets -- -D warnings
 log=$(mktemp)
