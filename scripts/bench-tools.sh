@@ -4,20 +4,17 @@
 # generator). Prints "nginx=<path> wrk=<path>" last. Without starting the
 # nginx service the package would otherwise start on port 80.
 set -euo pipefail
-missing=()
-for p in nginx-light wrk; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  [ "$(id -u)" = 0 ] || { echo "bench-tools: installing ${missing[*]} needs root" >&2; exit 1; }
-  echo "[bench-tools] apt-get install ${missing[*]}" >&2
+source "$(dirname "$0")/apt.sh"
+tools=(nginx-light wrk)
+if [ -n "$(apt_missing "${tools[@]}")" ]; then
   policy=/usr/sbin/policy-rc.d
   created=""
-  if [ ! -e "$policy" ]; then
+  if [ ! -e "$policy" ] && [ "$(id -u)" = 0 ]; then
     printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod +x "$policy" && created=1
   fi
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
-    || { DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; }
+  status=0
+  apt_install "${tools[@]}" || status=$?
   [ -n "$created" ] && rm -f "$policy"
+  [ "$status" = 0 ] || exit "$status"
 fi
 echo "nginx=$(command -v nginx) wrk=$(command -v wrk)"

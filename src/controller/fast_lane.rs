@@ -96,7 +96,6 @@ impl Turns {
 /// Where residency events go first; see the module's comment.
 pub struct FastLane {
     ctx: Arc<Context>,
-    slots: usize,
     /// Residencies handed back to the controller (a requeue, a retry).
     to_controller: UnboundedSender<Key>,
     /// The lane's reconciles; dropped (and so aborted) with the lane, so a
@@ -105,12 +104,12 @@ pub struct FastLane {
 }
 
 impl FastLane {
-    /// A lane that takes events while fewer than `slots` reconciles run (0:
-    /// every event goes to the controller).
-    pub fn new(ctx: Arc<Context>, slots: usize, to_controller: UnboundedSender<Key>) -> Self {
+    /// A lane that takes events while fewer than the context's
+    /// `fast_lane_slots` reconciles run (0: every event goes to the
+    /// controller).
+    pub fn new(ctx: Arc<Context>, to_controller: UnboundedSender<Key>) -> Self {
         FastLane {
             ctx,
-            slots,
             to_controller,
             running: Mutex::default(),
         }
@@ -120,13 +119,12 @@ impl FastLane {
     /// when the operator is nearly idle and no one holds its turn (`None`),
     /// or gives `r` back for the controller.
     pub fn offer(&self, r: ModelResidency) -> Option<ModelResidency> {
-        let key = ObjectRef::from_obj(&r);
         // Offers come one at a time from the event stream, so no other
         // lane reconcile can start between this count and the take.
-        if self.ctx.turns.held() >= self.slots {
+        if self.ctx.turns.held() >= self.ctx.fast_lane_slots {
             return Some(r);
         }
-        let Some(turn) = self.ctx.turns.try_take(&key) else {
+        let Some(turn) = self.ctx.turns.try_take(&ObjectRef::from_obj(&r)) else {
             return Some(r);
         };
         let mut running = self.running.lock().expect("fast lane lock");
@@ -135,7 +133,6 @@ impl FastLane {
             Arc::new(r),
             self.ctx.clone(),
             turn,
-            key,
             self.to_controller.clone(),
         ));
         None
@@ -154,10 +151,10 @@ async fn run(
     r: Arc<ModelResidency>,
     ctx: Arc<Context>,
     turn: Turn,
-    key: Key,
     to_controller: UnboundedSender<Key>,
 ) {
     let result = reconcile(r.clone(), ctx.clone()).await;
+    let key = turn.key.clone();
     drop(turn);
     let delay = match result {
         Ok(action) if action == Action::await_change() => return,

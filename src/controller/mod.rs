@@ -450,11 +450,7 @@ pub async fn run(
     let (claim_tx, claim_rx) = futures::channel::mpsc::unbounded();
     let (changed_tx, changed_rx) = futures::channel::mpsc::unbounded();
     let (handed_back_tx, handed_back_rx) = futures::channel::mpsc::unbounded();
-    let lane = Arc::new(fast_lane::FastLane::new(
-        ctx.clone(),
-        ctx.fast_lane_slots,
-        handed_back_tx,
-    ));
+    let lane = Arc::new(fast_lane::FastLane::new(ctx.clone(), handed_back_tx));
     let offered = lane.clone();
     let model_demands = start_model_demands(
         &ctx,
