@@ -199,7 +199,7 @@ struct Floors {
 async fn latency_samples(
     api: &Api<ModelResidency>,
     floors: &Floors,
-    mut seen_rx: tokio::sync::watch::Receiver<Vec<(String, String)>>,
+    mut seen_rx: tokio::sync::watch::Receiver<Vec<(String, Box<str>)>>,
     samples: usize,
     path: &str,
 ) {
@@ -245,7 +245,7 @@ async fn latency_samples(
         patched.push(t0.elapsed());
         let want = at.to_string();
         seen_rx
-            .wait_for(|v| v.iter().any(|(m, t)| m == model && *t == want))
+            .wait_for(|v| v.iter().any(|(m, t)| m == model && **t == *want))
             .await
             .unwrap();
         apply.push(t0.elapsed());
@@ -483,6 +483,32 @@ async fn api_server_time(client: &kube::Client) {
     }
 }
 
+/// Resident KiB per mapped file (the binary, libc, ...), largest first:
+/// `RssFile` split by where the pages come from.
+fn file_pages(pid: u32) -> String {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let mut by_file = std::collections::BTreeMap::<String, u64>::new();
+    let mut file = String::new();
+    for line in smaps.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        match fields.as_slice() {
+            ["Rss:", kib, ..] if file.starts_with('/') => {
+                *by_file.entry(file.clone()).or_default() += kib.parse::<u64>().unwrap_or(0)
+            }
+            [range, _, _, _, _, rest @ ..] if range.contains('-') => file = rest.join(" "),
+            [range, ..] if range.contains('-') => file.clear(),
+            _ => {}
+        }
+    }
+    let mut rows: Vec<_> = by_file.into_iter().collect();
+    rows.sort_by(|a, b| b.1.cmp(&a.1));
+    rows.iter()
+        .take(3)
+        .map(|(f, kib)| format!("{} {} KiB", f.rsplit('/').next().unwrap_or(f), kib))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn rss_of(pid: u32) -> u64 {
     status_bytes(pid, "VmRSS:")
 }
@@ -525,6 +551,7 @@ async fn memory(plane: &ControlPlane, client: &kube::Client, counts: &[usize]) {
         status_bytes(op.id(), "RssAnon:") >> 20,
         status_bytes(op.id(), "RssFile:") >> 20
     );
+    println!("    file pages: {}", file_pages(op.id()));
     let api: Api<ModelResidency> = Api::namespaced(client.clone(), NS);
     let mut total = 0;
     for (round, &count) in counts.iter().enumerate() {
@@ -556,6 +583,7 @@ async fn memory(plane: &ControlPlane, client: &kube::Client, counts: &[usize]) {
             status_bytes(op.id(), "VmHWM:") >> 20,
             plane.rss_bytes() >> 20
         );
+        println!("    file pages: {}", file_pages(op.id()));
     }
     let _ = op.kill();
     let _ = op.wait();

@@ -106,8 +106,8 @@ pub fn plan(
         };
         let message = m
             .message
-            .clone()
-            .unwrap_or_else(|| format!("{model} is {:?} on {r_name}", m.state));
+            .as_deref()
+            .map_or_else(|| format!("{model} is {:?} on {r_name}", m.state), str::to_owned);
         set.set(READY, ready, &reason, message);
     } else {
         let message = format!("{model} has no state on {r_name} yet");

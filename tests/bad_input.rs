@@ -25,7 +25,7 @@ fn state(r: &ModelResidency, model: &str) -> (ModelState, Option<String>) {
         .as_ref()
         .and_then(|s| s.models.iter().find(|m| m.name == model))
         .unwrap_or_else(|| panic!("no status for {model}"));
-    (m.state, m.reason.clone())
+    (m.state, m.reason.as_deref().map(str::to_owned))
 }
 
 #[tokio::test]

@@ -84,11 +84,11 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
             |(name, state, size, last_requested, last_used, failures, retry_at)| ModelStatus {
                 name,
                 state,
-                size,
-                last_requested,
-                last_used,
+                size: size.map(Into::into),
+                last_requested: last_requested.map(Into::into),
+                last_used: last_used.map(Into::into),
                 failures,
-                retry_at,
+                retry_at: retry_at.map(Into::into),
                 ..ModelStatus::default()
             },
         );

@@ -126,8 +126,10 @@ pub struct ModelSpec {
     /// agent (model-residency node-agent) before the pod starts, kept in
     /// the node's cache within its disk budget, and mounted read-only at
     /// mountPath. While they are fetched the model is Fetching.
+    // Boxed: most models have none, and inline it would make every cached
+    // model 64 bytes larger.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub artifact: Option<ArtifactSpec>,
+    pub artifact: Option<Box<ArtifactSpec>>,
 }
 
 /// A model's pod template, kept as its compact JSON text.
@@ -221,31 +223,31 @@ pub struct ModelStatus {
     pub state: ModelState,
     /// Declared size the state was computed with.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub size: Option<String>,
+    pub size: Option<Box<str>>,
     /// lastRequested of the newest request processed for this model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_requested: Option<String>,
+    pub last_requested: Option<Box<str>>,
     /// lastRequested of the request that last hit or loaded it: the LRU key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_used: Option<String>,
+    pub last_used: Option<Box<str>>,
     /// When its pod became Ready.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub loaded_at: Option<String>,
+    pub loaded_at: Option<Box<str>>,
     /// The model's pod, while it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pod: Option<String>,
+    pub pod: Option<Box<str>>,
     /// Load failures in a row (reset when a pod becomes Ready).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub failures: u32,
     /// After a failure: when the next load attempt is due.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub retry_at: Option<String>,
+    pub retry_at: Option<Box<str>>,
     /// A CamelCase reason for the state (e.g. LargerThanBudget, MadeRoom).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reason: Option<String>,
+    pub reason: Option<Box<str>>,
     /// A human-readable explanation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub message: Option<String>,
+    pub message: Option<Box<str>>,
 }
 
 impl ModelResidencyStatus {

@@ -148,7 +148,7 @@ fn is_failing(m: &ModelStatus) -> bool {
 fn join_messages(models: &[&ModelStatus]) -> String {
     models
         .iter()
-        .map(|m| m.message.clone().unwrap_or_else(|| m.name.clone()))
+        .map(|m| m.message.as_deref().unwrap_or(&m.name).to_owned())
         .collect::<Vec<_>>()
         .join("; ")
 }

@@ -127,7 +127,7 @@ fn transition_event(
             if was != Some(ModelState::Failed)
                 || before.is_some_and(|b| b.failures != m.failures) =>
         {
-            let message = m.message.clone().unwrap_or_default();
+            let message = m.message.as_deref().unwrap_or_default().to_owned();
             Some(ModelEvent::about(&m.name, EventReason::LoadFailed, message))
         }
         _ => None,

@@ -98,6 +98,12 @@ impl From<Reason> for String {
     }
 }
 
+impl From<Reason> for Box<str> {
+    fn from(r: Reason) -> Self {
+        r.as_str().into()
+    }
+}
+
 /// A refusal explained with the sizes, as the model's status message and
 /// the router's 503 say it.
 pub fn refusal_message(model: &str, reason: &RefuseReason) -> String {

@@ -128,15 +128,14 @@ impl Decision {
         let size = st.size.as_deref().and_then(|s| parse_bytes(s).ok());
         st.state = ModelState::Failed;
         st.reason = Some(Reason::InvalidTemplate.into());
-        st.message = Some(format!(
-            "{model} cannot load: the API server rejects its pod: {message}"
-        ));
+        st.message =
+            Some(format!("{model} cannot load: the API server rejects its pod: {message}").into());
         st.pod = None;
         st.failures += 1;
         let event = ModelEvent::about(
             model,
             EventReason::LoadFailed,
-            st.message.clone().unwrap_or_default(),
+            st.message.as_deref().unwrap_or_default().to_owned(),
         );
         self.events.push(event);
         self.status.recount();
@@ -205,9 +204,9 @@ struct Outcome {
 #[derive(Clone, Debug, Default)]
 struct RequestTimes {
     /// The newest request processed.
-    last_requested: Option<String>,
+    last_requested: Option<Box<str>>,
     /// The newest request that hit or loaded it: its LRU key.
-    last_used: Option<String>,
+    last_used: Option<Box<str>>,
 }
 
 struct Decider<'a> {

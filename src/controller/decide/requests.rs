@@ -114,7 +114,7 @@ impl<'a> Decider<'a> {
     /// processed once), `at` the time it counts as (the LRU key).
     fn request(&mut self, model: &str, written: Timestamp, at: Timestamp) {
         let times = self.requested.entry(model.to_owned()).or_default();
-        times.last_requested = Some(written.to_string());
+        times.last_requested = Some(written.to_string().into());
         let Some(id) = self.engine.id(model) else {
             self.engine.request_named(model);
             let message = format!("{model} is not in spec.models; demand for it is refused");
@@ -156,7 +156,7 @@ impl<'a> Decider<'a> {
         };
         if used {
             let times = self.requested.entry(model.to_owned()).or_default();
-            times.last_used = Some(at.to_string());
+            times.last_used = Some(at.to_string().into());
         }
     }
 }

@@ -149,7 +149,7 @@ impl<'a> Decider<'a> {
         let times = self.requested.get(name).cloned().unwrap_or_default();
         ModelStatus {
             name: name.to_owned(),
-            size: size.map(format_bytes),
+            size: size.map(|s| format_bytes(s).into()),
             last_requested: times
                 .last_requested
                 .or_else(|| prev.and_then(|p| p.last_requested.clone())),
@@ -239,7 +239,7 @@ impl<'a> Decider<'a> {
         size: Bytes,
         plan: &mut PodPlan,
     ) -> ModelStatus {
-        st.pod = Some(p.name.clone());
+        st.pod = Some(p.name.clone().into());
         if let Some((reason, why)) = self.stale_pod(m, p, size) {
             plan.delete(p);
             let event = match reason {
@@ -250,26 +250,27 @@ impl<'a> Decider<'a> {
             self.event(m.name(), event, why.clone());
             st.state = ModelState::Loading;
             st.reason = Some(reason.into());
-            st.message = Some(why);
+            st.message = Some(why.into());
             st.failures = self.previous_failures(&st.name);
             return st;
         }
         let Some(since) = &p.ready_since else {
             st.state = ModelState::Loading;
             st.reason = Some(Reason::PodStarting.into());
-            st.message = Some(self.starting_message(p, plan));
+            st.message = Some(self.starting_message(p, plan).into());
             st.failures = self.previous_failures(&st.name);
             return st;
         };
         st.state = ModelState::Loaded;
-        st.loaded_at = Some(since.clone());
+        st.loaded_at = Some(since.clone().into());
         if let Some(problem) = self.template_problem(m.name()) {
             // The running pod keeps the template it was built from.
             st.reason = Some(Reason::InvalidTemplate.into());
             st.message = Some(format!(
                 "{}'s template cannot make a pod ({problem}); the running pod keeps the previous one",
                 m.name()
-            ));
+            )
+        .into());
         }
         let was_loaded = self
             .prev_models
@@ -339,27 +340,37 @@ impl<'a> Decider<'a> {
             st.state = ModelState::Loading;
             st.failures = prev.failures;
             st.reason = Some(Reason::Retrying.into());
-            st.message = Some(format!(
-                "{} retries its load ({} failed so far): the failed pod {} is replaced",
-                st.name, prev.failures, p.name
-            ));
+            st.message = Some(
+                format!(
+                    "{} retries its load ({} failed so far): the failed pod {} is replaced",
+                    st.name, prev.failures, p.name
+                )
+                .into(),
+            );
             return st;
         }
         let failures = self.previous_failures(&st.name) + 1;
         let delay = retry_delay(failures);
         st.state = ModelState::Failed;
-        st.pod = Some(p.name.clone());
+        st.pod = Some(p.name.clone().into());
         st.failures = failures;
-        st.retry_at = Some((now + SignedDuration::try_from(delay).unwrap_or_default()).to_string());
+        st.retry_at = Some(
+            (now + SignedDuration::try_from(delay).unwrap_or_default())
+                .to_string()
+                .into(),
+        );
         st.reason = Some(Reason::PodFailed.into());
-        st.message = Some(format!(
-            "{} failed to load ({}); retry {} in {}s (kubectl logs {} shows why)",
-            st.name,
-            p.failure.as_deref().unwrap_or("pod failed"),
-            failures,
-            delay.as_secs(),
-            p.name
-        ));
+        st.message = Some(
+            format!(
+                "{} failed to load ({}); retry {} in {}s (kubectl logs {} shows why)",
+                st.name,
+                p.failure.as_deref().unwrap_or("pod failed"),
+                failures,
+                delay.as_secs(),
+                p.name
+            )
+            .into(),
+        );
         plan.look_again_within(delay);
         st
     }
@@ -398,7 +409,7 @@ impl<'a> Decider<'a> {
                 st.state = ModelState::Failed;
                 st.failures = st.failures.max(1);
                 st.reason = Some(Reason::PodFailed.into());
-                st.message = Some(format!("{}: {problem}", m.name()));
+                st.message = Some(format!("{}: {problem}", m.name()).into());
                 return st;
             }
         };
@@ -411,14 +422,14 @@ impl<'a> Decider<'a> {
                 ArtifactGate::Wait { message } => {
                     st.state = ModelState::Fetching;
                     st.reason = Some(Reason::FetchingArtifact.into());
-                    st.message = Some(message);
+                    st.message = Some(message.into());
                     return st;
                 }
                 ArtifactGate::Fail { reason, message } => {
                     st.state = ModelState::Failed;
                     st.failures = st.failures.max(1);
                     st.reason = Some(reason.into());
-                    st.message = Some(message);
+                    st.message = Some(message.into());
                     return st;
                 }
             }
@@ -432,14 +443,15 @@ impl<'a> Decider<'a> {
                 format_bytes(pods.live_declared),
                 format_bytes(size),
                 format_bytes(budget)
-            ));
+            )
+        .into());
             return st;
         }
         pods.live_declared += size;
         let name = pod_name(r.metadata.name.as_deref().unwrap_or_default(), m.name());
         st.reason = Some(Reason::PodCreated.into());
-        st.message = Some(format!("{name} is starting"));
-        st.pod = Some(name);
+        st.message = Some(format!("{name} is starting").into());
+        st.pod = Some(name.into());
         plan.create.push(pod);
         st
     }
@@ -472,7 +484,7 @@ impl<'a> Decider<'a> {
             (Some(o), _) => {
                 st.state = o.state;
                 st.reason = Some(o.reason.into());
-                st.message = Some(o.message.clone());
+                st.message = Some(o.message.clone().into());
                 if o.reason == Reason::InvalidTemplate {
                     // Each failed request is its own failure (and event).
                     st.failures = prev.map_or(0, |p| p.failures) + 1;
@@ -491,10 +503,8 @@ impl<'a> Decider<'a> {
         match problem {
             Some(problem) if st.state != ModelState::Failed => {
                 st.reason = Some(Reason::InvalidTemplate.into());
-                st.message = Some(format!(
-                    "{}'s template cannot make a pod: {problem}",
-                    m.name()
-                ));
+                st.message =
+                    Some(format!("{}'s template cannot make a pod: {problem}", m.name()).into());
             }
             None if was_invalid => {
                 // Fixed: nothing to report any more.
@@ -523,7 +533,7 @@ impl<'a> Decider<'a> {
                     st.last_used = None;
                     st.state = o.state;
                     st.reason = Some(o.reason.into());
-                    st.message = Some(o.message.clone());
+                    st.message = Some(o.message.clone().into());
                     st
                 }
                 (None, Some(p)) if !p.is_resident() => p.clone(),
