@@ -483,6 +483,20 @@ async fn api_server_time(client: &kube::Client) {
     }
 }
 
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / f64::from(1 << 20)
+}
+
+/// RSS, and what it is made of.
+fn footprint(pid: u32) -> String {
+    format!(
+        "operator RSS {:.1} MiB ({:.1} MiB heap and stacks, {:.1} MiB mapped files: the binary's code and libc)",
+        mib(rss_of(pid)),
+        mib(status_bytes(pid, "RssAnon:")),
+        mib(status_bytes(pid, "RssFile:"))
+    )
+}
+
 /// Resident KiB per mapped file (the binary, libc, ...), largest first:
 /// `RssFile` split by where the pages come from.
 fn file_pages(pid: u32) -> String {
@@ -501,7 +515,7 @@ fn file_pages(pid: u32) -> String {
         }
     }
     let mut rows: Vec<_> = by_file.into_iter().collect();
-    rows.sort_by(|a, b| b.1.cmp(&a.1));
+    rows.sort_by_key(|r| std::cmp::Reverse(r.1));
     rows.iter()
         .take(3)
         .map(|(f, kib)| format!("{} {} KiB", f.rsplit('/').next().unwrap_or(f), kib))
@@ -545,12 +559,7 @@ async fn memory(plane: &ControlPlane, client: &kube::Client, counts: &[usize]) {
     println!(
         "memory: `model-residency run` RSS, residencies with 3 models and one resident model (one pod) each"
     );
-    println!(
-        "  idle: {} MiB ({} MiB heap and stacks, {} MiB of the binary's pages)",
-        rss_of(op.id()) >> 20,
-        status_bytes(op.id(), "RssAnon:") >> 20,
-        status_bytes(op.id(), "RssFile:") >> 20
-    );
+    println!("  idle: {}", footprint(op.id()));
     println!("    file pages: {}", file_pages(op.id()));
     let api: Api<ModelResidency> = Api::namespaced(client.clone(), NS);
     let mut total = 0;
@@ -575,12 +584,10 @@ async fn memory(plane: &ControlPlane, client: &kube::Client, counts: &[usize]) {
         let converged = t0.elapsed();
         tokio::time::sleep(Duration::from_secs(5)).await;
         println!(
-            "  {count:>6} residencies + {count} pods: operator RSS {} MiB ({} MiB heap and stacks, {} MiB of the binary's pages) (converged in {:.0} s), peak {} MiB; control plane {} MiB",
-            rss_of(op.id()) >> 20,
-            status_bytes(op.id(), "RssAnon:") >> 20,
-            status_bytes(op.id(), "RssFile:") >> 20,
+            "  {count:>6} residencies + {count} pods: {} (converged in {:.0} s), peak {:.1} MiB; control plane {} MiB",
+            footprint(op.id()),
             converged.as_secs_f64(),
-            status_bytes(op.id(), "VmHWM:") >> 20,
+            mib(status_bytes(op.id(), "VmHWM:")),
             plane.rss_bytes() >> 20
         );
         println!("    file pages: {}", file_pages(op.id()));

@@ -104,10 +104,10 @@ pub fn plan(
             (false, Some(reason)) => reason.to_owned(),
             (false, None) => format!("{:?}", m.state),
         };
-        let message = m
-            .message
-            .as_deref()
-            .map_or_else(|| format!("{model} is {:?} on {r_name}", m.state), str::to_owned);
+        let message = m.message.as_deref().map_or_else(
+            || format!("{model} is {:?} on {r_name}", m.state),
+            str::to_owned,
+        );
         set.set(READY, ready, &reason, message);
     } else {
         let message = format!("{model} has no state on {r_name} yet");

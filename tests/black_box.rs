@@ -133,10 +133,7 @@ async fn a_request_from_the_year_2200_shadows_nothing() {
     demand::load(&h.api, "gpu", "a", future).await.unwrap();
     let r = h.until_state("gpu", "a", ModelState::Loaded, 30).await;
     let used = model(&r, "a").last_used.clone().unwrap();
-    assert!(
-        &*used < "2100",
-        "the LRU key kept the future time: {used}"
-    );
+    assert!(&*used < "2100", "the LRU key kept the future time: {used}");
     wait_event(&h, "gpu", "ClockSkew").await;
     // b evicts a; a real request for a later loads it again.
     h.request("gpu", "b").await;

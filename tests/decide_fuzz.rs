@@ -161,19 +161,19 @@ fn pods() -> impl Strategy<Value = Vec<ModelPod>> {
         any::<bool>(),
     )
         .prop_map(|(model, gib, live, ready, deleting, sized)| ModelPod {
-            name: format!("gpu-{model}"),
-            uid: format!("uid-{model}-{gib}"),
-            model,
+            name: format!("gpu-{model}").into(),
+            uid: format!("uid-{model}-{gib}").into(),
+            model: model.into(),
             size: sized.then_some(gib * GI),
             phase: if live {
                 PodPhase::Live
             } else {
                 PodPhase::Finished
             },
-            ready_since: (live && ready).then(|| base().to_string()),
+            ready_since: (live && ready).then(|| base().to_string().into()),
             deleting,
-            failure: (!live).then(|| "boom".to_owned()),
-            created: Some(base().to_string()),
+            failure: (!live).then(|| "boom".into()),
+            created: Some(base().to_string().into()),
             // Now and then a pod left on another node (a residency moved).
             node: Some(if gib % 3 == 0 { "elsewhere" } else { "node-a" }.into()),
             device: None,
@@ -189,7 +189,7 @@ fn declared(p: &ModelPod, r: &ModelResidency) -> u64 {
         r.spec
             .models
             .iter()
-            .find(|m| m.name == p.model)
+            .find(|m| *m.name == *p.model)
             .and_then(|m| parse_bytes(&m.size.0).ok())
             .unwrap_or(0)
     })

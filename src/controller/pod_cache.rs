@@ -27,13 +27,13 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 /// (namespace, residency name).
-type Key = (String, String);
+type Key = (Box<str>, Box<str>);
 
 #[derive(Clone, Debug)]
 struct Entry {
     pod: ModelPod,
     /// Uid of the ModelResidency named in the pod's owner references.
-    owner: Option<String>,
+    owner: Option<Box<str>>,
 }
 
 /// A residency has a handful of pods, so a vector (one slot each) rather
@@ -85,14 +85,17 @@ pub(super) fn resource_version_of(meta: &ObjectMeta) -> u64 {
 /// operator does not read (no residency or model label, no name).
 fn entry(pod: &Pod) -> Option<(Key, Entry)> {
     let residency = pod.metadata.labels.as_ref()?.get(RESIDENCY_LABEL)?;
-    let key = (pod.metadata.namespace.clone()?, residency.clone());
+    let key = (
+        pod.metadata.namespace.as_deref()?.into(),
+        residency.as_str().into(),
+    );
     let owner = pod
         .metadata
         .owner_references
         .iter()
         .flatten()
         .find(|o| o.kind == "ModelResidency")
-        .map(|o| o.uid.clone());
+        .map(|o| o.uid.as_str().into());
     Some((
         key,
         Entry {
@@ -121,7 +124,7 @@ fn insert(pods: &mut Pods, key: Key, e: Entry) {
 
 fn remove(pods: &mut Pods, key: &Key, name: &str) {
     if let Some(list) = pods.get_mut(key) {
-        list.retain(|e| e.pod.name != name);
+        list.retain(|e| &*e.pod.name != name);
         if list.is_empty() {
             pods.remove(key);
         }
@@ -196,7 +199,7 @@ impl PodCache {
         let inner = self.inner.lock().unwrap();
         inner
             .live
-            .get(&(namespace.to_owned(), name.to_owned()))
+            .get(&(namespace.into(), name.into()))
             .map(|pods| {
                 pods.iter()
                     .filter(|e| e.owner.as_deref() == Some(uid))
@@ -223,8 +226,8 @@ impl PodCache {
         let mut inner = self.inner.lock().unwrap();
         if let Some(e) = inner
             .live
-            .get_mut(&(namespace.to_owned(), residency.to_owned()))
-            .and_then(|list| list.iter_mut().find(|e| e.pod.name == pod))
+            .get_mut(&(namespace.into(), residency.into()))
+            .and_then(|list| list.iter_mut().find(|e| &*e.pod.name == pod))
         {
             e.pod.deleting = true;
         }
@@ -252,7 +255,7 @@ mod tests {
     fn names(c: &PodCache, residency: &str) -> Vec<(String, bool)> {
         c.owned("ns", residency, "owner")
             .into_iter()
-            .map(|p| (p.name, p.deleting))
+            .map(|p| (p.name.into(), p.deleting))
             .collect()
     }
 

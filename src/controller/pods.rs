@@ -50,20 +50,20 @@ pub enum PodPhase {
 /// What the reconciler needs to know about one of its model pods.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelPod {
-    pub name: String,
-    pub uid: String,
-    pub model: String,
+    pub name: Box<str>,
+    pub uid: Box<str>,
+    pub model: Box<str>,
     /// Declared size from the pod's annotation.
     pub size: Option<Bytes>,
     pub phase: PodPhase,
     /// `lastTransitionTime` of a true `Ready` condition.
-    pub ready_since: Option<String>,
+    pub ready_since: Option<Box<str>>,
     /// `deletionTimestamp` is set: terminating, still holding VRAM.
     pub deleting: bool,
     /// Why a finished pod stopped.
-    pub failure: Option<String>,
+    pub failure: Option<Box<str>>,
     /// `creationTimestamp`, to time loads.
-    pub created: Option<String>,
+    pub created: Option<Box<str>>,
     /// The node it is bound to.
     pub node: Option<Box<str>>,
     /// The GPU it was given (annotation).
@@ -73,7 +73,7 @@ pub struct ModelPod {
     /// Why a pod that is not Ready is waiting, in the kubelet's or the
     /// scheduler's words (a container's waiting reason, an unschedulable
     /// pod); `None` when nothing says.
-    pub waiting: Option<String>,
+    pub waiting: Option<Box<str>>,
     /// Whether anything has reported a status for it yet.
     pub reported: bool,
 }
@@ -104,19 +104,26 @@ impl ModelPod {
         });
         let annotation = |key: &str| meta.annotations.as_ref().and_then(|a| a.get(key)).cloned();
         Some(ModelPod {
-            name: meta.name.clone()?,
-            uid: meta.uid.clone().unwrap_or_default(),
-            model,
+            name: meta.name.as_deref()?.into(),
+            uid: meta.uid.as_deref().unwrap_or_default().into(),
+            model: model.into(),
             size: annotation(SIZE_ANNOTATION).and_then(|s| s.parse().ok()),
             phase: if finished {
                 PodPhase::Finished
             } else {
                 PodPhase::Live
             },
-            ready_since: if finished { None } else { ready_since },
+            ready_since: if finished {
+                None
+            } else {
+                ready_since.map(Into::into)
+            },
             deleting: meta.deletion_timestamp.is_some(),
-            failure,
-            created: meta.creation_timestamp.as_ref().map(|t| t.0.to_string()),
+            failure: failure.map(Into::into),
+            created: meta
+                .creation_timestamp
+                .as_ref()
+                .map(|t| t.0.to_string().into()),
             node: pod
                 .spec
                 .as_ref()
@@ -125,7 +132,11 @@ impl ModelPod {
             device: annotation(DEVICE_ANNOTATION).map(Into::into),
             template_hash: annotation(TEMPLATE_HASH_ANNOTATION)
                 .and_then(|h| u64::from_str_radix(&h, 16).ok()),
-            waiting: if finished { None } else { waiting_reason(pod) },
+            waiting: if finished {
+                None
+            } else {
+                waiting_reason(pod).map(Into::into)
+            },
             reported: status.is_some_and(|s| s.phase.is_some()),
         })
     }

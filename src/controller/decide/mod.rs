@@ -94,8 +94,8 @@ pub struct PodRef {
 impl From<&ModelPod> for PodRef {
     fn from(p: &ModelPod) -> Self {
         PodRef {
-            name: p.name.clone(),
-            uid: p.uid.clone(),
+            name: p.name.to_string(),
+            uid: p.uid.to_string(),
         }
     }
 }

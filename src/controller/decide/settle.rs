@@ -44,7 +44,7 @@ impl<'p> PodInventory<'p> {
         let mut by_model: BTreeMap<&str, Vec<&ModelPod>> = BTreeMap::new();
         let mut live_declared = 0;
         for p in pods {
-            by_model.entry(p.model.as_str()).or_default().push(p);
+            by_model.entry(&*p.model).or_default().push(p);
             if p.phase == PodPhase::Live {
                 // A pod without its size annotation counts at the model's
                 // current size.
@@ -239,7 +239,7 @@ impl<'a> Decider<'a> {
         size: Bytes,
         plan: &mut PodPlan,
     ) -> ModelStatus {
-        st.pod = Some(p.name.clone().into());
+        st.pod = Some(p.name.clone());
         if let Some((reason, why)) = self.stale_pod(m, p, size) {
             plan.delete(p);
             let event = match reason {
@@ -262,7 +262,7 @@ impl<'a> Decider<'a> {
             return st;
         };
         st.state = ModelState::Loaded;
-        st.loaded_at = Some(since.clone().into());
+        st.loaded_at = Some(since.clone());
         if let Some(problem) = self.template_problem(m.name()) {
             // The running pod keeps the template it was built from.
             st.reason = Some(Reason::InvalidTemplate.into());
@@ -352,7 +352,7 @@ impl<'a> Decider<'a> {
         let failures = self.previous_failures(&st.name) + 1;
         let delay = retry_delay(failures);
         st.state = ModelState::Failed;
-        st.pod = Some(p.name.clone().into());
+        st.pod = Some(p.name.clone());
         st.failures = failures;
         st.retry_at = Some(
             (now + SignedDuration::try_from(delay).unwrap_or_default())

@@ -64,12 +64,12 @@ fn run(r: &ModelResidency, pods: &[ModelPod], now: i64) -> Decision {
 
 fn live(model: &str, size: u64, ready: bool, deleting: bool) -> ModelPod {
     ModelPod {
-        name: format!("gpu-{model}"),
-        uid: format!("u-{model}"),
+        name: format!("gpu-{model}").into(),
+        uid: format!("u-{model}").into(),
         model: model.into(),
         size: Some(size),
         phase: PodPhase::Live,
-        ready_since: ready.then(|| T0.to_owned()),
+        ready_since: ready.then(|| T0.into()),
         deleting,
         failure: None,
         created: None,
@@ -435,7 +435,7 @@ fn loading_is_not_a_reason_to_be_unready_and_a_silent_pending_pod_is_named() {
     r.status = Some(d.status);
     let mut pending = live("a", 6 * GI, false, false);
     pending.reported = false;
-    pending.created = Some(at(2).to_string());
+    pending.created = Some(at(2).to_string().into());
     let d = run(&r, std::slice::from_ref(&pending), 10);
     assert_eq!(d.requeue_after, Some(std::time::Duration::from_secs(22)));
     let d = run(&r, std::slice::from_ref(&pending), 40);
