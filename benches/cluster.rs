@@ -133,7 +133,12 @@ async fn latency(client: &kube::Client, samples: usize) {
         Some(
             st.models
                 .iter()
-                .map(|m| (m.name.clone(), m.last_requested.clone().unwrap_or_default()))
+                .map(|m| {
+                    (
+                        m.name.to_string(),
+                        m.last_requested.clone().unwrap_or_default(),
+                    )
+                })
                 .collect::<Vec<_>>(),
         )
     });
@@ -307,7 +312,7 @@ async fn wait_converged(api: &Api<ModelResidency>, count: usize) -> Duration {
                     && s.models.iter().all(|m| m.state != ModelState::Loading)
                     && r.spec.demand.iter().all(|(model, at)| {
                         s.models.iter().any(|m| {
-                            &m.name == model
+                            *m.name == **model
                                 && m.last_requested
                                     .as_deref()
                                     .and_then(|t| t.parse::<Timestamp>().ok())

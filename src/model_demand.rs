@@ -91,7 +91,7 @@ pub fn plan(
     let seen = r
         .status
         .as_ref()
-        .and_then(|s| s.models.iter().find(|m| &m.name == model));
+        .and_then(|s| s.models.iter().find(|m| *m.name == **model));
     if !known {
         let message = format!("{model:?} is not in {r_name}'s spec.models");
         set.set(READY, false, "ModelNotFound", message);

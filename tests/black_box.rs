@@ -22,7 +22,7 @@ fn model<'r>(r: &'r ModelResidency, name: &str) -> &'r ModelStatus {
     status
         .models
         .iter()
-        .find(|m| m.name == name)
+        .find(|m| &*m.name == name)
         .expect("the model")
 }
 
@@ -437,7 +437,7 @@ async fn sixteen_blind_writers_and_a_hundred_models_lose_nothing() {
         let done = sent.iter().all(|(m, at)| {
             s.models
                 .iter()
-                .any(|st| &st.name == m && st.last_requested.as_deref() == Some(at.as_str()))
+                .any(|st| *st.name == **m && st.last_requested.as_deref() == Some(at.as_str()))
         });
         done.then_some(r)
     })

@@ -82,7 +82,7 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
     )
         .prop_map(
             |(name, state, size, last_requested, last_used, failures, retry_at)| ModelStatus {
-                name,
+                name: name.into(),
                 state,
                 size: size.map(Into::into),
                 last_requested: last_requested.map(Into::into),
@@ -252,7 +252,7 @@ proptest! {
         }
         for pod in &d.create {
             let model = &pod.metadata.labels.as_ref().unwrap()["residency.dev/model"];
-            let st = d.status.models.iter().find(|m| &m.name == model).unwrap();
+            let st = d.status.models.iter().find(|m| *m.name == **model).unwrap();
             prop_assert_eq!(st.state, ModelState::Loading);
         }
         prop_assert_eq!(d.status.resident as usize, d.status.models.iter().filter(|m| m.is_resident()).count());

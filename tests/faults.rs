@@ -158,7 +158,7 @@ async fn final_requests(rig: &Rig) {
             let seen = r
                 .status
                 .as_ref()
-                .and_then(|s| s.models.iter().find(|m| m.name == model))
+                .and_then(|s| s.models.iter().find(|m| &*m.name == model))
                 .and_then(|m| m.last_requested.clone());
             if seen.as_deref() == Some(want.as_str()) {
                 break;
@@ -178,7 +178,7 @@ async fn final_requests(rig: &Rig) {
         .models
         .iter()
         .filter(|m| m.state == ModelState::Loaded)
-        .map(|m| m.name.clone())
+        .map(|m| m.name.to_string())
         .collect();
     let replay: BTreeSet<String> = engine
         .residents()
@@ -225,7 +225,7 @@ async fn check_converged(rig: &Rig, within: Duration, demanded_only: bool) -> Du
             .models
             .iter()
             .filter(|m| m.state == ModelState::Loaded)
-            .map(|m| m.name.clone())
+            .map(|m| m.name.to_string())
             .collect();
         let settled = s.observed_generation == r.metadata.generation
             && s.models.iter().all(|m| m.state != ModelState::Loading)
@@ -246,7 +246,7 @@ async fn check_converged(rig: &Rig, within: Duration, demanded_only: bool) -> Du
                 let st = s
                     .models
                     .iter()
-                    .find(|m| &m.name == model)
+                    .find(|m| *m.name == **model)
                     .expect("status for demanded model");
                 let seen: k8s_openapi::jiff::Timestamp =
                     st.last_requested.as_deref().unwrap().parse().unwrap();

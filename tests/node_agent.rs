@@ -83,7 +83,7 @@ fn status_of<'a>(r: &'a ModelResidency, model: &str) -> &'a model_residency::api
         .unwrap()
         .models
         .iter()
-        .find(|m| m.name == model)
+        .find(|m| &*m.name == model)
         .unwrap()
 }
 

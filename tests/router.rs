@@ -450,7 +450,7 @@ async fn two_gpus_placement_follows_the_rule_and_a_storm_loses_nothing() {
         .models
         .iter()
         .filter(|m| m.state == ModelState::Loaded)
-        .map(|m| m.name.as_str())
+        .map(|m| &*m.name)
         .collect();
     assert_eq!(resident, BTreeSet::from(["c", "e"]), "a was evicted for e");
 

@@ -218,7 +218,7 @@ pub struct ModelResidencyStatus {
 #[serde(rename_all = "camelCase")]
 pub struct ModelStatus {
     /// Model name.
-    pub name: String,
+    pub name: Box<str>,
     /// Loaded, Loading, Fetching, Evicted, Refused, Unloaded or Failed.
     pub state: ModelState,
     /// Declared size the state was computed with.

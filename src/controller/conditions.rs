@@ -81,7 +81,7 @@ pub fn model_conditions(
     let loading: Vec<&str> = resident
         .iter()
         .filter(|m| matches!(m.state, ModelState::Loading | ModelState::Fetching))
-        .map(|m| m.name.as_str())
+        .map(|m| &*m.name)
         .collect();
     match conflict {
         Some(message) => set.set(READY, false, "GpuConflict", message.to_owned()),

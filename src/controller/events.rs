@@ -101,7 +101,7 @@ pub fn transition_events(
 ) -> Vec<ModelEvent> {
     models
         .iter()
-        .filter_map(|m| transition_event(prev.get(m.name.as_str()).copied(), m, r))
+        .filter_map(|m| transition_event(prev.get(&*m.name).copied(), m, r))
         .collect()
 }
 

@@ -192,7 +192,7 @@ pub struct Restored {
 /// seen as one), the residents in LRU order, and the counters and peak.
 pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
     let recorded: HashMap<&str, &ModelStatus> =
-        status.models.iter().map(|m| (m.name.as_str(), m)).collect();
+        status.models.iter().map(|m| (&*m.name, m)).collect();
     let resident_size = |name: &str| recorded.get(name).and_then(|m| recorded_size(m));
     let budget = status
         .budget
@@ -216,7 +216,7 @@ pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
             if engine.register(&m.name, size, false).is_err() {
                 continue;
             }
-            removed.push(m.name.clone());
+            removed.push(m.name.to_string());
         }
         residents.push(m);
     }
@@ -229,7 +229,7 @@ pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
     for m in residents {
         let id = engine.id(&m.name).expect("registered above");
         if engine.restore(id).is_err() {
-            overflow.push(m.name.clone());
+            overflow.push(m.name.to_string());
         }
     }
     let peak = status

@@ -187,7 +187,7 @@ impl Harness {
                 let seen = r
                     .status
                     .as_ref()
-                    .and_then(|s| s.models.iter().find(|m| m.name == model))
+                    .and_then(|s| s.models.iter().find(|m| &*m.name == model))
                     .and_then(|m| m.last_requested.clone());
                 (seen.as_deref() == Some(want.as_str())).then_some(())
             },
@@ -211,7 +211,7 @@ impl Harness {
                 .as_ref()?
                 .models
                 .iter()
-                .any(|m| m.name == model && m.state == state);
+                .any(|m| &*m.name == model && m.state == state);
             reached.then_some(r)
         })
         .await
@@ -261,7 +261,7 @@ impl Harness {
                 .models
                 .iter()
                 .filter(|m| m.state == ModelState::Loaded)
-                .map(|m| m.name.clone())
+                .map(|m| m.name.to_string())
                 .collect();
             (terminating == 0 && live == loaded).then_some(r)
         }

@@ -122,7 +122,7 @@ impl Decision {
     /// the model's load failed (`Failed`, `InvalidTemplate`, no VRAM held)
     /// and a `LoadFailed` event is sent.
     pub fn pod_rejected(&mut self, model: &str, message: &str) {
-        let Some(st) = self.status.models.iter_mut().find(|m| m.name == model) else {
+        let Some(st) = self.status.models.iter_mut().find(|m| &*m.name == model) else {
             return;
         };
         let size = st.size.as_deref().and_then(|s| parse_bytes(s).ok());
@@ -231,11 +231,7 @@ struct Decider<'a> {
 
 impl<'a> Decider<'a> {
     fn new(input: &'a Observed<'a>, previous: &'a ModelResidencyStatus, valid: Valid<'a>) -> Self {
-        let prev_models = previous
-            .models
-            .iter()
-            .map(|m| (m.name.as_str(), m))
-            .collect();
+        let prev_models = previous.models.iter().map(|m| (&*m.name, m)).collect();
         let Restored {
             engine,
             removed,

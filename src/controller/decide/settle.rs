@@ -148,7 +148,7 @@ impl<'a> Decider<'a> {
         let prev = self.prev_models.get(name).copied();
         let times = self.requested.get(name).cloned().unwrap_or_default();
         ModelStatus {
-            name: name.to_owned(),
+            name: name.into(),
             size: size.map(|s| format_bytes(s).into()),
             last_requested: times
                 .last_requested
@@ -274,7 +274,7 @@ impl<'a> Decider<'a> {
         }
         let was_loaded = self
             .prev_models
-            .get(st.name.as_str())
+            .get(&*st.name)
             .is_some_and(|prev| prev.state == ModelState::Loaded);
         if !was_loaded
             && let (Some(ready), Some(created)) = (
@@ -323,7 +323,7 @@ impl<'a> Decider<'a> {
         let now = self.input.now;
         let prev = self
             .prev_models
-            .get(st.name.as_str())
+            .get(&*st.name)
             .filter(|prev| prev.state == ModelState::Failed);
         if let Some(prev) = prev {
             // This failure was counted when it was first seen.
@@ -380,7 +380,7 @@ impl<'a> Decider<'a> {
     fn waiting_for_retry(&self, st: &ModelStatus, plan: &mut PodPlan) -> Option<ModelStatus> {
         let prev = self
             .prev_models
-            .get(st.name.as_str())
+            .get(&*st.name)
             .filter(|p| p.state == ModelState::Failed && p.is_resident())?;
         let at = recorded_time(prev.retry_at.as_deref()).filter(|&at| at > self.input.now)?;
         plan.look_again_within(self.input.now.duration_until(at).unsigned_abs());
