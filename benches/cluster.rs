@@ -311,12 +311,11 @@ async fn wait_converged(api: &Api<ModelResidency>, count: usize) -> Duration {
                 s.observed_generation == r.metadata.generation
                     && s.models.iter().all(|m| m.state != ModelState::Loading)
                     && r.spec.demand.iter().all(|(model, at)| {
-                        s.models.iter().any(|m| {
-                            *m.name == **model
-                                && m.last_requested
-                                    .as_deref()
-                                    .and_then(|t| t.parse::<Timestamp>().ok())
-                                    == at.parse::<Timestamp>().ok()
+                        s.model(model).is_some_and(|m| {
+                            m.last_requested
+                                .as_deref()
+                                .and_then(|t| t.parse::<Timestamp>().ok())
+                                == at.parse::<Timestamp>().ok()
                         })
                     })
             });

@@ -88,10 +88,7 @@ pub fn plan(
             _ => KeyWrite::Set(at),
         },
     };
-    let seen = r
-        .status
-        .as_ref()
-        .and_then(|s| s.models.iter().find(|m| *m.name == **model));
+    let seen = r.status.as_ref().and_then(|s| s.model(model));
     if !known {
         let message = format!("{model:?} is not in {r_name}'s spec.models");
         set.set(READY, false, "ModelNotFound", message);

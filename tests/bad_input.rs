@@ -23,7 +23,7 @@ fn state(r: &ModelResidency, model: &str) -> (ModelState, Option<String>) {
     let m = r
         .status
         .as_ref()
-        .and_then(|s| s.models.iter().find(|m| &*m.name == model))
+        .and_then(|s| s.model(model))
         .unwrap_or_else(|| panic!("no status for {model}"));
     (m.state, m.reason.as_deref().map(str::to_owned))
 }

@@ -19,11 +19,7 @@ use support::operator::Harness;
 
 fn model<'r>(r: &'r ModelResidency, name: &str) -> &'r ModelStatus {
     let status = r.status.as_ref().expect("a status");
-    status
-        .models
-        .iter()
-        .find(|m| &*m.name == name)
-        .expect("the model")
+    status.model(name).expect("the model")
 }
 
 fn condition(r: &ModelResidency, type_: &str) -> (String, String, String) {
@@ -435,9 +431,8 @@ async fn sixteen_blind_writers_and_a_hundred_models_lose_nothing() {
         let r = h.api.get("gpu").await.unwrap();
         let s = r.status.as_ref()?;
         let done = sent.iter().all(|(m, at)| {
-            s.models
-                .iter()
-                .any(|st| *st.name == **m && st.last_requested.as_deref() == Some(at.as_str()))
+            s.model(m)
+                .is_some_and(|st| st.last_requested.as_deref() == Some(at.as_str()))
         });
         done.then_some(r)
     })

@@ -377,7 +377,7 @@ async fn the_operator_does_its_job_with_only_the_charts_rbac() {
         eventually(30, &format!("{m} to be processed"), || async {
             let r = admin.get("gpu").await.unwrap();
             let s = r.status?;
-            let st = s.models.iter().find(|x| &*x.name == m)?;
+            let st = s.model(m)?;
             matches!(st.state, ModelState::Loaded | ModelState::Refused).then_some(())
         })
         .await;

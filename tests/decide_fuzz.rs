@@ -252,7 +252,7 @@ proptest! {
         }
         for pod in &d.create {
             let model = &pod.metadata.labels.as_ref().unwrap()["residency.dev/model"];
-            let st = d.status.models.iter().find(|m| *m.name == **model).unwrap();
+            let st = d.status.model(model).unwrap();
             prop_assert_eq!(st.state, ModelState::Loading);
         }
         prop_assert_eq!(d.status.resident as usize, d.status.models.iter().filter(|m| m.is_resident()).count());

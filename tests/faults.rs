@@ -158,7 +158,7 @@ async fn final_requests(rig: &Rig) {
             let seen = r
                 .status
                 .as_ref()
-                .and_then(|s| s.models.iter().find(|m| &*m.name == model))
+                .and_then(|s| s.model(model))
                 .and_then(|m| m.last_requested.clone());
             if seen.as_deref() == Some(want.as_str()) {
                 break;
@@ -243,11 +243,7 @@ async fn check_converged(rig: &Rig, within: Duration, demanded_only: bool) -> Du
             // server out of order; an older time than one processed is
             // ignored, as the README says).
             for (model, at) in &r.spec.demand {
-                let st = s
-                    .models
-                    .iter()
-                    .find(|m| *m.name == **model)
-                    .expect("status for demanded model");
+                let st = s.model(model).expect("status for demanded model");
                 let seen: k8s_openapi::jiff::Timestamp =
                     st.last_requested.as_deref().unwrap().parse().unwrap();
                 let want: k8s_openapi::jiff::Timestamp = at.parse().unwrap();

@@ -78,13 +78,7 @@ async fn artifact_state(h: &Harness, model: &str) -> Option<ArtifactState> {
 }
 
 fn status_of<'a>(r: &'a ModelResidency, model: &str) -> &'a model_residency::api::ModelStatus {
-    r.status
-        .as_ref()
-        .unwrap()
-        .models
-        .iter()
-        .find(|m| &*m.name == model)
-        .unwrap()
+    r.status.as_ref().unwrap().model(model).unwrap()
 }
 
 /// Names in the cache directory.

@@ -23,7 +23,7 @@ use support::seed::{MI, SEED, SEED_CASES, seed_engine};
 fn model<'a>(r: &'a ModelResidency, name: &str) -> &'a ModelStatus {
     r.status
         .as_ref()
-        .and_then(|s| s.models.iter().find(|m| &*m.name == name))
+        .and_then(|s| s.model(name))
         .unwrap_or_else(|| panic!("no status for {name}: {:?}", r.status))
 }
 
@@ -332,7 +332,7 @@ async fn a_deleted_pod_is_recreated_and_a_failed_one_degrades() {
             while let Ok(Some(r)) = stream.try_next().await {
                 let r: ModelResidency = r;
                 let Some(st) = r.status else { continue };
-                let Some(z) = st.models.iter().find(|m| &*m.name == "zimage") else {
+                let Some(z) = st.model("zimage") else {
                     continue;
                 };
                 let degraded = st

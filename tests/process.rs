@@ -91,7 +91,7 @@ async fn run_checks_serves_reconciles_and_stops_on_sigterm() {
     eventually(30, "a to load", || async {
         let r = api.get("gpu").await.unwrap();
         let s = r.status?;
-        (s.models.iter().find(|m| &*m.name == "a")?.state == ModelState::Loaded).then_some(())
+        (s.model("a")?.state == ModelState::Loaded).then_some(())
     })
     .await;
     let metrics = eventually(10, "metrics for the residency", || async {

@@ -166,7 +166,7 @@ pub async fn until_state(
         let state = r
             .status
             .as_ref()
-            .and_then(|s| s.models.iter().find(|m| &*m.name == model))
+            .and_then(|s| s.model(model))
             .map(|m| m.state);
         if state == Some(want) {
             return;

@@ -251,6 +251,16 @@ pub struct ModelStatus {
 }
 
 impl ModelResidencyStatus {
+    /// The status of the model named `name`, if it has one.
+    pub fn model(&self, name: &str) -> Option<&ModelStatus> {
+        self.models.iter().find(|m| &*m.name == name)
+    }
+
+    /// The same, to change it.
+    pub fn model_mut(&mut self, name: &str) -> Option<&mut ModelStatus> {
+        self.models.iter_mut().find(|m| &*m.name == name)
+    }
+
     /// Sets the resident, loading and refused counts from the models.
     pub fn recount(&mut self) {
         let count =

@@ -103,7 +103,7 @@ pub fn render_status(r: &ModelResidency) -> String {
         100.0 * used as f64 / budget as f64,
         format_bytes(engine.peak()),
     );
-    let by_name = |n: &str| status.models.iter().find(|m| &*m.name == n);
+    let by_name = |n: &str| status.model(n);
     out += "resident, least recently used first:\n";
     let residents = engine.residents();
     if residents.is_empty() {

@@ -102,7 +102,7 @@ fn declared(residencies: &[Arc<ModelResidency>], node: &str) -> HashMap<String, 
     };
     for r in residencies.iter().filter(|r| r.spec.node_name == node) {
         let status = r.status.as_ref();
-        let state_of = |m: &str| status.and_then(|s| s.models.iter().find(|x| &*x.name == m));
+        let state_of = |m: &str| status.and_then(|s| s.model(m));
         let mut idle = Vec::new();
         for m in &r.spec.models {
             let Some(artifact) = &m.artifact else {

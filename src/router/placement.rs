@@ -83,7 +83,7 @@ pub fn place(model: &str, homes: &[&ModelResidency]) -> Placement {
                     .iter()
                     .filter_map(|&v| {
                         let name = engine.name(v);
-                        let m = status.models.iter().find(|m| &*m.name == name)?;
+                        let m = status.model(name)?;
                         recorded_time(m.last_used.as_deref())
                     })
                     .max(),

@@ -110,7 +110,7 @@ impl Snapshot {
     /// The model's entry in residency `i`'s status.
     pub fn model_status(&self, i: usize, model: &str) -> Option<&ModelStatus> {
         let status = self.residencies[i].status.as_ref()?;
-        status.models.iter().find(|m| &*m.name == model)
+        status.model(model)
     }
 
     /// The model's state on residency `i` (Unloaded when status has none).

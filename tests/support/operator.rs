@@ -187,7 +187,7 @@ impl Harness {
                 let seen = r
                     .status
                     .as_ref()
-                    .and_then(|s| s.models.iter().find(|m| &*m.name == model))
+                    .and_then(|s| s.model(model))
                     .and_then(|m| m.last_requested.clone());
                 (seen.as_deref() == Some(want.as_str())).then_some(())
             },

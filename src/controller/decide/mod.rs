@@ -122,7 +122,7 @@ impl Decision {
     /// the model's load failed (`Failed`, `InvalidTemplate`, no VRAM held)
     /// and a `LoadFailed` event is sent.
     pub fn pod_rejected(&mut self, model: &str, message: &str) {
-        let Some(st) = self.status.models.iter_mut().find(|m| &*m.name == model) else {
+        let Some(st) = self.status.model_mut(model) else {
             return;
         };
         let size = st.size.as_deref().and_then(|s| parse_bytes(s).ok());

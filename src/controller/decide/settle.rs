@@ -266,11 +266,11 @@ impl<'a> Decider<'a> {
         if let Some(problem) = self.template_problem(m.name()) {
             // The running pod keeps the template it was built from.
             st.reason = Some(Reason::InvalidTemplate.into());
-            st.message = Some(format!(
+            let message = format!(
                 "{}'s template cannot make a pod ({problem}); the running pod keeps the previous one",
                 m.name()
-            )
-        .into());
+            );
+            st.message = Some(message.into());
         }
         let was_loaded = self
             .prev_models
@@ -437,14 +437,14 @@ impl<'a> Decider<'a> {
         st.state = ModelState::Loading;
         if pods.live_declared + size > budget {
             st.reason = Some(Reason::WaitingForVram.into());
-            st.message = Some(format!(
+            let message = format!(
                 "{} waits for evicted pods to release VRAM ({} held by live pods, needs {}, budget {})",
                 m.name(),
                 format_bytes(pods.live_declared),
                 format_bytes(size),
                 format_bytes(budget)
-            )
-        .into());
+            );
+            st.message = Some(message.into());
             return st;
         }
         pods.live_declared += size;

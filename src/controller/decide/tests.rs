@@ -82,12 +82,7 @@ fn live(model: &str, size: u64, ready: bool, deleting: bool) -> ModelPod {
 }
 
 fn state(d: &Decision, model: &str) -> ModelState {
-    d.status
-        .models
-        .iter()
-        .find(|m| &*m.name == model)
-        .unwrap()
-        .state
+    d.status.model(model).unwrap().state
 }
 
 const GI: u64 = 1 << 30;
@@ -219,7 +214,7 @@ fn template_problems_fail_the_load_without_a_pod() {
     r.spec.models[0].template = Some(json!({"spec": {"containers": []}}).into());
     let d = run(&r, &[], 2);
     assert!(d.create.is_empty());
-    let a = d.status.models.iter().find(|m| &*m.name == "a").unwrap();
+    let a = d.status.model("a").unwrap();
     assert_eq!(
         (a.state, a.reason.as_deref()),
         (ModelState::Failed, Some("InvalidTemplate"))
@@ -251,7 +246,7 @@ fn a_request_from_the_future_counts_as_now_and_shadows_nothing() {
     let d = run(&r, &[], 2);
     assert_eq!(state(&d, "a"), ModelState::Loading);
     assert_eq!(events(&d, EventReason::ClockSkew), 1);
-    let a = d.status.models.iter().find(|m| &*m.name == "a").unwrap();
+    let a = d.status.model("a").unwrap();
     assert_eq!(a.last_used.as_deref(), Some(at(2).to_string().as_str()));
     r.status = Some(d.status);
     // The same entry again is not a new request.
@@ -275,13 +270,7 @@ fn a_request_from_the_future_counts_as_now_and_shadows_nothing() {
     let d = run(&r, &[], 0);
     assert_eq!(events(&d, EventReason::ClockSkew), 0);
     r.status = Some(d.status);
-    let a = r
-        .status
-        .as_ref()
-        .unwrap()
-        .models
-        .iter()
-        .find(|m| &*m.name == "a");
+    let a = r.status.as_ref().unwrap().model("a");
     assert_eq!(
         a.unwrap().last_used.as_deref(),
         Some(at(30).to_string().as_str())
@@ -382,7 +371,7 @@ fn a_template_the_api_server_rejects_evicts_nothing() {
         "a was evicted for a pod that cannot start"
     );
     assert!(d.delete.is_empty() && d.create.is_empty());
-    let bad = d.status.models.iter().find(|m| &*m.name == "bad").unwrap();
+    let bad = d.status.model("bad").unwrap();
     assert_eq!(
         (bad.state, bad.reason.as_deref()),
         (ModelState::Failed, Some("InvalidTemplate"))
@@ -439,7 +428,7 @@ fn loading_is_not_a_reason_to_be_unready_and_a_silent_pending_pod_is_named() {
     let d = run(&r, std::slice::from_ref(&pending), 10);
     assert_eq!(d.requeue_after, Some(std::time::Duration::from_secs(22)));
     let d = run(&r, std::slice::from_ref(&pending), 40);
-    let a = d.status.models.iter().find(|m| &*m.name == "a").unwrap();
+    let a = d.status.model("a").unwrap();
     assert!(
         a.message
             .as_deref()
@@ -450,7 +439,7 @@ fn loading_is_not_a_reason_to_be_unready_and_a_silent_pending_pod_is_named() {
     pending.reported = true;
     pending.waiting = Some("ImagePullBackOff: no such image".into());
     let d = run(&r, std::slice::from_ref(&pending), 41);
-    let a = d.status.models.iter().find(|m| &*m.name == "a").unwrap();
+    let a = d.status.model("a").unwrap();
     assert!(
         a.message.as_deref().unwrap().contains("ImagePullBackOff"),
         "{a:?}"
@@ -538,7 +527,7 @@ fn an_idle_model_is_unloaded_at_its_keep_alive_without_polling() {
     assert_eq!(state(&d, "a"), ModelState::Loaded);
     r.status = Some(d.status);
     let d = run(&r, &pods, 61);
-    let a = d.status.models.iter().find(|m| &*m.name == "a").unwrap();
+    let a = d.status.model("a").unwrap();
     assert_eq!(
         (a.state, a.reason.as_deref()),
         (ModelState::Unloaded, Some("Idle"))
