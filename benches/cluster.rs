@@ -33,8 +33,8 @@ use std::time::{Duration, Instant};
 mod support;
 
 use support::{
-    arg, bench_args, copy_as_floor, create_namespace, ms, percentile, poke, runtime, start_plane,
-    watch_named, watch_poke,
+    arg, bench_args, copy_as_floor, copy_residency, create_namespace, ms, percentile, poke,
+    runtime, start_plane, watch_named, watch_poke,
 };
 
 const NS: &str = "bench";
@@ -43,6 +43,9 @@ const FLOOR_NS: &str = "bench-floor";
 /// Where a copy of the measured residency (spec and status) lives, for the
 /// round trip of an object of its size; no operator watches it either.
 const SHAPED_FLOOR_NS: &str = "bench-floor-shaped";
+/// Where the scale rounds' storm is sent again, to copies of the
+/// residencies that no operator watches: the storm's own cost.
+const STORM_FLOOR_NS: &str = "bench-storm-floor";
 
 fn main() {
     let args = bench_args();
@@ -357,6 +360,22 @@ fn fleet(prefix: &str, count: usize, models: usize, nodes: usize) -> Vec<ModelRe
         .collect()
 }
 
+/// Copies the residencies `names` of `from` (spec and status) into `to`.
+async fn copy_fleet(from: &Api<ModelResidency>, names: &[String], to: &Api<ModelResidency>) {
+    let all = from.list(&Default::default()).await.unwrap();
+    let wanted: std::collections::HashSet<&str> = names.iter().map(String::as_str).collect();
+    futures::stream::iter(
+        all.items
+            .iter()
+            .filter(|r| wanted.contains(r.name_any().as_str())),
+    )
+    .for_each_concurrent(
+        16,
+        |r| async move { copy_residency(r, to, &r.name_any()).await },
+    )
+    .await;
+}
+
 /// Five random requests per residency, concurrently across residencies.
 async fn storm(api: &Api<ModelResidency>, names: &[String], models: usize) {
     futures::stream::iter(names.iter().enumerate())
@@ -385,6 +404,8 @@ async fn scale(client: &kube::Client, counts: &[usize], models: usize, nodes: us
     println!(
         "  count | create s | storm s | converge s from storm start | after its last write | requests/reconcile | reconciles | creates/deletes/status/events | 409s | writes in steady state"
     );
+    create_namespace(client, STORM_FLOOR_NS).await;
+    let mut storm_alone = Vec::new();
     for (round, &count) in counts.iter().enumerate() {
         let (ctx, op) = start_operator(client);
         let prefix = format!("r{round}");
@@ -396,6 +417,10 @@ async fn scale(client: &kube::Client, counts: &[usize], models: usize, nodes: us
         let scoped: Api<ModelResidency> = api.clone();
         let total_before: usize = counts[..round].iter().sum();
         wait_converged(&scoped, total_before + count).await;
+        // The residencies as the storm finds them, copied (spec and status)
+        // where no operator watches, for the storm alone below.
+        let copies: Api<ModelResidency> = Api::namespaced(client.clone(), STORM_FLOOR_NS);
+        copy_fleet(&api, &names, &copies).await;
         let t1 = Instant::now();
         storm(&api, &names, models).await;
         let stormed = t1.elapsed();
@@ -434,6 +459,22 @@ async fn scale(client: &kube::Client, counts: &[usize], models: usize, nodes: us
             after_storm.as_secs_f64(),
         );
         op.abort();
+        // The same storm again, on the copies, with no operator running:
+        // what the API server alone needs for its writes on this machine,
+        // a floor under "converged from the storm's start".
+        let t2 = Instant::now();
+        storm(&copies, &names, models).await;
+        storm_alone.push((count, t2.elapsed()));
+        copies
+            .delete_collection(&Default::default(), &Default::default())
+            .await
+            .unwrap();
+    }
+    for (count, alone) in storm_alone {
+        println!(
+            "  {count:>5} | the same storm alone (copies with their status, no operator running): {:.2} s",
+            alone.as_secs_f64()
+        );
     }
     api_server_time(client).await;
 }

@@ -7,9 +7,11 @@
 //! docs/performance.md came from this command.
 //!
 //! - **Hit path**: wrk (POST chat completions for one resident model) at 1
-//!   and 64 connections against the same fake model server, three ways in
+//!   and 64 connections against the same fake model server, four ways in
 //!   one run: straight to the pod, through nginx as a plain reverse proxy,
-//!   and through `model-residency route` (a separate process), in
+//!   through `model-residency route` (a separate process), and through a
+//!   bare hyper forwarder (the HTTP stack's own ceiling, see
+//!   `bare_forwarder`), in
 //!   `--rounds` interleaved rounds: p50, p99, requests/s, and the medians
 //!   over the rounds of the router's added p50 against nginx's and of its
 //!   throughput over nginx's.
@@ -21,6 +23,11 @@
 //!   constant load on 20 resident models.
 
 mod support;
+
+// The same allocator as `model-residency` (for the bare forwarders, which
+// run as this bench's own processes, and the fake model servers).
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 use futures::TryStreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -309,8 +316,57 @@ async fn router_metric(router: SocketAddr, name: &str) -> u64 {
     model_residency::metrics::sum_where(&answer.body, name, "")
 }
 
+/// A bare hyper forwarder, run in its own process (the bench starts itself
+/// again with `--bare-forwarder <listen> <upstream>`): the same hyper
+/// server and the same sending code as `route` (`proxy::send` on
+/// hyper-util's pooled client), the body read whole as `route` reads it,
+/// then sent to the one upstream and its answer streamed back. No routing,
+/// no JSON, no metrics: what any router on this HTTP stack can do at best
+/// on this machine, next to nginx.
+fn bare_forwarder(listen: &str, upstream: &str) {
+    use http_body_util::{BodyExt, Full, combinators::BoxBody};
+    use model_residency::router::proxy;
+    let (listen, upstream): (SocketAddr, SocketAddr) =
+        (listen.parse().unwrap(), upstream.parse().unwrap());
+    runtime().block_on(async move {
+        let client = Arc::new(proxy::upstream());
+        let listener = tokio::net::TcpListener::bind(listen).await.unwrap();
+        model_residency::http::accept_loop(listener, |stream| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                let service =
+                    hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                        let client = client.clone();
+                        async move {
+                            let (parts, body) = req.into_parts();
+                            let body = body.collect().await?.to_bytes();
+                            let answer = match proxy::send(&client, upstream, &parts, body).await {
+                                Ok(a) => a.map(|b| b.boxed()),
+                                Err(e) => http::Response::builder()
+                                    .status(502)
+                                    .body(BoxBody::new(
+                                        Full::new(bytes::Bytes::from(format!("{e:?}")))
+                                            .map_err(|never| match never {}),
+                                    ))
+                                    .unwrap(),
+                            };
+                            Ok::<_, hyper::Error>(answer)
+                        }
+                    });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        })
+        .await
+    });
+}
+
 fn main() {
     let args = bench_args();
+    if let Some(i) = args.iter().position(|a| a == "--bare-forwarder") {
+        return bare_forwarder(&args[i + 1], &args[i + 2]);
+    }
     let secs: u64 = arg(&args, "--seconds", "5").parse().unwrap();
     let rounds: usize = arg(&args, "--rounds", "3").parse().unwrap();
     let cold_samples: usize = arg(&args, "--cold-samples", "10").parse().unwrap();
@@ -382,9 +438,16 @@ fn main() {
         let pod_addr: SocketAddr = format!("{pod_ip}:8080").parse().unwrap();
         let (_nginx, nginx_addr) = start_nginx(&tools.nginx, pod_addr, dir.path());
         until_listening(nginx_addr).await;
+        let bare_addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.arg("--bare-forwarder")
+            .arg(bare_addr.to_string())
+            .arg(pod_addr.to_string());
+        let _bare = Proc(spawn_owned(cmd).expect("start the bare forwarder"));
+        until_listening(bare_addr).await;
 
         println!(
-            "== hit path: POST /v1/chat/completions for one resident model, {secs} s per run, {rounds} rounds of the three targets back to back"
+            "== hit path: POST /v1/chat/completions for one resident model, {secs} s per run, {rounds} rounds of the four targets back to back"
         );
         println!(
             "{:<7} {:<6} {:<8} {:>10} {:>10} {:>12}  errors",
@@ -396,9 +459,16 @@ fn main() {
             // throughput over nginx's. Rounds interleave the targets so a
             // machine that slows down or speeds up weighs on all three.
             let (mut added_gap, mut ratios) = (Vec::new(), Vec::new());
+            let (mut bare_gap, mut bare_ratios) = (Vec::new(), Vec::new());
             for round in 1..=rounds {
                 let mut row = Vec::new();
-                for (via, addr) in [("direct", pod_addr), ("nginx", nginx_addr), ("router", router_addr)] {
+                let targets = [
+                    ("direct", pod_addr),
+                    ("nginx", nginx_addr),
+                    ("router", router_addr),
+                    ("hyper", bare_addr),
+                ];
+                for (via, addr) in targets {
                     let (tools, one) = (tools.clone(), one.clone());
                     let load = tokio::task::spawn_blocking(move || wrk(&tools, &one, addr, conns, secs))
                         .await
@@ -412,17 +482,19 @@ fn main() {
                     );
                     row.push(load);
                 }
-                let (direct, nginx, router) = (&row[0], &row[1], &row[2]);
-                let (nginx_added, router_added) = (
-                    ms(nginx.p50.saturating_sub(direct.p50)),
-                    ms(router.p50.saturating_sub(direct.p50)),
-                );
+                let (direct, nginx, router, bare) = (&row[0], &row[1], &row[2], &row[3]);
+                let added = |via: &Load| ms(via.p50.saturating_sub(direct.p50));
+                let (nginx_added, router_added) = (added(nginx), added(router));
                 println!(
-                    "   added p50: nginx {nginx_added:.3} ms, router {router_added:.3} ms; throughput router/nginx {:.2}x",
-                    router.rps / nginx.rps
+                    "   added p50: nginx {nginx_added:.3} ms, router {router_added:.3} ms, bare hyper {:.3} ms; throughput router/nginx {:.2}x, bare hyper/nginx {:.2}x",
+                    added(bare),
+                    router.rps / nginx.rps,
+                    bare.rps / nginx.rps
                 );
                 added_gap.push(router_added - nginx_added);
                 ratios.push(router.rps / nginx.rps);
+                bare_ratios.push(bare.rps / nginx.rps);
+                bare_gap.push(added(bare) - nginx_added);
             }
             let median = |v: &mut Vec<f64>| {
                 v.sort_by(f64::total_cmp);
@@ -432,6 +504,11 @@ fn main() {
                 "   {conns} connection(s), median of {rounds} rounds: router's added p50 minus nginx's {:+.3} ms (goal <= 0); throughput router/nginx {:.2}x (goal >= 1)",
                 median(&mut added_gap),
                 median(&mut ratios)
+            );
+            println!(
+                "   the same for the bare hyper forwarder (the HTTP stack's own ceiling): added p50 minus nginx's {:+.3} ms; throughput bare/nginx {:.2}x",
+                median(&mut bare_gap),
+                median(&mut bare_ratios)
             );
         }
 

@@ -129,22 +129,32 @@ pub async fn copy_as_floor(
     to: &Api<model_residency::api::ModelResidency>,
 ) {
     let r = from.get(name).await.unwrap();
-    let copy = model_residency::api::ModelResidency::new("floor", r.spec.clone());
+    copy_residency(&r, to, "floor").await;
+}
+
+/// Writes `r`'s spec and status to `name` in `to`'s namespace, creating it
+/// or replacing an earlier copy.
+pub async fn copy_residency(
+    r: &model_residency::api::ModelResidency,
+    to: &Api<model_residency::api::ModelResidency>,
+    name: &str,
+) {
+    let copy = model_residency::api::ModelResidency::new(name, r.spec.clone());
     match to.create(&PostParams::default(), &copy).await {
         Ok(_) => {}
         Err(kube::Error::Api(s)) if s.code == 409 => {
             to.patch(
-                "floor",
+                name,
                 &PatchParams::default(),
                 &Patch::Merge(json!({"spec": r.spec})),
             )
             .await
             .unwrap();
         }
-        Err(e) => panic!("create the floor copy: {e}"),
+        Err(e) => panic!("create the copy {name}: {e}"),
     }
     to.patch_status(
-        "floor",
+        name,
         &PatchParams::default(),
         &Patch::Merge(json!({"status": r.status})),
     )
