@@ -292,6 +292,14 @@ async fn latency_samples(
         a50 / s50,
         a99 / s99
     );
+    // A request is two writes of this residency in series (the demand
+    // patch, then the operator's status write), each a round trip of an
+    // object its size: the "1.3x the two writes a request needs".
+    println!(
+        "  ratio to the two writes a request needs (twice the copy's round trip, p50 {:.2} ms): p50 {:.2}x (goal <= 1.3x)",
+        2.0 * s50,
+        a50 / (2.0 * s50)
+    );
 }
 
 /// Waits until every residency's status reflects its spec, every demand
