@@ -7,10 +7,13 @@
 //! - `latency [--samples N]`: apply-to-status (a demand patch until the
 //!   status shows it processed, seen through a watch) against the floor
 //!   measured in the same run (a ConfigMap annotation patch until a watch
-//!   sees it); p50, p99 and their ratios.
+//!   sees it, the same for a one-model ModelResidency and for a copy of the
+//!   measured one); p50, p99 and their ratios.
 //! - `scale [--counts 10,100,1000] [--models 20] [--nodes 100] [--steady S]`:
 //!   N residencies on fake nodes, a demand storm, time to converge, API
-//!   requests per reconcile, 409s, writes during S seconds of steady state.
+//!   requests per reconcile, 409s, writes during S seconds of steady state;
+//!   then the same storm alone, on copies no operator watches, with the
+//!   operator stopped (the API server's own cost for it).
 //! - `memory [--counts 1000,10000]`: `model-residency run` as a separate
 //!   process; its RSS once N residencies and their pods have converged.
 
