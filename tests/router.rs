@@ -501,6 +501,11 @@ async fn models_are_listed_and_routed_by_path() {
         )
     );
     assert_eq!(entries[0]["state"], "Unloaded");
+    // `created`: the residency's creation time, in Unix seconds.
+    let r = h.api.get("gpu").await.unwrap();
+    let created = r.metadata.creation_timestamp.unwrap().0.as_second();
+    assert!(created > 0);
+    assert_eq!(resnet["created"].as_i64(), Some(created));
     let unrouted = router.get("/generate").await;
     assert_eq!(unrouted.status, 400);
     assert!(unrouted.body.contains("X-Model"), "{}", unrouted.body);

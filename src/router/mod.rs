@@ -587,10 +587,19 @@ impl Router {
                     _ => 3,
                 };
                 let best = places.iter().min_by_key(|(_, s)| rank(*s));
+                // OpenAI's `created` (Unix seconds): when the first
+                // residency that lists the model was created.
+                let created = view
+                    .homes
+                    .iter()
+                    .filter_map(|&i| snap.residencies[i].metadata.creation_timestamp.as_ref())
+                    .map(|t| t.0.as_second())
+                    .min()
+                    .unwrap_or(0);
                 json!({
                     "id": name,
                     "object": "model",
-                    "created": 0,
+                    "created": created,
                     "owned_by": "model-residency",
                     "state": best.map(|(_, s)| format!("{s:?}")),
                     "residency": best.map(|(r, _)| r),
