@@ -214,6 +214,12 @@ async fn each_error_has_its_status_body_and_headers() {
             .unwrap()
             .contains("gpt-17")
     );
+    // A name longer than any model's is not sent back whole.
+    let a = router.chat(&"x".repeat(5000)).await;
+    assert_eq!(a.status, 404);
+    let message = json_of(&a)["error"]["message"].as_str().unwrap().to_owned();
+    assert!(message.contains("... (5000 bytes)"), "{message}");
+    assert!(message.len() < 300, "{message}");
 
     // 503 refused, with the sizes and no Retry-After.
     let a = router.chat("huge").await;
@@ -282,6 +288,8 @@ async fn each_error_has_its_status_body_and_headers() {
         (r#"{"messages":[]}"#, "has no"),
         (r#"{"model":42}"#, "must be a string"),
         ("not json", "not JSON"),
+        ("[1,2]", "not an object"),
+        (r#"{"model":"ok","model":"slow"}"#, "more than one"),
     ];
     for (body, says) in bad {
         let a = router.post("/v1/chat/completions", body).await;

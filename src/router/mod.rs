@@ -326,7 +326,8 @@ impl Router {
         }
         let Some(view) = snap.models.get(model) else {
             return Err(Refusal::ModelNotFound(format!(
-                "the model `{model}` does not exist: no ModelResidency this router serves lists it"
+                "the model `{}` does not exist: no ModelResidency this router serves lists it",
+                echo(model)
             )));
         };
         if let Some(e) = self.least_busy(&view.ready, avoid) {
@@ -615,6 +616,21 @@ impl Router {
         );
         response
     }
+}
+
+/// A name a client sent, as an error message repeats it: whole unless it
+/// is longer than any model name can be (a DNS label, 63 bytes), so a
+/// 30 MiB `model` is not sent back.
+fn echo(name: &str) -> std::borrow::Cow<'_, str> {
+    const SHOWN: usize = 63;
+    if name.len() <= SHOWN {
+        return name.into();
+    }
+    let cut = (0..=SHOWN)
+        .rev()
+        .find(|&i| name.is_char_boundary(i))
+        .unwrap_or(0);
+    format!("{}... ({} bytes)", &name[..cut], name.len()).into()
 }
 
 fn key(snap: &Snapshot, i: usize, model: &str) -> Key {

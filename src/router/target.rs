@@ -16,6 +16,12 @@ pub enum BadRequest {
         "the request body is not JSON ({0}); send JSON or name the model in the X-Model header"
     )]
     NotJson(String),
+    #[error(
+        "the request body is JSON but not an object; send an object with a \"model\" field or name the model in the X-Model header"
+    )]
+    NotObject,
+    #[error("the request body has more than one \"model\" field")]
+    TwoModels,
     #[error("the request body has no \"model\" field")]
     NoModel,
     #[error("\"model\" must be a string, not {0}")]
@@ -82,13 +88,26 @@ pub fn from_body(body: &Bytes, headers: &HeaderMap) -> Result<String, BadRequest
         .and_then(|v| v.to_str().ok())
         .map(str::trim)
         .filter(|h| !h.is_empty());
-    let parsed: Body = match serde_json::from_slice(body) {
-        Ok(b) => b,
-        Err(e) => {
-            return header
-                .map(str::to_owned)
-                .ok_or_else(|| BadRequest::NotJson(e.to_string()));
+    // serde reads a JSON array into a struct field by field, so only an
+    // object may go to `Body` (`[1,2]` is not a body with model 1).
+    let object = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+    let parsed: Result<Body, BadRequest> = if object {
+        serde_json::from_slice(body).map_err(|e| {
+            if e.to_string().starts_with("duplicate field `model`") {
+                BadRequest::TwoModels
+            } else {
+                BadRequest::NotJson(e.to_string())
+            }
+        })
+    } else {
+        match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+            Ok(_) => Err(BadRequest::NotObject),
+            Err(e) => Err(BadRequest::NotJson(e.to_string())),
         }
+    };
+    let parsed = match parsed {
+        Ok(b) => b,
+        Err(e) => return header.map(str::to_owned).ok_or(e),
     };
     let Some(raw) = parsed.model else {
         return header.map(str::to_owned).ok_or(BadRequest::NoModel);
@@ -176,6 +195,18 @@ mod tests {
             from_body(&body("model=qwen"), &none),
             Err(BadRequest::NotJson(_))
         ));
+        // JSON, but not an object: an array is not read field by field.
+        for not_object in ["[1,2]", r#"["qwen"]"#, r#" "qwen""#, "7"] {
+            assert_eq!(
+                from_body(&body(not_object), &none),
+                Err(BadRequest::NotObject),
+                "{not_object}"
+            );
+        }
+        assert_eq!(
+            from_body(&body(r#"{"model":"a","model":"b"}"#), &none),
+            Err(BadRequest::TwoModels)
+        );
         // A multipart upload names the model in the header.
         assert_eq!(
             from_body(&body("--boundary\r\n..."), &headers(Some("whisper"))),
