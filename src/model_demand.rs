@@ -42,14 +42,37 @@ pub enum KeyWrite {
     Remove,
 }
 
-/// What to do for one ModelDemand, given its residency (`None`: not found).
+/// What to do for one ModelDemand, given its residency (`None`: not found)
+/// and the older ModelDemand that holds the same residency's model key, if
+/// another does (see [`holder_of`]).
 pub fn plan(
     md: &ModelDemand,
     residency: Option<&ModelResidency>,
+    held_by: Option<&str>,
     now: Timestamp,
 ) -> (KeyWrite, ModelDemandStatus) {
     let previous = md.status.clone().unwrap_or_default();
     let (r_name, model) = (&md.spec.residency, &md.spec.model);
+    if let Some(holder) = held_by {
+        // One key, one writer: a second ModelDemand for the same model
+        // would undo the first's request (or remove the key it holds when
+        // deleted). It writes nothing and keeps no request time, so it
+        // starts afresh if it takes over.
+        let mut set = ConditionSet::new(&previous.conditions, md.metadata.generation, now);
+        let message = format!(
+            "ModelDemand {holder:?} already drives {model} on {r_name}; this one is ignored while that one exists"
+        );
+        set.set(READY, false, "DuplicateModelDemand", message);
+        let status = ModelDemandStatus {
+            replicas: 0,
+            selector: Some(format!("{RESIDENCY_LABEL}={r_name},{MODEL_LABEL}={model}")),
+            state: None,
+            requested_at: None,
+            observed_generation: md.metadata.generation,
+            conditions: set.finish(),
+        };
+        return (KeyWrite::Keep, status);
+    }
     let wanted = md.spec.replicas >= 1;
     // The request time of a standing request: set when replicas went to 1,
     // kept (not renewed) while it stays 1.
@@ -114,6 +137,35 @@ pub fn plan(
     (write, status)
 }
 
+/// Whether `a` and `b` name the same model of the same residency.
+fn same_key(a: &ModelDemand, b: &ModelDemand) -> bool {
+    a.namespace() == b.namespace()
+        && a.spec.residency == b.spec.residency
+        && a.spec.model == b.spec.model
+}
+
+/// The name of the ModelDemand, other than `md`, that holds `md`'s key
+/// among `all`: of those naming the same residency and model and not being
+/// deleted, the oldest (then the first by name). `None` when `md` holds it.
+/// A ModelDemand being deleted holds nothing, so the next one takes over
+/// as soon as the deletion starts.
+pub fn holder_of<'a>(
+    md: &ModelDemand,
+    all: impl IntoIterator<Item = &'a ModelDemand>,
+) -> Option<String> {
+    let age = |d: &ModelDemand| {
+        (
+            d.metadata.creation_timestamp.as_ref().map(|t| t.0),
+            d.name_any(),
+        )
+    };
+    let holder = all
+        .into_iter()
+        .filter(|d| same_key(d, md) && d.metadata.deletion_timestamp.is_none())
+        .min_by_key(|d| age(d))?;
+    (holder.name_any() != md.name_any()).then(|| holder.name_any())
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("writing the demand key of {residency}: {source}")]
@@ -156,6 +208,14 @@ pub struct Context {
     /// The residency controller's cache: a ModelDemand reads its residency
     /// there (no read per reconcile, no second watch of every residency).
     pub residencies: Store<ModelResidency>,
+    /// This controller's cache of ModelDemands: who holds a model's key.
+    pub demands: Store<ModelDemand>,
+}
+
+/// The other ModelDemand holding `md`'s key, from the cache.
+fn held_by(ctx: &Context, md: &ModelDemand) -> Option<String> {
+    let all = ctx.demands.state();
+    holder_of(md, all.iter().map(|d| &**d))
 }
 
 fn residency_of(ctx: &Context, md: &ModelDemand) -> Option<Arc<ModelResidency>> {
@@ -192,7 +252,13 @@ async fn apply(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
     let ns = md.namespace().unwrap_or_default();
     let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), &ns);
     let residency = residency_of(ctx, &md);
-    let (write, status) = plan(&md, residency.as_deref(), Timestamp::now());
+    let holder = held_by(ctx, &md);
+    let (write, status) = plan(
+        &md,
+        residency.as_deref(),
+        holder.as_deref(),
+        Timestamp::now(),
+    );
     write_key(&residencies, &md, &write, ctx).await?;
     if md.status.as_ref() != Some(&status) {
         let api: Api<ModelDemand> = Api::namespaced(ctx.client.clone(), &ns);
@@ -213,11 +279,16 @@ async fn apply(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
     Ok(Action::await_change())
 }
 
-/// The ModelDemand is going: its demand key goes with it.
+/// The ModelDemand is going: its demand key goes with it, unless another
+/// ModelDemand for the same model stays (that one takes the key over, and
+/// its own replicas decide it).
 async fn cleanup(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
     let ns = md.namespace().unwrap_or_default();
     let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), &ns);
     let residency = residency_of(ctx, &md);
+    if held_by(ctx, &md).is_some() {
+        return Ok(Action::await_change());
+    }
     if residency.is_some_and(|r| r.spec.demand.contains_key(&md.spec.model)) {
         write_key(&residencies, &md, &KeyWrite::Remove, ctx).await?;
     }
@@ -284,8 +355,22 @@ pub async fn run(
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
     };
-    let controller = Controller::new(demands, watcher::Config::default());
+    let controller = Controller::new(demands.clone(), watcher::Config::default());
     let store = controller.store();
+    let demand_cache = store.clone();
+    // A ModelDemand that changes or goes wakes the others for its model: one
+    // of them may now hold the key (or no longer does).
+    let siblings_of = {
+        let store = store.clone();
+        move |md: ModelDemand| {
+            store
+                .state()
+                .iter()
+                .filter(|d| same_key(d, &md) && d.name_any() != md.name_any())
+                .map(|d| ObjectRef::from_obj(&**d))
+                .collect::<Vec<_>>()
+        }
+    };
     let woken = changed.flat_map(move |r| {
         let woken: Vec<ObjectRef<ModelDemand>> = store
             .state()
@@ -299,8 +384,10 @@ pub async fn run(
         client,
         metrics,
         residencies,
+        demands: demand_cache,
     });
     controller
+        .watches(demands, watcher::Config::default(), siblings_of)
         .reconcile_on(woken)
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
@@ -355,7 +442,7 @@ mod tests {
 
     #[test]
     fn going_to_one_is_a_request_now_and_staying_at_one_renews_nothing() {
-        let (write, status) = plan(&md(1, None), Some(&residency(None, None)), now());
+        let (write, status) = plan(&md(1, None), Some(&residency(None, None)), None, now());
         assert_eq!(write, KeyWrite::Set(now()));
         assert_eq!(status.requested_at.as_deref(), Some(NOW));
         assert_eq!(
@@ -364,12 +451,18 @@ mod tests {
         );
         // Later, still 1, key in place: nothing is written.
         let later = "2026-11-30T04:00:00Z".parse().unwrap();
-        let (write, _) = plan(&md(1, Some(NOW)), Some(&residency(Some(NOW), None)), later);
+        let (write, _) = plan(
+            &md(1, Some(NOW)),
+            Some(&residency(Some(NOW), None)),
+            None,
+            later,
+        );
         assert_eq!(write, KeyWrite::Keep);
         // A newer request by someone else stands.
         let (write, _) = plan(
             &md(1, Some(NOW)),
             Some(&residency(Some("2026-11-30T03:30:00Z"), None)),
+            None,
             later,
         );
         assert_eq!(write, KeyWrite::Keep);
@@ -380,6 +473,7 @@ mod tests {
         let (write, status) = plan(
             &md(0, Some(NOW)),
             Some(&residency(Some(NOW), Some("Loaded"))),
+            None,
             now(),
         );
         assert_eq!(write, KeyWrite::Remove);
@@ -391,6 +485,7 @@ mod tests {
         let (_, status) = plan(
             &md(1, Some(NOW)),
             Some(&residency(Some(NOW), Some("Evicted"))),
+            None,
             now(),
         );
         assert_eq!(status.replicas, 0);
@@ -403,17 +498,62 @@ mod tests {
 
     #[test]
     fn a_missing_residency_or_model_is_a_condition() {
-        let (write, status) = plan(&md(1, None), None, now());
+        let (write, status) = plan(&md(1, None), None, None, now());
         assert_eq!(write, KeyWrite::Keep);
         assert_eq!(status.conditions[0].reason, "ResidencyNotFound");
         let mut r = residency(None, None);
         r.spec.models.clear();
-        let (write, status) = plan(&md(1, None), Some(&r), now());
+        let (write, status) = plan(&md(1, None), Some(&r), None, now());
         assert_eq!(
             write,
             KeyWrite::Keep,
             "no key for a model the registry lacks"
         );
         assert_eq!(status.conditions[0].reason, "ModelNotFound");
+    }
+
+    #[test]
+    fn a_second_demand_for_one_model_writes_nothing_and_says_who_holds_it() {
+        let named = |name: &str, created: &str, model: &str| {
+            let mut d = md(1, None);
+            d.metadata.name = Some(name.into());
+            d.metadata.creation_timestamp = Some(
+                k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(created.parse().unwrap()),
+            );
+            d.spec.model = model.into();
+            d
+        };
+        let first = named("b-first", "2026-11-30T01:00:00Z", "zimage");
+        let second = named("a-second", "2026-11-30T02:00:00Z", "zimage");
+        let other_model = named("c", "2026-11-30T00:00:00Z", "sdxl");
+        let all = [first.clone(), second.clone(), other_model.clone()];
+        assert_eq!(holder_of(&first, &all), None, "the oldest holds it");
+        assert_eq!(holder_of(&second, &all).as_deref(), Some("b-first"));
+        assert_eq!(holder_of(&other_model, &all), None);
+        // Same age: the first by name.
+        let twin = named("a-twin", "2026-11-30T01:00:00Z", "zimage");
+        assert_eq!(
+            holder_of(&first, &[first.clone(), twin.clone()]).as_deref(),
+            Some("a-twin")
+        );
+        // Being deleted, the holder holds nothing: the next one takes over.
+        let mut going = first.clone();
+        going.metadata.deletion_timestamp = first.metadata.creation_timestamp.clone();
+        assert_eq!(holder_of(&second, &[going, second.clone()]), None);
+
+        let (write, status) = plan(
+            &second,
+            Some(&residency(None, Some("Loaded"))),
+            Some("b-first"),
+            now(),
+        );
+        assert_eq!(write, KeyWrite::Keep);
+        assert_eq!((status.replicas, status.requested_at), (0, None));
+        let ready = &status.conditions[0];
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("False", "DuplicateModelDemand")
+        );
+        assert!(ready.message.contains("b-first"), "{}", ready.message);
     }
 }

@@ -183,3 +183,48 @@ async fn a_demand_for_a_missing_residency_or_model_is_a_condition_not_a_loop() {
         errors("demand_finalizer")
     );
 }
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_second_demand_for_one_model_is_a_condition_until_the_first_goes() {
+    let h = Harness::start("mdem-dup").await;
+    h.create("gpu", "16000Mi", &[("zimage", "10900Mi", false)])
+        .await;
+    let mds: Api<ModelDemand> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    // The older one (by creation time, then name) holds the model's key.
+    mds.create(
+        &PostParams::default(),
+        &new_demand("a-first", "gpu", "zimage", 1),
+    )
+    .await
+    .unwrap();
+    h.until_state("gpu", "zimage", ModelState::Loaded, 30).await;
+    until_mirrored(&mds, "a-first", 1, "ModelLoaded").await;
+    mds.create(
+        &PostParams::default(),
+        &new_demand("b-second", "gpu", "zimage", 0),
+    )
+    .await
+    .unwrap();
+    let second = until_mirrored(&mds, "b-second", 0, "DuplicateModelDemand").await;
+    let ready = &second.status.unwrap().conditions[0];
+    assert!(ready.message.contains("a-first"), "{}", ready.message);
+    // Its 0 did not unload the model the first one asks for.
+    let r: ModelResidency = h.api.get("gpu").await.unwrap();
+    assert!(r.spec.demand.contains_key("zimage"), "{:?}", r.spec.demand);
+    let state = r
+        .status
+        .as_ref()
+        .and_then(|s| s.model("zimage"))
+        .map(|m| m.state);
+    assert_eq!(state, Some(ModelState::Loaded));
+    // The first goes: the second takes the key over, and its 0 unloads.
+    mds.delete("a-first", &DeleteParams::default())
+        .await
+        .unwrap();
+    h.until_state("gpu", "zimage", ModelState::Unloaded, 30)
+        .await;
+    until_mirrored(&mds, "b-second", 0, "DemandRemoved").await;
+    let r: ModelResidency = h.api.get("gpu").await.unwrap();
+    assert!(!r.spec.demand.contains_key("zimage"), "{:?}", r.spec.demand);
+}
