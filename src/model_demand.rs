@@ -66,20 +66,20 @@ pub fn plan(
         let status = ModelDemandStatus {
             replicas: 0,
             selector: Some(format!("{RESIDENCY_LABEL}={r_name},{MODEL_LABEL}={model}")),
-            state: None,
-            requested_at: None,
             observed_generation: md.metadata.generation,
             conditions: set.finish(),
+            ..ModelDemandStatus::default()
         };
         return (KeyWrite::Keep, status);
     }
     let wanted = md.spec.replicas >= 1;
     // The request time of a standing request: set when replicas went to 1,
     // kept (not renewed) while it stays 1.
+    // A spec that now names another key starts afresh there.
+    let kept = retargeted_from(md).is_none();
     let requested_at = wanted.then(|| {
-        previous
-            .requested_at
-            .as_deref()
+        kept.then_some(previous.requested_at.as_deref())
+            .flatten()
             .and_then(|t| t.parse().ok())
             .unwrap_or(now)
     });
@@ -88,6 +88,8 @@ pub fn plan(
         selector: Some(format!("{RESIDENCY_LABEL}={r_name},{MODEL_LABEL}={model}")),
         state: None,
         requested_at: requested_at.map(|t: Timestamp| t.to_string()),
+        residency: Some(r_name.clone()),
+        model: Some(model.clone()),
         observed_generation: md.metadata.generation,
         conditions: Vec::new(),
     };
@@ -135,6 +137,14 @@ pub fn plan(
     }
     status.conditions = set.finish();
     (write, status)
+}
+
+/// The residency and model whose key `md` drove, when its spec now names
+/// another.
+pub fn retargeted_from(md: &ModelDemand) -> Option<(String, String)> {
+    let status = md.status.as_ref()?;
+    let (residency, model) = (status.residency.clone()?, status.model.clone()?);
+    (residency != md.spec.residency || model != md.spec.model).then_some((residency, model))
 }
 
 /// Whether `a` and `b` name the same model of the same residency.
@@ -248,9 +258,29 @@ async fn write_key(
     }
 }
 
+/// Removes the key `md` drove before its spec named another (unless
+/// another ModelDemand drives that key now).
+async fn release_old_key(md: &ModelDemand, ctx: &Context) -> Result<(), Error> {
+    let Some((residency, model)) = retargeted_from(md) else {
+        return Ok(());
+    };
+    let mut old = md.clone();
+    (old.spec.residency, old.spec.model) = (residency, model);
+    if held_by(ctx, &old).is_some() {
+        return Ok(());
+    }
+    if residency_of(ctx, &old).is_some_and(|r| r.spec.demand.contains_key(&old.spec.model)) {
+        let ns = md.namespace().unwrap_or_default();
+        let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), &ns);
+        write_key(&residencies, &old, &KeyWrite::Remove, ctx).await?;
+    }
+    Ok(())
+}
+
 async fn apply(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
     let ns = md.namespace().unwrap_or_default();
     let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), &ns);
+    release_old_key(&md, ctx).await?;
     let residency = residency_of(ctx, &md);
     let holder = held_by(ctx, &md);
     let (write, status) = plan(
@@ -285,6 +315,7 @@ async fn apply(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
 async fn cleanup(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
     let ns = md.namespace().unwrap_or_default();
     let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), &ns);
+    release_old_key(&md, ctx).await?;
     let residency = residency_of(ctx, &md);
     if held_by(ctx, &md).is_some() {
         return Ok(Action::await_change());
@@ -363,10 +394,17 @@ pub async fn run(
     let siblings_of = {
         let store = store.clone();
         move |md: ModelDemand| {
+            // The key it drove before its spec changed, too.
+            let before = retargeted_from(&md);
+            let drove = |d: &ModelDemand| {
+                before.as_ref().is_some_and(|(r, m)| {
+                    d.namespace() == md.namespace() && &d.spec.residency == r && &d.spec.model == m
+                })
+            };
             store
                 .state()
                 .iter()
-                .filter(|d| same_key(d, &md) && d.name_any() != md.name_any())
+                .filter(|d| (same_key(d, &md) || drove(d)) && d.name_any() != md.name_any())
                 .map(|d| ObjectRef::from_obj(&**d))
                 .collect::<Vec<_>>()
         }
@@ -555,5 +593,26 @@ mod tests {
             ("False", "DuplicateModelDemand")
         );
         assert!(ready.message.contains("b-first"), "{}", ready.message);
+    }
+
+    #[test]
+    fn a_spec_naming_another_model_releases_the_old_key_and_requests_anew() {
+        let mut moved = md(1, Some(NOW));
+        let status = moved.status.as_mut().unwrap();
+        (status.residency, status.model) = (Some("gpu".into()), Some("sdxl".into()));
+        assert_eq!(
+            retargeted_from(&moved),
+            Some(("gpu".to_owned(), "sdxl".to_owned()))
+        );
+        let later: Timestamp = "2026-11-30T04:00:00Z".parse().unwrap();
+        let (write, status) = plan(&moved, Some(&residency(None, None)), None, later);
+        assert_eq!(write, KeyWrite::Set(later), "a request now, not at {NOW}");
+        assert_eq!(
+            (status.residency.as_deref(), status.model.as_deref()),
+            (Some("gpu"), Some("zimage"))
+        );
+        // Written back, it drives the new key and nothing else.
+        moved.status = Some(status);
+        assert_eq!(retargeted_from(&moved), None);
     }
 }

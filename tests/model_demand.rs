@@ -228,3 +228,40 @@ async fn a_second_demand_for_one_model_is_a_condition_until_the_first_goes() {
     let r: ModelResidency = h.api.get("gpu").await.unwrap();
     assert!(!r.spec.demand.contains_key("zimage"), "{:?}", r.spec.demand);
 }
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_demand_moved_to_another_model_leaves_no_request_behind() {
+    let h = Harness::start("mdem-move").await;
+    h.create(
+        "gpu",
+        "16000Mi",
+        &[("zimage", "10900Mi", false), ("sdxl", "4000Mi", false)],
+    )
+    .await;
+    let mds: Api<ModelDemand> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    mds.create(&PostParams::default(), &new_demand("d", "gpu", "zimage", 1))
+        .await
+        .unwrap();
+    h.until_state("gpu", "zimage", ModelState::Loaded, 30).await;
+    until_mirrored(&mds, "d", 1, "ModelLoaded").await;
+    kubectl_ok(
+        &h,
+        &[
+            "patch",
+            "modeldemand/d",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"model":"sdxl"}}"#,
+        ],
+    );
+    // The key it drove goes (an unload), the new one is a request now.
+    h.until_state("gpu", "zimage", ModelState::Unloaded, 30)
+        .await;
+    h.until_state("gpu", "sdxl", ModelState::Loaded, 30).await;
+    let md = until_mirrored(&mds, "d", 1, "ModelLoaded").await;
+    assert_eq!(md.status.unwrap().model.as_deref(), Some("sdxl"));
+    let r: ModelResidency = h.api.get("gpu").await.unwrap();
+    let keys: Vec<&String> = r.spec.demand.keys().collect();
+    assert_eq!(keys, ["sdxl"]);
+}

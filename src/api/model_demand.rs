@@ -73,6 +73,14 @@ pub struct ModelDemandStatus {
     /// When this object's replicas went to 1: the request time it wrote.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requested_at: Option<String>,
+    /// The residency whose demand key this object drives (its spec's, once
+    /// seen). When the spec names another residency or model, the key it
+    /// drove is removed first, so nothing is left requested behind it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub residency: Option<String>,
+    /// The model whose demand key this object drives (see residency).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
     /// The spec generation this status reflects.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
