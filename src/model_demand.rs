@@ -53,6 +53,7 @@ pub fn plan(
 ) -> (KeyWrite, ModelDemandStatus) {
     let previous = md.status.clone().unwrap_or_default();
     let (r_name, model) = (&md.spec.residency, &md.spec.model);
+    let selector = Some(format!("{RESIDENCY_LABEL}={r_name},{MODEL_LABEL}={model}"));
     if let Some(holder) = held_by {
         // One key, one writer: a second ModelDemand for the same model
         // would undo the first's request (or remove the key it holds when
@@ -65,7 +66,7 @@ pub fn plan(
         set.set(READY, false, "DuplicateModelDemand", message);
         let status = ModelDemandStatus {
             replicas: 0,
-            selector: Some(format!("{RESIDENCY_LABEL}={r_name},{MODEL_LABEL}={model}")),
+            selector,
             observed_generation: md.metadata.generation,
             conditions: set.finish(),
             ..ModelDemandStatus::default()
@@ -76,16 +77,18 @@ pub fn plan(
     // The request time of a standing request: set when replicas went to 1,
     // kept (not renewed) while it stays 1.
     // A spec that now names another key starts afresh there.
-    let kept = retargeted_from(md).is_none();
+    let same_key = retargeted_from(md).is_none();
     let requested_at = wanted.then(|| {
-        kept.then_some(previous.requested_at.as_deref())
-            .flatten()
+        previous
+            .requested_at
+            .as_deref()
+            .filter(|_| same_key)
             .and_then(|t| t.parse().ok())
             .unwrap_or(now)
     });
     let mut status = ModelDemandStatus {
         replicas: 0,
-        selector: Some(format!("{RESIDENCY_LABEL}={r_name},{MODEL_LABEL}={model}")),
+        selector,
         state: None,
         requested_at: requested_at.map(|t: Timestamp| t.to_string()),
         residency: Some(r_name.clone()),
@@ -139,28 +142,32 @@ pub fn plan(
     (write, status)
 }
 
-/// The residency and model whose key `md` drove, when its spec now names
+/// A demand key: the namespace, residency and model a ModelDemand names.
+pub type DemandKey<'a> = (Option<&'a str>, &'a str, &'a str);
+
+/// The key `md`'s spec names.
+pub fn key_of(md: &ModelDemand) -> DemandKey<'_> {
+    let ns = md.metadata.namespace.as_deref();
+    (ns, &md.spec.residency, &md.spec.model)
+}
+
+/// The key `md` drove (as its status records), when its spec now names
 /// another.
-pub fn retargeted_from(md: &ModelDemand) -> Option<(String, String)> {
+pub fn retargeted_from(md: &ModelDemand) -> Option<DemandKey<'_>> {
     let status = md.status.as_ref()?;
-    let (residency, model) = (status.residency.clone()?, status.model.clone()?);
-    (residency != md.spec.residency || model != md.spec.model).then_some((residency, model))
+    let ns = md.metadata.namespace.as_deref();
+    let drove = (ns, status.residency.as_deref()?, status.model.as_deref()?);
+    (drove != key_of(md)).then_some(drove)
 }
 
-/// Whether `a` and `b` name the same model of the same residency.
-fn same_key(a: &ModelDemand, b: &ModelDemand) -> bool {
-    a.namespace() == b.namespace()
-        && a.spec.residency == b.spec.residency
-        && a.spec.model == b.spec.model
-}
-
-/// The name of the ModelDemand, other than `md`, that holds `md`'s key
-/// among `all`: of those naming the same residency and model and not being
-/// deleted, the oldest (then the first by name). `None` when `md` holds it.
-/// A ModelDemand being deleted holds nothing, so the next one takes over
-/// as soon as the deletion starts.
+/// The name of the ModelDemand, other than the one named `me`, that holds
+/// `key` among `all`: of those naming it and not being deleted, the oldest
+/// (then the first by name). `None` when `me` holds it, or no other names
+/// it. A ModelDemand being deleted holds nothing, so the next one takes
+/// over as soon as the deletion starts.
 pub fn holder_of<'a>(
-    md: &ModelDemand,
+    key: DemandKey<'_>,
+    me: &str,
     all: impl IntoIterator<Item = &'a ModelDemand>,
 ) -> Option<String> {
     let age = |d: &ModelDemand| {
@@ -171,9 +178,9 @@ pub fn holder_of<'a>(
     };
     let holder = all
         .into_iter()
-        .filter(|d| same_key(d, md) && d.metadata.deletion_timestamp.is_none())
+        .filter(|d| key_of(d) == key && d.metadata.deletion_timestamp.is_none())
         .min_by_key(|d| age(d))?;
-    (holder.name_any() != md.name_any()).then(|| holder.name_any())
+    (holder.name_any() != me).then(|| holder.name_any())
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -222,29 +229,27 @@ pub struct Context {
     pub demands: Store<ModelDemand>,
 }
 
-/// The other ModelDemand holding `md`'s key, from the cache.
-fn held_by(ctx: &Context, md: &ModelDemand) -> Option<String> {
+/// The ModelDemand other than `md` that holds `key`, from the cache.
+fn held_by(ctx: &Context, key: DemandKey<'_>, md: &ModelDemand) -> Option<String> {
     let all = ctx.demands.state();
-    holder_of(md, all.iter().map(|d| &**d))
+    holder_of(key, &md.name_any(), all.iter().map(|d| &**d))
 }
 
-fn residency_of(ctx: &Context, md: &ModelDemand) -> Option<Arc<ModelResidency>> {
-    let ns = md.namespace().unwrap_or_default();
+fn residency_of(ctx: &Context, (ns, residency, _): DemandKey<'_>) -> Option<Arc<ModelResidency>> {
     ctx.residencies
-        .get(&ObjectRef::new(&md.spec.residency).within(&ns))
+        .get(&ObjectRef::new(residency).within(ns.unwrap_or_default()))
 }
 
 async fn write_key(
-    api: &Api<ModelResidency>,
-    md: &ModelDemand,
-    write: &KeyWrite,
     ctx: &Context,
+    (ns, residency, model): DemandKey<'_>,
+    write: &KeyWrite,
 ) -> Result<(), Error> {
-    let (residency, model) = (&md.spec.residency, &md.spec.model);
+    let api: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), ns.unwrap_or_default());
     let result = match write {
         KeyWrite::Keep => return Ok(()),
-        KeyWrite::Set(at) => demand::load(api, residency, model, *at).await,
-        KeyWrite::Remove => demand::unload(api, residency, model).await,
+        KeyWrite::Set(at) => demand::load(&api, residency, model, *at).await,
+        KeyWrite::Remove => demand::unload(&api, residency, model).await,
     };
     ctx.metrics.api_request("patch", "modelresidencies");
     match result {
@@ -252,44 +257,38 @@ async fn write_key(
         // Deleted meanwhile: nothing left to write into.
         Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
         Err(source) => Err(Error::WriteDemand {
-            residency: residency.clone(),
+            residency: residency.to_owned(),
             source,
         }),
     }
 }
 
-/// Removes the key `md` drove before its spec named another (unless
-/// another ModelDemand drives that key now).
-async fn release_old_key(md: &ModelDemand, ctx: &Context) -> Result<(), Error> {
-    let Some((residency, model)) = retargeted_from(md) else {
-        return Ok(());
-    };
-    let mut old = md.clone();
-    (old.spec.residency, old.spec.model) = (residency, model);
-    if held_by(ctx, &old).is_some() {
-        return Ok(());
-    }
-    if residency_of(ctx, &old).is_some_and(|r| r.spec.demand.contains_key(&old.spec.model)) {
-        let ns = md.namespace().unwrap_or_default();
-        let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), &ns);
-        write_key(&residencies, &old, &KeyWrite::Remove, ctx).await?;
+/// Removes `key` from its residency for `md`, unless another ModelDemand
+/// holds it now (that one takes it over, and its own replicas decide it).
+async fn release(ctx: &Context, key: DemandKey<'_>, md: &ModelDemand) -> Result<(), Error> {
+    let (_, _, model) = key;
+    let present = residency_of(ctx, key).is_some_and(|r| r.spec.demand.contains_key(model));
+    if present && held_by(ctx, key, md).is_none() {
+        write_key(ctx, key, &KeyWrite::Remove).await?;
     }
     Ok(())
 }
 
 async fn apply(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
     let ns = md.namespace().unwrap_or_default();
-    let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), &ns);
-    release_old_key(&md, ctx).await?;
-    let residency = residency_of(ctx, &md);
-    let holder = held_by(ctx, &md);
+    // The key it drove before its spec named another.
+    if let Some(old) = retargeted_from(&md) {
+        release(ctx, old, &md).await?;
+    }
+    let residency = residency_of(ctx, key_of(&md));
+    let holder = held_by(ctx, key_of(&md), &md);
     let (write, status) = plan(
         &md,
         residency.as_deref(),
         holder.as_deref(),
         Timestamp::now(),
     );
-    write_key(&residencies, &md, &write, ctx).await?;
+    write_key(ctx, key_of(&md), &write).await?;
     if md.status.as_ref() != Some(&status) {
         let api: Api<ModelDemand> = Api::namespaced(ctx.client.clone(), &ns);
         let body = serde_json::json!({
@@ -313,16 +312,10 @@ async fn apply(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
 /// ModelDemand for the same model stays (that one takes the key over, and
 /// its own replicas decide it).
 async fn cleanup(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
-    let ns = md.namespace().unwrap_or_default();
-    let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), &ns);
-    release_old_key(&md, ctx).await?;
-    let residency = residency_of(ctx, &md);
-    if held_by(ctx, &md).is_some() {
-        return Ok(Action::await_change());
+    if let Some(old) = retargeted_from(&md) {
+        release(ctx, old, &md).await?;
     }
-    if residency.is_some_and(|r| r.spec.demand.contains_key(&md.spec.model)) {
-        write_key(&residencies, &md, &KeyWrite::Remove, ctx).await?;
-    }
+    release(ctx, key_of(&md), &md).await?;
     Ok(Action::await_change())
 }
 
@@ -395,16 +388,11 @@ pub async fn run(
         let store = store.clone();
         move |md: ModelDemand| {
             // The key it drove before its spec changed, too.
-            let before = retargeted_from(&md);
-            let drove = |d: &ModelDemand| {
-                before.as_ref().is_some_and(|(r, m)| {
-                    d.namespace() == md.namespace() && &d.spec.residency == r && &d.spec.model == m
-                })
-            };
+            let keys = [Some(key_of(&md)), retargeted_from(&md)];
             store
                 .state()
                 .iter()
-                .filter(|d| (same_key(d, &md) || drove(d)) && d.name_any() != md.name_any())
+                .filter(|d| keys.contains(&Some(key_of(d))) && d.name_any() != md.name_any())
                 .map(|d| ObjectRef::from_obj(&**d))
                 .collect::<Vec<_>>()
         }
@@ -565,19 +553,21 @@ mod tests {
         let second = named("a-second", "2026-11-30T02:00:00Z", "zimage");
         let other_model = named("c", "2026-11-30T00:00:00Z", "sdxl");
         let all = [first.clone(), second.clone(), other_model.clone()];
-        assert_eq!(holder_of(&first, &all), None, "the oldest holds it");
-        assert_eq!(holder_of(&second, &all).as_deref(), Some("b-first"));
-        assert_eq!(holder_of(&other_model, &all), None);
+        let holder =
+            |md: &ModelDemand, all: &[ModelDemand]| holder_of(key_of(md), &md.name_any(), all);
+        assert_eq!(holder(&first, &all), None, "the oldest holds it");
+        assert_eq!(holder(&second, &all).as_deref(), Some("b-first"));
+        assert_eq!(holder(&other_model, &all), None);
         // Same age: the first by name.
         let twin = named("a-twin", "2026-11-30T01:00:00Z", "zimage");
         assert_eq!(
-            holder_of(&first, &[first.clone(), twin.clone()]).as_deref(),
+            holder(&first, &[first.clone(), twin.clone()]).as_deref(),
             Some("a-twin")
         );
         // Being deleted, the holder holds nothing: the next one takes over.
         let mut going = first.clone();
         going.metadata.deletion_timestamp = first.metadata.creation_timestamp.clone();
-        assert_eq!(holder_of(&second, &[going, second.clone()]), None);
+        assert_eq!(holder(&second, &[going, second.clone()]), None);
 
         let (write, status) = plan(
             &second,
@@ -600,10 +590,7 @@ mod tests {
         let mut moved = md(1, Some(NOW));
         let status = moved.status.as_mut().unwrap();
         (status.residency, status.model) = (Some("gpu".into()), Some("sdxl".into()));
-        assert_eq!(
-            retargeted_from(&moved),
-            Some(("gpu".to_owned(), "sdxl".to_owned()))
-        );
+        assert_eq!(retargeted_from(&moved), Some((Some("ns"), "gpu", "sdxl")));
         let later: Timestamp = "2026-11-30T04:00:00Z".parse().unwrap();
         let (write, status) = plan(&moved, Some(&residency(None, None)), None, later);
         assert_eq!(write, KeyWrite::Set(later), "a request now, not at {NOW}");
