@@ -489,12 +489,40 @@ async fn models_are_listed_and_routed_by_path() {
     )
     .await;
     let router = RouterUnderTest::start(&h, Config::default()).await;
+    // KServe v2's readiness questions are answered by the router and never
+    // load a model: a cold model is "not ready" (any 4xx) and stays cold.
+    let cold = router.get("/v2/models/resnet/ready").await;
+    assert_eq!(
+        (cold.status, error_code(&cold).as_str()),
+        (400, "model_not_ready"),
+        "{}",
+        cold.body
+    );
+    assert!(cold.body.contains("Unloaded"), "{}", cold.body);
+    let unknown = router.get("/v2/models/nope/ready").await;
+    assert_eq!(
+        (unknown.status, error_code(&unknown).as_str()),
+        (404, "model_not_found")
+    );
+    assert_eq!(router.get("/v2/health/live").await.status, 200);
+    assert_eq!(router.get("/v2/health/ready").await.status, 200);
+    assert_eq!(json_of(&router.get("/v2").await)["name"], "model-residency");
+    let spec = h.api.get("gpu").await.unwrap().spec;
+    assert!(spec.demand.is_empty(), "a readiness poll wrote demand");
     // KServe v2 names the model in the path.
     let a = router
         .post("/v2/models/resnet/infer", r#"{"inputs":[]}"#)
         .await;
     assert_served_by(&a, "resnet");
     h.converged("gpu").await;
+    assert_eq!(router.get("/v2/models/resnet/ready").await.status, 200);
+    assert_eq!(
+        router
+            .get("/v2/models/resnet/versions/1/ready")
+            .await
+            .status,
+        200
+    );
     let list = json_of(&router.get("/v1/models").await);
     assert_eq!(list["object"], "list");
     let entries = list["data"].as_array().unwrap();
@@ -514,6 +542,13 @@ async fn models_are_listed_and_routed_by_path() {
     let created = r.metadata.creation_timestamp.unwrap().0.as_second();
     assert!(created > 0);
     assert_eq!(resnet["created"].as_i64(), Some(created));
+    // OpenAI's retrieve-model: the list's entry, or a 404.
+    assert_eq!(&json_of(&router.get("/v1/models/resnet").await), resnet);
+    let missing = router.get("/v1/models/nope").await;
+    assert_eq!(
+        (missing.status, error_code(&missing).as_str()),
+        (404, "model_not_found")
+    );
     let unrouted = router.get("/generate").await;
     assert_eq!(unrouted.status, 400);
     assert!(unrouted.body.contains("X-Model"), "{}", unrouted.body);

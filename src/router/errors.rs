@@ -14,6 +14,9 @@ pub enum Refusal {
     BadRequest(String),
     /// 404: no watched residency's registry has the model.
     ModelNotFound(String),
+    /// 400 to a readiness question (KServe v2 reads any 4xx as "not
+    /// ready"): the model has no Ready pod now.
+    NotReady(String),
     /// 503 without Retry-After: the model can never load where it is
     /// served (waiting will not help).
     ModelRefused(String),
@@ -35,7 +38,7 @@ pub enum Refusal {
 impl Refusal {
     pub fn status(&self) -> StatusCode {
         match self {
-            Refusal::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Refusal::BadRequest(_) | Refusal::NotReady(_) => StatusCode::BAD_REQUEST,
             Refusal::ModelNotFound(_) => StatusCode::NOT_FOUND,
             Refusal::ModelRefused(_) | Refusal::ModelUnavailable { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -50,6 +53,7 @@ impl Refusal {
         match self {
             Refusal::BadRequest(_) => ("invalid_request_error", "invalid_request"),
             Refusal::ModelNotFound(_) => ("invalid_request_error", "model_not_found"),
+            Refusal::NotReady(_) => ("invalid_request_error", "model_not_ready"),
             Refusal::ModelRefused(_) => ("server_error", "model_refused"),
             Refusal::ModelUnavailable { .. } => ("server_error", "model_unavailable"),
             Refusal::TooManyPending { .. } => ("rate_limit_error", "too_many_pending"),
@@ -61,6 +65,7 @@ impl Refusal {
         match self {
             Refusal::BadRequest(m)
             | Refusal::ModelNotFound(m)
+            | Refusal::NotReady(m)
             | Refusal::ModelRefused(m)
             | Refusal::Upstream(m)
             | Refusal::ModelUnavailable { message: m, .. }

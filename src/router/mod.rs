@@ -12,8 +12,10 @@
 //! - [`placement`]: where a model resident nowhere is loaded;
 //! - [`recency`]: when traffic becomes a demand write;
 //! - [`proxy`]: sending on and streaming back;
-//! - [`errors`]: the OpenAI-shaped answers when it cannot proxy.
+//! - [`errors`]: the OpenAI-shaped answers when it cannot proxy;
+//! - [`catalog`]: what it answers itself (model list, readiness).
 
+pub mod catalog;
 pub mod errors;
 pub mod metrics;
 pub mod placement;
@@ -28,7 +30,7 @@ use crate::labels::MODEL_LABEL;
 use bytes::Bytes;
 use errors::Refusal;
 use futures::StreamExt;
-use http::{HeaderValue, Method, Request, Response, header};
+use http::{Request, Response, header};
 use http_body_util::{BodyExt, Full, combinators::BoxBody};
 use hyper::body::Incoming;
 use k8s_openapi::api::core::v1::Pod;
@@ -39,7 +41,6 @@ use kube::runtime::{WatchStreamExt, watcher};
 use metrics::{CodeLabels, ModelLabels, RouterMetrics, WriteLabels};
 use placement::{Placement, place};
 use recency::{Key, Recency};
-use serde_json::json;
 use snapshot::{Endpoint, Snapshot};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -190,8 +191,9 @@ impl Router {
         if let Some(r) = crate::http::probe(&req, self.ready(), || self.metrics.encode()) {
             return r.map(boxed);
         }
-        if req.method() == Method::GET && req.uri().path() == "/v1/models" {
-            return self.list_models();
+        if let Some(q) = catalog::question(req.method(), req.uri().path()) {
+            let snap = self.snapshot.borrow().clone();
+            return catalog::answer(q, &snap, self.ready()).map(boxed);
         }
         let (model, result) = match self.model_of(req).await {
             Ok((model, parts, body)) => {
@@ -564,57 +566,6 @@ impl Router {
             router: self,
             model: model.to_owned(),
         })
-    }
-
-    /// `GET /v1/models`: every model the router can serve, in the OpenAI
-    /// list format, with where it stands.
-    fn list_models(&self) -> Response<ProxyBody> {
-        let snap = self.snapshot.borrow().clone();
-        let mut names: Vec<&String> = snap.models.keys().collect();
-        names.sort();
-        let data: Vec<_> = names
-            .into_iter()
-            .map(|name| {
-                let view = &snap.models[name];
-                let places: Vec<(String, ModelState)> = view
-                    .homes
-                    .iter()
-                    .map(|&i| (snap.residency_name(i), snap.state(i, name)))
-                    .collect();
-                let rank = |s: ModelState| match s {
-                    ModelState::Loaded => 0,
-                    ModelState::Loading | ModelState::Fetching => 1,
-                    ModelState::Failed => 2,
-                    _ => 3,
-                };
-                let best = places.iter().min_by_key(|(_, s)| rank(*s));
-                // OpenAI's `created` (Unix seconds): when the first
-                // residency that lists the model was created.
-                let created = view
-                    .homes
-                    .iter()
-                    .filter_map(|&i| snap.residencies[i].metadata.creation_timestamp.as_ref())
-                    .map(|t| t.0.as_second())
-                    .min()
-                    .unwrap_or(0);
-                json!({
-                    "id": name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "model-residency",
-                    "state": best.map(|(_, s)| format!("{s:?}")),
-                    "residency": best.map(|(r, _)| r),
-                    "residencies": places.iter().map(|(r, s)| json!({"residency": r, "state": format!("{s:?}")})).collect::<Vec<_>>(),
-                })
-            })
-            .collect();
-        let body = json!({"object": "list", "data": data}).to_string();
-        let mut response = Response::new(full(Bytes::from(body)));
-        response.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        response
     }
 }
 

@@ -1,0 +1,194 @@
+//! What the router answers itself, from its snapshot: the OpenAI model list
+//! and model objects, and KServe v2's health, metadata and model-readiness
+//! endpoints. None of them is proxied, loads a model or refreshes its
+//! recency: monitors and client libraries poll them, and a poll that
+//! loaded its model would keep every model it asks about resident.
+
+use super::errors::Refusal;
+use super::snapshot::Snapshot;
+use crate::api::ModelState;
+use bytes::Bytes;
+use http::{HeaderValue, Method, Response, StatusCode, header};
+use http_body_util::Full;
+use serde_json::{Value, json};
+
+/// A question the router answers itself.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Question<'a> {
+    /// `GET /v1/models`: every model, OpenAI's list format.
+    Models,
+    /// `GET /v1/models/<id>`: one model object, or 404.
+    Model(&'a str),
+    /// `GET /v2/models/<name>/ready` (and `/versions/<v>/ready`): 200 when
+    /// the model has a Ready pod, else 400.
+    ModelReady(&'a str),
+    /// `GET /v2/health/live`: the router is up.
+    ServerLive,
+    /// `GET /v2/health/ready`: the router has listed what it serves.
+    ServerReady,
+    /// `GET /v2`: KServe v2 server metadata.
+    ServerMetadata,
+}
+
+/// The question `method path` asks, if the router answers it itself.
+pub fn question<'a>(method: &Method, path: &'a str) -> Option<Question<'a>> {
+    if method != Method::GET {
+        return None;
+    }
+    // Model names are DNS labels: one path segment, never empty.
+    let one_segment = |s: &'a str| (!s.is_empty() && !s.contains('/')).then_some(s);
+    match path {
+        "/v1/models" => Some(Question::Models),
+        "/v2/health/live" => Some(Question::ServerLive),
+        "/v2/health/ready" => Some(Question::ServerReady),
+        "/v2" => Some(Question::ServerMetadata),
+        _ => {
+            if let Some(id) = path.strip_prefix("/v1/models/") {
+                return one_segment(id).map(Question::Model);
+            }
+            let rest = path.strip_prefix("/v2/models/")?.strip_suffix("/ready")?;
+            let name = match rest.split_once("/versions/") {
+                Some((name, version)) => one_segment(version).and(one_segment(name))?,
+                None => one_segment(rest)?,
+            };
+            Some(Question::ModelReady(name))
+        }
+    }
+}
+
+/// The answer to `q`; `router_ready` is whether both watches have listed.
+pub fn answer(q: Question<'_>, snap: &Snapshot, router_ready: bool) -> Response<Full<Bytes>> {
+    match q {
+        Question::Models => {
+            let mut names: Vec<&String> = snap.models.keys().collect();
+            names.sort();
+            let data: Vec<Value> = names.into_iter().map(|n| model(snap, n)).collect();
+            ok(json!({"object": "list", "data": data}))
+        }
+        Question::Model(id) | Question::ModelReady(id) if !snap.models.contains_key(id) => {
+            Refusal::ModelNotFound(format!(
+                "the model `{}` does not exist: no ModelResidency this router serves lists it",
+                super::echo(id)
+            ))
+            .response()
+        }
+        Question::Model(id) => ok(model(snap, id)),
+        Question::ModelReady(name) => {
+            let view = &snap.models[name];
+            if view.ready.is_empty() {
+                let states: Vec<String> = view
+                    .homes
+                    .iter()
+                    .map(|&i| format!("{:?} on {}", snap.state(i, name), snap.residency_name(i)))
+                    .collect();
+                Refusal::NotReady(format!(
+                    "{name} has no Ready pod ({}); a request for it loads it",
+                    states.join(", ")
+                ))
+                .response()
+            } else {
+                empty(StatusCode::OK)
+            }
+        }
+        Question::ServerLive => empty(StatusCode::OK),
+        Question::ServerReady if router_ready => empty(StatusCode::OK),
+        Question::ServerReady => Refusal::NotReady(
+            "the router has not listed the residencies and pods it serves yet".into(),
+        )
+        .response(),
+        Question::ServerMetadata => ok(json!({
+            "name": "model-residency",
+            "version": env!("CARGO_PKG_VERSION"),
+            "extensions": [],
+        })),
+    }
+}
+
+/// A model as OpenAI's model object, with where it stands: its best state
+/// (Loaded before Loading/Fetching before Failed before the rest) and the
+/// residency that has it, then every residency that lists it.
+fn model(snap: &Snapshot, name: &str) -> Value {
+    let view = &snap.models[name];
+    let places: Vec<(String, ModelState)> = view
+        .homes
+        .iter()
+        .map(|&i| (snap.residency_name(i), snap.state(i, name)))
+        .collect();
+    let rank = |s: ModelState| match s {
+        ModelState::Loaded => 0,
+        ModelState::Loading | ModelState::Fetching => 1,
+        ModelState::Failed => 2,
+        _ => 3,
+    };
+    let best = places.iter().min_by_key(|(_, s)| rank(*s));
+    // OpenAI's `created` (Unix seconds): when the first residency that
+    // lists the model was created.
+    let created = view
+        .homes
+        .iter()
+        .filter_map(|&i| snap.residencies[i].metadata.creation_timestamp.as_ref())
+        .map(|t| t.0.as_second())
+        .min()
+        .unwrap_or(0);
+    json!({
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "model-residency",
+        "state": best.map(|(_, s)| format!("{s:?}")),
+        "residency": best.map(|(r, _)| r),
+        "residencies": places.iter().map(|(r, s)| json!({"residency": r, "state": format!("{s:?}")})).collect::<Vec<_>>(),
+    })
+}
+
+fn ok(body: Value) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(body.to_string())));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn empty(status: StatusCode) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::new()));
+    *response.status_mut() = status;
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_gets_of_the_catalog_paths_are_answered_here() {
+        let get = |p| question(&Method::GET, p);
+        assert_eq!(get("/v1/models"), Some(Question::Models));
+        assert_eq!(get("/v1/models/qwen"), Some(Question::Model("qwen")));
+        assert_eq!(
+            get("/v2/models/qwen/ready"),
+            Some(Question::ModelReady("qwen"))
+        );
+        assert_eq!(
+            get("/v2/models/qwen/versions/3/ready"),
+            Some(Question::ModelReady("qwen"))
+        );
+        assert_eq!(get("/v2/health/live"), Some(Question::ServerLive));
+        assert_eq!(get("/v2/health/ready"), Some(Question::ServerReady));
+        assert_eq!(get("/v2"), Some(Question::ServerMetadata));
+        // Proxied: inference, model metadata, anything not a GET.
+        for p in [
+            "/v1/models/",
+            "/v1/models/a/b",
+            "/v2/models/qwen",
+            "/v2/models/qwen/infer",
+            "/v2/models//ready",
+            "/v2/models/qwen/versions//ready",
+            "/v2/models/ready",
+        ] {
+            assert_eq!(get(p), None, "{p}");
+        }
+        assert_eq!(question(&Method::POST, "/v2/models/qwen/ready"), None);
+        assert_eq!(question(&Method::POST, "/v1/models"), None);
+    }
+}
