@@ -6,9 +6,9 @@
 
 mod support;
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, ResourceQuota};
 use k8s_openapi::api::events::v1::Event;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use model_residency::api::{ModelResidency, ModelState, ModelStatus};
 use model_residency::controller::pods::pod_name;
 use model_residency::demand;
@@ -188,6 +188,72 @@ async fn a_template_the_api_server_rejects_evicts_nothing_and_is_reported() {
     .unwrap();
     h.api.create(&PostParams::default(), &fresh).await.unwrap();
     h.until_state("fresh", "x", ModelState::Failed, 30).await;
+}
+
+/// Sets the namespace's pod quota to `pods`. No quota controller runs on
+/// the test control plane, so the test writes the status admission counts
+/// against (`used` is kept: admission adds each pod it lets in).
+async fn pod_quota(h: &Harness, pods: u32) {
+    let api: Api<ResourceQuota> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    let hard = json!({"pods": pods.to_string()});
+    if api.get_opt("pods").await.unwrap().is_none() {
+        let q =
+            serde_json::from_value(json!({"metadata": {"name": "pods"}, "spec": {"hard": hard}}));
+        api.create(&PostParams::default(), &q.unwrap())
+            .await
+            .unwrap();
+        let status = json!({"status": {"hard": hard, "used": {"pods": "0"}}});
+        api.patch_status("pods", &PatchParams::default(), &Patch::Merge(&status))
+            .await
+            .unwrap();
+    } else {
+        let both = json!({"spec": {"hard": hard}, "status": {"hard": hard}});
+        api.patch("pods", &PatchParams::default(), &Patch::Merge(&both))
+            .await
+            .unwrap();
+        api.patch_status("pods", &PatchParams::default(), &Patch::Merge(&both))
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_pod_one_residency_may_not_create_fails_no_other_and_loads_once_it_may() {
+    let h = Harness::start("bb-quota").await;
+    pod_quota(&h, 1).await;
+    // Three GPUs with one registry: the same template for x on each.
+    for gpu in ["gpu-a", "gpu-b"] {
+        h.create(gpu, "10Gi", &[("x", "1Gi", false)]).await;
+    }
+    h.request("gpu-a", "x").await;
+    h.until_state("gpu-a", "x", ModelState::Loaded, 30).await;
+    // gpu-b's pod would be the namespace's second: the quota rejects it.
+    h.request_nowait("gpu-b", "x").await;
+    let b = h.until_state("gpu-b", "x", ModelState::Failed, 30).await;
+    let message = model(&b, "x").message.clone().unwrap_or_default();
+    assert!(message.contains("exceeded quota"), "{message}");
+    // That rejection was gpu-b's. Before, it was kept for the template in
+    // the whole namespace for the operator's life: gpu-a's loaded x was
+    // reported as a template that cannot make a pod, and a new GPU's x
+    // failed before anyone asked for it.
+    h.request("gpu-a", "x").await;
+    let a = h.converged("gpu-a").await;
+    assert_eq!(model(&a, "x").state, ModelState::Loaded);
+    assert_eq!(model(&a, "x").reason, None, "{:?}", model(&a, "x"));
+    assert_eq!(condition(&a, "Degraded").0, "False");
+    h.create("gpu-c", "10Gi", &[("x", "1Gi", false)]).await;
+    let c = h.converged("gpu-c").await;
+    assert_eq!(
+        (model(&c, "x").state, model(&c, "x").reason.as_deref()),
+        (ModelState::Unloaded, None)
+    );
+    assert_eq!(condition(&c, "Degraded").0, "False");
+    // The quota is raised: gpu-b's standing request loads x once its
+    // rejection is asked again (after 5 s, doubling), with no new request.
+    pod_quota(&h, 3).await;
+    let b = h.until_state("gpu-b", "x", ModelState::Loaded, 60).await;
+    assert_eq!(condition(&b, "Degraded").0, "False");
 }
 
 #[tokio::test]

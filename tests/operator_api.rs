@@ -108,6 +108,7 @@ async fn invalid_objects_are_rejected_at_admission() {
         ("demand as a list (the old shape)", object("16Gi", "1Gi") + "  demand:\n  - {model: a, lastRequested: \"2026-11-30T03:00:00Z\"}\n", "spec.demand"),
         ("missing nodeName", object("16Gi", "1Gi").replace("  nodeName: node-a\n", ""), "nodeName"),
         ("empty nodeName", object("16Gi", "1Gi").replace("nodeName: node-a", "nodeName: \"\""), "spec.nodeName"),
+        ("nodeName not a node name", object("16Gi", "1Gi").replace("nodeName: node-a", "nodeName: Node_A"), "spec.nodeName"),
         ("model name too long", VALID.replace("{name: a,", &format!("{{name: {},", "a".repeat(64))).replace("BUDGET", "1Gi").replace("SIZE", "1"), "spec.models.name"),
         ("pinned not a bool", VALID.replace("{name: a, size: SIZE}", "{name: a, size: SIZE, pinned: maybe}").replace("BUDGET", "1Gi").replace("SIZE", "1"), "pinned"),
         ("models not a list", "apiVersion: residency.dev/v1alpha1\nkind: ModelResidency\nmetadata: {name: gpu}\nspec: {nodeName: n, device: \"0\", budget: 1Gi, models: {name: a}}\n".into(), "models"),

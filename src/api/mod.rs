@@ -24,6 +24,8 @@ const DNS_LABEL: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
 /// One GPU: an index, a `GPU-...` UUID or a `MIG-...` UUID (MIG's own
 /// `MIG-GPU-<uuid>/<gi>/<ci>` form included). Not `all`, `none`, a list or
 /// empty: one object is one GPU's budget.
+/// A DNS-1123 subdomain, what the API server accepts as a pod's node name.
+const DNS_SUBDOMAIN: &str = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$";
 const ONE_GPU: &str = r"^([0-9]+|GPU-[0-9a-fA-F-]+|MIG-[0-9a-zA-Z/-]+)$";
 /// A positive Kubernetes quantity without sign or milli-units.
 const POSITIVE_QUANTITY: &str = r"^\+?(0*[1-9][0-9]*(\.[0-9]*)?|0*\.0*[1-9][0-9]*)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE]\+?[0-9]+)?$";
@@ -53,8 +55,9 @@ const POSITIVE_QUANTITY: &str = r"^\+?(0*[1-9][0-9]*(\.[0-9]*)?|0*\.0*[1-9][0-9]
 )]
 #[serde(rename_all = "camelCase")]
 pub struct ModelResidencySpec {
-    /// The node that holds the GPU. Every model pod is bound to it.
-    #[schemars(length(min = 1, max = 253))]
+    /// The node that holds the GPU (a node name: lowercase letters, digits,
+    /// '-' and '.'). Every model pod is bound to it.
+    #[schemars(length(min = 1, max = 253), regex(pattern = DNS_SUBDOMAIN))]
     pub node_name: String,
     /// The GPU on that node: one GPU, as an index ("0"), a UUID ("GPU-...")
     /// or a MIG instance ("MIG-..."); not "all", "none" or a list. Model pods

@@ -304,7 +304,8 @@ async fn enact(r: &ModelResidency, ns: &str, d: &mut Decision, ctx: &Context) ->
         d.pod_rejected(model, message);
         let template = r.spec.models.iter().find(|m| &m.name == model);
         if let Some(t) = template.and_then(|m| m.template.as_ref()) {
-            ctx.templates.rejected_create(ns, t.json(), message.clone());
+            ctx.templates
+                .rejected_create(ns, &name, t.json(), message.clone());
         }
     }
     write_status(&residencies, r, d, ctx).await?;
@@ -341,7 +342,7 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
     let owner = r
         .controller_owner_ref(&())
         .ok_or(Error::Incomplete("uid"))?;
-    let rejected_templates = if fits_label_value(&name) {
+    let rejections = if fits_label_value(&name) {
         let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
         ctx.templates
             .rejected(&pods, &r, &owner, &ctx.metrics)
@@ -358,11 +359,17 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
         now: Timestamp::now(),
         max_skew: ctx.max_skew,
         gpu_holder: gpu_holder.as_deref(),
-        rejected_templates: &rejected_templates,
+        rejected_templates: &rejections.by_model,
         artifacts: node_cache.as_deref(),
     });
     let retry_soon = enact(&r, &ns, &mut decision, &ctx).await?;
-    Ok(match (retry_soon, decision.requeue_after) {
+    // A rejected template is asked again when its backoff ends (the
+    // quota or webhook that rejected it may have changed meanwhile).
+    let requeue_after = [decision.requeue_after, rejections.recheck_in]
+        .into_iter()
+        .flatten()
+        .min();
+    Ok(match (retry_soon, requeue_after) {
         (true, _) => Action::requeue(Duration::from_millis(500)),
         (false, Some(after)) => Action::requeue(after),
         // Everything else arrives by watch (a watch that restarts lists

@@ -19,6 +19,8 @@ use std::time::Duration;
 pub enum InvalidSpec {
     #[error("the name {0:?} is longer than 63 characters; it must fit a label value")]
     NameTooLong(String),
+    #[error("spec.nodeName: {0:?} is not a node name (lowercase letters, digits, '-' and '.')")]
+    NodeName(String),
     #[error("spec.budget: {0}")]
     Budget(QuantityError),
     #[error("spec.budget: must be positive")]
@@ -89,6 +91,19 @@ pub struct Valid<'a> {
     pub demand: Vec<Request<'a>>,
 }
 
+/// Whether `s` is a DNS-1123 subdomain, as a pod's `spec.nodeName` must be.
+fn is_node_name(s: &str) -> bool {
+    let label = |l: &str| {
+        let b = l.as_bytes();
+        let inner = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit();
+        !b.is_empty()
+            && inner(&b[0])
+            && inner(&b[b.len() - 1])
+            && b.iter().all(|c| inner(c) || *c == b'-')
+    };
+    (1..=253).contains(&s.len()) && s.split('.').all(label)
+}
+
 /// Checks a residency's spec and converts its quantities and times.
 pub fn validate(r: &ModelResidency) -> Result<Valid<'_>, InvalidSpec> {
     let name = r.metadata.name.as_deref().unwrap_or_default();
@@ -96,6 +111,11 @@ pub fn validate(r: &ModelResidency) -> Result<Valid<'_>, InvalidSpec> {
         return Err(InvalidSpec::NameTooLong(name.to_owned()));
     }
     let spec = &r.spec;
+    // The schema says so too; an object stored before it did gets this
+    // rather than a pod the API server rejects for every model.
+    if !is_node_name(&spec.node_name) {
+        return Err(InvalidSpec::NodeName(spec.node_name.clone()));
+    }
     let budget = parse_bytes(&spec.budget.0).map_err(InvalidSpec::Budget)?;
     if budget == 0 {
         return Err(InvalidSpec::ZeroBudget);
@@ -249,6 +269,32 @@ pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
 mod tests {
     use super::*;
     use crate::api::{ByteQuantity, ModelResidencySpec, ModelState};
+
+    #[test]
+    fn node_names_are_dns_subdomains() {
+        for ok in ["n", "node-a", "gpu-1.example.com", "a1", &"a".repeat(253)] {
+            assert!(is_node_name(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "Node-A",
+            "node_a",
+            "-a",
+            "a-",
+            "a..b",
+            ".a",
+            "Bad Node!",
+            &"a".repeat(254),
+        ] {
+            assert!(!is_node_name(bad), "{bad}");
+        }
+        let mut r = residency(&[("a", "1Gi")]);
+        r.spec.node_name = "Node_A".into();
+        assert_eq!(
+            validate(&r).unwrap_err().to_string(),
+            "spec.nodeName: \"Node_A\" is not a node name (lowercase letters, digits, '-' and '.')"
+        );
+    }
 
     fn residency(models: &[(&str, &str)]) -> ModelResidency {
         let mut r = ModelResidency::new(
