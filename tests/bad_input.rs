@@ -172,3 +172,23 @@ async fn ten_thousand_models() {
     assert_eq!(state(&r, "served").0, ModelState::Loaded);
     assert_eq!(condition(&r, "Ready").status, "True");
 }
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_keep_alive_of_eleven_million_years_keeps_the_model_and_the_controller() {
+    let h = Harness::start("bad-keepalive").await;
+    h.create("gpu", "10Gi", &[("a", "1Gi", false)]).await;
+    h.create("other", "10Gi", &[("b", "1Gi", false)]).await;
+    // lastUsed + keepAlive is past the last time there is: before, the
+    // reconcile panicked, which ended the controller for every residency.
+    h.patch_spec("gpu", json!({"keepAlive": "99999999999h"}))
+        .await;
+    h.request("gpu", "a").await;
+    let r = h.until_state("gpu", "a", ModelState::Loaded, 30).await;
+    assert_eq!(condition(&r, "Ready").status, "True");
+    h.request("other", "b").await;
+    h.until_state("other", "b", ModelState::Loaded, 30).await;
+    h.request("gpu", "a").await;
+    let r = h.converged("gpu").await;
+    assert_eq!(state(&r, "a").0, ModelState::Loaded);
+}

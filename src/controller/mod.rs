@@ -57,6 +57,10 @@ pub enum Error {
     PatchStatus { source: kube::Error },
     #[error("the object has no {0}")]
     Incomplete(&'static str),
+    /// A bug: the reconcile panicked. Only this residency's reconcile
+    /// fails (retried after a minute); the controller goes on.
+    #[error("the reconcile panicked: {0}")]
+    Panicked(String),
 }
 
 /// An API error as one line: the API server's code, reason and message
@@ -78,7 +82,7 @@ impl Error {
                 kube::Error::Api(s) => Some(s.code),
                 _ => None,
             },
-            Error::Incomplete(_) => None,
+            Error::Incomplete(_) | Error::Panicked(_) => None,
         }
     }
 
@@ -92,6 +96,7 @@ impl Error {
             Error::DeletePod { .. } => "delete_pod",
             Error::PatchStatus { .. } => "patch_status",
             Error::Incomplete(_) => "incomplete",
+            Error::Panicked(_) => "panic",
         }
     }
 }
@@ -322,8 +327,32 @@ async fn enact(r: &ModelResidency, ns: &str, d: &mut Decision, ctx: &Context) ->
     }
 }
 
-#[tracing::instrument(skip(r, ctx), fields(namespace = r.namespace().unwrap_or_default(), residency = %r.name_any()))]
+/// Reconciles one residency. A panic in it (a bug some input reaches) is
+/// this residency's failed reconcile, not the end of the controller: a
+/// panic inside kube-runtime's controller stream stops it for every
+/// residency while the process looks alive.
 pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Action> {
+    guarded(reconcile_unguarded(r, ctx)).await
+}
+
+/// `work`, with a panic turned into [`Error::Panicked`].
+async fn guarded<T>(work: impl std::future::Future<Output = Result<T>>) -> Result<T> {
+    use futures::FutureExt;
+    match std::panic::AssertUnwindSafe(work).catch_unwind().await {
+        Ok(result) => result,
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Err(Error::Panicked(message))
+        }
+    }
+}
+
+#[tracing::instrument(skip(r, ctx), fields(namespace = r.namespace().unwrap_or_default(), residency = %r.name_any()))]
+async fn reconcile_unguarded(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Action> {
     ctx.metrics.reconciled();
     let _timer = ctx.metrics.reconcile_timer();
     let r = ctx.written.fresher(r);
@@ -400,8 +429,10 @@ fn report_failure(r: &ModelResidency, error: &Error, ctx: &Context) {
 
 /// How long to wait before trying a failed reconcile again.
 fn error_delay(error: &Error) -> Duration {
-    match error.api_code() {
-        Some(409) => Duration::from_millis(200),
+    match (error, error.api_code()) {
+        (_, Some(409)) => Duration::from_millis(200),
+        // It will most likely panic again.
+        (Error::Panicked(_), _) => Duration::from_secs(60),
         _ => Duration::from_secs(2),
     }
 }

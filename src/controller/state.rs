@@ -179,6 +179,16 @@ pub fn parse_keep_alive(s: &str) -> Option<Duration> {
     Duration::try_from(d).ok()
 }
 
+/// `t` plus `d`, or the last time there is when that is later (a keepAlive
+/// of a million years, a status hand-edited to the year 9999): such a
+/// deadline never comes, which is what it means.
+pub fn later(t: Timestamp, d: Duration) -> Timestamp {
+    SignedDuration::try_from(d)
+        .ok()
+        .and_then(|d| t.checked_add(d).ok())
+        .unwrap_or(Timestamp::MAX)
+}
+
 /// A time recorded in status; a hand-edited value that does not parse is
 /// no time.
 pub fn recorded_time(s: Option<&str>) -> Option<Timestamp> {

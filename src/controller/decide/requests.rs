@@ -6,23 +6,23 @@ use super::Decider;
 use crate::api::ModelState;
 use crate::controller::events::EventReason;
 use crate::controller::reasons::Reason;
-use crate::controller::state::recorded_time;
+use crate::controller::state::{later, recorded_time};
 use crate::engine::Admission;
 use crate::quantity::format_bytes;
-use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use k8s_openapi::jiff::Timestamp;
 
 impl<'a> Decider<'a> {
     /// Demand entries not processed yet, oldest first. A time too far
     /// ahead of the operator's clock is taken as now (and said so).
     pub(super) fn apply_requests(&mut self) {
         let now = self.input.now;
-        let skew = SignedDuration::try_from(self.input.max_skew).unwrap_or_default();
+        let horizon = later(now, self.input.max_skew);
         let mut pending: Vec<(Timestamp, &'a str, Timestamp)> = Vec::new();
         for request in &self.valid.demand {
-            if self.is_processed(request.model, request.at, now + skew) {
+            if self.is_processed(request.model, request.at, horizon) {
                 continue;
             }
-            let effective = if request.at > now + skew {
+            let effective = if request.at > horizon {
                 now
             } else {
                 request.at
@@ -35,7 +35,7 @@ impl<'a> Decider<'a> {
                 let message = format!(
                     "{model}: lastRequested {written} is {:.0}s ahead of the operator's clock (allowed: {}s); taken as {now}",
                     now.duration_until(written).as_secs_f64(),
-                    skew.as_secs()
+                    self.input.max_skew.as_secs()
                 );
                 self.event(model, EventReason::ClockSkew, message);
             }
@@ -94,7 +94,7 @@ impl<'a> Decider<'a> {
             let Some(last_used) = recorded_time(last_used) else {
                 continue;
             };
-            let expiry = last_used + SignedDuration::try_from(keep_alive).unwrap_or_default();
+            let expiry = later(last_used, keep_alive);
             if expiry > now {
                 let after = now.duration_until(expiry).unsigned_abs();
                 self.idle_requeue = Some(self.idle_requeue.map_or(after, |r| r.min(after)));

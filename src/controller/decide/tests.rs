@@ -542,3 +542,30 @@ fn an_idle_model_is_unloaded_at_its_keep_alive_without_polling() {
     let d = run(&r, &pods, 62);
     assert_eq!(condition(&d, "Ready").1, "InvalidSpec");
 }
+
+#[test]
+fn deadlines_past_the_last_representable_time_never_come_and_never_panic() {
+    // A keepAlive of eleven million years overflowed `lastUsed + keepAlive`
+    // and the reconcile panicked (which stopped the whole controller).
+    let mut r = residency("10Gi", &[("a", "2Gi", false)], &[("a", 1)]);
+    r.spec.keep_alive = Some("99999999999h".into());
+    let d = run(&r, &[], 2);
+    assert_eq!(state(&d, "a"), ModelState::Loading);
+    r.status = Some(d.status);
+    let pods = [live("a", 2 * GI, true, false)];
+    let d = run(&r, &pods, 3);
+    assert_eq!(state(&d, "a"), ModelState::Loaded, "never idle");
+    // A status hand-edited to the last second of the year 9999, with a
+    // keepAlive of a minute.
+    r.spec.keep_alive = Some("60s".into());
+    let mut status = d.status;
+    status.model_mut("a").unwrap().last_used = Some("9999-12-31T23:59:59Z".into());
+    r.status = Some(status);
+    let d = run(&r, &pods, 4);
+    assert_eq!(state(&d, "a"), ModelState::Loaded);
+    // An operator started with a clock-skew allowance as large.
+    let mut observed = Observed::new(&r, r.controller_owner_ref(&()).unwrap(), &pods, at(5));
+    observed.max_skew = std::time::Duration::from_secs(u64::MAX / 2);
+    let d = decide(&observed);
+    assert_eq!(state(&d, "a"), ModelState::Loaded);
+}
