@@ -97,6 +97,21 @@ fn bad_input_exits_2_with_file_line_and_problem() {
 }
 
 #[test]
+fn a_demand_for_a_name_no_registry_can_list_is_refused_before_any_write() {
+    // No cluster is reachable here: the name is refused before connecting.
+    for verb in ["load", "unload"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_model-residency"))
+            .args(["demand", verb, "gpu", "Small_A"])
+            .env("KUBECONFIG", "/nonexistent")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{verb}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("\"Small_A\" is not a model name"), "{err}");
+    }
+}
+
+#[test]
 fn crd_prints_the_committed_crd() {
     let out = run(&["crd"]);
     assert!(out.status.success());

@@ -8,6 +8,7 @@ use kube::api::Api;
 use model_residency::api::{ModelResidency, ModelState};
 use model_residency::controller::state::{restore, validate};
 use model_residency::demand;
+use model_residency::labels::is_dns_label;
 use model_residency::quantity::format_bytes;
 
 #[derive(clap::Args, Debug)]
@@ -45,6 +46,14 @@ fn not_found(e: kube::Error, residency: &str) -> Failure {
 }
 
 pub async fn demand(target: Target, command: DemandCommand) -> Result<(), Failure> {
+    let (DemandCommand::Load { model, .. } | DemandCommand::Unload { model, .. }) = &command;
+    // No registry can list it, and the API server on hand may not check a
+    // map's keys: refused here rather than written.
+    if !is_dns_label(model) {
+        return Err(Failure::bad_input(format!(
+            "{model:?} is not a model name (a DNS label: lowercase letters, digits and '-', at most 63)"
+        )));
+    }
     let api = api(&target).await?;
     match command {
         DemandCommand::Load { residency, model } => {

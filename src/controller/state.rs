@@ -7,7 +7,7 @@
 
 use crate::api::{ModelResidency, ModelResidencyStatus, ModelSpec, ModelStatus};
 use crate::engine::{Bytes, Engine};
-use crate::labels::fits_label_value;
+use crate::labels::{fits_label_value, is_dns_subdomain};
 use crate::quantity::{QuantityError, parse_bytes};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use std::collections::{HashMap, HashSet};
@@ -91,19 +91,6 @@ pub struct Valid<'a> {
     pub demand: Vec<Request<'a>>,
 }
 
-/// Whether `s` is a DNS-1123 subdomain, as a pod's `spec.nodeName` must be.
-fn is_node_name(s: &str) -> bool {
-    let label = |l: &str| {
-        let b = l.as_bytes();
-        let inner = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit();
-        !b.is_empty()
-            && inner(&b[0])
-            && inner(&b[b.len() - 1])
-            && b.iter().all(|c| inner(c) || *c == b'-')
-    };
-    (1..=253).contains(&s.len()) && s.split('.').all(label)
-}
-
 /// Checks a residency's spec and converts its quantities and times.
 pub fn validate(r: &ModelResidency) -> Result<Valid<'_>, InvalidSpec> {
     let name = r.metadata.name.as_deref().unwrap_or_default();
@@ -113,7 +100,7 @@ pub fn validate(r: &ModelResidency) -> Result<Valid<'_>, InvalidSpec> {
     let spec = &r.spec;
     // The schema says so too; an object stored before it did gets this
     // rather than a pod the API server rejects for every model.
-    if !is_node_name(&spec.node_name) {
+    if !is_dns_subdomain(&spec.node_name) {
         return Err(InvalidSpec::NodeName(spec.node_name.clone()));
     }
     let budget = parse_bytes(&spec.budget.0).map_err(InvalidSpec::Budget)?;
@@ -283,7 +270,7 @@ mod tests {
     #[test]
     fn node_names_are_dns_subdomains() {
         for ok in ["n", "node-a", "gpu-1.example.com", "a1", &"a".repeat(253)] {
-            assert!(is_node_name(ok), "{ok}");
+            assert!(is_dns_subdomain(ok), "{ok}");
         }
         for bad in [
             "",
@@ -296,7 +283,7 @@ mod tests {
             "Bad Node!",
             &"a".repeat(254),
         ] {
-            assert!(!is_node_name(bad), "{bad}");
+            assert!(!is_dns_subdomain(bad), "{bad}");
         }
         let mut r = residency(&[("a", "1Gi")]);
         r.spec.node_name = "Node_A".into();
