@@ -30,6 +30,7 @@ pub mod local;
 pub mod metrics;
 pub mod model_demand;
 pub mod node_agent;
+pub mod panic_guard;
 pub mod quantity;
 pub mod registry;
 pub mod router;

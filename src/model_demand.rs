@@ -194,6 +194,9 @@ pub enum Error {
     PatchStatus { source: kube::Error },
     #[error("the finalizer: {0}")]
     Finalizer(Box<kube::runtime::finalizer::Error<Error>>),
+    /// A bug: the reconcile panicked ([`crate::panic_guard`]).
+    #[error("the reconcile panicked: {0}")]
+    Panicked(String),
 }
 
 impl Error {
@@ -215,6 +218,7 @@ impl Error {
                 F::ApplyFailed(inner) | F::CleanupFailed(inner) => inner.metric_label(),
                 _ => "demand_finalizer",
             },
+            Error::Panicked(_) => "demand_panic",
         }
     }
 }
@@ -319,7 +323,13 @@ async fn cleanup(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
     Ok(Action::await_change())
 }
 
+/// Reconciles one ModelDemand; a panic in it is this object's failed
+/// reconcile ([`crate::panic_guard`]).
 pub async fn reconcile(md: Arc<ModelDemand>, ctx: Arc<Context>) -> Result<Action, Error> {
+    crate::panic_guard::guarded(reconcile_unguarded(md, ctx), Error::Panicked).await
+}
+
+async fn reconcile_unguarded(md: Arc<ModelDemand>, ctx: Arc<Context>) -> Result<Action, Error> {
     let ns = md.namespace().unwrap_or_default();
     let api: Api<ModelDemand> = Api::namespaced(ctx.client.clone(), &ns);
     finalizer(&api, FINALIZER, md, |event| async {
@@ -343,6 +353,9 @@ fn error_policy(md: Arc<ModelDemand>, error: &Error, ctx: Arc<Context>) -> Actio
     if error.is_finalizer_race() {
         // Settles as soon as the cache catches up.
         Action::requeue(Duration::from_millis(200))
+    } else if matches!(error, Error::Panicked(_)) {
+        // It will most likely panic again.
+        Action::requeue(Duration::from_secs(60))
     } else {
         Action::requeue(Duration::from_secs(2))
     }

@@ -327,28 +327,10 @@ async fn enact(r: &ModelResidency, ns: &str, d: &mut Decision, ctx: &Context) ->
     }
 }
 
-/// Reconciles one residency. A panic in it (a bug some input reaches) is
-/// this residency's failed reconcile, not the end of the controller: a
-/// panic inside kube-runtime's controller stream stops it for every
-/// residency while the process looks alive.
+/// Reconciles one residency; a panic in it is this residency's failed
+/// reconcile ([`crate::panic_guard`]).
 pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Action> {
-    guarded(reconcile_unguarded(r, ctx)).await
-}
-
-/// `work`, with a panic turned into [`Error::Panicked`].
-async fn guarded<T>(work: impl std::future::Future<Output = Result<T>>) -> Result<T> {
-    use futures::FutureExt;
-    match std::panic::AssertUnwindSafe(work).catch_unwind().await {
-        Ok(result) => result,
-        Err(panic) => {
-            let message = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
-            Err(Error::Panicked(message))
-        }
-    }
+    crate::panic_guard::guarded(reconcile_unguarded(r, ctx), Error::Panicked).await
 }
 
 #[tracing::instrument(skip(r, ctx), fields(namespace = r.namespace().unwrap_or_default(), residency = %r.name_any()))]
