@@ -48,12 +48,19 @@ pub struct Args {
     max_clock_skew: std::time::Duration,
 }
 
-/// A duration as `90s`, `1m`, `1m30s` or `0s`.
+/// A duration as `90s`, `1m`, `1m30s` or `0s`, at most 100 years (longer
+/// ones overflow the clocks they are added to: a deadline of
+/// `now + 2^63 s` panics).
 pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    const CENTURY: std::time::Duration = std::time::Duration::from_secs(100 * 365 * 24 * 3600);
     let d: k8s_openapi::jiff::SignedDuration = s
         .parse()
         .map_err(|e| format!("{s:?} is not a duration like 90s or 1m: {e}"))?;
-    std::time::Duration::try_from(d).map_err(|_| format!("{s:?} is negative"))
+    let d = std::time::Duration::try_from(d).map_err(|_| format!("{s:?} is negative"))?;
+    if d > CENTURY {
+        return Err(format!("{s:?} is longer than 100 years"));
+    }
+    Ok(d)
 }
 
 /// How a long-running subcommand (`run`, `route`, `node-agent`) logs.
@@ -254,5 +261,10 @@ mod tests {
         assert_eq!(parse_duration("0s"), Ok(Duration::ZERO));
         assert!(parse_duration("soon").is_err());
         assert!(parse_duration("-5s").is_err());
+        assert_eq!(
+            parse_duration("9223372036854775807s"),
+            Err("\"9223372036854775807s\" is longer than 100 years".into())
+        );
+        assert!(parse_duration("876000h").is_ok());
     }
 }
