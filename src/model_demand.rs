@@ -105,9 +105,13 @@ pub fn plan(
     };
     let key = r.spec.demand.get(model);
     let known = r.spec.models.iter().any(|m| &m.name == model);
+    let own = same_key
+        .then_some(previous.requested_at.as_deref())
+        .flatten();
     let write = match (requested_at, key) {
-        (None, Some(_)) => KeyWrite::Remove,
-        (None, None) => KeyWrite::Keep,
+        // 0 withdraws this ModelDemand's own request, not anyone else's.
+        (None, Some(t)) if holds_own_request(t, own) => KeyWrite::Remove,
+        (None, _) => KeyWrite::Keep,
         (Some(_), _) if !known => KeyWrite::Keep,
         (Some(at), None) => KeyWrite::Set(at),
         // A newer request (a router's, or ours) stands.
@@ -140,6 +144,21 @@ pub fn plan(
     }
     status.conditions = set.finish();
     (write, status)
+}
+
+/// Whether the key's time `key` is still the request a ModelDemand made at
+/// `own` (no one requested the model since). A later time is someone
+/// else's request (the router's traffic, `demand load`, another tool):
+/// scaling the ModelDemand to 0 or deleting it leaves that standing, so a
+/// ModelDemand at 0 never vetoes traffic (before, it removed every key
+/// written for its model, and requests the router held for that model
+/// waited out their load timeout).
+fn holds_own_request(key: &str, own: Option<&str>) -> bool {
+    let (Ok(key), Some(Ok(own))) = (key.parse::<Timestamp>(), own.map(str::parse::<Timestamp>))
+    else {
+        return false;
+    };
+    key <= own
 }
 
 /// A demand key: the namespace, residency and model a ModelDemand names.
@@ -267,12 +286,22 @@ async fn write_key(
     }
 }
 
-/// Removes `key` from its residency for `md`, unless another ModelDemand
-/// holds it now (that one takes it over, and its own replicas decide it).
+/// Withdraws `md`'s own request for `key` (the key it drove): removes the
+/// key if it still holds that request, unless another ModelDemand that
+/// holds the key now asks for the model (it requests it anew at once).
 async fn release(ctx: &Context, key: DemandKey<'_>, md: &ModelDemand) -> Result<(), Error> {
     let (_, _, model) = key;
-    let present = residency_of(ctx, key).is_some_and(|r| r.spec.demand.contains_key(model));
-    if present && held_by(ctx, key, md).is_none() {
+    let own = md.status.as_ref().and_then(|s| s.requested_at.as_deref());
+    let residency = residency_of(ctx, key);
+    let Some(t) = residency.as_ref().and_then(|r| r.spec.demand.get(model)) else {
+        return Ok(());
+    };
+    let successor_asks = held_by(ctx, key, md).is_some_and(|name| {
+        let ns = md.metadata.namespace.clone().unwrap_or_default();
+        let other = ctx.demands.get(&ObjectRef::new(&name).within(&ns));
+        other.is_some_and(|d| d.spec.replicas >= 1)
+    });
+    if holds_own_request(t, own) && !successor_asks {
         write_key(ctx, key, &KeyWrite::Remove).await?;
     }
     Ok(())
@@ -533,6 +562,35 @@ mod tests {
             (ready.status.as_str(), ready.reason.as_str()),
             ("False", "MadeRoom")
         );
+    }
+
+    #[test]
+    fn zero_withdraws_only_its_own_request() {
+        // Someone requested the model after this ModelDemand did (the
+        // router's traffic): going to 0 leaves that request standing.
+        let later = "2026-11-30T03:30:00Z";
+        let (write, status) = plan(
+            &md(0, Some(NOW)),
+            Some(&residency(Some(later), Some("Loaded"))),
+            None,
+            now(),
+        );
+        assert_eq!(write, KeyWrite::Keep);
+        assert_eq!(status.requested_at, None, "its own request is withdrawn");
+        // A ModelDemand at 0 that never asked vetoes nothing.
+        let (write, _) = plan(
+            &md(0, None),
+            Some(&residency(Some(NOW), Some("Loaded"))),
+            None,
+            now(),
+        );
+        assert_eq!(write, KeyWrite::Keep);
+        // Only a time it can read is its own.
+        assert!(holds_own_request(NOW, Some(NOW)));
+        assert!(holds_own_request("2026-11-30T02:00:00Z", Some(NOW)));
+        assert!(!holds_own_request(later, Some(NOW)));
+        assert!(!holds_own_request("yesterday", Some(NOW)));
+        assert!(!holds_own_request(NOW, None));
     }
 
     #[test]

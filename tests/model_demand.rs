@@ -3,7 +3,7 @@
 
 mod support;
 
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use model_residency::api::{ModelDemand, ModelResidency, ModelState};
 use serde_json::{Value, json};
 use support::cluster::eventually;
@@ -264,4 +264,66 @@ async fn a_demand_moved_to_another_model_leaves_no_request_behind() {
     let r: ModelResidency = h.api.get("gpu").await.unwrap();
     let keys: Vec<&String> = r.spec.demand.keys().collect();
     assert_eq!(keys, ["sdxl"]);
+}
+
+async fn scale(mds: &Api<ModelDemand>, name: &str, replicas: i32) -> ModelDemand {
+    let body = json!({"spec": {"replicas": replicas}});
+    let md = mds
+        .patch(name, &PatchParams::default(), &Patch::Merge(&body))
+        .await
+        .unwrap();
+    let generation = md.metadata.generation;
+    eventually(30, &format!("{name} at {replicas} to be seen"), || async {
+        let md = mds.get(name).await.unwrap();
+        let st = md.status.as_ref()?;
+        let seen =
+            st.observed_generation == generation && st.requested_at.is_some() == (replicas == 1);
+        seen.then_some(md)
+    })
+    .await
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_demand_at_zero_withdraws_its_own_request_and_never_vetoes_traffic() {
+    let h = Harness::start("mdem-veto").await;
+    h.create("gpu", "16000Mi", &[("zimage", "10900Mi", false)])
+        .await;
+    let mds: Api<ModelDemand> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    mds.create(&PostParams::default(), &new_demand("z", "gpu", "zimage", 0))
+        .await
+        .unwrap();
+    // Traffic (a demand write, as the router makes) loads the model while
+    // the ModelDemand is at 0. Before, the ModelDemand removed the key
+    // again at once, and the router's held requests waited out their
+    // load timeout.
+    h.request("gpu", "zimage").await;
+    h.until_state("gpu", "zimage", ModelState::Loaded, 30).await;
+    until_mirrored(&mds, "z", 1, "ModelLoaded").await;
+    let r: ModelResidency = h.api.get("gpu").await.unwrap();
+    assert!(r.spec.demand.contains_key("zimage"), "{:?}", r.spec.demand);
+    // 1 then 0 with nothing in between: its own request is withdrawn.
+    let md = scale(&mds, "z", 1).await;
+    let own = md.status.unwrap().requested_at.unwrap();
+    eventually(30, "the key to hold the ModelDemand's request", || async {
+        let r: ModelResidency = h.api.get("gpu").await.unwrap();
+        (r.spec.demand.get("zimage") == Some(&own)).then_some(())
+    })
+    .await;
+    scale(&mds, "z", 0).await;
+    h.until_state("gpu", "zimage", ModelState::Unloaded, 30)
+        .await;
+    // 1, then traffic, then 0: the traffic's later request stands.
+    scale(&mds, "z", 1).await;
+    h.until_state("gpu", "zimage", ModelState::Loaded, 30).await;
+    h.request("gpu", "zimage").await;
+    scale(&mds, "z", 0).await;
+    let r = h.converged("gpu").await;
+    assert!(r.spec.demand.contains_key("zimage"), "{:?}", r.spec.demand);
+    let state = r
+        .status
+        .as_ref()
+        .and_then(|s| s.model("zimage"))
+        .map(|m| m.state);
+    assert_eq!(state, Some(ModelState::Loaded));
 }
