@@ -563,3 +563,35 @@ async fn models_are_listed_and_routed_by_path() {
         metrics.body
     );
 }
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_router_whose_clock_runs_behind_still_loads_a_cold_model() {
+    let h = Harness::start("route-clock").await;
+    h.create("gpu", "8Gi", &[("qwen", "4Gi", false)]).await;
+    // A writer whose clock is 50 s ahead of this router's (within the
+    // operator's allowed skew) requested qwen; then it was unloaded. The
+    // residency has processed a request later than the router's clock.
+    let ahead = k8s_openapi::jiff::Timestamp::now() + Duration::from_secs(50);
+    model_residency::demand::load(&h.api, "gpu", "qwen", ahead)
+        .await
+        .unwrap();
+    h.until_state("gpu", "qwen", ModelState::Loaded, 30).await;
+    model_residency::demand::unload(&h.api, "gpu", "qwen")
+        .await
+        .unwrap();
+    h.until_state("gpu", "qwen", ModelState::Unloaded, 30).await;
+    let router = RouterUnderTest::start(&h, Config::default()).await;
+    // Before, the router wrote its own (earlier) time, which the operator
+    // ignored as processed, and wrote again on every change that caused:
+    // a loop of writes until its clock passed the other's.
+    let a = tokio::time::timeout(Duration::from_secs(20), router.chat("qwen"))
+        .await
+        .expect("served before the router's clock catches up");
+    assert_served_by(&a, "qwen");
+    let cold_writes = router.metric(
+        "model_residency_router_demand_writes_total",
+        r#"kind="cold""#,
+    );
+    assert_eq!(cold_writes, 1, "one request for one cold model");
+}

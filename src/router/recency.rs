@@ -60,8 +60,23 @@ impl Recency {
     }
 
     fn next_time(&self) -> Timestamp {
+        self.next_time_after(None)
+    }
+
+    /// The next request time, also later than `after` (the last request
+    /// the residency processed): a router whose clock runs behind the
+    /// writer of that request would otherwise write times the operator
+    /// ignores as already processed, and write them again on every change
+    /// it causes.
+    fn next_time_after(&self, after: Option<Timestamp>) -> Timestamp {
+        // Just after `t`; the last representable time (a status
+        // hand-edited to it) has no later one and is as late as it gets.
+        let just_after = |t: Timestamp| t.checked_add(Duration::from_micros(1)).unwrap_or(t);
         let mut last = self.last_time.lock().expect("recency lock");
-        let now = Timestamp::now().max(*last + Duration::from_micros(1));
+        let mut now = Timestamp::now().max(just_after(*last));
+        if let Some(after) = after {
+            now = now.max(just_after(after));
+        }
         *last = now;
         now
     }
@@ -98,7 +113,7 @@ impl Recency {
         }
         entry.dirty = false;
         entry.last_write = Some(now);
-        let at = self.next_time();
+        let at = self.next_time_after(processed);
         entry.written = Some(at);
         Some(at)
     }
@@ -216,6 +231,26 @@ mod tests {
         let again = r.cold(&key("b"), None, t0).unwrap();
         r.write_failed(&key("b"), again);
         assert!(r.cold(&key("b"), None, t0).is_some());
+    }
+
+    #[test]
+    fn a_cold_request_is_later_than_the_last_one_processed_whatever_this_clock_says() {
+        // The residency processed a request from a writer whose clock is
+        // ten minutes ahead of this router's: a request at this router's
+        // time would be ignored as already processed (and written again
+        // on every change it caused).
+        let r = Recency::new(Duration::from_secs(5));
+        let t0 = Instant::now();
+        let ahead = Timestamp::now() + Duration::from_secs(600);
+        let at = r.cold(&key("a"), Some(ahead), t0).unwrap();
+        assert!(at > ahead, "{at} after {ahead}");
+        assert!(r.unprocessed(&key("a"), Some(ahead)));
+        // Its own times stay increasing after that.
+        assert!(r.hit(&key("b"), t0).unwrap() > at);
+        // The last representable time has no later one, and no panic.
+        let last = Timestamp::MAX;
+        assert_eq!(r.cold(&key("c"), Some(last), t0), Some(last));
+        assert_eq!(r.hit(&key("d"), t0), Some(last));
     }
 
     #[test]
