@@ -15,7 +15,7 @@ use crate::demand;
 use crate::labels::{MODEL_LABEL, RESIDENCY_LABEL};
 use crate::metrics::Metrics;
 use futures::StreamExt;
-use k8s_openapi::jiff::Timestamp;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
@@ -78,14 +78,20 @@ pub fn plan(
     // kept (not renewed) while it stays 1.
     // A spec that now names another key starts afresh there.
     let same_key = retargeted_from(md).is_none();
-    let requested_at = wanted.then(|| {
-        previous
-            .requested_at
-            .as_deref()
-            .filter(|_| same_key)
-            .and_then(|t| t.parse().ok())
-            .unwrap_or(now)
-    });
+    let standing = previous
+        .requested_at
+        .as_deref()
+        .filter(|_| same_key)
+        .and_then(|t| t.parse().ok());
+    // A new request is later than the time the key holds: a writer whose
+    // clock runs ahead may have left one after now, and a request at an
+    // earlier time would be ignored as already processed.
+    let key_time = residency
+        .and_then(|r| r.spec.demand.get(model))
+        .and_then(|t| t.parse::<Timestamp>().ok());
+    let just_after = |t: Timestamp| t.checked_add(SignedDuration::from_micros(1)).unwrap_or(t);
+    let requested_at = wanted
+        .then(|| standing.unwrap_or_else(|| key_time.map_or(now, |k| now.max(just_after(k)))));
     let mut status = ModelDemandStatus {
         replicas: 0,
         selector,
@@ -591,6 +597,22 @@ mod tests {
         assert!(!holds_own_request(later, Some(NOW)));
         assert!(!holds_own_request("yesterday", Some(NOW)));
         assert!(!holds_own_request(NOW, None));
+    }
+
+    #[test]
+    fn going_to_one_is_later_than_a_key_a_fast_clock_left() {
+        // A writer 30 minutes ahead left the key (processed, then the
+        // model was evicted): a request at now would be ignored.
+        let ahead = "2026-11-30T03:30:00Z";
+        let (write, status) = plan(
+            &md(1, None),
+            Some(&residency(Some(ahead), Some("Evicted"))),
+            None,
+            now(),
+        );
+        let at: Timestamp = "2026-11-30T03:30:00.000001Z".parse().unwrap();
+        assert_eq!(write, KeyWrite::Set(at));
+        assert_eq!(status.requested_at, Some(at.to_string()));
     }
 
     #[test]
