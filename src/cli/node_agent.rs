@@ -24,8 +24,10 @@ pub struct Args {
     /// The most the artifacts may declare together on this node.
     #[arg(long, env = "DISK_BUDGET")]
     disk_budget: String,
-    /// URI prefixes artifacts may be fetched from, comma-separated (e.g.
-    /// `https://models.example.com/,http://minio.models:9000/`). None by
+    /// Sources artifacts may be fetched from, comma-separated http(s) URIs
+    /// (e.g. `https://models.example.com/,http://minio.models:9000/`): a
+    /// file's URI must have a source's scheme, host and port and a path
+    /// under its path. None by
     /// default: every source is refused, so a tenant's ModelResidency cannot
     /// make nodes fetch arbitrary addresses.
     #[arg(long, env = "ALLOWED_SOURCES", value_delimiter = ',')]
@@ -47,6 +49,16 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         return Err(Failure::bad_input(
             "--allowed-sources: an empty prefix would allow every source",
         ));
+    }
+    // A prefix allows a scheme, host and port and a path under it; one that
+    // names no host would silently allow nothing.
+    if let Some(bad) = args.allowed_sources.iter().find(|s| {
+        let uri = s.trim().parse::<http::Uri>();
+        !uri.is_ok_and(|u| matches!(u.scheme_str(), Some("http" | "https")) && u.host().is_some())
+    }) {
+        return Err(Failure::bad_input(format!(
+            "--allowed-sources: {bad:?} is not an http(s) URI with a host (like https://models.example.com/)"
+        )));
     }
     let client = cluster_client().await?;
     let endpoints = Arc::new(Endpoints::default());

@@ -111,6 +111,40 @@ struct Checked {
     sha256: Option<Vec<u8>>,
 }
 
+/// Whether `uri` is under the allowed source `prefix`: the same scheme,
+/// host and port, no user info, and a path under the prefix's on a segment
+/// boundary. Compared as text, `https://models.example.com` let through
+/// `https://models.example.com.evil.net/...` and
+/// `https://models.example.com@evil.net/...` (whose host is evil.net).
+pub fn is_under(uri: &http::Uri, prefix: &str) -> bool {
+    let Ok(p) = prefix.trim().parse::<http::Uri>() else {
+        return false;
+    };
+    let port = |u: &http::Uri| {
+        u.port_u16().or(match u.scheme_str() {
+            Some("https") => Some(443),
+            Some("http") => Some(80),
+            _ => None,
+        })
+    };
+    let userinfo = |u: &http::Uri| u.authority().is_some_and(|a| a.as_str().contains('@'));
+    let same_origin = p.scheme_str().is_some()
+        && uri.scheme_str().map(str::to_ascii_lowercase)
+            == p.scheme_str().map(str::to_ascii_lowercase)
+        && p.host().is_some()
+        && uri.host().map(str::to_ascii_lowercase) == p.host().map(str::to_ascii_lowercase)
+        && port(uri) == port(&p)
+        && !userinfo(uri)
+        && !userinfo(&p);
+    let (base, path) = (p.path(), uri.path());
+    same_origin
+        && (base == "/"
+            || path == base
+            || path
+                .strip_prefix(base)
+                .is_some_and(|rest| base.ends_with('/') || rest.starts_with('/')))
+}
+
 /// Checks every file before anything is fetched: allowed source, http(s),
 /// a relative path that stays inside the directory, a well-formed sha256.
 fn check(files: &[FileSource], allowed: &[String]) -> Result<Vec<Checked>, FetchError> {
@@ -124,10 +158,7 @@ fn check(files: &[FileSource], allowed: &[String]) -> Result<Vec<Checked>, Fetch
         if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
             return Err(FetchError::BadUri { uri: f.uri.clone() });
         }
-        if !allowed
-            .iter()
-            .any(|prefix| f.uri.starts_with(prefix.as_str()))
-        {
+        if !allowed.iter().any(|prefix| is_under(&uri, prefix)) {
             return Err(FetchError::NotAllowed {
                 uri: f.uri.clone(),
                 allowed: if allowed.is_empty() {
@@ -466,6 +497,41 @@ mod tests {
             uri: uri.into(),
             path: path.map(Into::into),
             sha256: None,
+        }
+    }
+
+    #[test]
+    fn a_source_is_allowed_by_origin_and_path_not_by_text() {
+        let under = |uri: &str, prefix: &str| is_under(&uri.parse().unwrap(), prefix);
+        for prefix in ["https://models.example.com", "https://models.example.com/"] {
+            assert!(under("https://models.example.com/qwen/w.bin", prefix));
+            assert!(under("HTTPS://Models.Example.com:443/qwen/w.bin", prefix));
+            // What a text prefix let through.
+            assert!(!under("https://models.example.com.evil.net/w.bin", prefix));
+            assert!(!under("https://models.example.com@evil.net/w.bin", prefix));
+            assert!(!under("https://models.example.com:8443/w.bin", prefix));
+            assert!(!under("http://models.example.com/w.bin", prefix));
+        }
+        let prefix = "http://minio.models:9000/bucket";
+        assert!(under("http://minio.models:9000/bucket/qwen/w.bin", prefix));
+        assert!(under("http://minio.models:9000/bucket", prefix));
+        assert!(!under(
+            "http://minio.models:9000/bucket-other/w.bin",
+            prefix
+        ));
+        assert!(!under("http://minio.models/bucket/w.bin", prefix));
+        assert!(under(
+            "http://minio.models:9000/bucket/w.bin",
+            "http://minio.models:9000/bucket/"
+        ));
+        // A prefix that is not an http(s) URI with a host allows nothing.
+        for bad in [
+            "models.example.com",
+            "/bucket",
+            "",
+            "https://user@models.example.com/",
+        ] {
+            assert!(!under("https://models.example.com/w.bin", bad), "{bad:?}");
         }
     }
 
