@@ -6,7 +6,10 @@
 //! Semantics: `replicas` going from 0 to 1 is a request at that moment;
 //! while it stays 1 the demand key keeps that time (a standing request is
 //! not renewed, so two standing requests that do not fit do not thrash);
-//! 0 removes the key (an unload), and so does deleting the object. Status
+//! 0 withdraws this object's own request, removing the key (an unload)
+//! while it still holds the time this object set (a later request by
+//! anyone else, such as the router's traffic, stands), and so does
+//! deleting the object. Status
 //! mirrors the residency's view of the model: `replicas` is 1 while the
 //! model is resident and Ready.
 
@@ -21,7 +24,7 @@ use serde::{Deserialize, Serialize};
     group = "residency.dev",
     version = "v1alpha1",
     kind = "ModelDemand",
-    doc = "One model on one ModelResidency, with a /scale subresource for HPA, KEDA and kubectl scale: replicas 1 requests it, 0 unloads it.",
+    doc = "One model on one ModelResidency, with a /scale subresource for HPA, KEDA and kubectl scale: replicas 1 requests it, 0 withdraws that request (an unload unless someone requested the model since).",
     plural = "modeldemands",
     singular = "modeldemand",
     shortname = "mdem",
@@ -50,8 +53,9 @@ pub struct ModelDemandSpec {
         regex(pattern = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
     )]
     pub model: String,
-    /// 1: the model is wanted (the change from 0 is a request); 0: it is
-    /// not (its demand key is removed, which unloads it).
+    /// 1: the model is wanted (the change from 0 is a request); 0: this
+    /// object's request is withdrawn (its demand key is removed, which
+    /// unloads the model, unless someone requested it since).
     #[serde(default)]
     #[schemars(range(min = 0, max = 1))]
     pub replicas: i32,
