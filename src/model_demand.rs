@@ -11,17 +11,19 @@
 use crate::api::{ModelDemand, ModelDemandStatus, ModelResidency, ModelState};
 use crate::controller::MANAGER;
 use crate::controller::conditions::ConditionSet;
+use crate::controller::state::later;
 use crate::demand;
 use crate::labels::{MODEL_LABEL, RESIDENCY_LABEL};
 use crate::metrics::Metrics;
 use futures::StreamExt;
-use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::finalizer::{Event, finalizer};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
+use std::borrow::Borrow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -89,7 +91,7 @@ pub fn plan(
     let key_time = residency
         .and_then(|r| r.spec.demand.get(model))
         .and_then(|t| t.parse::<Timestamp>().ok());
-    let just_after = |t: Timestamp| t.checked_add(SignedDuration::from_micros(1)).unwrap_or(t);
+    let just_after = |t| later(t, Duration::from_micros(1));
     let requested_at = wanted
         .then(|| standing.unwrap_or_else(|| key_time.map_or(now, |k| now.max(just_after(k)))));
     let mut status = ModelDemandStatus {
@@ -190,11 +192,11 @@ pub fn retargeted_from(md: &ModelDemand) -> Option<DemandKey<'_>> {
 /// (then the first by name). `None` when `me` holds it, or no other names
 /// it. A ModelDemand being deleted holds nothing, so the next one takes
 /// over as soon as the deletion starts.
-pub fn holder_of<'a>(
+pub fn holder_of<'a, D: Borrow<ModelDemand>>(
     key: DemandKey<'_>,
     me: &str,
-    all: impl IntoIterator<Item = &'a ModelDemand>,
-) -> Option<String> {
+    all: impl IntoIterator<Item = &'a D>,
+) -> Option<&'a D> {
     let age = |d: &ModelDemand| {
         (
             d.metadata.creation_timestamp.as_ref().map(|t| t.0),
@@ -203,9 +205,12 @@ pub fn holder_of<'a>(
     };
     let holder = all
         .into_iter()
-        .filter(|d| key_of(d) == key && d.metadata.deletion_timestamp.is_none())
-        .min_by_key(|d| age(d))?;
-    (holder.name_any() != me).then(|| holder.name_any())
+        .filter(|d| {
+            let d: &ModelDemand = (*d).borrow();
+            key_of(d) == key && d.metadata.deletion_timestamp.is_none()
+        })
+        .min_by_key(|d| age((*d).borrow()))?;
+    (holder.borrow().name_any() != me).then_some(holder)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -259,9 +264,9 @@ pub struct Context {
 }
 
 /// The ModelDemand other than `md` that holds `key`, from the cache.
-fn held_by(ctx: &Context, key: DemandKey<'_>, md: &ModelDemand) -> Option<String> {
+fn held_by(ctx: &Context, key: DemandKey<'_>, md: &ModelDemand) -> Option<Arc<ModelDemand>> {
     let all = ctx.demands.state();
-    holder_of(key, &md.name_any(), all.iter().map(|d| &**d))
+    holder_of(key, &md.name_any(), &all).cloned()
 }
 
 fn residency_of(ctx: &Context, (ns, residency, _): DemandKey<'_>) -> Option<Arc<ModelResidency>> {
@@ -302,11 +307,7 @@ async fn release(ctx: &Context, key: DemandKey<'_>, md: &ModelDemand) -> Result<
     let Some(t) = residency.as_ref().and_then(|r| r.spec.demand.get(model)) else {
         return Ok(());
     };
-    let successor_asks = held_by(ctx, key, md).is_some_and(|name| {
-        let ns = md.metadata.namespace.clone().unwrap_or_default();
-        let other = ctx.demands.get(&ObjectRef::new(&name).within(&ns));
-        other.is_some_and(|d| d.spec.replicas >= 1)
-    });
+    let successor_asks = held_by(ctx, key, md).is_some_and(|d| d.spec.replicas >= 1);
     if holds_own_request(t, own) && !successor_asks {
         write_key(ctx, key, &KeyWrite::Remove).await?;
     }
@@ -320,7 +321,7 @@ async fn apply(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
         release(ctx, old, &md).await?;
     }
     let residency = residency_of(ctx, key_of(&md));
-    let holder = held_by(ctx, key_of(&md), &md);
+    let holder = held_by(ctx, key_of(&md), &md).map(|d| d.name_any());
     let (write, status) = plan(
         &md,
         residency.as_deref(),
@@ -646,8 +647,9 @@ mod tests {
         let second = named("a-second", "2026-11-30T02:00:00Z", "zimage");
         let other_model = named("c", "2026-11-30T00:00:00Z", "sdxl");
         let all = [first.clone(), second.clone(), other_model.clone()];
-        let holder =
-            |md: &ModelDemand, all: &[ModelDemand]| holder_of(key_of(md), &md.name_any(), all);
+        let holder = |md: &ModelDemand, all: &[ModelDemand]| {
+            holder_of(key_of(md), &md.name_any(), all).map(|d| d.name_any())
+        };
         assert_eq!(holder(&first, &all), None, "the oldest holds it");
         assert_eq!(holder(&second, &all).as_deref(), Some("b-first"));
         assert_eq!(holder(&other_model, &all), None);

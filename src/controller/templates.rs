@@ -86,7 +86,13 @@ pub fn rejects_the_pod(e: &kube::Error) -> Option<String> {
 impl TemplateVerdicts {
     fn known(&self, (ns, residency, hash): (&str, &str, u64), now: Instant) -> Known {
         let rejected = self.rejected.lock().expect("verdicts lock");
-        if let Some(r) = rejected.get(&(ns.to_owned(), residency.to_owned(), hash)) {
+        // Every template of every reconcile comes here, and nearly always
+        // nothing is rejected: no key is built for an empty map.
+        let key = || (ns.to_owned(), residency.to_owned(), hash);
+        if let Some(r) = (!rejected.is_empty())
+            .then(|| rejected.get(&key()))
+            .flatten()
+        {
             return if now < r.recheck_at {
                 Known::Rejected(r.message.clone(), r.recheck_at - now)
             } else {

@@ -16,6 +16,7 @@
 //!
 //! Pure bookkeeping: the caller does the writes.
 
+use crate::controller::state::later;
 use k8s_openapi::jiff::Timestamp;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -71,7 +72,7 @@ impl Recency {
     fn next_time_after(&self, after: Option<Timestamp>) -> Timestamp {
         // Just after `t`; the last representable time (a status
         // hand-edited to it) has no later one and is as late as it gets.
-        let just_after = |t: Timestamp| t.checked_add(Duration::from_micros(1)).unwrap_or(t);
+        let just_after = |t| later(t, Duration::from_micros(1));
         let mut last = self.last_time.lock().expect("recency lock");
         let mut now = Timestamp::now().max(just_after(*last));
         if let Some(after) = after {
