@@ -4,11 +4,11 @@
 //! recency: monitors and client libraries poll them, and a poll that
 //! loaded its model would keep every model it asks about resident.
 
-use super::errors::Refusal;
+use super::errors::{Refusal, json_response};
 use super::snapshot::Snapshot;
 use crate::api::ModelState;
 use bytes::Bytes;
-use http::{HeaderValue, Method, Response, StatusCode, header};
+use http::{Method, Response, StatusCode};
 use http_body_util::Full;
 use serde_json::{Value, json};
 
@@ -142,12 +142,7 @@ fn model(snap: &Snapshot, name: &str) -> Value {
 }
 
 fn ok(body: Value) -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(Bytes::from(body.to_string())));
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    response
+    json_response(StatusCode::OK, &body)
 }
 
 fn empty(status: StatusCode) -> Response<Full<Bytes>> {

@@ -7,6 +7,17 @@ use http::{HeaderValue, Response, StatusCode, header};
 use serde_json::json;
 use std::time::Duration;
 
+/// A JSON answer of the router's own.
+pub fn json_response<B: From<Bytes>>(status: StatusCode, body: &serde_json::Value) -> Response<B> {
+    let mut response = Response::new(B::from(Bytes::from(body.to_string())));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
 /// Why a request was not proxied.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Refusal {
@@ -85,13 +96,8 @@ impl Refusal {
     pub fn response<B: From<Bytes>>(&self) -> Response<B> {
         let (type_, code) = self.kind();
         let body = json!({"error": {"message": self.message(), "type": type_, "code": code}});
-        let mut response = Response::new(B::from(Bytes::from(body.to_string())));
-        *response.status_mut() = self.status();
+        let mut response = json_response(self.status(), &body);
         let headers = response.headers_mut();
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
         if let Some(after) = self.retry_after() {
             // Whole seconds, at least one (a zero would invite a spin).
             let secs = after.as_secs_f64().ceil().max(1.0) as u64;
