@@ -24,6 +24,7 @@ use kube::runtime::finalizer::{Event, finalizer};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use std::borrow::Borrow;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -261,6 +262,33 @@ pub struct Context {
     pub residencies: Store<ModelResidency>,
     /// This controller's cache of ModelDemands: who holds a model's key.
     pub demands: Store<ModelDemand>,
+    /// The last request time this process wrote for each key. A reconcile
+    /// reads its ModelDemand from the cache, which can predate the status
+    /// the previous reconcile wrote (and so its `requestedAt`); this says
+    /// which key time is this controller's own request meanwhile.
+    pub written: std::sync::Mutex<HashMap<Written, Timestamp>>,
+}
+
+/// A ModelDemand's name and a key it wrote, for [`Context::written`].
+type Written = (String, String, String, String);
+
+fn owned(md: &ModelDemand, (ns, residency, model): DemandKey<'_>) -> Written {
+    let ns = ns.unwrap_or_default().to_owned();
+    (ns, md.name_any(), residency.to_owned(), model.to_owned())
+}
+
+/// `md`'s own request time for `key`: the later of its status's
+/// `requestedAt` and what this process last wrote for it.
+fn own_request(ctx: &Context, key: DemandKey<'_>, md: &ModelDemand) -> Option<Timestamp> {
+    let recorded = md.status.as_ref().and_then(|s| s.requested_at.as_deref());
+    let recorded = recorded.and_then(|t| t.parse::<Timestamp>().ok());
+    let written = ctx
+        .written
+        .lock()
+        .expect("written lock")
+        .get(&owned(md, key))
+        .copied();
+    recorded.max(written)
 }
 
 /// The ModelDemand other than `md` that holds `key`, from the cache.
@@ -276,9 +304,11 @@ fn residency_of(ctx: &Context, (ns, residency, _): DemandKey<'_>) -> Option<Arc<
 
 async fn write_key(
     ctx: &Context,
-    (ns, residency, model): DemandKey<'_>,
+    md: &ModelDemand,
+    key: DemandKey<'_>,
     write: &KeyWrite,
 ) -> Result<(), Error> {
+    let (ns, residency, model) = key;
     let api: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), ns.unwrap_or_default());
     let result = match write {
         KeyWrite::Keep => return Ok(()),
@@ -286,6 +316,13 @@ async fn write_key(
         KeyWrite::Remove => demand::unload(&api, residency, model).await,
     };
     ctx.metrics.api_request("patch", "modelresidencies");
+    if result.is_ok() {
+        let mut written = ctx.written.lock().expect("written lock");
+        match write {
+            KeyWrite::Set(at) => written.insert(owned(md, key), *at),
+            _ => written.remove(&owned(md, key)),
+        };
+    }
     match result {
         Ok(_) => Ok(()),
         // Deleted meanwhile: nothing left to write into.
@@ -302,14 +339,15 @@ async fn write_key(
 /// holds the key now asks for the model (it requests it anew at once).
 async fn release(ctx: &Context, key: DemandKey<'_>, md: &ModelDemand) -> Result<(), Error> {
     let (_, _, model) = key;
-    let own = md.status.as_ref().and_then(|s| s.requested_at.as_deref());
+    let own = own_request(ctx, key, md).map(|t| t.to_string());
+    let own = own.as_deref();
     let residency = residency_of(ctx, key);
     let Some(t) = residency.as_ref().and_then(|r| r.spec.demand.get(model)) else {
         return Ok(());
     };
     let successor_asks = held_by(ctx, key, md).is_some_and(|d| d.spec.replicas >= 1);
     if holds_own_request(t, own) && !successor_asks {
-        write_key(ctx, key, &KeyWrite::Remove).await?;
+        write_key(ctx, md, key, &KeyWrite::Remove).await?;
     }
     Ok(())
 }
@@ -320,15 +358,22 @@ async fn apply(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
     if let Some(old) = retargeted_from(&md) {
         release(ctx, old, &md).await?;
     }
+    // Planned from this controller's own latest request, which the cache
+    // may not show yet (the status is still compared with the cache's).
+    let mut planned = (*md).clone();
+    if let Some(t) = own_request(ctx, key_of(&md), &md) {
+        let status = planned.status.get_or_insert_with(Default::default);
+        status.requested_at = Some(t.to_string());
+    }
     let residency = residency_of(ctx, key_of(&md));
     let holder = held_by(ctx, key_of(&md), &md).map(|d| d.name_any());
     let (write, status) = plan(
-        &md,
+        &planned,
         residency.as_deref(),
         holder.as_deref(),
         Timestamp::now(),
     );
-    write_key(ctx, key_of(&md), &write).await?;
+    write_key(ctx, &md, key_of(&md), &write).await?;
     if md.status.as_ref() != Some(&status) {
         let api: Api<ModelDemand> = Api::namespaced(ctx.client.clone(), &ns);
         let body = serde_json::json!({
@@ -356,6 +401,9 @@ async fn cleanup(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
         release(ctx, old, &md).await?;
     }
     release(ctx, key_of(&md), &md).await?;
+    let (ns, name) = (md.namespace().unwrap_or_default(), md.name_any());
+    let mut written = ctx.written.lock().expect("written lock");
+    written.retain(|(n, d, _, _), _| (n, d) != (&ns, &name));
     Ok(Action::await_change())
 }
 
@@ -460,6 +508,7 @@ pub async fn run(
         metrics,
         residencies,
         demands: demand_cache,
+        written: Default::default(),
     });
     controller
         .watches(demands, watcher::Config::default(), siblings_of)
