@@ -168,6 +168,7 @@ async fn time_to_ready(plane: &ControlPlane, model_mib: usize) {
         client.clone(),
         config,
         Arc::default(),
+        Arc::default(),
         std::future::pending(),
     ));
     let template = json!({"spec": {"containers": [{"name": "s", "image": "i"}]}});

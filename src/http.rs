@@ -1,11 +1,10 @@
-//! The operator's HTTP endpoints: `/healthz`, `/readyz`, `/metrics`, served
+//! The processes' HTTP endpoints: `/healthz`, `/readyz`, `/metrics`, served
 //! with hyper (HTTP/1.1, keep-alive, a 5 s header timeout); and [`send`], a
 //! one-request hyper client for the demo and the tests.
 //!
 //! Read-only by construction: only `GET` (and `HEAD`) of these three paths
 //! are answered; anything else gets 404 or 405.
 
-use crate::metrics::Metrics;
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full};
@@ -21,13 +20,23 @@ use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
 
 /// What the endpoints serve: readiness and the metrics.
-#[derive(Default)]
 pub struct Endpoints {
-    /// Set once the controller's first watch list has been synced (and,
-    /// with leader election, also while standing by: a standby is ready to
-    /// take over).
+    /// Set once the process's first watch list has been synced (and, for
+    /// the controller with leader election, also while standing by: a
+    /// standby is ready to take over).
     pub ready: AtomicBool,
-    pub metrics: Arc<Metrics>,
+    /// The metrics' exposition text, made at each scrape.
+    encode: Box<dyn Fn() -> String + Send + Sync>,
+}
+
+impl Endpoints {
+    /// Not ready yet; `/metrics` answers `encode()`.
+    pub fn new(encode: impl Fn() -> String + Send + Sync + 'static) -> Self {
+        Endpoints {
+            ready: AtomicBool::new(false),
+            encode: Box::new(encode),
+        }
+    }
 }
 
 /// Serves until the task is dropped.
@@ -71,7 +80,7 @@ pub async fn accept_loop(listener: TcpListener, mut connection: impl FnMut(TcpSt
 
 fn respond<B>(req: &Request<B>, endpoints: &Endpoints) -> Response<Full<Bytes>> {
     let ready = endpoints.ready.load(Ordering::Relaxed);
-    probe(req, ready, || endpoints.metrics.encode())
+    probe(req, ready, || (endpoints.encode)())
         .unwrap_or_else(|| text_response(StatusCode::NOT_FOUND, TEXT, "not found\n".to_owned()))
 }
 
@@ -189,7 +198,8 @@ mod tests {
     async fn answers_only_reads_of_the_three_endpoints() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let endpoints = Arc::new(Endpoints::default());
+        let metrics = Arc::new(crate::metrics::Metrics::default());
+        let endpoints = Arc::new(Endpoints::new(move || metrics.encode()));
         tokio::spawn(serve(listener, endpoints.clone()));
         let status = |m: &'static str, p: &'static str| async move {
             send(addr, m, p, "").await.unwrap().status

@@ -15,31 +15,55 @@ use std::process::{Child, Command};
 use std::sync::atomic::Ordering;
 use support::artifact_server::{serve, sha256_hex, weights};
 use support::cluster::eventually;
+use support::http::{free_port, send};
 use support::operator::Harness;
 
 /// The agent process; killed (SIGKILL, no cleanup) when dropped.
-struct Agent(Child);
+struct Agent {
+    process: Child,
+    /// Where it serves /healthz, /readyz and /metrics.
+    http: SocketAddr,
+}
 
 impl Drop for Agent {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
+
+impl Agent {
+    /// The sum of a metric's samples whose labels contain `labels`, as
+    /// the agent's /metrics says now.
+    async fn metric(&self, metric: &str, labels: &str) -> u64 {
+        let answer = send(self.http, "GET", "/metrics", "").await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        model_residency::metrics::sum_where(&answer.body, metric, labels)
     }
 }
 
 fn start_agent(h: &Harness, cache: &Path, budget: &str, allowed: &str) -> Agent {
     // The agent's log, beside the cache (kept while the test runs).
     let log = std::fs::File::create(cache.with_extension("log")).unwrap();
+    let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_model-residency"));
     cmd.env("KUBECONFIG", h.env.plane.kubeconfig())
         .env("RUST_LOG", "info")
         .args(["node-agent", "--node", &h.node, "--disk-budget", budget])
         .arg("--cache-dir")
         .arg(cache)
-        .args(["--allowed-sources", allowed, "--http-addr", "127.0.0.1:0"])
+        .args([
+            "--allowed-sources",
+            allowed,
+            "--http-addr",
+            &http.to_string(),
+        ])
         .stdout(std::process::Stdio::null())
         .stderr(log);
-    Agent(spawn_owned(cmd).expect("start the node agent"))
+    Agent {
+        process: spawn_owned(cmd).expect("start the node agent"),
+        http,
+    }
 }
 
 /// A registry entry with a pod template and, optionally, an artifact.
@@ -104,7 +128,7 @@ async fn an_artifact_is_fetched_once_mounted_and_reused_after_eviction() {
     let (addr, requests) = serve().await;
     let dir = tempfile::tempdir().unwrap();
     let cache = dir.path().join("cache");
-    let _agent = start_agent(&h, &cache, "10Mi", &format!("http://{addr}/"));
+    let agent = start_agent(&h, &cache, "10Mi", &format!("http://{addr}/"));
     create(
         &h,
         "gpu",
@@ -159,6 +183,41 @@ async fn an_artifact_is_fetched_once_mounted_and_reused_after_eviction() {
         1,
         "a cached artifact is not fetched again"
     );
+    // What the agent's /metrics says of it (the gauges as last published).
+    const M: &str = "model_residency_node_agent_";
+    assert_eq!(
+        agent
+            .metric(&format!("{M}fetches_total"), r#"result="Fetched""#)
+            .await,
+        1
+    );
+    assert_eq!(agent.metric(&format!("{M}fetches_total"), "").await, 1);
+    assert_eq!(
+        agent.metric(&format!("{M}fetched_bytes_total"), "").await,
+        weights().len() as u64
+    );
+    assert_eq!(
+        agent
+            .metric(&format!("{M}fetch_duration_seconds_count"), "")
+            .await,
+        1
+    );
+    assert_eq!(
+        agent.metric(&format!("{M}disk_budget_bytes"), "").await,
+        10 << 20
+    );
+    assert_eq!(
+        agent.metric(&format!("{M}disk_used_bytes"), "").await,
+        1 << 20,
+        "the artifact's declared size"
+    );
+    assert_eq!(
+        agent
+            .metric(&format!("{M}artifacts"), r#"state="Ready""#)
+            .await,
+        1
+    );
+    assert_eq!(agent.metric(&format!("{M}evictions_total"), "").await, 0);
 }
 
 #[tokio::test]
@@ -168,7 +227,7 @@ async fn artifact_failures_fail_the_load_with_their_reason_and_leave_nothing() {
     let (addr, requests) = serve().await;
     let dir = tempfile::tempdir().unwrap();
     let cache = dir.path().join("cache");
-    let _agent = start_agent(&h, &cache, "10Mi", &format!("http://{addr}/"));
+    let agent = start_agent(&h, &cache, "10Mi", &format!("http://{addr}/"));
     let artifact = |uri: String, sha: Option<String>, size: &str| json!({"files": [{"uri": uri, "sha256": sha}], "size": size});
     create(
         &h,
@@ -244,6 +303,20 @@ async fn artifact_failures_fail_the_load_with_their_reason_and_leave_nothing() {
     assert!(
         requests.load(Ordering::Relaxed) >= 2,
         "badsum and missing were fetched, the others never"
+    );
+    // Each failure is counted by its reason (retries count again); the
+    // refused one was never fetched.
+    let fetches = "model_residency_node_agent_fetches_total";
+    for reason in ["ChecksumMismatch", "SourceNotAllowed", "DownloadFailed"] {
+        let n = agent.metric(fetches, &format!("result=\"{reason}\"")).await;
+        assert!(n >= 1, "{reason}: {n}");
+    }
+    assert_eq!(agent.metric(fetches, r#"result="Fetched""#).await, 0);
+    assert_eq!(
+        agent
+            .metric("model_residency_node_agent_artifacts", r#"state="Refused""#)
+            .await,
+        1
     );
 }
 
@@ -360,7 +433,7 @@ async fn a_storm_of_loads_never_puts_more_on_disk_than_the_budget() {
     let cache = dir.path().join("cache");
     // Room for three 300Ki artifacts (each file is 256 KiB): a pinned one
     // and two others.
-    let _agent = start_agent(&h, &cache, "900Ki", &format!("http://{addr}/"));
+    let agent = start_agent(&h, &cache, "900Ki", &format!("http://{addr}/"));
     let artifact =
         json!({"files": [{"uri": format!("http://{addr}/weights.bin")}], "size": "300Ki"});
     let mut models = vec![{
@@ -429,6 +502,10 @@ async fn a_storm_of_loads_never_puts_more_on_disk_than_the_budget() {
         "least recently used artifacts were evicted: {:?}",
         status.artifacts
     );
+    let evicted = agent
+        .metric("model_residency_node_agent_evictions_total", "")
+        .await;
+    assert!(evicted >= 1, "evictions counted: {evicted}");
     let r = h.api.get("gpu").await.unwrap();
     assert!(
         r.status

@@ -13,6 +13,7 @@ use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 use support::cluster::{eventually, test_env};
+use support::http::free_port;
 
 /// GETs `path` from the operator on `port`: the status and the body.
 async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
@@ -21,14 +22,6 @@ async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
         .await
         .ok()?;
     Some((answer.status, answer.body))
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

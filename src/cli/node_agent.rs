@@ -1,6 +1,6 @@
 //! `model-residency node-agent`: keeps model artifacts on this node's disk
 //! within a budget (see `model_residency::node_agent`). Serves `/healthz`,
-//! `/readyz` and `/metrics`; stops on SIGTERM or Ctrl-C (a download in
+//! `/readyz` and `/metrics` (`node_agent::metrics`); stops on SIGTERM or Ctrl-C (a download in
 //! flight is abandoned; its partial directory is removed at the next
 //! start).
 
@@ -8,6 +8,7 @@ use super::Failure;
 use super::operator::{Logging, cluster_client, fatal, termination};
 use model_residency::http::{Endpoints, serve};
 use model_residency::node_agent::agent::{AgentConfig, run as run_agent};
+use model_residency::node_agent::metrics::AgentMetrics;
 use model_residency::quantity::parse_bytes;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -61,7 +62,11 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         )));
     }
     let client = cluster_client().await?;
-    let endpoints = Arc::new(Endpoints::default());
+    let metrics = Arc::new(AgentMetrics::default());
+    let endpoints = Arc::new(Endpoints::new({
+        let metrics = metrics.clone();
+        move || metrics.encode()
+    }));
     let listener = tokio::net::TcpListener::bind(args.http_addr)
         .await
         .map_err(|e| fatal(format!("cannot listen on {}: {e}", args.http_addr)))?;
@@ -89,7 +94,7 @@ pub async fn run(args: Args) -> Result<(), Failure> {
                 .store(true, std::sync::atomic::Ordering::Relaxed);
         })
     };
-    let result = run_agent(client, config, ready, termination()).await;
+    let result = run_agent(client, config, ready, metrics, termination()).await;
     mirror.abort();
     http.abort();
     result.map_err(fatal)

@@ -170,7 +170,11 @@ pub async fn run(args: Args) -> Result<(), Failure> {
     )
     .await?;
 
-    let endpoints = Arc::new(Endpoints::default());
+    let metrics = Arc::new(model_residency::metrics::Metrics::default());
+    let endpoints = Arc::new(Endpoints::new({
+        let metrics = metrics.clone();
+        move || metrics.encode()
+    }));
     let listener = tokio::net::TcpListener::bind(args.http_addr)
         .await
         .map_err(|e| fatal(format!("cannot listen on {}: {e}", args.http_addr)))?;
@@ -188,11 +192,7 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         let _ = rx.wait_for(|s| *s).await;
     };
 
-    let ctx = Context::with_options(
-        client.clone(),
-        endpoints.metrics.clone(),
-        args.max_clock_skew,
-    );
+    let ctx = Context::with_options(client.clone(), metrics, args.max_clock_skew);
     let synced = Arc::new(std::sync::atomic::AtomicBool::new(false));
     if !args.leader_elect {
         let watcher = spawn_ready_mirror(synced.clone(), endpoints.clone());

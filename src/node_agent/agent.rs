@@ -12,6 +12,7 @@
 
 use super::fetch::{self, FileSource, Progress};
 use super::keep::{self, Held, Want, Wanted};
+use super::metrics::{AgentMetrics, ResultLabels};
 use crate::api::{
     ArtifactState, CachedArtifact, ModelResidency, NodeModelCache, NodeModelCacheSpec,
     NodeModelCacheStatus,
@@ -173,6 +174,7 @@ struct Agent {
     downloads: Arc<Semaphore>,
     done: mpsc::UnboundedSender<(String, Result<fetch::Fetched, fetch::FetchError>)>,
     client: fetch::HttpsClient,
+    metrics: Arc<AgentMetrics>,
 }
 
 impl Agent {
@@ -242,6 +244,7 @@ impl Agent {
             match std::fs::remove_dir_all(&dir) {
                 Ok(()) => {
                     tracing::info!(artifact = %key, "evicted from the disk cache");
+                    self.metrics.evictions.inc();
                     if let Some(e) = self.entries.get_mut(key) {
                         e.state = ArtifactState::Evicted;
                         e.bytes = 0;
@@ -266,7 +269,7 @@ impl Agent {
             entry.retry_at = None;
             let progress = Arc::new(Progress::default());
             entry.progress = Some(progress.clone());
-            let (client, cache, key, files, size, allowed, permits, done) = (
+            let (client, cache, key, files, size, allowed, permits, done, metrics) = (
                 self.client.clone(),
                 self.config.cache_dir.clone(),
                 key.clone(),
@@ -275,11 +278,27 @@ impl Agent {
                 self.config.allowed_sources.clone(),
                 self.downloads.clone(),
                 self.done.clone(),
+                self.metrics.clone(),
             );
             tokio::spawn(async move {
                 let _permit = permits.acquire_owned().await;
+                let started = std::time::Instant::now();
                 let result =
                     fetch::fetch(&client, &cache, &key, &files, size, &allowed, &progress).await;
+                metrics
+                    .fetch_duration
+                    .observe(started.elapsed().as_secs_f64());
+                let outcome = match &result {
+                    Ok(fetched) => {
+                        metrics.fetched_bytes.inc_by(fetched.bytes);
+                        "Fetched"
+                    }
+                    Err(e) => e.reason(),
+                };
+                metrics
+                    .fetches
+                    .get_or_create(&ResultLabels { result: outcome })
+                    .inc();
                 let _ = done.send((key, result));
             });
         }
@@ -343,11 +362,20 @@ impl Agent {
         })
     }
 
+    /// Declared sizes of what is on the disk or being fetched to it: what
+    /// counts against the budget.
+    fn used(&self) -> u64 {
+        self.entries
+            .values()
+            .filter(|e| matches!(e.state, ArtifactState::Ready | ArtifactState::Fetching))
+            .map(|e| e.size)
+            .sum()
+    }
+
     fn status(&self) -> NodeModelCacheStatus {
         let mut keys: Vec<&String> = self.entries.keys().collect();
         keys.sort();
         let mut status = NodeModelCacheStatus::default();
-        let mut used = 0;
         for key in keys {
             let e = &self.entries[key];
             let bytes = match &e.progress {
@@ -355,14 +383,8 @@ impl Agent {
                 None => e.bytes,
             };
             match e.state {
-                ArtifactState::Ready => {
-                    status.ready += 1;
-                    used += e.size;
-                }
-                ArtifactState::Fetching => {
-                    status.fetching += 1;
-                    used += e.size;
-                }
+                ArtifactState::Ready => status.ready += 1,
+                ArtifactState::Fetching => status.fetching += 1,
                 _ => {}
             }
             status.artifacts.push(CachedArtifact {
@@ -378,7 +400,7 @@ impl Agent {
                 retry_at: e.retry_at.map(|t| t.to_string()),
             });
         }
-        status.used = Some(format_bytes(used));
+        status.used = Some(format_bytes(self.used()));
         let refused: Vec<&CachedArtifact> = status
             .artifacts
             .iter()
@@ -467,11 +489,12 @@ async fn publish(
 }
 
 /// Runs the agent until `shutdown` completes. `ready` is set after the
-/// first pass.
+/// first pass; `metrics` is kept current.
 pub async fn run(
     client: kube::Client,
     config: AgentConfig,
     ready: Arc<std::sync::atomic::AtomicBool>,
+    metrics: Arc<AgentMetrics>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), String> {
     std::fs::create_dir_all(&config.cache_dir)
@@ -488,6 +511,7 @@ pub async fn run(
         config: config.clone(),
         entries: HashMap::new(),
         done: done_tx,
+        metrics: metrics.clone(),
     };
     agent
         .scan()
@@ -524,7 +548,9 @@ pub async fn run(
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         agent.step(&store.state());
-        publish(&caches, &config, agent.status(), &mut last).await;
+        let status = agent.status();
+        metrics.observe(config.budget, agent.used(), &status);
+        publish(&caches, &config, status, &mut last).await;
         ready.store(true, std::sync::atomic::Ordering::Relaxed);
         // Progress and retries are looked at every second while anything
         // is fetching or waiting to retry; otherwise only on changes.

@@ -5,7 +5,8 @@
 //! - [`fetch`]: downloading an artifact into the cache directory, verified
 //!   and renamed into place, never half-visible;
 //! - [`agent`]: the loop that reads the residencies on its node, plans,
-//!   fetches, evicts and reports in the node's `NodeModelCache`.
+//!   fetches, evicts and reports in the node's `NodeModelCache`;
+//! - [`metrics`]: its downloads, evictions and disk use, on `/metrics`.
 //!
 //! The operator reads `NodeModelCache` objects: a model with an artifact
 //! is `Fetching` until its artifact is Ready on the node, then its pod
@@ -15,3 +16,4 @@
 pub mod agent;
 pub mod fetch;
 pub mod keep;
+pub mod metrics;
