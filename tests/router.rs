@@ -18,6 +18,7 @@ use support::cluster::eventually;
 use support::operator::Harness;
 use support::router::{RouterUnderTest, assert_served_by, json_of};
 use support::seed::{SEED, SEED_CASES, seed_engine};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn exact() -> Config {
     Config {
@@ -312,6 +313,36 @@ async fn each_error_has_its_status_body_and_headers() {
     let a = small.post("/v1/completions", &long).await;
     assert_eq!(a.status, 400);
     assert!(a.body.contains("--max-body"), "{}", a.body);
+
+    // 408: a body that stops half way, on a raw connection (a client
+    // library would not stop).
+    let patient = RouterUnderTest::start(
+        &h,
+        Config {
+            body_timeout: Duration::from_secs(1),
+            ..Config::default()
+        },
+    )
+    .await;
+    let mut conn = tokio::net::TcpStream::connect(patient.addr).await.unwrap();
+    conn.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n\
+          content-length: 100\r\n\r\n{\"model\": \"ok\",",
+    )
+    .await
+    .unwrap();
+    let mut answer = String::new();
+    tokio::time::timeout(Duration::from_secs(20), conn.read_to_string(&mut answer))
+        .await
+        .expect("an answer, and the connection closed, within 20 s")
+        .unwrap();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains(r#""code":"request_timeout""#), "{answer}");
+    assert!(answer.contains("--body-timeout"), "{answer}");
+    assert!(
+        patient.metric("model_residency_router_requests_total", "code=\"408\"") == 1,
+        "counted"
+    );
 
     // 502: the pod is listed Ready but nothing answers at its address.
     let pods = h.pods.list(&Default::default()).await.unwrap();

@@ -38,6 +38,10 @@ pub struct Args {
     /// The largest request body, in bytes (then 400).
     #[arg(long, env = "MAX_BODY", default_value_t = 32 << 20)]
     max_body: usize,
+    /// The longest a request's body may pause between two reads (then 408
+    /// and the connection is closed).
+    #[arg(long, env = "BODY_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    body_timeout: Duration,
     /// On SIGTERM, how long requests in flight may take to finish.
     #[arg(long, default_value = "25s", value_parser = parse_duration)]
     shutdown_grace: Duration,
@@ -46,6 +50,11 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> Result<(), Failure> {
+    if args.body_timeout.is_zero() {
+        return Err(Failure::bad_input(
+            "--body-timeout: 0s would refuse every request whose body comes in more than one read",
+        ));
+    }
     let client = cluster_client().await?;
     preflight(
         &client,
@@ -65,6 +74,7 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         max_pending: args.max_pending,
         max_pending_total: args.max_pending_total,
         max_body: args.max_body,
+        body_timeout: args.body_timeout,
     };
     tracing::info!(addr = %args.http_addr, ?config, "routing model requests");
     let router = Router::start(client, config);

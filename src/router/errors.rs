@@ -44,6 +44,9 @@ pub enum Refusal {
     },
     /// 502: the model's pod could not be reached.
     Upstream(String),
+    /// 408 (and the connection closed): the request's body paused longer
+    /// than `--body-timeout`.
+    BodyTimeout { after: Duration },
 }
 
 impl Refusal {
@@ -56,6 +59,7 @@ impl Refusal {
             }
             Refusal::TooManyPending { .. } => StatusCode::TOO_MANY_REQUESTS,
             Refusal::Upstream(_) => StatusCode::BAD_GATEWAY,
+            Refusal::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
         }
     }
 
@@ -69,10 +73,11 @@ impl Refusal {
             Refusal::ModelUnavailable { .. } => ("server_error", "model_unavailable"),
             Refusal::TooManyPending { .. } => ("rate_limit_error", "too_many_pending"),
             Refusal::Upstream(_) => ("server_error", "upstream_error"),
+            Refusal::BodyTimeout { .. } => ("invalid_request_error", "request_timeout"),
         }
     }
 
-    fn message(&self) -> &str {
+    fn message(&self) -> String {
         match self {
             Refusal::BadRequest(m)
             | Refusal::ModelNotFound(m)
@@ -80,7 +85,11 @@ impl Refusal {
             | Refusal::ModelRefused(m)
             | Refusal::Upstream(m)
             | Refusal::ModelUnavailable { message: m, .. }
-            | Refusal::TooManyPending { message: m, .. } => m,
+            | Refusal::TooManyPending { message: m, .. } => m.clone(),
+            Refusal::BodyTimeout { after } => format!(
+                "the request body stopped arriving for {}s (--body-timeout)",
+                after.as_secs_f64()
+            ),
         }
     }
 
@@ -102,6 +111,11 @@ impl Refusal {
             // Whole seconds, at least one (a zero would invite a spin).
             let secs = after.as_secs_f64().ceil().max(1.0) as u64;
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if matches!(self, Refusal::BodyTimeout { .. }) {
+            // The rest of the body may still come: the connection cannot
+            // carry another request.
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         response
     }

@@ -68,6 +68,10 @@ pub struct Config {
     pub max_pending_total: usize,
     /// The largest request body read.
     pub max_body: usize,
+    /// The longest a request's body may pause between two reads (then
+    /// 408): a client that stops sending half way does not hold its
+    /// connection and up to `max_body` of memory for ever.
+    pub body_timeout: Duration,
 }
 
 impl Default for Config {
@@ -80,6 +84,7 @@ impl Default for Config {
             max_pending: 256,
             max_pending_total: 4096,
             max_body: 32 << 20,
+            body_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -259,17 +264,32 @@ impl Router {
             return Err(too_large());
         }
         let (parts, body) = req.into_parts();
-        let body = http_body_util::Limited::new(body, limit)
-            .collect()
-            .await
-            .map_err(|e| {
-                if e.is::<http_body_util::LengthLimitError>() {
-                    too_large()
-                } else {
-                    Refusal::BadRequest(format!("the request body could not be read: {e}"))
+        let mut body = http_body_util::Limited::new(body, limit);
+        let mut chunks: Vec<Bytes> = Vec::new();
+        loop {
+            let frame = tokio::time::timeout(self.config.body_timeout, body.frame())
+                .await
+                .map_err(|_| Refusal::BodyTimeout {
+                    after: self.config.body_timeout,
+                })?;
+            match frame {
+                None => break,
+                Some(Ok(frame)) => chunks.extend(frame.into_data().ok()),
+                Some(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+                    return Err(too_large());
                 }
-            })?
-            .to_bytes();
+                Some(Err(e)) => {
+                    return Err(Refusal::BadRequest(format!(
+                        "the request body could not be read: {e}"
+                    )));
+                }
+            }
+        }
+        // Most bodies come in one piece: no copy then.
+        let body = match chunks.len() {
+            1 => chunks.pop().expect("one chunk"),
+            _ => Bytes::from(chunks.concat()),
+        };
         let model = match named {
             target::Named::Known(m) => m,
             target::Named::InBody => target::from_body(&body, &parts.headers).map_err(bad)?,
