@@ -44,10 +44,18 @@ fn hop_by_hop(name: &HeaderName) -> bool {
 }
 
 /// Copies headers across the proxy (a request's to the pod, the pod's
-/// answer's to the client), leaving the hop-by-hop ones.
+/// answer's to the client), leaving the hop-by-hop ones: the fixed set and
+/// those the `Connection` header names for this hop.
 pub fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    let named = |name: &HeaderName| {
+        from.get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|token| name.as_str().eq_ignore_ascii_case(token.trim()))
+    };
     for (name, value) in from {
-        if !hop_by_hop(name) {
+        if !hop_by_hop(name) && !named(name) {
             to.append(name.clone(), value.clone());
         }
     }
@@ -136,5 +144,32 @@ impl<G: Unpin> Body for Tracked<G> {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    #[test]
+    fn hop_by_hop_headers_and_those_connection_names_stay_behind() {
+        let mut from = HeaderMap::new();
+        for (k, v) in [
+            ("connection", "keep-alive, X-Hop"),
+            ("x-hop", "1"),
+            ("keep-alive", "timeout=5"),
+            ("transfer-encoding", "chunked"),
+            ("host", "router"),
+            ("authorization", "Bearer t"),
+            ("x-request-id", "abc"),
+        ] {
+            from.append(k, HeaderValue::from_static(v));
+        }
+        let mut to = HeaderMap::new();
+        copy_headers(&from, &mut to);
+        let mut kept: Vec<&str> = to.keys().map(|k| k.as_str()).collect();
+        kept.sort();
+        assert_eq!(kept, ["authorization", "x-request-id"]);
     }
 }
