@@ -272,9 +272,14 @@ fn kubectl_stdin(env: &TestEnv, args: &[&str], input: &str) -> std::process::Out
 /// release (cluster-scoped RBAC objects are named after the release).
 /// One install at a time: the CRD is shared and concurrent creates race.
 fn install_chart(env: &TestEnv, helm: &str, release: &str) {
+    install_chart_with(env, helm, release, &[]);
+}
+
+/// Installs the chart rendered with `extra` helm arguments (`--set ...`).
+fn install_chart_with(env: &TestEnv, helm: &str, release: &str, extra: &[&str]) {
     static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-    let rendered = render(helm, release, &env.namespace, &[]);
+    let rendered = render(helm, release, &env.namespace, extra);
     let out = kubectl_stdin(env, &["apply", "--dry-run=server", "-f", "-"], &rendered);
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "server dry run: {text}");
@@ -654,6 +659,113 @@ async fn the_router_does_its_job_with_only_its_charts_rbac() {
         0
     );
     serving.abort();
+    let _ = stop.send(());
+    let _ = operator.await;
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn the_node_agent_does_its_job_with_only_its_charts_rbac() {
+    let helm = helm();
+    let env = test_env("chart-agent").await;
+    let (addr, _) = support::artifact_server::serve().await;
+    install_chart_with(
+        &env,
+        &helm,
+        "disk",
+        &[
+            "--set",
+            "nodeAgent.enabled=true",
+            "--set",
+            "router.enabled=false",
+        ],
+    );
+    let user = format!(
+        "system:serviceaccount:{}:disk-model-residency-node-agent",
+        env.namespace
+    );
+    let can = |verb: &str, resource: &str| {
+        let out = env.kubectl(&["auth", "can-i", verb, resource, "--as", &user]);
+        String::from_utf8_lossy(&out.stdout).trim() == "yes"
+    };
+    for (verb, resource, want) in [
+        ("watch", "modelresidencies.residency.dev", true),
+        ("watch", "pods", true),
+        ("patch", "nodemodelcaches.residency.dev", true),
+        ("patch", "modelresidencies.residency.dev", false),
+        ("delete", "pods", false),
+        ("create", "pods", false),
+        ("delete", "nodemodelcaches.residency.dev", false),
+        ("get", "secrets", false),
+    ] {
+        assert_eq!(can(verb, resource), want, "agent can-i {verb} {resource}");
+    }
+
+    // The whole job with its credentials: a model with an artifact loads
+    // once the agent has fetched it.
+    let groups = [
+        "system:serviceaccounts".to_owned(),
+        format!("system:serviceaccounts:{}", env.namespace),
+        "system:authenticated".to_owned(),
+    ];
+    let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
+    let client = env.plane.client_as(&user, &groups).await.unwrap();
+    let node = env.node("gpu");
+    let _kubelet = FakeKubelet::start(env.client.clone(), KubeletConfig::instant(&[&node]))
+        .await
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let operator = tokio::spawn(controller::run(
+        Context::new(env.client.clone()),
+        Some(env.namespace.clone()),
+        async {
+            let _ = stopped.await;
+        },
+        Arc::default(),
+    ));
+    let cache = tempfile::tempdir().unwrap();
+    let metrics = Arc::new(model_residency::node_agent::metrics::AgentMetrics::default());
+    let agent = tokio::spawn(model_residency::node_agent::agent::run(
+        client,
+        model_residency::node_agent::agent::AgentConfig {
+            node: node.clone(),
+            cache_dir: cache.path().join("cache"),
+            budget: 10 << 20,
+            allowed_sources: vec![format!("http://{addr}/")],
+            max_concurrent_downloads: 1,
+        },
+        Arc::default(),
+        metrics.clone(),
+        std::future::pending(),
+    ));
+    let admin: Api<ModelResidency> = Api::namespaced(env.client.clone(), &env.namespace);
+    let r: ModelResidency = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": "gpu"},
+        "spec": {"nodeName": node, "device": "0", "budget": "10Gi", "models": [
+            {"name": "a", "size": "6Gi", "template": {"spec": {"containers": [{"name": "s", "image": "i"}]}},
+             "artifact": {"files": [{"uri": format!("http://{addr}/weights.bin")}], "size": "1Mi"}},
+        ]},
+    }))
+    .unwrap();
+    admin.create(&PostParams::default(), &r).await.unwrap();
+    model_residency::demand::load(&admin, "gpu", "a", k8s_openapi::jiff::Timestamp::now())
+        .await
+        .unwrap();
+    eventually(60, "a to load with its artifact", || async {
+        let r = admin.get("gpu").await.ok()?;
+        let st = r.status?.model("a")?.clone();
+        (st.state == ModelState::Loaded).then_some(())
+    })
+    .await;
+    assert_eq!(
+        metrics.encode().lines().find(|l| l.starts_with(
+            "model_residency_node_agent_fetches_total{result=\"Fetched\"}"
+        )),
+        Some("model_residency_node_agent_fetches_total{result=\"Fetched\"} 1")
+    );
+    assert!(!agent.is_finished(), "the agent runs on");
+    agent.abort();
     let _ = stop.send(());
     let _ = operator.await;
 }

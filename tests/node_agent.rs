@@ -516,3 +516,101 @@ async fn a_storm_of_loads_never_puts_more_on_disk_than_the_budget() {
         "never refused: only unrequired artifacts had to go"
     );
 }
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn an_artifact_a_terminating_pod_mounts_stays_until_the_pod_is_gone() {
+    // Model pods take 5 s to terminate (a server finishing its requests).
+    let h = Harness::start_kubelet("agent-mounted", |c| {
+        c.terminating_delay = std::time::Duration::from_secs(5)
+    })
+    .await;
+    let (addr, requests) = serve().await;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    // Room on disk for one 300Ki artifact, in VRAM for one model.
+    let agent = start_agent(&h, &cache, "400Ki", &format!("http://{addr}/"));
+    let artifact = |file: &str| json!({"files": [{"uri": format!("http://{addr}/weights.bin"), "path": file}], "size": "300Ki"});
+    create(
+        &h,
+        "gpu",
+        "1Gi",
+        vec![
+            model("a", "1Gi", Some(artifact("a.bin"))),
+            model("b", "1Gi", Some(artifact("b.bin"))),
+        ],
+        0,
+    )
+    .await;
+    h.request_nowait("gpu", "a").await;
+    let r = h.until_state("gpu", "a", ModelState::Loaded, 60).await;
+    let pod_a = status_of(&r, "a").pod.clone().unwrap();
+    let a_dir = h
+        .pods
+        .get(&pod_a)
+        .await
+        .unwrap()
+        .spec
+        .unwrap()
+        .volumes
+        .unwrap()[0]
+        .host_path
+        .clone()
+        .unwrap()
+        .path;
+
+    // b evicts a from VRAM; a's pod is terminating and still mounts its
+    // files, so b's artifact waits for the room instead of taking it.
+    h.request_nowait("gpu", "b").await;
+    h.until_state("gpu", "a", ModelState::Evicted, 30).await;
+    eventually(20, "b's artifact to wait for a's pod", || async {
+        (artifact_state(&h, "b").await == Some(ArtifactState::Waiting)).then_some(())
+    })
+    .await;
+    let still_there = h.pods.get_opt(&pod_a).await.unwrap();
+    assert!(
+        still_there.is_some_and(|p| p.metadata.deletion_timestamp.is_some()),
+        "a's pod is terminating"
+    );
+    assert!(
+        Path::new(&a_dir).join("a.bin").exists(),
+        "a's files stay while its pod mounts them"
+    );
+    let c = node_cache(&h).await.unwrap().status.unwrap();
+    let b = c.artifacts.iter().find(|x| x.model == "b").unwrap();
+    assert_eq!(
+        b.reason.as_deref(),
+        Some("MountedArtifactsHoldRoom"),
+        "{b:?}"
+    );
+    assert!(
+        b.message.as_deref().unwrap_or_default().contains("a-"),
+        "names what it waits for: {b:?}"
+    );
+    let r = h.api.get("gpu").await.unwrap();
+    let st = status_of(&r, "b");
+    assert_eq!(
+        st.state,
+        ModelState::Fetching,
+        "waiting, not failed: {st:?}"
+    );
+    assert!(
+        st.message
+            .as_deref()
+            .unwrap_or_default()
+            .contains("waits for room"),
+        "{st:?}"
+    );
+    assert_eq!(
+        agent
+            .metric("model_residency_node_agent_artifacts", r#"state="Waiting""#)
+            .await,
+        1
+    );
+
+    // Once the pod is gone, a's artifact goes and b's comes.
+    h.until_state("gpu", "b", ModelState::Loaded, 60).await;
+    assert!(!Path::new(&a_dir).exists(), "a's artifact evicted");
+    assert_eq!(artifact_state(&h, "a").await, Some(ArtifactState::Evicted));
+    assert_eq!(requests.load(Ordering::Relaxed), 2);
+}

@@ -124,6 +124,9 @@ pub enum ArtifactState {
     Failed,
     /// Required but refused: the disk budget cannot hold it (DiskFull).
     Refused,
+    /// Required, and it fits once artifacts that pods on the node still
+    /// mount (pods being deleted) are gone: fetched then.
+    Waiting,
     /// Taken off the disk to make room (least recently used, unrequired);
     /// fetched again when a model needs it.
     Evicted,

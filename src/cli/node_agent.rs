@@ -5,7 +5,7 @@
 //! start).
 
 use super::Failure;
-use super::operator::{Logging, cluster_client, fatal, termination};
+use super::operator::{Logging, cluster_client, fatal, preflight, termination};
 use model_residency::http::{Endpoints, serve};
 use model_residency::node_agent::agent::{AgentConfig, run as run_agent};
 use model_residency::node_agent::metrics::AgentMetrics;
@@ -62,6 +62,14 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         )));
     }
     let client = cluster_client().await?;
+    preflight(
+        &client,
+        None,
+        "The node agent needs list/watch on modelresidencies and pods in all namespaces, and \
+         get/create/patch on nodemodelcaches and their status (the chart's node-agent ClusterRole \
+         grants them)",
+    )
+    .await?;
     let metrics = Arc::new(AgentMetrics::default());
     let endpoints = Arc::new(Endpoints::new({
         let metrics = metrics.clone();

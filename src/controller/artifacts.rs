@@ -102,6 +102,14 @@ pub fn artifact_gate(
                     .unwrap_or_default()
             ),
         },
+        Some(a) if a.state == ArtifactState::Waiting => ArtifactGate::Wait {
+            message: format!(
+                "{model} waits for room on node {node_name}'s disk: {}",
+                a.message
+                    .as_deref()
+                    .unwrap_or("pods still mount other artifacts")
+            ),
+        },
         Some(a) => ArtifactGate::Wait {
             message: format!(
                 "{model} waits for its artifact {key} on node {node_name} ({} bytes so far)",

@@ -5,8 +5,10 @@
 //! Required artifacts are those of models resident on the node (Fetching,
 //! Loading, Loaded, or Failed while admitted); prefetch ones the
 //! `spec.prefetch` most recently requested models of each residency that
-//! are not resident. A failed fetch is retried with backoff (5 s, doubling,
-//! at most 5 min). It is the only writer of its `NodeModelCache`: on each
+//! are not resident. Artifacts the node's model pods mount (a pod being
+//! deleted may still read its files) are kept until the pod is gone. A
+//! failed fetch is retried with backoff (5 s, doubling, at most 5 min).
+//! It is the only writer of its `NodeModelCache`: on each
 //! change, a server-side apply of the object (its spec: budget and cache
 //! directory) and one of its status.
 
@@ -20,13 +22,14 @@ use crate::api::{
 use crate::controller::state::recorded_time;
 use crate::quantity::{format_bytes, parse_bytes};
 use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
-use std::collections::HashMap;
-use std::path::PathBuf;
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{Notify, Semaphore, mpsc};
@@ -160,6 +163,24 @@ fn registry_keys(
         .collect()
 }
 
+/// The artifacts that pods on the node mount (by cache key): a model pod
+/// mounts its artifact's directory, `<cacheDir>/<key>`, as a hostPath. A
+/// pod counts until it is gone, terminating included; one that has
+/// finished (Succeeded or Failed) runs nothing.
+fn mounted(pods: &[Arc<Pod>], cache_dir: &Path) -> HashSet<String> {
+    pods.iter()
+        .filter(|p| {
+            let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+            !matches!(phase, Some("Succeeded" | "Failed"))
+        })
+        .flat_map(|p| p.spec.iter().flat_map(|s| s.volumes.iter().flatten()))
+        .filter_map(|v| {
+            let path = Path::new(&v.host_path.as_ref()?.path);
+            (path.parent()? == cache_dir).then(|| path.file_name()?.to_str().map(str::to_owned))?
+        })
+        .collect()
+}
+
 fn retry_delay(failures: u32) -> Duration {
     Duration::from_secs(
         5u64.saturating_mul(1 << failures.saturating_sub(1).min(6))
@@ -198,11 +219,12 @@ impl Agent {
         Ok(())
     }
 
-    /// One pass: plan against what the residencies want, evict, start
-    /// fetches, mark refusals.
-    fn step(&mut self, residencies: &[Arc<ModelResidency>]) {
+    /// One pass: plan against what the residencies want and what the
+    /// node's pods mount, evict, start fetches, mark refusals and waits.
+    fn step(&mut self, residencies: &[Arc<ModelResidency>], pods: &[Arc<Pod>]) {
         let now = Timestamp::now();
         let wanted = declared(residencies, &self.config.node);
+        let in_use = mounted(pods, &self.config.cache_dir);
         for (key, d) in &wanted {
             if let Some(e) = self.entries.get_mut(key) {
                 e.size = d.size;
@@ -219,6 +241,7 @@ impl Agent {
                 key: k.clone(),
                 size: e.size,
                 last_use: e.last_use,
+                in_use: in_use.contains(k),
             })
             .collect();
         let want: Vec<Wanted> = wanted
@@ -303,18 +326,31 @@ impl Agent {
             });
         }
         let refused: HashMap<&String, &String> = plan.refused.iter().map(|(k, m)| (k, m)).collect();
-        // Refusals are current: earlier ones that now fit (or are no longer
-        // wanted) go.
-        self.entries
-            .retain(|k, e| e.state != ArtifactState::Refused || refused.contains_key(k));
-        for (key, message) in refused {
+        let waiting: HashMap<&String, &String> = plan.waiting.iter().map(|(k, m)| (k, m)).collect();
+        // Refusals and waits are current: earlier ones that now fit (or are
+        // no longer wanted) go.
+        self.entries.retain(|k, e| match e.state {
+            ArtifactState::Refused => refused.contains_key(k),
+            ArtifactState::Waiting => waiting.contains_key(k),
+            _ => true,
+        });
+        let marks = refused
+            .iter()
+            .map(|(k, m)| (*k, *m, ArtifactState::Refused, "DiskFull"))
+            .chain(
+                waiting
+                    .iter()
+                    .map(|(k, m)| (*k, *m, ArtifactState::Waiting, "MountedArtifactsHoldRoom")),
+            );
+        for (key, message, state, reason) in marks {
             let d = &wanted[key];
-            let e = self.entries.entry(key.clone()).or_insert_with(|| {
-                Entry::new(d.model.clone(), d.size, ArtifactState::Refused, d.requested)
-            });
+            let e = self
+                .entries
+                .entry(key.clone())
+                .or_insert_with(|| Entry::new(d.model.clone(), d.size, state, d.requested));
             if e.state != ArtifactState::Fetching && e.state != ArtifactState::Ready {
-                e.state = ArtifactState::Refused;
-                e.reason = Some("DiskFull".into());
+                e.state = state;
+                e.reason = Some(reason.into());
                 e.message = Some(message.clone());
             }
         }
@@ -525,29 +561,30 @@ pub async fn run(
             }
         }
     }
-    let (store, writer): (Store<ModelResidency>, _) = reflector::store();
     let changed = Arc::new(Notify::new());
-    let watch = {
-        let changed = changed.clone();
-        reflector::reflector(
-            writer,
-            watcher(
-                Api::<ModelResidency>::all(client),
-                watcher::Config::default(),
-            )
-            .default_backoff(),
-        )
-        .for_each(move |_| {
-            changed.notify_one();
-            futures::future::ready(())
-        })
-    };
-    let watch = tokio::spawn(watch);
+    let (store, writer): (Store<ModelResidency>, _) = reflector::store();
+    let watch = tokio::spawn(reflect(
+        writer,
+        Api::<ModelResidency>::all(client.clone()),
+        watcher::Config::default(),
+        changed.clone(),
+    ));
+    // The model pods on this node: what they mount stays on the disk.
+    let (pods, writer): (Store<Pod>, _) = reflector::store();
+    let pod_watch = tokio::spawn(reflect(
+        writer,
+        Api::<Pod>::all(client),
+        watcher::Config::default()
+            .fields(&format!("spec.nodeName={}", config.node))
+            .labels(crate::labels::MODEL_LABEL),
+        changed.clone(),
+    ));
     let _ = store.wait_until_ready().await;
+    let _ = pods.wait_until_ready().await;
     let mut last = None;
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        agent.step(&store.state());
+        agent.step(&store.state(), &pods.state());
         let status = agent.status();
         metrics.observe(config.budget, agent.used(), &status);
         publish(&caches, &config, status, &mut last).await;
@@ -567,7 +604,27 @@ pub async fn run(
         }
     }
     watch.abort();
+    pod_watch.abort();
     Ok(())
+}
+
+/// Keeps `writer`'s store current from a watch of `api`, notifying
+/// `changed` on every event.
+async fn reflect<K>(
+    writer: reflector::store::Writer<K>,
+    api: Api<K>,
+    config: watcher::Config,
+    changed: Arc<Notify>,
+) where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
+    K::DynamicType: Default + Eq + std::hash::Hash + Clone,
+{
+    reflector::reflector(writer, watcher(api, config).default_backoff())
+        .for_each(move |_| {
+            changed.notify_one();
+            futures::future::ready(())
+        })
+        .await
 }
 
 #[cfg(test)]

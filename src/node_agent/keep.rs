@@ -11,6 +11,10 @@
 //! - A required artifact that does not fit even then is refused (the
 //!   `DiskFull` condition, with the sizes); nothing is ever fetched into
 //!   part of its room.
+//! - An artifact a pod on the node still mounts (one being deleted, still
+//!   finishing its requests) is never evicted: its files may still be
+//!   read, and deleting them would not free the disk while they are open.
+//!   A required artifact that only its room keeps out waits for it.
 //!
 //! Downloads in progress hold their declared size, so the budget holds
 //! while they run.
@@ -47,6 +51,8 @@ pub struct Held {
     pub key: String,
     pub size: Bytes,
     pub last_use: Option<Timestamp>,
+    /// A pod on the node mounts it.
+    pub in_use: bool,
 }
 
 /// What to do now.
@@ -58,6 +64,9 @@ pub struct Plan {
     pub evict: Vec<String>,
     /// Required artifacts that cannot fit: key and the `DiskFull` message.
     pub refused: Vec<(String, String)>,
+    /// Required artifacts that fit once artifacts still mounted by pods
+    /// are free to go: key and why it waits.
+    pub waiting: Vec<(String, String)>,
 }
 
 /// Plans the disk within `budget` given what is `held` and what is `wanted`.
@@ -66,16 +75,26 @@ pub fn plan(budget: Bytes, held: &[Held], wanted: &[Wanted]) -> Plan {
     let wants: HashMap<&str, &Wanted> = wanted.iter().map(|w| (w.key.as_str(), w)).collect();
     let on_disk: HashSet<&str> = held.iter().map(|h| h.key.as_str()).collect();
     let mut used: Bytes = held.iter().map(|h| h.size).sum();
-    // Evictable, least recently used first: what no one requires and no
-    // pinned model owns. Unwanted before prefetch-wanted at equal age.
+    // Free to go once no pod mounts it: what no one requires and no pinned
+    // model owns.
+    let unrequired = |h: &&Held| {
+        wants
+            .get(h.key.as_str())
+            .is_none_or(|w| w.want != Want::Required && !w.pinned)
+    };
+    // Evictable now, least recently used first. Unwanted before
+    // prefetch-wanted at equal age.
     let mut evictable: Vec<&Held> = held
         .iter()
-        .filter(|h| {
-            wants
-                .get(h.key.as_str())
-                .is_none_or(|w| w.want != Want::Required && !w.pinned)
-        })
+        .filter(unrequired)
+        .filter(|h| !h.in_use)
         .collect();
+    let mounted: Vec<&Held> = held
+        .iter()
+        .filter(unrequired)
+        .filter(|h| h.in_use)
+        .collect();
+    let mounted_size: Bytes = mounted.iter().map(|h| h.size).sum();
     evictable.sort_by(|a, b| {
         let wanted = |h: &Held| wants.contains_key(h.key.as_str());
         (wanted(a), a.last_use, &a.key).cmp(&(wanted(b), b.last_use, &b.key))
@@ -103,7 +122,18 @@ pub fn plan(budget: Bytes, held: &[Held], wanted: &[Wanted]) -> Plan {
             take += 1;
         }
         if after > budget {
-            if w.want == Want::Required {
+            if w.want == Want::Required && after - mounted_size.min(after) <= budget {
+                let keys: Vec<&str> = mounted.iter().map(|h| h.key.as_str()).collect();
+                plan.waiting.push((
+                    w.key.clone(),
+                    format!(
+                        "{} needs {} on disk; room comes free when no pod mounts {} any more",
+                        w.key,
+                        format_bytes(w.size),
+                        keys.join(", ")
+                    ),
+                ));
+            } else if w.want == Want::Required {
                 let pinned_or_required =
                     used - evictable[evicted..].iter().map(|h| h.size).sum::<Bytes>();
                 plan.refused.push((
@@ -143,6 +173,7 @@ mod tests {
             key: key.into(),
             size,
             last_use: t(used),
+            in_use: false,
         }
     }
 
@@ -179,6 +210,29 @@ mod tests {
         assert_eq!(p.refused.len(), 1);
         let msg = &p.refused[0].1;
         assert!(msg.contains("needs 4") && msg.contains("hold 10"), "{msg}");
+    }
+
+    #[test]
+    fn an_artifact_a_pod_mounts_stays_and_what_needs_its_room_waits() {
+        let mut mounted = held("going", 4, 0);
+        mounted.in_use = true;
+        let held = [mounted, held("old", 4, 1)];
+        // 4 free after evicting `old`: `small` fits; `big` needs the
+        // mounted artifact's room too, so it waits; `huge` never fits.
+        let want = [
+            wanted("small", 4, Want::Required, false, 9),
+            wanted("big", 4, Want::Required, false, 8),
+            wanted("huge", 20, Want::Required, false, 7),
+            wanted("pre", 4, Want::Prefetch, false, 6),
+        ];
+        let p = plan(8, &held, &want);
+        assert_eq!(p.evict, ["old"], "never the mounted one");
+        assert_eq!(p.fetch, ["small"]);
+        assert_eq!(p.waiting.len(), 1, "{p:?}");
+        assert_eq!(p.waiting[0].0, "big");
+        assert!(p.waiting[0].1.contains("going"), "{}", p.waiting[0].1);
+        assert_eq!(p.refused.len(), 1);
+        assert_eq!(p.refused[0].0, "huge");
     }
 
     #[test]

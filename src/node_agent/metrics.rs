@@ -37,11 +37,12 @@ pub struct AgentMetrics {
 
 /// Every state, so a state with no artifact exports 0 rather than
 /// vanishing.
-const STATES: [ArtifactState; 5] = [
+const STATES: [ArtifactState; 6] = [
     ArtifactState::Fetching,
     ArtifactState::Ready,
     ArtifactState::Failed,
     ArtifactState::Refused,
+    ArtifactState::Waiting,
     ArtifactState::Evicted,
 ];
 
@@ -51,6 +52,7 @@ fn state_name(s: ArtifactState) -> &'static str {
         ArtifactState::Ready => "Ready",
         ArtifactState::Failed => "Failed",
         ArtifactState::Refused => "Refused",
+        ArtifactState::Waiting => "Waiting",
         ArtifactState::Evicted => "Evicted",
     }
 }
