@@ -5,13 +5,12 @@
 mod support;
 
 use model_residency::node_agent::fetch::{
-    FetchError, FileSource, PARTIAL_PREFIX, Progress, clean_partials, client, disk_usage, fetch,
-    size_limit,
+    FetchError, FileSource, PARTIAL_PREFIX, Progress, client, disk_usage, fetch, size_limit,
 };
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::Ordering;
-use support::artifact_server::{serve, sha256_hex, weights};
+use support::artifact_server::{serve, serve_logged, sha256_hex, weights};
 
 fn source(addr: SocketAddr, path: &str, sha256: Option<String>) -> FileSource {
     FileSource {
@@ -196,18 +195,95 @@ async fn each_failure_says_why_and_leaves_nothing_behind() {
     );
 }
 
-#[test]
-fn what_a_crash_left_is_cleaned_up_at_start() {
+#[tokio::test]
+async fn a_download_cut_short_resumes_where_it_stopped() {
+    let (addr, _, log) = serve_logged().await;
     let cache = tempfile::tempdir().unwrap();
-    std::fs::create_dir_all(cache.path().join(format!("{PARTIAL_PREFIX}qwen-1-0/sub"))).unwrap();
-    std::fs::write(
-        cache
-            .path()
-            .join(format!("{PARTIAL_PREFIX}qwen-1-0/sub/w.bin")),
-        b"half",
-    )
-    .unwrap();
-    std::fs::create_dir_all(cache.path().join("sdxl")).unwrap();
-    assert_eq!(clean_partials(cache.path()).unwrap(), 1);
-    assert_eq!(entries(cache.path()), ["sdxl"]);
+    let allowed = vec![format!("http://{addr}/")];
+    let client = client().unwrap();
+    let get = |path: &'static str, sha: Option<String>| {
+        let (client, cache, allowed) = (client.clone(), cache.path().to_owned(), allowed.clone());
+        async move {
+            fetch(
+                &client,
+                &cache,
+                "w",
+                &[source(addr, path, sha)],
+                1 << 20,
+                &allowed,
+                &Progress::default(),
+            )
+            .await
+        }
+    };
+    let sum = Some(sha256_hex(&weights()));
+    let partial = cache.path().join(format!("{PARTIAL_PREFIX}w/weights.bin"));
+
+    // The connection breaks after 64 KiB: they stay for the next try,
+    // which asks for the rest only.
+    let e = get("/flaky/weights.bin", sum.clone()).await.unwrap_err();
+    assert!(matches!(e, FetchError::Transfer { .. }), "{e}");
+    assert_eq!(std::fs::metadata(&partial).unwrap().len(), 64 * 1024);
+    let fetched = get("/flaky/weights.bin", sum.clone()).await.unwrap();
+    assert_eq!(
+        (fetched.bytes, fetched.resumed),
+        (weights().len() as u64, 64 * 1024)
+    );
+    assert_eq!(
+        log.lock().unwrap().last().unwrap(),
+        "/flaky/weights.bin bytes=65536-"
+    );
+    assert_eq!(
+        std::fs::read(cache.path().join("w/weights.bin")).unwrap(),
+        weights()
+    );
+    assert_eq!(
+        entries(cache.path()),
+        ["w"],
+        "the partial became the artifact"
+    );
+
+    // A kept part that does not belong to the file (the source changed,
+    // the disk lost it): the checksum catches it, the file starts over.
+    std::fs::remove_dir_all(cache.path().join("w")).unwrap();
+    std::fs::create_dir_all(partial.parent().unwrap()).unwrap();
+    std::fs::write(&partial, vec![9u8; 1000]).unwrap();
+    let e = get("/ranged/weights.bin", sum.clone()).await.unwrap_err();
+    assert!(e.retryable(), "{e}");
+    assert!(e.to_string().contains("starts over"), "{e}");
+    assert!(!partial.exists(), "the bad part is gone");
+    let fetched = get("/ranged/weights.bin", sum.clone()).await.unwrap();
+    assert_eq!(fetched.resumed, 0);
+    assert_eq!(log.lock().unwrap().last().unwrap(), "/ranged/weights.bin -");
+
+    // A file that was complete: the source says there is nothing past its
+    // end (416), and only its checksum is checked.
+    std::fs::remove_dir_all(cache.path().join("w")).unwrap();
+    std::fs::create_dir_all(partial.parent().unwrap()).unwrap();
+    std::fs::write(&partial, weights()).unwrap();
+    let fetched = get("/ranged/weights.bin", sum.clone()).await.unwrap();
+    assert_eq!(fetched.resumed, weights().len() as u64);
+
+    // A source that ignores ranges answers the whole file: it is written
+    // over from the start.
+    std::fs::remove_dir_all(cache.path().join("w")).unwrap();
+    std::fs::create_dir_all(partial.parent().unwrap()).unwrap();
+    std::fs::write(&partial, &weights()[..1000]).unwrap();
+    let fetched = get("/weights.bin", sum.clone()).await.unwrap();
+    assert_eq!(fetched.resumed, 0);
+    assert_eq!(
+        std::fs::read(cache.path().join("w/weights.bin")).unwrap(),
+        weights()
+    );
+
+    // Without a sha256 nothing could tell a kept part from a changed
+    // source: such a file is never resumed, and nothing of it is kept.
+    std::fs::remove_dir_all(cache.path().join("w")).unwrap();
+    let e = get("/cut", None).await.unwrap_err();
+    assert!(e.retryable(), "{e}");
+    assert!(
+        entries(cache.path()).is_empty(),
+        "{:?}",
+        entries(cache.path())
+    );
 }

@@ -13,7 +13,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command};
 use std::sync::atomic::Ordering;
-use support::artifact_server::{serve, sha256_hex, weights};
+use support::artifact_server::{serve, serve_logged, sha256_hex, slow_content, weights};
 use support::cluster::eventually;
 use support::http::{free_port, send};
 use support::operator::Harness;
@@ -322,14 +322,14 @@ async fn artifact_failures_fail_the_load_with_their_reason_and_leave_nothing() {
 
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
-async fn an_agent_killed_mid_download_restarts_cleanly() {
+async fn an_agent_killed_mid_download_resumes_it_and_leaves_nothing_else() {
     let h = Harness::start("agent-killed").await;
-    let (addr, _) = serve().await;
+    let (addr, _, log) = serve_logged().await;
     let dir = tempfile::tempdir().unwrap();
     let cache = dir.path().join("cache");
     let agent = start_agent(&h, &cache, "10Mi", &format!("http://{addr}/"));
-    let slow =
-        json!({"files": [{"uri": format!("http://{addr}/slow"), "path": "w.bin"}], "size": "1Mi"});
+    let slow = json!({"files": [{"uri": format!("http://{addr}/slow"), "path": "w.bin",
+                                  "sha256": sha256_hex(&slow_content())}], "size": "3Mi"});
     create(&h, "gpu", "8Gi", vec![model("slow", "1Gi", Some(slow))], 0).await;
     h.request_nowait("gpu", "slow").await;
     let r = h.until_state("gpu", "slow", ModelState::Fetching, 30).await;
@@ -339,28 +339,57 @@ async fn an_agent_killed_mid_download_restarts_cleanly() {
         (1, 0, 1),
         "counted as fetching"
     );
-    eventually(30, "a partial download on disk", || async {
-        cached(&cache)
-            .iter()
-            .any(|n| n.starts_with(".partial-"))
-            .then_some(())
+    // Killed with part of the file on disk (SIGKILL: no cleanup).
+    eventually(30, "part of the download on disk", || async {
+        let partial = cached(&cache)
+            .into_iter()
+            .find(|n| n.starts_with(".partial-"))?;
+        let file = cache.join(partial).join("w.bin");
+        (std::fs::metadata(file).ok()?.len() > 0).then_some(())
     })
     .await;
-    drop(agent); // SIGKILL: no cleanup
-    assert!(cached(&cache).iter().any(|n| n.starts_with(".partial-")));
-    let _agent = start_agent(&h, &cache, "10Mi", &format!("http://{addr}/"));
+    drop(agent);
+    // And a partial of a download nobody wants any more (an older agent's
+    // name for it, too).
+    std::fs::create_dir_all(cache.join(".partial-gone-1234-0")).unwrap();
+    std::fs::write(cache.join(".partial-gone-1234-0/x.bin"), b"stale").unwrap();
+    let agent = start_agent(&h, &cache, "10Mi", &format!("http://{addr}/"));
     let r = h.until_state("gpu", "slow", ModelState::Loaded, 60).await;
     let names = cached(&cache);
     assert_eq!(
         names.len(),
         1,
-        "{names:?}: the partial is gone, the artifact in place"
+        "{names:?}: the partials are gone, the artifact in place"
+    );
+    let resumed_at: Vec<String> = log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|l| l.starts_with("/slow bytes="))
+        .cloned()
+        .collect();
+    assert_eq!(
+        resumed_at.len(),
+        1,
+        "the restart asked for the rest only: {resumed_at:?}"
+    );
+    let resumed = agent
+        .metric("model_residency_node_agent_resumed_bytes_total", "")
+        .await;
+    let fetched = agent
+        .metric("model_residency_node_agent_fetched_bytes_total", "")
+        .await;
+    assert!(resumed > 0, "{resumed}");
+    assert_eq!(
+        resumed + fetched,
+        slow_content().len() as u64,
+        "nothing fetched twice"
     );
     assert_eq!(
         std::fs::metadata(cache.join(&names[0]).join("w.bin"))
             .unwrap()
             .len(),
-        10 * 26 * 1024,
+        slow_content().len() as u64,
         "the whole file"
     );
     assert!(status_of(&r, "slow").pod.is_some());

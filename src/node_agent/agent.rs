@@ -7,7 +7,9 @@
 //! `spec.prefetch` most recently requested models of each residency that
 //! are not resident. Artifacts the node's model pods mount (a pod being
 //! deleted may still read its files) are kept until the pod is gone. A
-//! failed fetch is retried with backoff (5 s, doubling, at most 5 min).
+//! failed fetch is retried with backoff (5 s, doubling, at most 5 min),
+//! resuming what it fetched if it may (see [`fetch`]), also after a
+//! restart of the agent.
 //! It is the only writer of its `NodeModelCache`: on each
 //! change, a server-side apply of the object (its spec: budget and cache
 //! directory) and one of its status.
@@ -61,6 +63,10 @@ struct Entry {
     failures: u32,
     progress: Option<Arc<Progress>>,
     sha256: Option<String>,
+    /// A download of it that was cut short is on disk (in its
+    /// [`fetch::partial_dir`]): the next try resumes it. It holds the
+    /// artifact's size against the budget meanwhile.
+    partial: bool,
 }
 
 impl Entry {
@@ -77,7 +83,14 @@ impl Entry {
             failures: 0,
             progress: None,
             sha256: None,
+            partial: false,
         }
+    }
+
+    /// Whether it holds room on the disk: on it, being fetched, or a
+    /// download cut short waiting for its next try.
+    fn holds_room(&self) -> bool {
+        matches!(self.state, ArtifactState::Ready | ArtifactState::Fetching) || self.partial
     }
 }
 
@@ -199,24 +212,47 @@ struct Agent {
 }
 
 impl Agent {
-    /// Artifacts already on disk (a restart): Ready at their size on disk.
+    /// Artifacts already on disk (a restart): Ready at their size on disk;
+    /// and downloads a previous run left cut short, due for a try now (the
+    /// first pass resumes the ones still wanted and removes the others).
     fn scan(&mut self) -> std::io::Result<()> {
         for entry in std::fs::read_dir(&self.config.cache_dir)? {
             let entry = entry?;
             let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with(fetch::PARTIAL_PREFIX) || !entry.file_type()?.is_dir() {
+            if !entry.file_type()?.is_dir() {
                 continue;
             }
             let bytes = fetch::disk_usage(&entry.path())?;
-            let model = name
+            let (key, state) = match name.strip_prefix(fetch::PARTIAL_PREFIX) {
+                Some(key) => (key.to_owned(), ArtifactState::Failed),
+                None => (name, ArtifactState::Ready),
+            };
+            let model = key
                 .rsplit_once('-')
-                .map_or(name.as_str(), |(m, _)| m)
+                .map_or(key.as_str(), |(m, _)| m)
                 .to_owned();
-            let mut entry = Entry::new(model, bytes, ArtifactState::Ready, None);
+            let mut entry = Entry::new(model, bytes, state, None);
             entry.bytes = bytes;
-            self.entries.insert(name, entry);
+            if state == ArtifactState::Failed {
+                entry.partial = true;
+                entry.retry_at = Some(Timestamp::now());
+            }
+            self.entries.insert(key, entry);
         }
         Ok(())
+    }
+
+    /// Removes the download of `key` that was cut short, if any.
+    fn drop_partial(&mut self, key: &str) {
+        if let Some(e) = self.entries.get_mut(key).filter(|e| e.partial) {
+            e.partial = false;
+            let dir = fetch::partial_dir(&self.config.cache_dir, key);
+            if let Err(err) = std::fs::remove_dir_all(&dir)
+                && err.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(artifact = %key, error = %err, "removing a partial download failed");
+            }
+        }
     }
 
     /// One pass: plan against what the residencies want and what the
@@ -236,7 +272,7 @@ impl Agent {
         let held: Vec<Held> = self
             .entries
             .iter()
-            .filter(|(_, e)| matches!(e.state, ArtifactState::Ready | ArtifactState::Fetching))
+            .filter(|(_, e)| e.holds_room())
             .map(|(k, e)| Held {
                 key: k.clone(),
                 size: e.size,
@@ -256,11 +292,15 @@ impl Agent {
             .collect();
         let plan = keep::plan(self.config.budget, &held, &want);
         for key in &plan.evict {
-            let fetching = self
-                .entries
-                .get(key)
-                .is_some_and(|e| e.state == ArtifactState::Fetching);
-            if fetching {
+            let Some(e) = self.entries.get(key) else {
+                continue;
+            };
+            if e.state == ArtifactState::Fetching {
+                continue;
+            }
+            if e.partial {
+                // A download cut short: its part goes; it starts over.
+                self.drop_partial(key);
                 continue;
             }
             let dir = self.config.cache_dir.join(key);
@@ -276,7 +316,16 @@ impl Agent {
                 Err(e) => tracing::warn!(artifact = %key, error = %e, "evicting failed"),
             }
         }
-        for key in &plan.fetch {
+        // Downloads cut short resume in the room they hold, once due.
+        let resumable: Vec<&String> = wanted
+            .keys()
+            .filter(|k| {
+                self.entries
+                    .get(*k)
+                    .is_some_and(|e| e.partial && e.state == ArtifactState::Failed)
+            })
+            .collect();
+        for key in plan.fetch.iter().chain(resumable) {
             let d = &wanted[key];
             let entry = self.entries.entry(key.clone()).or_insert_with(|| {
                 Entry::new(d.model.clone(), d.size, ArtifactState::Failed, d.requested)
@@ -313,7 +362,10 @@ impl Agent {
                     .observe(started.elapsed().as_secs_f64());
                 let outcome = match &result {
                     Ok(fetched) => {
-                        metrics.fetched_bytes.inc_by(fetched.bytes);
+                        metrics
+                            .fetched_bytes
+                            .inc_by(fetched.bytes - fetched.resumed);
+                        metrics.resumed_bytes.inc_by(fetched.resumed);
                         "Fetched"
                     }
                     Err(e) => e.reason(),
@@ -357,6 +409,17 @@ impl Agent {
         // Failures of artifacts nobody wants any more are forgotten, and
         // evictions of artifacts no registry on the node declares.
         let declared_here = registry_keys(residencies, &self.config.node);
+        let forgotten: Vec<String> = self
+            .entries
+            .iter()
+            .filter(|(k, e)| {
+                e.partial && e.state == ArtifactState::Failed && !wanted.contains_key(*k)
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in &forgotten {
+            self.drop_partial(key);
+        }
         self.entries.retain(|k, e| match e.state {
             ArtifactState::Failed => wanted.contains_key(k),
             ArtifactState::Evicted => declared_here.contains(k),
@@ -368,21 +431,27 @@ impl Agent {
         let Some(e) = self.entries.get_mut(key) else {
             return;
         };
-        e.progress = None;
+        let reached = e
+            .progress
+            .take()
+            .map_or(0, |p| p.bytes.load(std::sync::atomic::Ordering::Relaxed));
         match result {
             Ok(fetched) => {
-                tracing::info!(artifact = %key, bytes = fetched.bytes, sha256 = %fetched.sha256, "fetched");
+                tracing::info!(artifact = %key, bytes = fetched.bytes, resumed = fetched.resumed, sha256 = %fetched.sha256, "fetched");
                 e.state = ArtifactState::Ready;
                 e.bytes = fetched.bytes;
                 e.sha256 = Some(fetched.sha256);
                 e.failures = 0;
+                e.partial = false;
             }
             Err(err) => {
                 e.failures += 1;
                 let delay = retry_delay(e.failures);
                 tracing::warn!(artifact = %key, error = %err, retry_in = ?delay, "fetch failed");
                 e.state = ArtifactState::Failed;
-                e.bytes = 0;
+                // What may pass keeps its part on disk for the next try.
+                e.partial = err.retryable();
+                e.bytes = if e.partial { reached } else { 0 };
                 e.sha256 = None;
                 e.reason = Some(err.reason().into());
                 e.message = Some(err.to_string());
@@ -403,7 +472,7 @@ impl Agent {
     fn used(&self) -> u64 {
         self.entries
             .values()
-            .filter(|e| matches!(e.state, ArtifactState::Ready | ArtifactState::Fetching))
+            .filter(|e| e.holds_room())
             .map(|e| e.size)
             .sum()
     }
@@ -535,11 +604,6 @@ pub async fn run(
 ) -> Result<(), String> {
     std::fs::create_dir_all(&config.cache_dir)
         .map_err(|e| format!("creating {}: {e}", config.cache_dir.display()))?;
-    let cleaned = fetch::clean_partials(&config.cache_dir)
-        .map_err(|e| format!("cleaning {}: {e}", config.cache_dir.display()))?;
-    if cleaned > 0 {
-        tracing::info!(cleaned, "removed partial downloads left by a previous run");
-    }
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let mut agent = Agent {
         downloads: Arc::new(Semaphore::new(config.max_concurrent_downloads.max(1))),
@@ -552,6 +616,13 @@ pub async fn run(
     agent
         .scan()
         .map_err(|e| format!("reading {}: {e}", config.cache_dir.display()))?;
+    let cut_short = agent.entries.values().filter(|e| e.partial).count();
+    if cut_short > 0 {
+        tracing::info!(
+            cut_short,
+            "found downloads a previous run left cut short: those still wanted resume, the others are removed"
+        );
+    }
     let caches: Api<NodeModelCache> = Api::all(client.clone());
     // Last uses survive a restart through the object.
     if let Ok(Some(previous)) = caches.get_opt(&config.node).await {

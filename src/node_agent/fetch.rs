@@ -4,14 +4,19 @@
 //!   and every `path` against escaping the model's directory *before*
 //!   anything is downloaded;
 //! - files are downloaded into a temporary directory in the cache
-//!   directory (`.partial-<key>-<n>`), hashed as they arrive, checked
-//!   against their `sha256`, then the directory is renamed into place in
-//!   one step: no half artifact is ever visible under its name;
+//!   directory (`.partial-<key>`, see [`partial_dir`]), hashed as they
+//!   arrive, checked against their `sha256`, then the directory is renamed
+//!   into place in one step: no half artifact is ever visible under its
+//!   name;
 //! - a download that goes past the declared size (plus a small margin) is
 //!   stopped; a connection cut mid-body, a non-200 answer or a checksum
-//!   mismatch fail with the reason; on any failure the temporary directory
-//!   is removed;
-//! - [`clean_partials`] removes what a crash left (run at start).
+//!   mismatch fail with the reason;
+//! - a download cut short by something that may pass (a lost connection,
+//!   an error answer, a restarted agent) keeps its temporary directory, and
+//!   the next try resumes each file that declares a `sha256` where it
+//!   stopped (an HTTP range request; the checksum covers the whole file,
+//!   so parts that do not match are caught, and the file starts over). Any
+//!   other failure removes the directory.
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
@@ -25,6 +30,12 @@ const WRITE_CHUNK: usize = 1 << 20;
 
 /// Prefix of temporary download directories in the cache directory.
 pub const PARTIAL_PREFIX: &str = ".partial-";
+
+/// The temporary directory a download of `key` is written in, one per key:
+/// what a download cut short left there is where the next one resumes.
+pub fn partial_dir(cache: &Path, key: &str) -> PathBuf {
+    cache.join(format!("{PARTIAL_PREFIX}{key}"))
+}
 
 /// One file of an artifact.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -238,8 +249,10 @@ pub struct Progress {
 /// What a fetch put in place.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fetched {
-    /// Bytes written.
+    /// The artifact's bytes.
     pub bytes: u64,
+    /// Of those, what an earlier try had fetched (a resumed download).
+    pub resumed: u64,
     /// The SHA-256 (hex) of the file, for a one-file artifact; else of its
     /// manifest, the `sha256sum`-style lines `<hex>  <path>` of its files
     /// in order.
@@ -258,12 +271,7 @@ pub async fn fetch(
     progress: &Progress,
 ) -> Result<Fetched, FetchError> {
     let checked = check(files, allowed)?;
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let partial = cache.join(format!(
-        "{PARTIAL_PREFIX}{key}-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ));
+    let partial = partial_dir(cache, key);
     tokio::fs::create_dir_all(&partial).await.map_err(io)?;
     let result = download_all(client, &partial, &checked, declared, progress).await;
     let result = match result {
@@ -281,10 +289,41 @@ pub async fn fetch(
         }
         Err(e) => Err(e),
     };
-    if result.is_err() {
-        let _ = tokio::fs::remove_dir_all(&partial).await;
+    if let Err(e) = &result {
+        // Kept for the next try: what arrived of files that declare a
+        // sha256 (the others start over anyway), after a failure that may
+        // pass. Nothing else stays.
+        if e.retryable() {
+            for f in checked.iter().filter(|f| f.sha256.is_none()) {
+                let _ = tokio::fs::remove_file(partial.join(&f.path)).await;
+            }
+        }
+        if !e.retryable() || disk_usage(&partial).unwrap_or(0) == 0 {
+            let _ = tokio::fs::remove_dir_all(&partial).await;
+        }
     }
     result
+}
+
+/// Where a file's download starts: at 0, or where a cut-short one stopped.
+enum Start {
+    /// The whole file is in the answer.
+    Whole,
+    /// The answer carries the rest, from this offset.
+    At(u64),
+    /// The file was complete already (the source says there is nothing
+    /// past its end): only its checksum is left to check.
+    Complete(u64),
+}
+
+/// Whether a 206 answer's `Content-Range` starts at `offset`.
+fn range_starts_at(headers: &http::HeaderMap, offset: u64) -> bool {
+    headers
+        .get(http::header::CONTENT_RANGE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("bytes "))
+        .and_then(|v| v.split_once('-'))
+        .is_some_and(|(from, _)| from.trim().parse() == Ok(offset))
 }
 
 async fn download_all(
@@ -296,6 +335,7 @@ async fn download_all(
 ) -> Result<Fetched, FetchError> {
     let limit = size_limit(declared);
     let mut total = 0u64;
+    let mut resumed = 0u64;
     let mut manifest = String::new();
     for f in files {
         let transfer = |message: String| FetchError::Transfer {
@@ -306,26 +346,64 @@ async fn download_all(
             .uri
             .parse()
             .map_err(|_| FetchError::BadUri { uri: f.uri.clone() })?;
-        let response = client
-            .get(uri)
-            .await
-            .map_err(|e| transfer(error_chain(&e)))?;
-        if response.status() != http::StatusCode::OK {
-            return Err(FetchError::Status {
-                uri: f.uri.clone(),
-                status: response.status().as_u16(),
-            });
-        }
         let path = dir.join(&f.path);
         if let Some(parent) = path.parent() {
             tokio::fs::create_dir_all(parent).await.map_err(io)?;
         }
+        // Resumed only where the checksum will say whether the parts
+        // belong together (a source may change between two tries).
+        let have = match &f.sha256 {
+            Some(_) => tokio::fs::metadata(&path).await.map_or(0, |m| m.len()),
+            None => 0,
+        };
+        let mut request = http::Request::get(uri);
+        if have > 0 {
+            request = request.header(http::header::RANGE, format!("bytes={have}-"));
+        }
+        let request = request.body(Empty::new()).map_err(|e| FetchError::BadUri {
+            uri: format!("{}: {e}", f.uri),
+        })?;
+        let response = client
+            .request(request)
+            .await
+            .map_err(|e| transfer(error_chain(&e)))?;
+        let start = match response.status() {
+            http::StatusCode::OK => Start::Whole,
+            http::StatusCode::PARTIAL_CONTENT
+                if have > 0 && range_starts_at(response.headers(), have) =>
+            {
+                Start::At(have)
+            }
+            http::StatusCode::RANGE_NOT_SATISFIABLE if have > 0 => Start::Complete(have),
+            status => {
+                return Err(FetchError::Status {
+                    uri: f.uri.clone(),
+                    status: status.as_u16(),
+                });
+            }
+        };
+        let kept = match start {
+            Start::Whole => 0,
+            Start::At(n) | Start::Complete(n) => n,
+        };
+        total += kept;
+        resumed += kept;
+        if total > limit {
+            return Err(FetchError::TooLarge {
+                declared,
+                got: total,
+            });
+        }
+        progress.bytes.store(total, Ordering::Relaxed);
         // Received here, hashed and written on a blocking thread, chunk by
         // chunk, so the network, the hash and the disk overlap.
-        let (chunks, mut sink) = disk_writer(path);
+        let (chunks, mut sink) = disk_writer(path.clone(), kept);
         let mut pending = bytes::BytesMut::with_capacity(WRITE_CHUNK);
         let mut body = response.into_body();
         let received: Result<(), FetchError> = async {
+            if matches!(start, Start::Complete(_)) {
+                return Ok(());
+            }
             while let Some(frame) = body.frame().await {
                 let frame = frame.map_err(|e| transfer(error_chain(&e)))?;
                 let Ok(data) = frame.into_data() else {
@@ -350,7 +428,8 @@ async fn download_all(
             Ok(())
         }
         .await;
-        if received.is_ok() && !pending.is_empty() {
+        // What arrived before a cut is kept (and written) for the next try.
+        if !pending.is_empty() && !matches!(received, Err(FetchError::TooLarge { .. })) {
             let _ = chunks.send(pending.split().freeze()).await;
         }
         drop(chunks);
@@ -367,6 +446,17 @@ async fn download_all(
         if let Some(want) = &f.sha256 {
             let got = digest;
             if got.as_ref() != want.as_slice() {
+                if kept > 0 {
+                    // The kept part and the rest do not belong together (the
+                    // source changed, or the kept part was damaged): start
+                    // this file over on the next try.
+                    let _ = tokio::fs::remove_file(&path).await;
+                    return Err(transfer(format!(
+                        "sha256 is {}, expected {}, after resuming at byte {kept}: the file starts over",
+                        encode_hex(got.as_ref()),
+                        encode_hex(want)
+                    )));
+                }
                 return Err(FetchError::ChecksumMismatch {
                     uri: f.uri.clone(),
                     want: encode_hex(want),
@@ -385,6 +475,7 @@ async fn download_all(
     };
     Ok(Fetched {
         bytes: total,
+        resumed,
         sha256,
     })
 }
@@ -392,19 +483,41 @@ async fn download_all(
 /// A blocking thread that writes the chunks it is sent to `path`, hashing
 /// them, then syncs the file to disk (before it is renamed into place: a
 /// crash after the rename never leaves a visible artifact with missing
-/// data). Yields the SHA-256 of what it wrote.
+/// data). With `kept` above zero the file's first `kept` bytes stay (a
+/// resumed download): they are hashed first and the chunks follow them.
+/// Yields the SHA-256 of the whole file.
 fn disk_writer(
     path: PathBuf,
+    kept: u64,
 ) -> (
     tokio::sync::mpsc::Sender<Bytes>,
     tokio::task::JoinHandle<std::io::Result<ring::digest::Digest>>,
 ) {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(4);
     let task = tokio::task::spawn_blocking(move || {
-        use std::io::Write;
-        let mut file = std::fs::File::create(&path)?;
+        use std::io::{Read, Seek, Write};
         let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
-        let mut written = 0u64;
+        let mut file = if kept == 0 {
+            std::fs::File::create(&path)?
+        } else {
+            let mut file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)?;
+            // Anything past what the source resumed from goes.
+            file.set_len(kept)?;
+            let mut buf = vec![0u8; WRITE_CHUNK];
+            loop {
+                let n = file.read(&mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                hash.update(&buf[..n]);
+            }
+            file.seek(std::io::SeekFrom::End(0))?;
+            file
+        };
+        let mut written = kept;
         while let Some(chunk) = rx.blocking_recv() {
             hash.update(&chunk);
             file.write_all(&chunk)?;
@@ -453,24 +566,6 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     text
-}
-
-/// Removes the temporary directories a crash left in `cache`. Returns how
-/// many were removed.
-pub fn clean_partials(cache: &Path) -> std::io::Result<usize> {
-    let mut removed = 0;
-    for entry in std::fs::read_dir(cache)? {
-        let entry = entry?;
-        if entry
-            .file_name()
-            .to_string_lossy()
-            .starts_with(PARTIAL_PREFIX)
-        {
-            std::fs::remove_dir_all(entry.path())?;
-            removed += 1;
-        }
-    }
-    Ok(removed)
 }
 
 /// Bytes under `dir` (the size of an artifact on disk).

@@ -16,8 +16,8 @@
 //!   read, and deleting them would not free the disk while they are open.
 //!   A required artifact that only its room keeps out waits for it.
 //!
-//! Downloads in progress hold their declared size, so the budget holds
-//! while they run.
+//! Downloads in progress, and downloads cut short that wait to resume,
+//! hold their declared size, so the budget holds while they run.
 
 use crate::engine::Bytes;
 use crate::quantity::format_bytes;

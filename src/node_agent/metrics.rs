@@ -28,6 +28,7 @@ pub struct AgentMetrics {
     registry: Registry,
     pub fetches: Family<ResultLabels, Counter>,
     pub fetched_bytes: Counter,
+    pub resumed_bytes: Counter,
     pub fetch_duration: Histogram,
     pub evictions: Counter,
     budget: Gauge,
@@ -63,6 +64,7 @@ impl Default for AgentMetrics {
         let m = AgentMetrics {
             fetches: Family::default(),
             fetched_bytes: Counter::default(),
+            resumed_bytes: Counter::default(),
             // 100 ms .. ~55 min: artifacts run to tens of GiB.
             fetch_duration: Histogram::new(exponential_buckets(0.1, 2.0, 16)),
             evictions: Counter::default(),
@@ -78,8 +80,13 @@ impl Default for AgentMetrics {
         );
         registry.register(
             "fetched_bytes",
-            "Bytes of artifacts downloaded and verified",
+            "Bytes downloaded for artifacts that were then verified",
             m.fetched_bytes.clone(),
+        );
+        registry.register(
+            "resumed_bytes",
+            "Bytes of verified artifacts kept from a download cut short (a lost connection, a restart) rather than fetched again",
+            m.resumed_bytes.clone(),
         );
         registry.register(
             "fetch_duration_seconds",
