@@ -21,7 +21,7 @@ pub struct ArtifactSpec {
     /// by these sizes, and stops a download that goes past it.
     pub size: ByteQuantity,
     /// Where the model's pod sees the directory, read-only (default
-    /// /models/<name>).
+    /// `/models/<name>`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 1024), regex(pattern = "^/"))]
     pub mount_path: Option<String>,

@@ -82,8 +82,8 @@ pub struct ModelResidencySpec {
     /// Requests: model name -> the RFC 3339 time of its last request.
     /// A time newer than the model's last processed request is a new
     /// request; removing the key unloads the model. One JSON merge patch
-    /// writes one key without a read: {"spec":{"demand":{"zimage":"<now>"}}}
-    /// requests, {"spec":{"demand":{"zimage":null}}} unloads. Server-side
+    /// writes one key without a read: `{"spec":{"demand":{"zimage":"<now>"}}}`
+    /// requests, `{"spec":{"demand":{"zimage":null}}}` unloads. Server-side
     /// apply owns single keys.
     #[serde(default, skip_serializing_if = "DemandMap::is_empty")]
     pub demand: DemandMap,

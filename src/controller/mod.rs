@@ -1,6 +1,6 @@
 //! The reconciler, one step per module: the pods it owns come from the pod
 //! cache ([`pod_cache`]); [`state`] validates the spec and restores the
-//! engine from status; [`decide`] (pure) says what to do; this module does
+//! engine from status; [`decide`](mod@decide) (pure) says what to do; this module does
 //! it: delete, then create pods, write the status (only when it changed),
 //! publish the events ([`events`]), and count every API request in the
 //! metrics.

@@ -99,7 +99,7 @@ pub async fn send(
 /// The largest answer read whole before it is sent on.
 const WHOLE_ANSWER_MAX: u64 = 64 << 10;
 
-/// Whether an answer declares a length of at most [`WHOLE_ANSWER_MAX`]
+/// Whether an answer declares a length of at most `WHOLE_ANSWER_MAX`
 /// and is not an event stream.
 pub fn small_and_whole(headers: &HeaderMap) -> bool {
     let len = headers

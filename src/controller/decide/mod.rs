@@ -12,7 +12,7 @@
 //! A residency whose GPU another (older) residency holds unloads everything
 //! and processes no requests until the claim is released.
 //!
-//! Pods follow the engine ([`settle`]): a non-resident model's pod is
+//! Pods follow the engine (`settle`): a non-resident model's pod is
 //! deleted; a resident model without a live pod gets one only when the
 //! declared sizes of all live pods (terminating ones included, since they
 //! still hold VRAM) leave room for it; a pod built for another size, node,
