@@ -220,6 +220,27 @@ fn chart_lints_and_renders_hardened_least_privilege_manifests() {
         ],
     ));
     let agent = of_kind(&with_agent, "DaemonSet")[0];
+    // Its /metrics behind a headless Service that the ServiceMonitor's
+    // selector takes in, like the controller's and the router's.
+    let monitor = &of_kind(&with_monitor, "ServiceMonitor")[0];
+    let agent_service = of_kind(&with_agent, "Service")
+        .into_iter()
+        .find(|s| s["metadata"]["name"] == "mr-model-residency-node-agent")
+        .expect("the agent's Service");
+    assert_eq!(agent_service["spec"]["clusterIP"], "None");
+    for (k, v) in monitor["spec"]["selector"]["matchLabels"]
+        .as_object()
+        .unwrap()
+    {
+        assert_eq!(&agent_service["metadata"]["labels"][k], v, "{k}");
+    }
+    for (k, v) in agent_service["spec"]["selector"].as_object().unwrap() {
+        assert_eq!(
+            &agent["spec"]["template"]["metadata"]["labels"][k], v,
+            "{k}"
+        );
+    }
+    assert_eq!(agent_service["spec"]["ports"][0]["name"], "http");
     let args = &agent["spec"]["template"]["spec"]["containers"][0]["args"];
     assert!(
         args.as_array()
