@@ -259,10 +259,7 @@ impl Metrics {
 
     /// The OpenMetrics text exposition.
     pub fn encode(&self) -> String {
-        let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry)
-            .expect("writing to a String cannot fail");
-        out
+        exposition(&self.registry)
     }
 }
 
@@ -277,6 +274,15 @@ impl Drop for ReconcileTimer<'_> {
             .reconcile_duration
             .observe(self.start.elapsed().as_secs_f64());
     }
+}
+
+/// `registry`'s OpenMetrics text exposition (the operator's, the router's
+/// and the node agent's `/metrics`).
+pub fn exposition(registry: &Registry) -> String {
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, registry)
+        .expect("writing to a String cannot fail");
+    out
 }
 
 /// The sum of `metric`'s samples in an OpenMetrics exposition whose labels

@@ -313,7 +313,28 @@ fn install_chart_with(env: &TestEnv, helm: &str, release: &str, extra: &[&str]) 
 }
 
 fn service_account(env: &TestEnv, release: &str) -> (String, Vec<String>) {
-    let sa = format!("{release}-model-residency");
+    service_account_named(env, &format!("{release}-model-residency"))
+}
+
+/// Asserts what `user` may do, as `kubectl auth can-i` answers: each
+/// (verb, resource or resource/subresource, allowed).
+fn assert_rights(env: &TestEnv, user: &str, rights: &[(&str, &str, bool)]) {
+    for &(verb, resource, want) in rights {
+        let (resource, sub) = resource.split_once('/').unwrap_or((resource, ""));
+        let mut args = vec!["auth", "can-i", verb, resource, "--as", user];
+        let sub = format!("--subresource={sub}");
+        if !sub.ends_with('=') {
+            args.push(&sub);
+        }
+        let out = env.kubectl(&args);
+        let can = String::from_utf8_lossy(&out.stdout).trim() == "yes";
+        assert_eq!(can, want, "{user} can-i {verb} {resource} {sub}");
+    }
+}
+
+/// The user and groups the API server gives the ServiceAccount `sa` of the
+/// test's namespace.
+fn service_account_named(env: &TestEnv, sa: &str) -> (String, Vec<String>) {
     (
         format!("system:serviceaccount:{}:{sa}", env.namespace),
         vec![
@@ -336,37 +357,29 @@ async fn the_operator_does_its_job_with_only_the_charts_rbac() {
     let (user, groups) = service_account(&env, "rbac");
     let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
     // kubectl auth can-i, as the ServiceAccount.
-    let can = |verb: &str, resource: &str| {
-        let (resource, sub) = resource.split_once('/').unwrap_or((resource, ""));
-        let mut args = vec!["auth", "can-i", verb, resource, "--as", &user];
-        let sub = format!("--subresource={sub}");
-        if !sub.ends_with('=') {
-            args.push(&sub);
-        }
-        let out = env.kubectl(&args);
-        String::from_utf8_lossy(&out.stdout).trim() == "yes"
-    };
-    for (verb, resource, want) in [
-        ("watch", "modelresidencies.residency.dev", true),
-        ("patch", "modelresidencies.residency.dev/status", true),
-        ("create", "pods", true),
-        ("delete", "pods", true),
-        ("create", "events.events.k8s.io", true),
-        ("patch", "events.events.k8s.io", false),
-        ("update", "leases.coordination.k8s.io", true),
-        ("get", "secrets", false),
-        ("list", "secrets", false),
-        ("patch", "modelresidencies.residency.dev", true),
-        ("patch", "modeldemands.residency.dev/status", true),
-        ("watch", "modeldemands.residency.dev", true),
-        ("update", "modelresidencies.residency.dev", false),
-        ("delete", "modeldemands.residency.dev", false),
-        ("delete", "modelresidencies.residency.dev", false),
-        ("create", "deployments.apps", false),
-        ("*", "*", false),
-    ] {
-        assert_eq!(can(verb, resource), want, "can-i {verb} {resource}");
-    }
+    assert_rights(
+        &env,
+        &user,
+        &[
+            ("watch", "modelresidencies.residency.dev", true),
+            ("patch", "modelresidencies.residency.dev/status", true),
+            ("create", "pods", true),
+            ("delete", "pods", true),
+            ("create", "events.events.k8s.io", true),
+            ("patch", "events.events.k8s.io", false),
+            ("update", "leases.coordination.k8s.io", true),
+            ("get", "secrets", false),
+            ("list", "secrets", false),
+            ("patch", "modelresidencies.residency.dev", true),
+            ("patch", "modeldemands.residency.dev/status", true),
+            ("watch", "modeldemands.residency.dev", true),
+            ("update", "modelresidencies.residency.dev", false),
+            ("delete", "modeldemands.residency.dev", false),
+            ("delete", "modelresidencies.residency.dev", false),
+            ("create", "deployments.apps", false),
+            ("*", "*", false),
+        ],
+    );
 
     // The whole job with impersonated credentials: load, evict, refuse.
     let client = env.plane.client_as(&user, &groups).await.unwrap();
@@ -586,46 +599,24 @@ async fn the_router_does_its_job_with_only_its_charts_rbac() {
     let helm = helm();
     let env = test_env("chart-router").await;
     install_chart(&env, &helm, "front");
-    let user = format!(
-        "system:serviceaccount:{}:front-model-residency-router",
-        env.namespace
-    );
-    let groups = [
-        "system:serviceaccounts".to_owned(),
-        format!("system:serviceaccounts:{}", env.namespace),
-        "system:authenticated".to_owned(),
-    ];
-    let can = |verb: &str, resource: &str| {
-        let out = env.kubectl(&["auth", "can-i", verb, resource, "--as", &user]);
-        String::from_utf8_lossy(&out.stdout).trim() == "yes"
-    };
-    for (verb, resource, want) in [
-        ("watch", "modelresidencies.residency.dev", true),
-        ("patch", "modelresidencies.residency.dev", true),
-        ("watch", "pods", true),
-        ("update", "modelresidencies.residency.dev", false),
-        ("delete", "modelresidencies.residency.dev", false),
-        ("create", "pods", false),
-        ("delete", "pods", false),
-        ("watch", "modeldemands.residency.dev", false),
-        ("get", "secrets", false),
-        ("create", "events.events.k8s.io", false),
-    ] {
-        assert_eq!(can(verb, resource), want, "router can-i {verb} {resource}");
-    }
-    let out = env.kubectl(&[
-        "auth",
-        "can-i",
-        "patch",
-        "modelresidencies.residency.dev",
-        "--subresource=status",
-        "--as",
+    let (user, groups) = service_account_named(&env, "front-model-residency-router");
+    assert_rights(
+        &env,
         &user,
-    ]);
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout).trim(),
-        "no",
-        "no status writes"
+        &[
+            ("watch", "modelresidencies.residency.dev", true),
+            ("patch", "modelresidencies.residency.dev", true),
+            ("watch", "pods", true),
+            ("update", "modelresidencies.residency.dev", false),
+            ("delete", "modelresidencies.residency.dev", false),
+            ("create", "pods", false),
+            ("delete", "pods", false),
+            ("watch", "modeldemands.residency.dev", false),
+            ("get", "secrets", false),
+            ("create", "events.events.k8s.io", false),
+            // No status writes.
+            ("patch", "modelresidencies.residency.dev/status", false),
+        ],
     );
 
     // The whole job with its credentials: a cold request is held, its load
@@ -701,34 +692,24 @@ async fn the_node_agent_does_its_job_with_only_its_charts_rbac() {
             "router.enabled=false",
         ],
     );
-    let user = format!(
-        "system:serviceaccount:{}:disk-model-residency-node-agent",
-        env.namespace
+    let (user, groups) = service_account_named(&env, "disk-model-residency-node-agent");
+    assert_rights(
+        &env,
+        &user,
+        &[
+            ("watch", "modelresidencies.residency.dev", true),
+            ("watch", "pods", true),
+            ("patch", "nodemodelcaches.residency.dev", true),
+            ("patch", "modelresidencies.residency.dev", false),
+            ("delete", "pods", false),
+            ("create", "pods", false),
+            ("delete", "nodemodelcaches.residency.dev", false),
+            ("get", "secrets", false),
+        ],
     );
-    let can = |verb: &str, resource: &str| {
-        let out = env.kubectl(&["auth", "can-i", verb, resource, "--as", &user]);
-        String::from_utf8_lossy(&out.stdout).trim() == "yes"
-    };
-    for (verb, resource, want) in [
-        ("watch", "modelresidencies.residency.dev", true),
-        ("watch", "pods", true),
-        ("patch", "nodemodelcaches.residency.dev", true),
-        ("patch", "modelresidencies.residency.dev", false),
-        ("delete", "pods", false),
-        ("create", "pods", false),
-        ("delete", "nodemodelcaches.residency.dev", false),
-        ("get", "secrets", false),
-    ] {
-        assert_eq!(can(verb, resource), want, "agent can-i {verb} {resource}");
-    }
 
     // The whole job with its credentials: a model with an artifact loads
     // once the agent has fetched it.
-    let groups = [
-        "system:serviceaccounts".to_owned(),
-        format!("system:serviceaccounts:{}", env.namespace),
-        "system:authenticated".to_owned(),
-    ];
     let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
     let client = env.plane.client_as(&user, &groups).await.unwrap();
     let node = env.node("gpu");

@@ -133,10 +133,7 @@ impl AgentMetrics {
     }
 
     pub fn encode(&self) -> String {
-        let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry)
-            .expect("writing to a String cannot fail");
-        out
+        crate::metrics::exposition(&self.registry)
     }
 }
 

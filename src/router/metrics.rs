@@ -102,10 +102,7 @@ impl Default for RouterMetrics {
 
 impl RouterMetrics {
     pub fn encode(&self) -> String {
-        let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry)
-            .expect("writing to a String cannot fail");
-        out
+        crate::metrics::exposition(&self.registry)
     }
 
     /// The sum of a metric's samples whose labels contain `labels`.
