@@ -316,6 +316,45 @@ fn service_account(env: &TestEnv, release: &str) -> (String, Vec<String>) {
     service_account_named(env, &format!("{release}-model-residency"))
 }
 
+/// A fake GPU node with the kubelet stand-in, and the operator running
+/// in-process with the admin's credentials: what another component works
+/// with in a test of that component's rights.
+struct OperatorAlongside {
+    node: String,
+    _kubelet: FakeKubelet,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl OperatorAlongside {
+    async fn start(env: &TestEnv) -> Self {
+        let node = env.node("gpu");
+        let kubelet = FakeKubelet::start(env.client.clone(), KubeletConfig::instant(&[&node]))
+            .await
+            .unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(controller::run(
+            Context::new(env.client.clone()),
+            Some(env.namespace.clone()),
+            async {
+                let _ = stopped.await;
+            },
+            Arc::default(),
+        ));
+        OperatorAlongside {
+            node,
+            _kubelet: kubelet,
+            stop,
+            task,
+        }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.task.await;
+    }
+}
+
 /// Asserts what `user` may do, as `kubectl auth can-i` answers: each
 /// (verb, resource or resource/subresource, allowed).
 fn assert_rights(env: &TestEnv, user: &str, rights: &[(&str, &str, bool)]) {
@@ -623,19 +662,8 @@ async fn the_router_does_its_job_with_only_its_charts_rbac() {
     // requested (a demand write), and the answer proxied.
     let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
     let client = env.plane.client_as(&user, &groups).await.unwrap();
-    let node = env.node("gpu");
-    let _kubelet = FakeKubelet::start(env.client.clone(), KubeletConfig::instant(&[&node]))
-        .await
-        .unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let operator = tokio::spawn(controller::run(
-        Context::new(env.client.clone()),
-        Some(env.namespace.clone()),
-        async {
-            let _ = stopped.await;
-        },
-        Arc::default(),
-    ));
+    let operator = OperatorAlongside::start(&env).await;
+    let node = operator.node.clone();
     let admin: Api<ModelResidency> = Api::namespaced(env.client.clone(), &env.namespace);
     let r: ModelResidency = serde_json::from_value(json!({
         "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
@@ -671,8 +699,7 @@ async fn the_router_does_its_job_with_only_its_charts_rbac() {
         0
     );
     serving.abort();
-    let _ = stop.send(());
-    let _ = operator.await;
+    operator.stop().await;
 }
 
 #[tokio::test]
@@ -712,19 +739,8 @@ async fn the_node_agent_does_its_job_with_only_its_charts_rbac() {
     // once the agent has fetched it.
     let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
     let client = env.plane.client_as(&user, &groups).await.unwrap();
-    let node = env.node("gpu");
-    let _kubelet = FakeKubelet::start(env.client.clone(), KubeletConfig::instant(&[&node]))
-        .await
-        .unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let operator = tokio::spawn(controller::run(
-        Context::new(env.client.clone()),
-        Some(env.namespace.clone()),
-        async {
-            let _ = stopped.await;
-        },
-        Arc::default(),
-    ));
+    let operator = OperatorAlongside::start(&env).await;
+    let node = operator.node.clone();
     let cache = tempfile::tempdir().unwrap();
     let metrics = Arc::new(model_residency::node_agent::metrics::AgentMetrics::default());
     let agent = tokio::spawn(model_residency::node_agent::agent::run(
@@ -768,6 +784,5 @@ async fn the_node_agent_does_its_job_with_only_its_charts_rbac() {
     );
     assert!(!agent.is_finished(), "the agent runs on");
     agent.abort();
-    let _ = stop.send(());
-    let _ = operator.await;
+    operator.stop().await;
 }
