@@ -138,3 +138,66 @@ fn works_as_a_kubectl_plugin_name() {
     assert!(out.status.success());
     assert!(stdout(&out).contains("Usage: kubectl-residency demand"));
 }
+
+#[test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+fn local_cluster_comes_up_with_the_crds_and_says_what_to_run_next() {
+    use std::io::{BufRead, BufReader};
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_model-residency"));
+    cmd.args(["local-cluster", "--node", "gpu-1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null());
+    let mut child = model_residency::local::control_plane::spawn_owned(cmd).unwrap();
+    let mut text = String::new();
+    let mut kubeconfig = None;
+    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+        let line = line.unwrap();
+        text.push_str(&line);
+        text.push('\n');
+        if let Some(path) = line.strip_prefix("export KUBECONFIG=") {
+            kubeconfig = Some(path.to_owned());
+        }
+        if line.contains("kubectl get mres") {
+            break;
+        }
+    }
+    let kubeconfig = kubeconfig.unwrap_or_else(|| panic!("no KUBECONFIG in\n{text}"));
+    for next in [
+        "model-residency run",
+        "model-residency route",
+        "examples/seed-registry.yaml",
+    ] {
+        assert!(text.contains(next), "{next} not in\n{text}");
+    }
+    // The CRDs are there: kubectl knows the kinds, and the fake node too.
+    let cache = tempfile::tempdir().unwrap();
+    let kubectl = |args: &[&str]| {
+        Command::new("kubectl")
+            .env("KUBECONFIG", &kubeconfig)
+            .arg(format!("--cache-dir={}", cache.path().display()))
+            .args(args)
+            .output()
+            .expect("run kubectl")
+    };
+    let out = kubectl(&["get", "mres,modeldemands,nmc", "-A"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = kubectl(&["get", "node", "gpu-1", "-o", "name"]);
+    assert_eq!(stdout(&out).trim(), "node/gpu-1");
+    // Ctrl-C: it stops and removes its files.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGINT);
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() {
+        assert!(std::time::Instant::now() < deadline, "no exit after Ctrl-C");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(
+        !std::path::Path::new(&kubeconfig).exists(),
+        "its files are removed"
+    );
+}

@@ -1,6 +1,7 @@
-//! `model-residency local-cluster`: a local control plane plus a kubelet
-//! stand-in for fake GPU nodes, kept up until Ctrl-C, for trying the
-//! operator by hand with kubectl (`export KUBECONFIG=...` as printed).
+//! `model-residency local-cluster`: a local control plane with the CRDs
+//! installed, plus a kubelet stand-in for fake GPU nodes, kept up until
+//! Ctrl-C, for trying the operator by hand with kubectl (`export
+//! KUBECONFIG=...` as printed, with the next commands to run).
 
 use super::Failure;
 use model_residency::local::control_plane::ControlPlane;
@@ -31,6 +32,12 @@ pub fn run(args: Args) -> Result<(), Failure> {
             message: e.to_string(),
             code: 1,
         })?;
+        model_residency::local::install_crd(&client)
+            .await
+            .map_err(|e| Failure {
+                message: format!("install the CRDs: {e}"),
+                code: 1,
+            })?;
         let nodes: Vec<&str> = args.nodes.iter().map(String::as_str).collect();
         let mut config = KubeletConfig::instant(&nodes);
         config.load_delay = Duration::from_millis(200);
@@ -47,8 +54,17 @@ pub fn run(args: Args) -> Result<(), Failure> {
             plane.startup.as_secs_f64(),
             args.nodes.join(", ")
         );
+        println!("the ModelResidency, ModelDemand and NodeModelCache CRDs are installed");
         println!("export KUBECONFIG={}", plane.kubeconfig().display());
         println!("(Ctrl-C stops it and removes its files)");
+        println!(
+            "then, each in a shell with that KUBECONFIG:\n  \
+             model-residency run --http-addr 127.0.0.1:8081\n  \
+             model-residency route --http-addr 127.0.0.1:8080\n  \
+             kubectl create namespace models && kubectl apply -n models -f examples/seed-registry.yaml\n  \
+             curl -s 127.0.0.1:8080/v1/chat/completions -d '{{\"model\":\"qwen-llm\",\"messages\":[]}}'\n  \
+             kubectl get mres -n models"
+        );
         let _ = tokio::signal::ctrl_c().await;
         Ok(())
     })
