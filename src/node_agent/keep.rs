@@ -295,4 +295,88 @@ mod tests {
             }
         }
     }
+
+    mod props {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        fn held_strategy() -> impl Strategy<Value = Vec<(u64, u64, bool)>> {
+            // (size, last use, mounted by a pod)
+            proptest::collection::vec((1u64..=8, 0u64..20, proptest::bool::weighted(0.3)), 0..6)
+        }
+
+        fn wanted_strategy() -> impl Strategy<Value = Vec<(u64, bool, bool, u64, Option<usize>)>> {
+            // (size, required, pinned, requested at, the held artifact it is)
+            proptest::collection::vec(
+                (
+                    1u64..=10,
+                    proptest::bool::ANY,
+                    proptest::bool::weighted(0.2),
+                    0u64..20,
+                    proptest::option::weighted(0.4, 0usize..6),
+                ),
+                0..6,
+            )
+        }
+
+        proptest! {
+            /// On random disks: the budget holds for whatever is fetched;
+            /// nothing mounted, required or pinned is evicted; every
+            /// missing required artifact is fetched, waits or is refused,
+            /// and waits only where mounted artifacts hold room it needs;
+            /// prefetch is never refused.
+            #[test]
+            fn the_disk_plan_keeps_its_rules(budget in 0u64..30, held in held_strategy(), wanted in wanted_strategy()) {
+                let t = |s: u64| Some(Timestamp::from_second(1_700_000_000 + s as i64).unwrap());
+                let held: Vec<Held> = held
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(size, used, in_use))| Held { key: format!("h{i}"), size, last_use: t(used), in_use })
+                    .collect();
+                let mut seen = HashSet::new();
+                let wanted: Vec<Wanted> = wanted
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(size, required, pinned, at, same))| {
+                        let key = match same {
+                            Some(h) if h < held.len() => held[h].key.clone(),
+                            _ => format!("w{i}"),
+                        };
+                        let size = held.iter().find(|h| h.key == key).map_or(size, |h| h.size);
+                        Wanted { key, size, want: if required { Want::Required } else { Want::Prefetch }, pinned, requested: t(at) }
+                    })
+                    .filter(|w| seen.insert(w.key.clone()))
+                    .collect();
+                let p = plan(budget, &held, &wanted);
+                let used: Bytes = held.iter().map(|h| h.size).sum();
+                let evicted: Bytes = held.iter().filter(|h| p.evict.contains(&h.key)).map(|h| h.size).sum();
+                let fetched: Bytes = wanted.iter().filter(|w| p.fetch.contains(&w.key)).map(|w| w.size).sum();
+                prop_assert!(fetched == 0 || used - evicted + fetched <= budget, "{p:?}");
+                let want_of = |k: &str| wanted.iter().find(|w| w.key == k);
+                for k in &p.evict {
+                    let h = held.iter().find(|h| &h.key == k).unwrap();
+                    prop_assert!(!h.in_use, "evicted a mounted artifact: {p:?}");
+                    prop_assert!(want_of(k).is_none_or(|w| w.want != Want::Required && !w.pinned), "{p:?}");
+                }
+                let mounted_free = held.iter().any(|h| h.in_use && want_of(&h.key).is_none_or(|w| w.want != Want::Required && !w.pinned));
+                for w in &wanted {
+                    let on_disk = held.iter().any(|h| h.key == w.key);
+                    let places = [
+                        p.fetch.contains(&w.key),
+                        p.refused.iter().any(|(k, _)| k == &w.key),
+                        p.waiting.iter().any(|(k, _)| k == &w.key),
+                    ];
+                    let n = places.iter().filter(|x| **x).count();
+                    if on_disk {
+                        prop_assert_eq!(n, 0, "{:?} is on disk: {:?}", w.key, p);
+                    } else if w.want == Want::Required {
+                        prop_assert_eq!(n, 1, "{:?}: {:?}", w.key, p);
+                        prop_assert!(!places[2] || mounted_free, "waits with nothing mounted: {p:?}");
+                    } else {
+                        prop_assert!(!places[1] && !places[2], "prefetch refused or waiting: {p:?}");
+                    }
+                }
+            }
+        }
+    }
 }
