@@ -555,3 +555,43 @@ async fn an_idle_model_is_unloaded_after_its_keep_alive() {
         BTreeSet::from(["qwen-llm".to_owned()])
     );
 }
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn demand_load_from_a_clock_behind_the_last_request_still_loads() {
+    let h = Harness::start("cli-clock").await;
+    h.create("gpu", "16000Mi", SEED).await;
+    // A faster clock (a router, another laptop) requested qwen-llm 30 s
+    // ahead of this one (within the operator's skew allowance), and it was
+    // unloaded since.
+    let ahead = k8s_openapi::jiff::Timestamp::now() + std::time::Duration::from_secs(30);
+    model_residency::demand::load(&h.api, "gpu", "qwen-llm", ahead)
+        .await
+        .unwrap();
+    h.until_state("gpu", "qwen-llm", ModelState::Loaded, 30)
+        .await;
+    model_residency::demand::unload(&h.api, "gpu", "qwen-llm")
+        .await
+        .unwrap();
+    h.until_state("gpu", "qwen-llm", ModelState::Unloaded, 30)
+        .await;
+
+    // `demand load` from this clock: its time alone would count as
+    // processed already, so it asks again just after the last request.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_model-residency"))
+        .env("KUBECONFIG", h.env.plane.kubeconfig())
+        .args(["demand", "load", "gpu", "qwen-llm", "-n", &h.env.namespace])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("is behind the last request"), "{stderr}");
+    let r = h
+        .until_state("gpu", "qwen-llm", ModelState::Loaded, 30)
+        .await;
+    let last = model(&r, "qwen-llm").last_requested.clone().unwrap();
+    assert!(
+        last.parse::<k8s_openapi::jiff::Timestamp>().unwrap() > ahead,
+        "{last}"
+    );
+}

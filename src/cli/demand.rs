@@ -6,7 +6,7 @@ use super::Failure;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::Api;
 use model_residency::api::{ModelResidency, ModelState};
-use model_residency::controller::state::{restore, validate};
+use model_residency::controller::state::{later, recorded_time, restore, validate};
 use model_residency::demand;
 use model_residency::labels::is_dns_label;
 use model_residency::quantity::format_bytes;
@@ -20,7 +20,9 @@ pub struct Target {
 
 #[derive(clap::Subcommand, Debug)]
 pub enum DemandCommand {
-    /// Request a model: set its demand key to now (one merge patch).
+    /// Request a model: set its demand key to now (one merge patch; a
+    /// second one, just after it, when this clock is behind the last
+    /// request the residency processed for the model).
     Load { residency: String, model: String },
     /// Stop demanding a model: remove its demand key, which unloads it.
     Unload { residency: String, model: String },
@@ -57,10 +59,30 @@ pub async fn demand(target: Target, command: DemandCommand) -> Result<(), Failur
     let api = api(&target).await?;
     match command {
         DemandCommand::Load { residency, model } => {
-            let at = Timestamp::now();
-            let r = demand::load(&api, &residency, &model, at)
+            let mut at = Timestamp::now();
+            let mut r = demand::load(&api, &residency, &model, at)
                 .await
                 .map_err(|e| not_found(e, &residency))?;
+            // The answer shows the last request the operator processed for
+            // the model. One from a faster clock (a router, another
+            // laptop) at or after this one makes this one count as
+            // processed already, so it would do nothing: ask again just
+            // after it.
+            let processed = r
+                .status
+                .as_ref()
+                .and_then(|s| s.model(&model))
+                .and_then(|m| recorded_time(m.last_requested.as_deref()));
+            if let Some(last) = processed.filter(|last| *last >= at) {
+                let again = later(last, std::time::Duration::from_micros(1));
+                eprintln!(
+                    "note: this clock ({at}) is behind the last request {residency} processed for {model} ({last}); requesting at {again} instead"
+                );
+                at = again;
+                r = demand::load(&api, &residency, &model, at)
+                    .await
+                    .map_err(|e| not_found(e, &residency))?;
+            }
             println!("requested {model} on {residency} at {at}");
             if !r.spec.models.iter().any(|m| m.name == model) {
                 eprintln!(
