@@ -58,6 +58,8 @@ pub enum FetchError {
     PathEscapes { path: String },
     #[error("two files of the artifact are both written to {path:?}")]
     DuplicatePath { path: String },
+    #[error("{file:?} is a file of the artifact, so {under:?} cannot be inside it")]
+    PathsOverlap { file: String, under: String },
     #[error("sha256 {value:?} is not 64 hex digits")]
     BadChecksum { value: String },
     #[error("{uri} answered {status}")]
@@ -86,6 +88,7 @@ impl FetchError {
             FetchError::BadUri { .. }
             | FetchError::PathEscapes { .. }
             | FetchError::DuplicatePath { .. }
+            | FetchError::PathsOverlap { .. }
             | FetchError::BadChecksum { .. } => "InvalidArtifact",
             FetchError::Status { .. } | FetchError::Transfer { .. } => "DownloadFailed",
             FetchError::ChecksumMismatch { .. } => "ChecksumMismatch",
@@ -183,15 +186,22 @@ fn check(files: &[FileSource], allowed: &[String]) -> Result<Vec<Checked>, Fetch
             Some(p) => p.clone(),
             None => uri.path().rsplit('/').next().unwrap_or_default().to_owned(),
         };
-        let path = PathBuf::from(&raw);
+        let given = PathBuf::from(&raw);
         let inside = !raw.is_empty()
-            && path
+            && given
                 .components()
                 .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
-            && path.components().any(|c| matches!(c, Component::Normal(_)));
+            && given
+                .components()
+                .any(|c| matches!(c, Component::Normal(_)));
         if !inside {
             return Err(FetchError::PathEscapes { path: raw });
         }
+        // `./w.bin` and `w.bin` are one file.
+        let path: PathBuf = given
+            .components()
+            .filter(|c| matches!(c, Component::Normal(_)))
+            .collect();
         if !seen.insert(path.clone()) {
             return Err(FetchError::DuplicatePath { path: raw });
         }
@@ -206,6 +216,18 @@ fn check(files: &[FileSource], allowed: &[String]) -> Result<Vec<Checked>, Fetch
             path,
             sha256,
         });
+    }
+    // A file cannot also be a directory other files go in.
+    for file in &checked {
+        if let Some(under) = checked
+            .iter()
+            .find(|o| o.path != file.path && o.path.starts_with(&file.path))
+        {
+            return Err(FetchError::PathsOverlap {
+                file: file.path.display().to_string(),
+                under: under.path.display().to_string(),
+            });
+        }
     }
     Ok(checked)
 }
@@ -678,6 +700,22 @@ mod tests {
             check(&dup, &allowed),
             Err(FetchError::DuplicatePath { .. })
         ));
+        let same = [
+            file("http://models.local/a/w.bin", Some("w.bin")),
+            file("http://models.local/b/w.bin", Some("./w.bin")),
+        ];
+        assert!(matches!(
+            check(&same, &allowed),
+            Err(FetchError::DuplicatePath { .. })
+        ));
+        let overlap = [
+            file("http://models.local/a", Some("config")),
+            file("http://models.local/b", Some("config/model.json")),
+        ];
+        let e = check(&overlap, &allowed).unwrap_err();
+        assert!(matches!(e, FetchError::PathsOverlap { .. }), "{e}");
+        assert_eq!(e.reason(), "InvalidArtifact");
+        assert!(!e.retryable());
         let mut bad_sum = file("http://models.local/w.bin", None);
         bad_sum.sha256 = Some("abc".into());
         assert!(matches!(
