@@ -201,6 +201,16 @@ impl Metrics {
         }
     }
 
+    /// Forgets every residency but those in `present` (what a list of
+    /// them found: the others were deleted while the watch was down).
+    pub fn keep_only(&self, present: &std::collections::HashSet<(String, String)>) {
+        self.residencies
+            .0
+            .lock()
+            .expect("metrics lock")
+            .retain(|l, _| present.contains(&(l.namespace.clone(), l.residency.clone())));
+    }
+
     /// Forgets a deleted residency.
     pub fn forget(&self, namespace: &str, residency: &str) {
         let labels = ResidencyLabels {

@@ -15,6 +15,7 @@ pub mod fast_lane;
 pub mod pod_cache;
 pub mod pods;
 pub mod reasons;
+pub mod relist;
 pub mod state;
 pub mod templates;
 pub mod written;
@@ -484,17 +485,22 @@ pub async fn run(
         .default_backoff()
         .modify(cached::compact)
         .inspect_ok({
-            // A deleted residency's metrics go with it. (One deleted while
-            // the watch was down keeps them until the operator restarts.)
-            // Every event updates the GPU claims; the residencies sharing a
-            // GPU with the one it is about are reconciled (their holder may
-            // have changed).
+            // A deleted residency's metrics go with it, also one deleted
+            // while the watch was down (the list that follows leaves it
+            // out). Every event updates the GPU claims; the residencies
+            // sharing a GPU with the one it is about are reconciled (their
+            // holder may have changed).
             let ctx = ctx.clone();
+            let mut relist = relist::Relist::default();
             move |event| {
                 if let watcher::Event::Delete(r) = event {
                     ctx.metrics
                         .forget(&r.namespace().unwrap_or_default(), &r.name_any());
                     ctx.written.forget(r);
+                }
+                if let Some(present) = relist.record(event) {
+                    ctx.metrics.keep_only(&present);
+                    ctx.written.keep_only(&present);
                 }
                 for other in ctx.claims.record(event) {
                     let _ = claim_tx.unbounded_send(other);

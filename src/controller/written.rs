@@ -8,18 +8,15 @@
 
 use super::pod_cache::resource_version_of;
 use crate::api::ModelResidency;
-use kube::ResourceExt;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-type Key = (String, String);
+use super::relist::Key;
 
 #[derive(Debug, Default)]
 pub struct WrittenStatuses(Mutex<HashMap<Key, Arc<ModelResidency>>>);
 
-fn key(r: &ModelResidency) -> Key {
-    (r.namespace().unwrap_or_default(), r.name_any())
-}
+use super::relist::key_of as key;
 
 impl WrittenStatuses {
     /// Records the object a status write returned (the whole object: its
@@ -52,6 +49,15 @@ impl WrittenStatuses {
     /// once the watch delivers them).
     pub fn pending(&self) -> usize {
         self.0.lock().expect("written lock").len()
+    }
+
+    /// Forgets every residency but those in `present` (see
+    /// [`super::relist`]).
+    pub fn keep_only(&self, present: &std::collections::HashSet<Key>) {
+        self.0
+            .lock()
+            .expect("written lock")
+            .retain(|k, _| present.contains(k));
     }
 
     /// Forgets a deleted residency.
