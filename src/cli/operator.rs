@@ -93,7 +93,9 @@ pub enum LogFormat {
 }
 
 pub(super) fn fatal(message: String) -> Failure {
-    tracing::error!("{message}");
+    // Every subcommand fails through here: logged as the program's, not
+    // as this module's (a node agent's error said `cli::operator`).
+    tracing::error!(target: "model_residency", "{message}");
     Failure { message, code: 1 }
 }
 
