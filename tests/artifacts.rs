@@ -276,9 +276,31 @@ async fn a_download_cut_short_resumes_where_it_stopped() {
         weights()
     );
 
+    // A kept part of a download that may no longer be made (its source
+    // is not allowed any more) goes.
+    std::fs::remove_dir_all(cache.path().join("w")).unwrap();
+    std::fs::create_dir_all(partial.parent().unwrap()).unwrap();
+    std::fs::write(&partial, &weights()[..1000]).unwrap();
+    let e = fetch(
+        &client,
+        cache.path(),
+        "w",
+        &[source(addr, "/ranged/weights.bin", sum.clone())],
+        1 << 20,
+        &["http://models.internal/".to_owned()],
+        &Progress::default(),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.reason(), "SourceNotAllowed");
+    assert!(
+        entries(cache.path()).is_empty(),
+        "{:?}",
+        entries(cache.path())
+    );
+
     // Without a sha256 nothing could tell a kept part from a changed
     // source: such a file is never resumed, and nothing of it is kept.
-    std::fs::remove_dir_all(cache.path().join("w")).unwrap();
     let e = get("/cut", None).await.unwrap_err();
     assert!(e.retryable(), "{e}");
     assert!(

@@ -292,8 +292,16 @@ pub async fn fetch(
     allowed: &[String],
     progress: &Progress,
 ) -> Result<Fetched, FetchError> {
-    let checked = check(files, allowed)?;
     let partial = partial_dir(cache, key);
+    let checked = match check(files, allowed) {
+        Ok(checked) => checked,
+        Err(e) => {
+            // What an earlier try kept is no use now (the agent was
+            // restarted with other --allowed-sources, say).
+            let _ = tokio::fs::remove_dir_all(&partial).await;
+            return Err(e);
+        }
+    };
     tokio::fs::create_dir_all(&partial).await.map_err(io)?;
     let result = download_all(client, &partial, &checked, declared, progress).await;
     let result = match result {
