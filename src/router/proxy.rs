@@ -29,10 +29,13 @@ pub fn upstream() -> Upstream {
 }
 
 /// Headers that belong to one connection, not to the request (RFC 9110
-/// 7.6.1), and `host`, which the client sets for the pod.
+/// 7.6.1), `host`, which the client sets for the pod, and `expect`: the
+/// router has read the whole body already, so a `100-continue` was met on
+/// this hop and would only make the pod wait to say go on.
 fn hop_by_hop(name: &HeaderName) -> bool {
     name == header::CONNECTION
         || name == header::HOST
+        || name == header::EXPECT
         || name == header::TE
         || name == header::TRAILER
         || name == header::TRANSFER_ENCODING
@@ -162,6 +165,7 @@ mod tests {
             ("transfer-encoding", "chunked"),
             ("host", "router"),
             ("authorization", "Bearer t"),
+            ("expect", "100-continue"),
             ("x-request-id", "abc"),
         ] {
             from.append(k, HeaderValue::from_static(v));
