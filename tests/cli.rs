@@ -201,3 +201,55 @@ fn local_cluster_comes_up_with_the_crds_and_says_what_to_run_next() {
         "its files are removed"
     );
 }
+
+#[test]
+fn bad_flags_of_the_long_running_commands_exit_2_before_touching_the_cluster() {
+    for (args, says) in [
+        (
+            &[
+                "node-agent",
+                "--node",
+                "n",
+                "--disk-budget",
+                "0",
+                "--allowed-sources",
+                "http://m/",
+            ][..],
+            "--disk-budget: 0",
+        ),
+        (
+            &[
+                "node-agent",
+                "--node",
+                "n",
+                "--disk-budget",
+                "lots",
+                "--allowed-sources",
+                "http://m/",
+            ],
+            "--disk-budget",
+        ),
+        (
+            &[
+                "node-agent",
+                "--node",
+                "n",
+                "--disk-budget",
+                "1Gi",
+                "--allowed-sources",
+                "ftp://m/",
+            ],
+            "not an http(s) URI",
+        ),
+        (&["route", "--body-timeout", "0s"], "--body-timeout"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_model-residency"))
+            .env("KUBECONFIG", "/nonexistent")
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}

@@ -46,6 +46,11 @@ pub struct Args {
 pub async fn run(args: Args) -> Result<(), Failure> {
     let budget = parse_bytes(&args.disk_budget)
         .map_err(|e| Failure::bad_input(format!("--disk-budget: {e}")))?;
+    if budget == 0 {
+        return Err(Failure::bad_input(
+            "--disk-budget: 0 would refuse every artifact (DiskFull); give the room the node has for them",
+        ));
+    }
     if args.allowed_sources.iter().any(|s| s.trim().is_empty()) {
         return Err(Failure::bad_input(
             "--allowed-sources: an empty prefix would allow every source",
