@@ -9,9 +9,12 @@
 //! `examples/seed-registry.yaml` (the seed's models on a 16000Mi GPU) and
 //! sends the seed's requests through the router as real HTTP: held cold
 //! starts, hits, LRU evictions, an oversized model refused (503 with the
-//! sizes), an unknown model (404), then an unload. It ends with events,
-//! pods, counters and both processes' metrics, and stops everything it
-//! started.
+//! sizes), an unknown model (404), then an unload. Then the node's disk:
+//! `model-residency node-agent` (as its ServiceAccount) fetches a new
+//! model's weights from a model store the demo serves over HTTP, verified
+//! by sha256, before its pod starts with them mounted read-only. It ends
+//! with events, pods, counters and the processes' metrics, and stops
+//! everything it started.
 
 use super::Failure;
 use super::demand::render_status;
@@ -224,6 +227,8 @@ async fn story(
         }
     }
 
+    let (node_agent, disk) = disk_tier(plane, &api, &name, &residency, &router.addr).await?;
+
     say("What the router serves (curl /v1/models)");
     println!("$ curl -s http://{}/v1/models", router.addr);
     let models = http_get(&router.addr, "/v1/models")
@@ -315,9 +320,191 @@ async fn story(
     }) {
         println!("   {line}");
     }
+    say(&format!(
+        "The node agent's metrics (curl http://{}/metrics | grep fetch)",
+        node_agent.addr
+    ));
+    let metrics = http_get(&node_agent.addr, "/metrics")
+        .await
+        .unwrap_or_default()
+        .1;
+    for line in metrics.lines().filter(|l| {
+        l.starts_with("model_residency_node_agent_fetches_total")
+            || l.starts_with("model_residency_node_agent_fetched_bytes_total")
+            || l.starts_with("model_residency_node_agent_disk_used_bytes")
+    }) {
+        println!("   {line}");
+    }
     router.stop();
+    node_agent.stop();
+    drop(disk);
     operator.stop();
     Ok(())
+}
+
+/// The weights the demo's artifact server serves: 8 MiB of a pattern.
+fn demo_weights() -> bytes::Bytes {
+    (0..8u32 << 20).map(|i| (i % 251) as u8).collect()
+}
+
+/// Serves `/llama/model.safetensors` ([`demo_weights`]) over HTTP on a
+/// free loopback port, as a model store would; returns its address.
+async fn artifact_server() -> Result<std::net::SocketAddr, Failure> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(Failure::other)?;
+    let addr = listener.local_addr().map_err(Failure::other)?;
+    let weights = demo_weights();
+    tokio::spawn(model_residency::http::accept_loop(
+        listener,
+        move |stream| {
+            let weights = weights.clone();
+            tokio::spawn(async move {
+                let service =
+                    hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                        let weights = weights.clone();
+                        async move {
+                            let mut answer =
+                                http::Response::new(http_body_util::Full::new(weights));
+                            if req.uri().path() != "/llama/model.safetensors" {
+                                *answer.body_mut() = http_body_util::Full::new(bytes::Bytes::new());
+                                *answer.status_mut() = http::StatusCode::NOT_FOUND;
+                            }
+                            Ok::<_, std::convert::Infallible>(answer)
+                        }
+                    });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        },
+    ));
+    Ok(addr)
+}
+
+/// The node's disk: the node agent fetches a model's weights, verified,
+/// before its pod starts, and the pod mounts them read-only. Returns the
+/// agent and its cache directory (removed when dropped, after the agent
+/// has stopped).
+async fn disk_tier(
+    plane: &ControlPlane,
+    api: &Api<ModelResidency>,
+    name: &str,
+    residency: &ModelResidency,
+    router: &str,
+) -> Result<(Process, tempfile::TempDir), Failure> {
+    let kc = plane.kubeconfig();
+    let store = artifact_server().await?;
+    let cache = tempfile::tempdir().map_err(Failure::other)?;
+    let cache_dir = cache.path().join("model-cache");
+    say(&format!(
+        "The node's disk: starting the node agent (model-residency node-agent, as the chart's node-agent ServiceAccount) with a 64Mi disk budget, fetching only from the model store at http://{store}/"
+    ));
+    let node = residency.spec.node_name.clone();
+    let agent = spawn_as(
+        plane,
+        "node agent",
+        "model-residency-node-agent",
+        &[
+            "node-agent",
+            "--node",
+            &node,
+            "--disk-budget",
+            "64Mi",
+            "--cache-dir",
+            &cache_dir.display().to_string(),
+            "--allowed-sources",
+            &format!("http://{store}/"),
+        ],
+    )
+    .await?;
+    // The new model's pod is the seed's first template with its own image.
+    let mut template = residency
+        .spec
+        .models
+        .first()
+        .map(|m| serde_json::to_value(&m.template).unwrap_or_default())
+        .unwrap_or_default();
+    template["spec"]["containers"][0]["image"] = "ghcr.io/example/llama-server:1.0".into();
+    template["spec"]["containers"][0]["args"] = serde_json::json!(["--model", "llama"]);
+    let sha = ring::digest::digest(&ring::digest::SHA256, &demo_weights());
+    let sha: String = sha.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+    let model = serde_json::json!({
+        "name": "llama", "size": "2000Mi", "template": template,
+        "artifact": {"size": "8Mi", "files": [{
+            "uri": format!("http://{store}/llama/model.safetensors"), "sha256": sha}]},
+    });
+    let patch = serde_json::json!([{"op": "add", "path": "/spec/models/-", "value": model}]);
+    say(
+        "Registering llama (2000Mi of VRAM) with an artifact: 8Mi of weights, with their sha256, that its pod needs on the node's disk",
+    );
+    println!(
+        "$ kubectl patch mres {name} -n {NAMESPACE} --type=json -p '[{{\"op\":\"add\",\"path\":\"/spec/models/-\",\"value\":{{\"name\":\"llama\",\"size\":\"2000Mi\",\"artifact\":{{...}},...}}}}]'"
+    );
+    api.patch(
+        name,
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::<()>::Json(serde_json::from_value(patch).map_err(Failure::other)?),
+    )
+    .await
+    .map_err(fail("add llama to the registry"))?;
+    settle(api, name).await?;
+    say(
+        "Asking for llama: the router holds the request while the operator waits in Fetching for the node agent to download and verify the weights, then starts the pod with them mounted read-only",
+    );
+    ask(router, "llama").await?;
+    let r = settle(api, name).await?;
+    kubectl(kc, &["get", "nmc"]);
+    kubectl(
+        kc,
+        &[
+            "get",
+            "nmc",
+            &node,
+            "-o",
+            "custom-columns=ARTIFACT:.status.artifacts[*].key,STATE:.status.artifacts[*].state,BYTES:.status.artifacts[*].bytes,SHA256:.status.artifacts[*].sha256",
+        ],
+    );
+    if let Some(pod) = r
+        .status
+        .as_ref()
+        .and_then(|s| s.model("llama"))
+        .and_then(|m| m.pod.clone())
+    {
+        kubectl(
+            kc,
+            &[
+                "get",
+                "pod",
+                &pod,
+                "-n",
+                NAMESPACE,
+                "-o",
+                "jsonpath={.spec.volumes[0].hostPath.path} -> {.spec.containers[0].volumeMounts[0].mountPath} (readOnly {.spec.containers[0].volumeMounts[0].readOnly})",
+            ],
+        );
+        println!();
+    }
+    println!("$ ls -l {}/*", cache_dir.display());
+    for dir in std::fs::read_dir(&cache_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        for file in std::fs::read_dir(dir.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            println!(
+                "   {}/{}  {} bytes",
+                dir.file_name().to_string_lossy(),
+                file.file_name().to_string_lossy(),
+                file.metadata().map(|m| m.len()).unwrap_or(0)
+            );
+        }
+    }
+    Ok((agent, cache))
 }
 
 /// One step of the demo's story.
@@ -443,6 +630,7 @@ fn install_rbac(plane: &ControlPlane) -> Result<(), Failure> {
         .args(["template", "model-residency"])
         .arg(checkout_file("charts/model-residency"))
         .args(["--namespace", OPERATOR_NS])
+        .args(["--set", "nodeAgent.enabled=true"])
         .output()
         .map_err(|e| Failure::other(format!("helm: {e}")))?;
     if !rendered.status.success() {
