@@ -253,3 +253,34 @@ fn bad_flags_of_the_long_running_commands_exit_2_before_touching_the_cluster() {
         assert!(err.contains(says), "{args:?}: {err}");
     }
 }
+
+#[test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+fn the_demo_runs_end_to_end() {
+    // The README's main job, as `scripts/demo.sh` runs it (with this
+    // build): every step it explains must happen.
+    let out = run(&["demo"]);
+    let text = stdout(&out);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for want in [
+        "answer: \"zimage on seed-gpu-zimage-",
+        "HTTP 503",
+        "\"code\":\"model_refused\"",
+        "HTTP 404",
+        "\"code\":\"model_not_found\"",
+        "answer: \"llama on seed-gpu-llama-",
+        "model_residency_node_agent_fetches_total{result=\"Fetched\"} 1",
+        "-> /models/llama (readOnly true)",
+        "exited: exit status: 0",
+        "== Done in",
+    ] {
+        assert!(
+            text.contains(want),
+            "{want:?} not in the demo's output:\n{text}"
+        );
+    }
+}
