@@ -292,49 +292,40 @@ async fn story(
         r.spec.budget.0,
         s.peak.as_deref().unwrap_or("0"),
     );
-    say(&format!(
-        "The operator's metrics (curl http://{}/metrics | grep seed-gpu)",
-        operator.addr
-    ));
-    let metrics = http_get(&operator.addr, "/metrics")
-        .await
-        .unwrap_or_default()
-        .1;
-    for line in metrics
-        .lines()
-        .filter(|l| l.contains("residency=\"seed-gpu\""))
-    {
-        println!("   {line}");
-    }
-    say(&format!(
-        "The router's metrics (curl http://{}/metrics | grep requests_total): every request, by model and code",
-        router.addr
-    ));
-    let metrics = http_get(&router.addr, "/metrics")
-        .await
-        .unwrap_or_default()
-        .1;
-    for line in metrics.lines().filter(|l| {
-        l.starts_with("model_residency_router_requests_total")
-            || l.starts_with("model_residency_router_demand_writes_total")
-    }) {
-        println!("   {line}");
-    }
-    say(&format!(
-        "The node agent's metrics (curl http://{}/metrics | grep fetch)",
-        node_agent.addr
-    ));
-    let metrics = http_get(&node_agent.addr, "/metrics")
-        .await
-        .unwrap_or_default()
-        .1;
-    for line in metrics.lines().filter(|l| {
-        l.starts_with("model_residency_node_agent_fetches_total")
-            || l.starts_with("model_residency_node_agent_fetched_bytes_total")
-            || l.starts_with("model_residency_node_agent_disk_used_bytes")
-    }) {
-        println!("   {line}");
-    }
+    show_metrics(
+        &format!(
+            "The operator's metrics (curl http://{}/metrics | grep seed-gpu)",
+            operator.addr
+        ),
+        &operator.addr,
+        |l| l.contains("residency=\"seed-gpu\""),
+    )
+    .await;
+    show_metrics(
+        &format!(
+            "The router's metrics (curl http://{}/metrics | grep requests_total): every request, by model and code",
+            router.addr
+        ),
+        &router.addr,
+        |l| {
+            l.starts_with("model_residency_router_requests_total")
+                || l.starts_with("model_residency_router_demand_writes_total")
+        },
+    )
+    .await;
+    show_metrics(
+        &format!(
+            "The node agent's metrics (curl http://{}/metrics | grep fetch)",
+            node_agent.addr
+        ),
+        &node_agent.addr,
+        |l| {
+            l.starts_with("model_residency_node_agent_fetches_total")
+                || l.starts_with("model_residency_node_agent_fetched_bytes_total")
+                || l.starts_with("model_residency_node_agent_disk_used_bytes")
+        },
+    )
+    .await;
     router.stop();
     node_agent.stop();
     drop(disk);
@@ -342,19 +333,27 @@ async fn story(
     Ok(())
 }
 
+/// Says `title` and prints the lines of `addr`'s /metrics that `keep`.
+async fn show_metrics(title: &str, addr: &str, keep: impl Fn(&str) -> bool) {
+    say(title);
+    let metrics = http_get(addr, "/metrics").await.unwrap_or_default().1;
+    for line in metrics.lines().filter(|l| keep(l)) {
+        println!("   {line}");
+    }
+}
+
 /// The weights the demo's artifact server serves: 8 MiB of a pattern.
 fn demo_weights() -> bytes::Bytes {
     (0..8u32 << 20).map(|i| (i % 251) as u8).collect()
 }
 
-/// Serves `/llama/model.safetensors` ([`demo_weights`]) over HTTP on a
-/// free loopback port, as a model store would; returns its address.
-async fn artifact_server() -> Result<std::net::SocketAddr, Failure> {
+/// Serves `/llama/model.safetensors` (`weights`) over HTTP on a free
+/// loopback port, as a model store would; returns its address.
+async fn artifact_server(weights: bytes::Bytes) -> Result<std::net::SocketAddr, Failure> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .map_err(Failure::other)?;
     let addr = listener.local_addr().map_err(Failure::other)?;
-    let weights = demo_weights();
     tokio::spawn(model_residency::http::accept_loop(
         listener,
         move |stream| {
@@ -394,7 +393,11 @@ async fn disk_tier(
     router: &str,
 ) -> Result<(Process, tempfile::TempDir), Failure> {
     let kc = plane.kubeconfig();
-    let store = artifact_server().await?;
+    let weights = demo_weights();
+    let sha = model_residency::node_agent::fetch::encode_hex(
+        ring::digest::digest(&ring::digest::SHA256, &weights).as_ref(),
+    );
+    let store = artifact_server(weights).await?;
     let cache = tempfile::tempdir().map_err(Failure::other)?;
     let cache_dir = cache.path().join("model-cache");
     say(&format!(
@@ -427,8 +430,6 @@ async fn disk_tier(
         .unwrap_or_default();
     template["spec"]["containers"][0]["image"] = "ghcr.io/example/llama-server:1.0".into();
     template["spec"]["containers"][0]["args"] = serde_json::json!(["--model", "llama"]);
-    let sha = ring::digest::digest(&ring::digest::SHA256, &demo_weights());
-    let sha: String = sha.as_ref().iter().map(|b| format!("{b:02x}")).collect();
     let model = serde_json::json!({
         "name": "llama", "size": "2000Mi", "template": template,
         "artifact": {"size": "8Mi", "files": [{

@@ -1,13 +1,14 @@
 //! `model-residency node-agent`: keeps model artifacts on this node's disk
 //! within a budget (see `model_residency::node_agent`). Serves `/healthz`,
-//! `/readyz` and `/metrics` (`node_agent::metrics`); stops on SIGTERM or Ctrl-C (a download in
-//! flight is abandoned; its partial directory is removed at the next
-//! start).
+//! `/readyz` and `/metrics` (`node_agent::metrics`); stops on SIGTERM or
+//! Ctrl-C (a download in flight is cut short; the next start resumes it if
+//! it is still wanted, and removes it if not).
 
 use super::Failure;
 use super::operator::{Logging, cluster_client, fatal, preflight, termination};
 use model_residency::http::{Endpoints, serve};
 use model_residency::node_agent::agent::{AgentConfig, run as run_agent};
+use model_residency::node_agent::fetch;
 use model_residency::node_agent::metrics::AgentMetrics;
 use model_residency::quantity::parse_bytes;
 use std::net::SocketAddr;
@@ -58,10 +59,11 @@ pub async fn run(args: Args) -> Result<(), Failure> {
     }
     // A prefix allows a scheme, host and port and a path under it; one that
     // names no host would silently allow nothing.
-    if let Some(bad) = args.allowed_sources.iter().find(|s| {
-        let uri = s.trim().parse::<http::Uri>();
-        !uri.is_ok_and(|u| matches!(u.scheme_str(), Some("http" | "https")) && u.host().is_some())
-    }) {
+    if let Some(bad) = args
+        .allowed_sources
+        .iter()
+        .find(|s| fetch::source_prefix(s).is_none())
+    {
         return Err(Failure::bad_input(format!(
             "--allowed-sources: {bad:?} is not an http(s) URI with a host (like https://models.example.com/)"
         )));

@@ -189,7 +189,10 @@ fn mounted(pods: &[Arc<Pod>], cache_dir: &Path) -> HashSet<String> {
         .flat_map(|p| p.spec.iter().flat_map(|s| s.volumes.iter().flatten()))
         .filter_map(|v| {
             let path = Path::new(&v.host_path.as_ref()?.path);
-            (path.parent()? == cache_dir).then(|| path.file_name()?.to_str().map(str::to_owned))?
+            if path.parent()? != cache_dir {
+                return None;
+            }
+            path.file_name()?.to_str().map(str::to_owned)
         })
         .collect()
 }
@@ -477,7 +480,8 @@ impl Agent {
             .sum()
     }
 
-    fn status(&self) -> NodeModelCacheStatus {
+    /// What to publish; `used` is [`Self::used`].
+    fn status(&self, used: u64) -> NodeModelCacheStatus {
         let mut keys: Vec<&String> = self.entries.keys().collect();
         keys.sort();
         let mut status = NodeModelCacheStatus::default();
@@ -505,7 +509,7 @@ impl Agent {
                 retry_at: e.retry_at.map(|t| t.to_string()),
             });
         }
-        status.used = Some(format_bytes(self.used()));
+        status.used = Some(format_bytes(used));
         let refused: Vec<&CachedArtifact> = status
             .artifacts
             .iter()
@@ -656,8 +660,9 @@ pub async fn run(
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         agent.step(&store.state(), &pods.state());
-        let status = agent.status();
-        metrics.observe(config.budget, agent.used(), &status);
+        let used = agent.used();
+        let status = agent.status(used);
+        metrics.observe(config.budget, used, &status);
         publish(&caches, &config, status, &mut last).await;
         ready.store(true, std::sync::atomic::Ordering::Relaxed);
         // Progress and retries are looked at every second while anything

@@ -125,13 +125,20 @@ struct Checked {
     sha256: Option<Vec<u8>>,
 }
 
+/// `prefix` as an allowed source: an http(s) URI with a host, or `None`
+/// (such a prefix allows nothing).
+pub fn source_prefix(prefix: &str) -> Option<http::Uri> {
+    let p = prefix.trim().parse::<http::Uri>().ok()?;
+    (matches!(p.scheme_str(), Some("http" | "https")) && p.host().is_some()).then_some(p)
+}
+
 /// Whether `uri` is under the allowed source `prefix`: the same scheme,
 /// host and port, no user info, and a path under the prefix's on a segment
 /// boundary. Compared as text, `https://models.example.com` let through
 /// `https://models.example.com.evil.net/...` and
 /// `https://models.example.com@evil.net/...` (whose host is evil.net).
 pub fn is_under(uri: &http::Uri, prefix: &str) -> bool {
-    let Ok(p) = prefix.trim().parse::<http::Uri>() else {
+    let Some(p) = source_prefix(prefix) else {
         return false;
     };
     let port = |u: &http::Uri| {
@@ -142,10 +149,8 @@ pub fn is_under(uri: &http::Uri, prefix: &str) -> bool {
         })
     };
     let userinfo = |u: &http::Uri| u.authority().is_some_and(|a| a.as_str().contains('@'));
-    let same_origin = p.scheme_str().is_some()
-        && uri.scheme_str().map(str::to_ascii_lowercase)
-            == p.scheme_str().map(str::to_ascii_lowercase)
-        && p.host().is_some()
+    let same_origin = uri.scheme_str().map(str::to_ascii_lowercase)
+        == p.scheme_str().map(str::to_ascii_lowercase)
         && uri.host().map(str::to_ascii_lowercase) == p.host().map(str::to_ascii_lowercase)
         && port(uri) == port(&p)
         && !userinfo(uri)
@@ -241,7 +246,8 @@ fn decode_hex(s: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-fn encode_hex(bytes: &[u8]) -> String {
+/// Lowercase hex, as `sha256` fields are written.
+pub fn encode_hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

@@ -50,15 +50,17 @@ fn hop_by_hop(name: &HeaderName) -> bool {
 /// answer's to the client), leaving the hop-by-hop ones: the fixed set and
 /// those the `Connection` header names for this hop.
 pub fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
-    let named = |name: &HeaderName| {
-        from.get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|token| name.as_str().eq_ignore_ascii_case(token.trim()))
-    };
+    // Read once (and nothing allocated when, as usual, there is none).
+    let named: Vec<&str> = from
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .collect();
     for (name, value) in from {
-        if !hop_by_hop(name) && !named(name) {
+        let listed = named.iter().any(|t| name.as_str().eq_ignore_ascii_case(t));
+        if !hop_by_hop(name) && !listed {
             to.append(name.clone(), value.clone());
         }
     }

@@ -20,11 +20,9 @@ pub fn weights() -> Vec<u8> {
 }
 
 pub fn sha256_hex(data: &[u8]) -> String {
-    ring::digest::digest(&ring::digest::SHA256, data)
-        .as_ref()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    model_residency::node_agent::fetch::encode_hex(
+        ring::digest::digest(&ring::digest::SHA256, data).as_ref(),
+    )
 }
 
 /// The artifact server: `/weights.bin`, `/config.json`, `/missing` (404),
