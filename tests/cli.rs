@@ -242,6 +242,7 @@ fn bad_flags_of_the_long_running_commands_exit_2_before_touching_the_cluster() {
             "not an http(s) URI",
         ),
         (&["route", "--body-timeout", "0s"], "--body-timeout"),
+        (&["route", "--body-deadline", "0s"], "--body-deadline"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_model-residency"))
             .env("KUBECONFIG", "/nonexistent")

@@ -1,8 +1,9 @@
 //! Property tests: the engine agrees with the naive reference
 //! (tests/support/reference.rs) step by step on random registries, budgets
-//! (including shrinks) and request/unload/resize/pin sequences of up to 10^4
-//! steps: same outcome, same victims, same counters, `used <= budget`, and a
-//! refused request evicts nothing.
+//! (including shrinks) and request/unload/resize/pin/loading sequences of up
+//! to 10^4 steps: same outcome, same victims, same counters, `used <=
+//! budget`, a refused or queued request changes nothing, and no request
+//! evicts a loading model.
 
 mod support;
 
@@ -17,6 +18,7 @@ enum Op {
     SetBudget(u64),
     Resize(usize, u64),
     SetPinned(usize, bool),
+    SetLoading(usize, bool),
 }
 
 fn op(models: usize) -> impl Strategy<Value = Op> {
@@ -26,6 +28,7 @@ fn op(models: usize) -> impl Strategy<Value = Op> {
         1 => (1u64..=120).prop_map(Op::SetBudget),
         1 => (0..models, 1u64..=60).prop_map(|(m, s)| Op::Resize(m, s)),
         1 => (0..models, proptest::bool::weighted(0.2)).prop_map(|(m, p)| Op::SetPinned(m, p)),
+        4 => (0..models, any::<bool>()).prop_map(|(m, l)| Op::SetLoading(m, l)),
     ]
 }
 
@@ -65,14 +68,21 @@ proptest! {
             match *op {
                 Op::Request(m) => {
                     let want = reference.request(m);
+                    let loading: Vec<ModelId> =
+                        before.iter().copied().filter(|&id| engine.is_loading(id)).collect();
                     let got = match engine.request(handles[m]) {
                         Admission::Hit => Outcome::Hit,
                         Admission::Loaded { evicted } => Outcome::Loaded(ids(evicted)),
+                        Admission::Queued { loading } => Outcome::Queued(loading),
                         Admission::Refused(r) => Outcome::Refused(reason(r)),
                     };
                     prop_assert_eq!(&got, &want, "step {}: {:?}", step, op);
-                    if matches!(got, Outcome::Refused(_)) {
-                        prop_assert_eq!(engine.residents(), before, "a refusal evicted something");
+                    if matches!(got, Outcome::Refused(_) | Outcome::Queued(_)) {
+                        prop_assert_eq!(engine.residents(), before.clone(), "a refusal or queue evicted something");
+                    }
+                    let after = engine.residents();
+                    for id in loading {
+                        prop_assert!(after.contains(&id), "step {}: a request evicted a loading model", step);
                     }
                 }
                 Op::Unload(m) => {
@@ -95,9 +105,14 @@ proptest! {
                     engine.set_pinned(handles[m], p);
                     reference.set_pinned(m, p);
                 }
+                Op::SetLoading(m, l) => {
+                    engine.set_loading(handles[m], l);
+                    reference.set_loading(m, l);
+                }
             }
             prop_assert!(engine.used() <= engine.budget(), "step {}: over budget", step);
             prop_assert_eq!(engine.used(), reference.used());
+            prop_assert_eq!(engine.loading_used(), reference.loading_used());
             prop_assert_eq!(ids(&engine.residents()), reference.residents(), "step {}", step);
             let c = engine.counters();
             let t = &reference.totals;

@@ -21,9 +21,13 @@ pub struct ArtifactSpec {
     /// by these sizes, and stops a download that goes past it.
     pub size: ByteQuantity,
     /// Where the model's pod sees the directory, read-only (default
-    /// `/models/<name>`).
+    /// `/models/<name>`): a normalized absolute path (no `.` or `..`
+    /// segments, no empty ones, not `/`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 1024), regex(pattern = "^/"))]
+    #[schemars(
+        length(min = 2, max = 1024),
+        regex(pattern = r"^(/([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+))+$")
+    )]
     pub mount_path: Option<String>,
 }
 
@@ -59,6 +63,21 @@ impl ArtifactSpec {
             .map(|b| format!("{b:02x}"))
             .collect();
         format!("{model}-{short}")
+    }
+
+    /// Why the mount path is unusable, if it is: not absolute, `/`, or
+    /// not normalized (`/models/../etc` mounts over `/etc`). The schema
+    /// says the same at admission; this holds for objects stored before it.
+    pub fn mount_path_problem(&self) -> Option<String> {
+        let path = self.mount_path.as_deref()?;
+        let normal = path.len() > 1
+            && path.starts_with('/')
+            && path[1..]
+                .split('/')
+                .all(|s| !s.is_empty() && s != "." && s != "..");
+        (!normal).then(|| {
+            format!("mountPath {path:?} must be a normalized absolute path (no '.', '..' or empty segments, not '/')")
+        })
     }
 
     /// Where the pod sees it.
@@ -176,6 +195,23 @@ mod tests {
         assert_ne!(a.cache_key("qwen"), b.cache_key("qwen"));
         b.mount_path = Some("/weights".into());
         assert_eq!(b.mount_path_for("qwen"), "/weights");
+        assert_eq!(b.mount_path_problem(), None);
+        for bad in [
+            "/models/../etc",
+            "/",
+            "/a//b",
+            "/a/./b",
+            "/a/",
+            "relative",
+            "/..",
+        ] {
+            b.mount_path = Some(bad.into());
+            assert!(b.mount_path_problem().is_some(), "{bad}");
+        }
+        for good in ["/models/qwen", "/.cache/m", "/a/...", "/w..x"] {
+            b.mount_path = Some(good.into());
+            assert_eq!(b.mount_path_problem(), None, "{good}");
+        }
         assert_eq!(a.mount_path_for("qwen"), "/models/qwen");
     }
 }

@@ -304,6 +304,10 @@ pub enum ModelState {
     /// Resident; its artifact is being fetched onto the node's disk (by the
     /// node agent) before its pod may start.
     Fetching,
+    /// Requested, not resident yet: the only models its load could evict
+    /// are still loading, and a loading model is never evicted. Admitted,
+    /// in request order, once one of them is ready.
+    Queued,
     /// Taken out to make room for another model or by a budget shrink.
     Evicted,
     /// Its last request was refused (see reason).

@@ -170,8 +170,9 @@ pub fn render_status(r: &ModelResidency) -> String {
             .map(|m| m.state)
             .unwrap_or(ModelState::Unloaded);
         let plan = match engine.plan_load(id) {
-            Ok(v) if v.is_empty() => "fits without evictions".to_owned(),
-            Ok(v) => format!(
+            Ok(None) => "queued behind models still loading".to_owned(),
+            Ok(Some(v)) if v.is_empty() => "fits without evictions".to_owned(),
+            Ok(Some(v)) => format!(
                 "evicts {}",
                 v.iter()
                     .map(|&e| engine.name(e))

@@ -42,6 +42,10 @@ pub struct Args {
     /// and the connection is closed).
     #[arg(long, env = "BODY_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
     body_timeout: Duration,
+    /// The longest a request's whole body may take to arrive, however
+    /// steadily it comes (then 408 and the connection is closed).
+    #[arg(long, env = "BODY_DEADLINE", default_value = "5m", value_parser = parse_duration)]
+    body_deadline: Duration,
     /// On SIGTERM, how long requests in flight may take to finish.
     #[arg(long, default_value = "25s", value_parser = parse_duration)]
     shutdown_grace: Duration,
@@ -53,6 +57,11 @@ pub async fn run(args: Args) -> Result<(), Failure> {
     if args.body_timeout.is_zero() {
         return Err(Failure::bad_input(
             "--body-timeout: 0s would refuse every request whose body comes in more than one read",
+        ));
+    }
+    if args.body_deadline.is_zero() {
+        return Err(Failure::bad_input(
+            "--body-deadline: 0s would refuse every request that has a body",
         ));
     }
     let client = cluster_client().await?;
@@ -75,6 +84,7 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         max_pending_total: args.max_pending_total,
         max_body: args.max_body,
         body_timeout: args.body_timeout,
+        body_deadline: args.body_deadline,
     };
     tracing::info!(addr = %args.http_addr, ?config, "routing model requests");
     let router = Router::start(client, config);

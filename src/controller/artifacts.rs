@@ -72,6 +72,12 @@ pub fn artifact_gate(
     model: &str,
     node_name: &str,
 ) -> ArtifactGate {
+    if let Some(problem) = artifact.mount_path_problem() {
+        return ArtifactGate::Fail {
+            reason: Reason::InvalidArtifact,
+            message: format!("{model}'s artifact cannot be mounted: {problem}"),
+        };
+    }
     let key = artifact.cache_key(model);
     let Some(node) = node else {
         return ArtifactGate::Wait {

@@ -15,6 +15,7 @@ use std::collections::HashMap;
 pub enum EventReason {
     Loaded,
     ModelReady,
+    Queued,
     Evicted,
     Unloaded,
     Refused,
@@ -32,6 +33,7 @@ impl EventReason {
         match self {
             EventReason::Loaded => "Loaded",
             EventReason::ModelReady => "ModelReady",
+            EventReason::Queued => "Queued",
             EventReason::Evicted => "Evicted",
             EventReason::Unloaded => "Unloaded",
             EventReason::Refused => "Refused",
@@ -51,7 +53,7 @@ impl EventReason {
             EventReason::Loaded | EventReason::ModelReady | EventReason::LoadFailed => "Load",
             EventReason::Evicted => "Evict",
             EventReason::Unloaded | EventReason::GpuConflict => "Unload",
-            EventReason::Refused | EventReason::ClockSkew => "Admit",
+            EventReason::Refused | EventReason::ClockSkew | EventReason::Queued => "Admit",
             EventReason::Resized | EventReason::Moved | EventReason::TemplateChanged => "Replace",
             EventReason::InvalidSpec => "Validate",
         }
@@ -121,6 +123,10 @@ fn transition_event(
                 r.spec.device
             );
             Some(ModelEvent::about(&m.name, EventReason::ModelReady, message))
+        }
+        ModelState::Queued if was != Some(ModelState::Queued) => {
+            let message = m.message.as_deref().unwrap_or_default().to_owned();
+            Some(ModelEvent::about(&m.name, EventReason::Queued, message))
         }
         // Each failure in a row is its own event.
         ModelState::Failed

@@ -13,12 +13,18 @@ pub enum Reason {
     FetchingArtifact,
     /// Its artifact could not be fetched (the node agent says why).
     ArtifactFailed,
+    /// Its artifact's spec can never work (a mount path that is not a
+    /// normalized absolute path).
+    InvalidArtifact,
     /// The node's disk budget cannot hold its artifact.
     DiskFull,
     /// Its pod exists and is not Ready yet.
     PodStarting,
     /// Resident, but waits for evicted pods to release their VRAM.
     WaitingForVram,
+    /// Requested, not admitted yet: the only models it could evict are
+    /// still loading.
+    WaitingForLoads,
     /// Its pod is being replaced because its declared size changed.
     Resized,
     /// Its pod is being replaced because the residency's node or GPU changed.
@@ -59,9 +65,11 @@ impl Reason {
             Reason::PodCreated => "PodCreated",
             Reason::FetchingArtifact => "FetchingArtifact",
             Reason::ArtifactFailed => "ArtifactFailed",
+            Reason::InvalidArtifact => "InvalidArtifact",
             Reason::DiskFull => "DiskFull",
             Reason::PodStarting => "PodStarting",
             Reason::WaitingForVram => "WaitingForVram",
+            Reason::WaitingForLoads => "WaitingForLoads",
             Reason::Resized => "Resized",
             Reason::Moved => "Moved",
             Reason::TemplateChanged => "TemplateChanged",

@@ -5,7 +5,7 @@
 //! budget) back into numbers; everything after it (the decide step, the
 //! CLI's `status` view) works on the typed values.
 
-use crate::api::{ModelResidency, ModelResidencyStatus, ModelSpec, ModelStatus};
+use crate::api::{ModelResidency, ModelResidencyStatus, ModelSpec, ModelState, ModelStatus};
 use crate::engine::{Bytes, Engine};
 use crate::labels::{fits_label_value, is_dns_subdomain};
 use crate::quantity::{QuantityError, parse_bytes};
@@ -206,7 +206,9 @@ pub struct Restored {
 
 /// Rebuilds the engine from a previous status: the recorded budget, every
 /// registry model (at its recorded size while resident, so a size change is
-/// seen as one), the residents in LRU order, and the counters and peak.
+/// seen as one), the residents in LRU order (those still `Loading` or
+/// `Fetching` marked loading: no request evicts them), and the counters and
+/// peak.
 pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
     let recorded: HashMap<&str, &ModelStatus> =
         status.models.iter().map(|m| (&*m.name, m)).collect();
@@ -247,6 +249,8 @@ pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
         let id = engine.id(&m.name).expect("registered above");
         if engine.restore(id).is_err() {
             overflow.push(m.name.to_string());
+        } else if matches!(m.state, ModelState::Loading | ModelState::Fetching) {
+            engine.set_loading(id, true);
         }
     }
     let peak = status

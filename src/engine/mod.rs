@@ -9,12 +9,21 @@
 //! 2. `size(m) > budget`: **refused** (`LargerThanBudget`), nothing evicted.
 //! 3. `m` could only fit by evicting pinned models: **refused**
 //!    (`NoEvictableRoom`), nothing evicted.
-//! 4. otherwise evict least-recently-used unpinned residents until
+//! 4. `m` could only fit by evicting models that are still **loading** (see
+//!    [`Engine::set_loading`]): **queued**, nothing evicted, nothing counted;
+//!    the caller asks again once one of them is ready.
+//! 5. otherwise evict least-recently-used unpinned, ready residents until
 //!    `used + size(m) <= budget`, then **load** `m` as the most recently used.
 //!
+//! A loading model is never a victim of a request: held requests for more
+//! models than fit would otherwise evict each other's models before any of
+//! them is ready, for ever. Budget shrinks and resizes still evict them (the
+//! budget outranks a load in progress). A caller that never marks a model
+//! loading gets the seed's policy exactly.
+//!
 //! Invariant: `used <= budget` after every operation. Resident models live in
-//! two intrusive recency lists (unpinned, pinned), so a hit and each victim are
-//! O(1) whatever the number of models.
+//! two intrusive recency lists (unpinned, pinned), so a hit is O(1) and each
+//! victim O(1) plus the loading models skipped on the way.
 
 mod recency;
 
@@ -68,6 +77,10 @@ pub enum Admission<'a> {
     Hit,
     /// Loaded, after evicting these models (least recently used first).
     Loaded { evicted: &'a [ModelId] },
+    /// Fits, but only by evicting models that are still loading: nothing
+    /// changed and nothing was counted; ask again when one is ready.
+    /// `loading` is the VRAM those models hold.
+    Queued { loading: Bytes },
     /// Not admitted; nothing was evicted.
     Refused(RefuseReason),
 }
@@ -127,6 +140,8 @@ struct Slot {
     size: Bytes,
     pinned: bool,
     resident: bool,
+    /// Resident and still loading: no request evicts it.
+    loading: bool,
     registered: bool,
     /// Engine clock at the model's last request (0: never).
     last_used: u64,
@@ -152,6 +167,9 @@ pub struct Engine {
     used: Bytes,
     /// VRAM held by resident pinned models: what no eviction can free.
     pinned_used: Bytes,
+    /// VRAM held by resident unpinned models that are still loading: what
+    /// no request may evict either.
+    loading_used: Bytes,
     peak: Bytes,
     clock: u64,
     counters: Counters,
@@ -171,6 +189,7 @@ impl Engine {
             budget,
             used: 0,
             pinned_used: 0,
+            loading_used: 0,
             peak: 0,
             clock: 0,
             counters: Counters::default(),
@@ -206,6 +225,7 @@ impl Engine {
             size,
             pinned,
             resident: false,
+            loading: false,
             registered: true,
             last_used: 0,
             links: Links::default(),
@@ -265,6 +285,8 @@ impl Engine {
         self.used = self.used - old + size;
         if pinned {
             self.pinned_used = self.pinned_used - old + size;
+        } else if self.slots.0[id.index()].loading {
+            self.loading_used = self.loading_used - old + size;
         }
         self.slots.0[id.index()].size = size;
         while self.used > self.budget {
@@ -308,10 +330,17 @@ impl Engine {
                 .unwrap_or(recency::NIL);
             let (list, slots) = self.list_of(id);
             list.insert_before(slots, id.0, before);
+            let loading = if self.slots.0[id.index()].loading {
+                size
+            } else {
+                0
+            };
             if pinned {
                 self.pinned_used += size;
+                self.loading_used -= loading;
             } else {
                 self.pinned_used -= size;
+                self.loading_used += loading;
             }
         }
     }
@@ -372,15 +401,39 @@ impl Engine {
             self.counters.refusals += 1;
             return Admission::Refused(reason);
         }
+        if self.pinned_used + self.loading_used + size > self.budget {
+            return Admission::Queued {
+                loading: self.loading_used,
+            };
+        }
         self.evicted.clear();
         while self.used + size > self.budget {
-            let victim = self.evictable.lru().expect("fit checked");
+            let victim = self.ready_lru().expect("room checked");
             self.evict(ModelId(victim));
         }
         self.make_resident(id);
         self.counters.loads += 1;
         Admission::Loaded {
             evicted: &self.evicted,
+        }
+    }
+
+    /// Marks a resident model as loading (its server is not ready yet: no
+    /// request evicts it) or ready (an ordinary LRU resident again). A model
+    /// that is not resident is left as it is; leaving residency clears it.
+    pub fn set_loading(&mut self, id: ModelId, loading: bool) {
+        let slot = &mut self.slots.0[id.index()];
+        if !slot.resident || slot.loading == loading {
+            return;
+        }
+        slot.loading = loading;
+        if slot.pinned {
+            return;
+        }
+        if loading {
+            self.loading_used += slot.size;
+        } else {
+            self.loading_used -= slot.size;
         }
     }
 
@@ -415,23 +468,30 @@ impl Engine {
         Ok(())
     }
 
-    /// What a request for `id` would evict, without doing it: `Ok(empty)`
-    /// for a hit or a load that fits.
-    pub fn plan_load(&self, id: ModelId) -> Result<Vec<ModelId>, RefuseReason> {
+    /// What a request for `id` would do, without doing it: the models it
+    /// would evict (`Ok(empty)` for a hit or a load that fits), `Ok(None)`
+    /// when it would be queued behind loading models, or the refusal.
+    pub fn plan_load(&self, id: ModelId) -> Result<Option<Vec<ModelId>>, RefuseReason> {
         let slot = &self.slots.0[id.index()];
         if slot.resident {
-            return Ok(Vec::new());
+            return Ok(Some(Vec::new()));
         }
         self.check_fit(slot.size)?;
+        if self.pinned_used + self.loading_used + slot.size > self.budget {
+            return Ok(None);
+        }
         let mut freed = self.budget - self.used;
         let mut victims = Vec::new();
-        let mut lru = self.evictable.iter(&self.slots);
+        let mut lru = self
+            .evictable
+            .iter(&self.slots)
+            .filter(|&v| !self.slots.0[v as usize].loading);
         while freed < slot.size {
-            let v = lru.next().expect("fit checked");
+            let v = lru.next().expect("room checked");
             freed += self.slots.0[v as usize].size;
             victims.push(ModelId(v));
         }
-        Ok(victims)
+        Ok(Some(victims))
     }
 
     // ---- queries --------------------------------------------------------
@@ -451,6 +511,11 @@ impl Engine {
     pub fn is_resident(&self, id: ModelId) -> bool {
         self.slots.0[id.index()].resident
     }
+    /// Resident and still loading (see [`Engine::set_loading`]).
+    pub fn is_loading(&self, id: ModelId) -> bool {
+        let slot = &self.slots.0[id.index()];
+        slot.resident && slot.loading
+    }
     /// The engine clock of the model's last request or restore (0: never).
     pub fn last_used(&self, id: ModelId) -> u64 {
         self.slots.0[id.index()].last_used
@@ -465,6 +530,10 @@ impl Engine {
     #[cfg(test)]
     pub fn pinned_used(&self) -> Bytes {
         self.pinned_used
+    }
+    /// VRAM held by resident unpinned models that are still loading.
+    pub fn loading_used(&self) -> Bytes {
+        self.loading_used
     }
     /// The most VRAM ever used at once.
     pub fn peak(&self) -> Bytes {
@@ -514,6 +583,13 @@ impl Engine {
         Ok(())
     }
 
+    /// The least recently used unpinned resident that is not loading.
+    fn ready_lru(&self) -> Option<u32> {
+        self.evictable
+            .iter(&self.slots)
+            .find(|&v| !self.slots.0[v as usize].loading)
+    }
+
     /// The recency list `id` belongs in, with the slots it links through.
     fn list_of(&mut self, id: ModelId) -> (&mut RecencyList, &mut Slots) {
         let list = if self.slots.0[id.index()].pinned {
@@ -546,7 +622,10 @@ impl Engine {
         self.used -= slot.size;
         if slot.pinned {
             self.pinned_used -= slot.size;
+        } else if slot.loading {
+            self.loading_used -= slot.size;
         }
+        slot.loading = false;
     }
 
     fn evict(&mut self, id: ModelId) {

@@ -199,11 +199,11 @@ fn pinning_keeps_recency_and_protects_from_eviction() {
     e.set_pinned(m[0], true);
     assert_eq!(names(&e), ["a", "b", "c"]);
     assert_eq!(e.pinned_used(), 3);
-    assert_eq!(e.plan_load(m[3]), Ok(vec![m[1]]));
+    assert_eq!(e.plan_load(m[3]), Ok(Some(vec![m[1]])));
     assert_eq!(e.request(m[3]), Admission::Loaded { evicted: &[m[1]] });
     e.set_pinned(m[0], false);
     assert_eq!(e.pinned_used(), 0);
-    assert_eq!(e.plan_load(m[1]), Ok(vec![m[0]]));
+    assert_eq!(e.plan_load(m[1]), Ok(Some(vec![m[0]])));
 }
 
 #[test]
@@ -215,4 +215,46 @@ fn restore_rebuilds_lru_order_without_counting() {
     assert_eq!(names(&e), ["b", "a"]);
     assert_eq!(e.counters(), Counters::default());
     assert_eq!(e.request(m[2]), Admission::Loaded { evicted: &[m[1]] });
+}
+
+#[test]
+fn a_loading_model_is_never_a_victim_and_a_load_that_needs_one_is_queued() {
+    let (mut e, m) = engine(
+        3,
+        &[
+            ("a", 1, false),
+            ("b", 1, false),
+            ("c", 1, false),
+            ("d", 1, false),
+            ("big", 2, false),
+        ],
+    );
+    for &id in &m[..3] {
+        assert_eq!(e.request(id), Admission::Loaded { evicted: &[] });
+        e.set_loading(id, true);
+    }
+    // Every resident is loading: the fourth waits, changing nothing.
+    assert_eq!(e.request(m[3]), Admission::Queued { loading: 3 });
+    assert_eq!(e.plan_load(m[3]), Ok(None));
+    assert_eq!(names(&e), ["a", "b", "c"]);
+    assert_eq!(e.counters().loads, 3);
+    assert_eq!(e.counters().evictions, 0);
+    // A hit on a loading model is still a hit.
+    assert_eq!(e.request(m[0]), Admission::Hit);
+    // b is ready: the LRU ready model goes, not the older loading a.
+    e.set_loading(m[1], false);
+    assert_eq!(e.plan_load(m[3]), Ok(Some(vec![m[1]])));
+    assert_eq!(e.request(m[3]), Admission::Loaded { evicted: &[m[1]] });
+    // A load needing two slots with one ready is queued too.
+    e.set_loading(m[3], true);
+    e.set_loading(m[2], false);
+    assert_eq!(e.request(m[4]), Admission::Queued { loading: 2 });
+    // A budget shrink still evicts loading models: the budget outranks.
+    assert_eq!(e.set_budget(1), &[m[2], m[0]]);
+    assert_eq!(names(&e), ["d"]);
+    assert!(e.is_loading(m[3]));
+    assert_eq!(e.loading_used(), 1);
+    e.unload(m[3]);
+    assert_eq!(e.loading_used(), 0);
+    assert!(!e.is_loading(m[3]));
 }

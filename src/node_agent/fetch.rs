@@ -64,6 +64,8 @@ pub enum FetchError {
     BadChecksum { value: String },
     #[error("{uri} answered {status}")]
     Status { uri: String, status: u16 },
+    #[error("{uri} redirects {why}")]
+    Redirect { uri: String, why: String },
     #[error("fetching {uri}: {message}")]
     Transfer { uri: String, message: String },
     #[error("{uri}: sha256 is {got}, expected {want}")]
@@ -84,7 +86,7 @@ impl FetchError {
     /// The CamelCase reason a status shows.
     pub fn reason(&self) -> &'static str {
         match self {
-            FetchError::NotAllowed { .. } => "SourceNotAllowed",
+            FetchError::NotAllowed { .. } | FetchError::Redirect { .. } => "SourceNotAllowed",
             FetchError::BadUri { .. }
             | FetchError::PathEscapes { .. }
             | FetchError::DuplicatePath { .. }
@@ -133,14 +135,18 @@ pub fn source_prefix(prefix: &str) -> Option<http::Uri> {
 }
 
 /// Whether `uri` is under the allowed source `prefix`: the same scheme,
-/// host and port, no user info, and a path under the prefix's on a segment
-/// boundary. Compared as text, `https://models.example.com` let through
+/// host and port, no user info, no dot segments, and a path under the
+/// prefix's on a segment boundary. Compared as text,
+/// `https://models.example.com` let through
 /// `https://models.example.com.evil.net/...` and
 /// `https://models.example.com@evil.net/...` (whose host is evil.net).
 pub fn is_under(uri: &http::Uri, prefix: &str) -> bool {
     let Some(p) = source_prefix(prefix) else {
         return false;
     };
+    if has_dot_segments(uri.path()) {
+        return false;
+    }
     let port = |u: &http::Uri| {
         u.port_u16().or(match u.scheme_str() {
             Some("https") => Some(443),
@@ -162,6 +168,20 @@ pub fn is_under(uri: &http::Uri, prefix: &str) -> bool {
             || path
                 .strip_prefix(base)
                 .is_some_and(|rest| base.ends_with('/') || rest.starts_with('/')))
+}
+
+/// Whether a URI path has a segment that a server may resolve upwards or
+/// sideways: `.` or `..`, literal or percent-encoded (`%2e%2e`, as RFC 3986
+/// says servers decode unreserved characters), or an encoded `/` or `\`
+/// inside a segment. Such a path is refused outright rather than resolved:
+/// `/allowed/../secret.bin` is under `/allowed/` as text and outside it
+/// once the store resolves it.
+fn has_dot_segments(path: &str) -> bool {
+    path.split('/').any(|segment| {
+        let lower = segment.to_ascii_lowercase();
+        let decoded = lower.replace("%2e", ".");
+        decoded == "." || decoded == ".." || lower.contains("%2f") || lower.contains("%5c")
+    })
 }
 
 /// Checks every file before anything is fetched: allowed source, http(s),
@@ -309,7 +329,7 @@ pub async fn fetch(
         }
     };
     tokio::fs::create_dir_all(&partial).await.map_err(io)?;
-    let result = download_all(client, &partial, &checked, declared, progress).await;
+    let result = download_all(client, &partial, &checked, declared, allowed, progress).await;
     let result = match result {
         Ok(fetched) => {
             let target = cache.join(key);
@@ -362,11 +382,87 @@ fn range_starts_at(headers: &http::HeaderMap, offset: u64) -> bool {
         .is_some_and(|(from, _)| from.trim().parse() == Ok(offset))
 }
 
+/// Redirects followed per file at most (object stores and CDNs answer one
+/// or two).
+const MAX_REDIRECTS: usize = 5;
+
+/// Where a redirect's `Location` points, resolved against the URI that
+/// answered it (an absolute URI, `//host/path`, `/path` or `path`).
+fn redirect_target(from: &http::Uri, location: &str) -> Option<http::Uri> {
+    let scheme = from.scheme_str()?;
+    let authority = from.authority()?.as_str();
+    let absolute = if location.contains("://") {
+        location.to_owned()
+    } else if let Some(rest) = location.strip_prefix("//") {
+        format!("{scheme}://{rest}")
+    } else if location.starts_with('/') {
+        format!("{scheme}://{authority}{location}")
+    } else {
+        let dir = from.path().rsplit_once('/').map_or("", |(dir, _)| dir);
+        format!("{scheme}://{authority}{dir}/{location}")
+    };
+    absolute.parse().ok()
+}
+
+/// Sends a GET for `uri` (with `range` if given), following redirects whose
+/// every hop is itself under an allowed source; any other redirect is a
+/// permanent failure that says why (it can never succeed as it stands).
+async fn get_following(
+    client: &HttpsClient,
+    uri: &str,
+    range: Option<String>,
+    allowed: &[String],
+) -> Result<http::Response<hyper::body::Incoming>, FetchError> {
+    let redirect = |why: String| FetchError::Redirect {
+        uri: uri.to_owned(),
+        why,
+    };
+    let mut at: http::Uri = uri.parse().map_err(|_| FetchError::BadUri {
+        uri: uri.to_owned(),
+    })?;
+    for _ in 0..=MAX_REDIRECTS {
+        let mut request = http::Request::get(at.clone());
+        if let Some(range) = &range {
+            request = request.header(http::header::RANGE, range);
+        }
+        let request = request.body(Empty::new()).map_err(|e| FetchError::BadUri {
+            uri: format!("{uri}: {e}"),
+        })?;
+        let response = client
+            .request(request)
+            .await
+            .map_err(|e| FetchError::Transfer {
+                uri: uri.to_owned(),
+                message: error_chain(&e),
+            })?;
+        if !response.status().is_redirection() {
+            return Ok(response);
+        }
+        let status = response.status().as_u16();
+        let location = response
+            .headers()
+            .get(http::header::LOCATION)
+            .and_then(|l| l.to_str().ok())
+            .ok_or_else(|| redirect(format!("({status}) without a Location")))?;
+        let next = redirect_target(&at, location)
+            .ok_or_else(|| redirect(format!("({status}) to {location:?}, not a URI")))?;
+        if !allowed.iter().any(|prefix| is_under(&next, prefix)) {
+            return Err(redirect(format!(
+                "({status}) to {next}, which is not under an allowed source (--allowed-sources: {})",
+                allowed.join(", ")
+            )));
+        }
+        at = next;
+    }
+    Err(redirect(format!("more than {MAX_REDIRECTS} times")))
+}
+
 async fn download_all(
     client: &HttpsClient,
     dir: &Path,
     files: &[Checked],
     declared: u64,
+    allowed: &[String],
     progress: &Progress,
 ) -> Result<Fetched, FetchError> {
     let limit = size_limit(declared);
@@ -378,10 +474,6 @@ async fn download_all(
             uri: f.uri.clone(),
             message,
         };
-        let uri: http::Uri = f
-            .uri
-            .parse()
-            .map_err(|_| FetchError::BadUri { uri: f.uri.clone() })?;
         let path = dir.join(&f.path);
         if let Some(parent) = path.parent() {
             tokio::fs::create_dir_all(parent).await.map_err(io)?;
@@ -392,17 +484,8 @@ async fn download_all(
             Some(_) => tokio::fs::metadata(&path).await.map_or(0, |m| m.len()),
             None => 0,
         };
-        let mut request = http::Request::get(uri);
-        if have > 0 {
-            request = request.header(http::header::RANGE, format!("bytes={have}-"));
-        }
-        let request = request.body(Empty::new()).map_err(|e| FetchError::BadUri {
-            uri: format!("{}: {e}", f.uri),
-        })?;
-        let response = client
-            .request(request)
-            .await
-            .map_err(|e| transfer(error_chain(&e)))?;
+        let range = (have > 0).then(|| format!("bytes={have}-"));
+        let response = get_following(client, &f.uri, range, allowed).await?;
         let start = match response.status() {
             http::StatusCode::OK => Start::Whole,
             http::StatusCode::PARTIAL_CONTENT
@@ -655,6 +738,26 @@ mod tests {
             "http://minio.models:9000/bucket/w.bin",
             "http://minio.models:9000/bucket/"
         ));
+        // Dot segments, literal or percent-encoded, are refused: the store
+        // would resolve them out of the prefix.
+        let allowed = "http://127.0.0.1:28090/allowed/";
+        assert!(under("http://127.0.0.1:28090/allowed/w.bin", allowed));
+        for sneaky in [
+            "http://127.0.0.1:28090/allowed/../secret.bin",
+            "http://127.0.0.1:28090/allowed/%2e%2e/secret.bin",
+            "http://127.0.0.1:28090/allowed/%2E%2E/secret.bin",
+            "http://127.0.0.1:28090/allowed/.%2e/secret.bin",
+            "http://127.0.0.1:28090/allowed/./w.bin",
+            "http://127.0.0.1:28090/allowed/a/../../secret.bin",
+            "http://127.0.0.1:28090/allowed/..%2fsecret.bin",
+            "http://127.0.0.1:28090/allowed/..%5csecret.bin",
+            "http://127.0.0.1:28090/allowed/..",
+        ] {
+            assert!(!under(sneaky, allowed), "{sneaky}");
+        }
+        // Dots inside a name are just a name.
+        assert!(under("http://127.0.0.1:28090/allowed/w..bin", allowed));
+        assert!(under("http://127.0.0.1:28090/allowed/.hidden", allowed));
         // A prefix that is not an http(s) URI with a host allows nothing.
         for bad in [
             "models.example.com",

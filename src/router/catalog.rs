@@ -5,8 +5,9 @@
 //! loaded its model would keep every model it asks about resident.
 
 use super::errors::{Refusal, json_response};
+use super::placement::{Placement, place};
 use super::snapshot::Snapshot;
-use crate::api::ModelState;
+use crate::api::{ModelResidency, ModelState};
 use bytes::Bytes;
 use http::{Method, Response, StatusCode};
 use http_body_util::Full;
@@ -105,8 +106,10 @@ pub fn answer(q: Question<'_>, snap: &Snapshot, router_ready: bool) -> Response<
 }
 
 /// A model as OpenAI's model object, with where it stands: its best state
-/// (Loaded before Loading/Fetching before Failed before the rest) and the
-/// residency that has it, then every residency that lists it.
+/// (Loaded before Loading/Fetching/Queued before Failed) and the residency
+/// that has it; where none has it, the residency a request would load it
+/// on (the placement rule), or none and `Refused` when every one would
+/// refuse it; then every residency that lists it.
 fn model(snap: &Snapshot, name: &str) -> Value {
     let view = &snap.models[name];
     let places: Vec<(String, ModelState)> = view
@@ -115,12 +118,24 @@ fn model(snap: &Snapshot, name: &str) -> Value {
         .map(|&i| (snap.residency_name(i), snap.state(i, name)))
         .collect();
     let rank = |s: ModelState| match s {
-        ModelState::Loaded => 0,
-        ModelState::Loading | ModelState::Fetching => 1,
-        ModelState::Failed => 2,
-        _ => 3,
+        ModelState::Loaded => Some(0),
+        ModelState::Loading | ModelState::Fetching | ModelState::Queued => Some(1),
+        ModelState::Failed => Some(2),
+        _ => None,
     };
-    let best = places.iter().min_by_key(|(_, s)| rank(*s));
+    let admitted = places
+        .iter()
+        .filter_map(|(r, s)| Some((rank(*s)?, r.clone(), *s)))
+        .min_by_key(|(rank, _, _)| *rank)
+        .map(|(_, r, s)| (Some(r), s));
+    let (residency, state) = admitted.unwrap_or_else(|| {
+        let homes: Vec<&ModelResidency> =
+            view.homes.iter().map(|&i| &*snap.residencies[i]).collect();
+        match place(name, &homes) {
+            Placement::On(j) => (Some(places[j].0.clone()), places[j].1),
+            Placement::Nowhere { .. } => (None, ModelState::Refused),
+        }
+    });
     // OpenAI's `created` (Unix seconds): when the first residency that
     // lists the model was created.
     let created = view
@@ -135,8 +150,8 @@ fn model(snap: &Snapshot, name: &str) -> Value {
         "object": "model",
         "created": created,
         "owned_by": "model-residency",
-        "state": best.map(|(_, s)| format!("{s:?}")),
-        "residency": best.map(|(r, _)| r),
+        "state": format!("{state:?}"),
+        "residency": residency,
         "residencies": places.iter().map(|(r, s)| json!({"residency": r, "state": format!("{s:?}")})).collect::<Vec<_>>(),
     })
 }

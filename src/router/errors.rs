@@ -45,8 +45,8 @@ pub enum Refusal {
     /// 502: the model's pod could not be reached.
     Upstream(String),
     /// 408 (and the connection closed): the request's body paused longer
-    /// than `--body-timeout`.
-    BodyTimeout { after: Duration },
+    /// than `--body-timeout`, or was not whole within `--body-deadline`.
+    BodyTimeout { after: Duration, whole: bool },
 }
 
 impl Refusal {
@@ -86,8 +86,15 @@ impl Refusal {
             | Refusal::Upstream(m)
             | Refusal::ModelUnavailable { message: m, .. }
             | Refusal::TooManyPending { message: m, .. } => m.clone(),
-            Refusal::BodyTimeout { after } => format!(
+            Refusal::BodyTimeout {
+                after,
+                whole: false,
+            } => format!(
                 "the request body stopped arriving for {}s (--body-timeout)",
+                after.as_secs_f64()
+            ),
+            Refusal::BodyTimeout { after, whole: true } => format!(
+                "the request body did not arrive whole within {}s (--body-deadline)",
                 after.as_secs_f64()
             ),
         }

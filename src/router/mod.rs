@@ -72,6 +72,9 @@ pub struct Config {
     /// 408): a client that stops sending half way does not hold its
     /// connection and up to `max_body` of memory for ever.
     pub body_timeout: Duration,
+    /// The longest a request's whole body may take (then 408): a client
+    /// that trickles a byte just inside `body_timeout` is cut off too.
+    pub body_deadline: Duration,
 }
 
 impl Default for Config {
@@ -85,6 +88,7 @@ impl Default for Config {
             max_pending_total: 4096,
             max_body: 32 << 20,
             body_timeout: Duration::from_secs(60),
+            body_deadline: Duration::from_secs(300),
         }
     }
 }
@@ -200,6 +204,28 @@ impl Router {
             let snap = self.snapshot.borrow().clone();
             return catalog::answer(q, &snap, self.ready()).map(boxed);
         }
+        if req.method() == http::Method::CONNECT {
+            // Whatever the client sends next is a tunnel's bytes, not
+            // HTTP: the connection closes after the answer.
+            let target = target::BadRequest::Connect {
+                target: req.uri().to_string(),
+            };
+            let mut response = Refusal::BadRequest(target.to_string())
+                .response::<Full<Bytes>>()
+                .map(boxed);
+            response.headers_mut().insert(
+                http::header::CONNECTION,
+                http::HeaderValue::from_static("close"),
+            );
+            self.metrics
+                .requests
+                .get_or_create(&CodeLabels {
+                    model: String::new(),
+                    code: response.status().as_u16(),
+                })
+                .inc();
+            return response;
+        }
         let (model, result) = match self.model_of(req).await {
             Ok((model, parts, body)) => {
                 let result = self.serve_model(&model, &parts, body, start).await;
@@ -266,11 +292,18 @@ impl Router {
         let (parts, body) = req.into_parts();
         let mut body = http_body_util::Limited::new(body, limit);
         let mut chunks: Vec<Bytes> = Vec::new();
+        let deadline = tokio::time::Instant::now() + self.config.body_deadline;
         loop {
-            let frame = tokio::time::timeout(self.config.body_timeout, body.frame())
+            let pause = tokio::time::Instant::now() + self.config.body_timeout;
+            let frame = tokio::time::timeout_at(pause.min(deadline), body.frame())
                 .await
                 .map_err(|_| Refusal::BodyTimeout {
-                    after: self.config.body_timeout,
+                    after: if pause < deadline {
+                        self.config.body_timeout
+                    } else {
+                        self.config.body_deadline
+                    },
+                    whole: pause >= deadline,
                 })?;
             match frame {
                 None => break,
@@ -389,9 +422,10 @@ impl Router {
             .inc();
         let start = Instant::now();
         let deadline = tokio::time::Instant::now() + self.config.load_timeout;
+        let mut held = Held::default();
         loop {
             let snap = rx.borrow_and_update().clone();
-            if let Some(endpoint) = self.step(&snap, model, avoid).await? {
+            if let Some(endpoint) = self.step(&snap, model, avoid, &mut held).await? {
                 self.metrics.hold.observe(start.elapsed().as_secs_f64());
                 return Ok(endpoint);
             }
@@ -407,12 +441,15 @@ impl Router {
 
     /// One look at the cluster for a held request: its pod if one is
     /// Ready; else nothing, after making sure a load is requested (once);
-    /// or why it will not load.
+    /// or why it will not load. A model taken away while the request waits
+    /// for it (evicted, unloaded) is requested again once; the second time
+    /// the request fails at once with the reason.
     async fn step(
         &self,
         snap: &Snapshot,
         model: &str,
         avoid: Option<&str>,
+        held: &mut Held,
     ) -> Result<Option<Endpoint>, Refusal> {
         let Some(view) = snap.models.get(model) else {
             return Err(Refusal::ModelNotFound(format!(
@@ -422,6 +459,7 @@ impl Router {
         if let Some(e) = self.least_busy(&view.ready, avoid) {
             return Ok(Some(e));
         }
+        let mut refused_here = None;
         for &i in &view.homes {
             let key = key(snap, i, model);
             let status = snap.model_status(i, model);
@@ -431,8 +469,15 @@ impl Router {
                 format!("{model} on {}: {s}", snap.residency_name(i))
             };
             match snap.state(i, model) {
-                // Admitted here: its pod is on the way.
-                ModelState::Loaded | ModelState::Loading | ModelState::Fetching => return Ok(None),
+                // Admitted here (or queued behind loads): its pod is on
+                // the way.
+                ModelState::Loaded
+                | ModelState::Loading
+                | ModelState::Fetching
+                | ModelState::Queued => {
+                    held.admitted_on = Some(i);
+                    return Ok(None);
+                }
                 ModelState::Failed => {
                     let retry_at = recorded_time(status.and_then(|m| m.retry_at.as_deref()));
                     let retry_after = retry_at
@@ -443,14 +488,32 @@ impl Router {
                         retry_after,
                     });
                 }
+                // A refusal on this GPU stands for this GPU only: the
+                // placement below looks for one that takes the model.
                 ModelState::Refused if self.recency.processed(&key, processed) => {
-                    return Err(Refusal::ModelRefused(format!("refused: {}", why())));
+                    refused_here = Some(why());
+                    continue;
                 }
                 _ => {}
             }
             if self.recency.unprocessed(&key, processed) {
                 // Our request waits for the operator.
                 return Ok(None);
+            }
+        }
+        if let Some(i) = held.admitted_on.take() {
+            // Admitted for this request, and gone before it was Ready.
+            held.lost += 1;
+            if held.lost > 1 {
+                let status = snap.model_status(i, model);
+                let s = status.and_then(|m| m.message.as_deref()).unwrap_or("gone");
+                return Err(Refusal::ModelUnavailable {
+                    message: format!(
+                        "{model} was taken off {} twice while this request waited for it (last: {s})",
+                        snap.residency_name(i)
+                    ),
+                    retry_after: Duration::from_secs(1),
+                });
             }
         }
         let homes: Vec<&ModelResidency> =
@@ -466,7 +529,10 @@ impl Router {
                         let _ = self.write(&key, at, "refused").await;
                     }
                 }
-                return Err(Refusal::ModelRefused(why));
+                return Err(Refusal::ModelRefused(match refused_here {
+                    Some(here) if view.homes.len() == 1 => format!("refused: {here}"),
+                    _ => why,
+                }));
             }
             Placement::On(j) => view.homes[j],
         };
@@ -628,6 +694,15 @@ fn timed_out(model: &str, after: Duration) -> Refusal {
         ),
         retry_after: Duration::from_secs(30),
     }
+}
+
+/// What one held request has seen of its model's load.
+#[derive(Debug, Default)]
+struct Held {
+    /// The home that last showed the model admitted (or queued).
+    admitted_on: Option<usize>,
+    /// How often the model was admitted and then taken away.
+    lost: u32,
 }
 
 /// A request counted as waiting for a load until dropped.

@@ -9,7 +9,9 @@
 //!    first;
 //! 3. else the one whose evictions hurt least: the most recently used of
 //!    the models it would evict was used longest ago;
-//! 4. ties by namespace/name.
+//! 4. else one where it would be queued behind models still loading (a
+//!    loading model is never evicted), the least loading VRAM first;
+//! 5. ties by namespace/name.
 //!
 //! Loads nowhere: every home refuses it, each with its sizes.
 
@@ -27,6 +29,8 @@ enum Cost {
     Fits(std::cmp::Reverse<Bytes>),
     /// Evicts models; the newest last use among them (sooner is cheaper).
     Evicts(Option<Timestamp>),
+    /// Waits for models still loading, holding this much VRAM.
+    Queued(Bytes),
 }
 
 /// The placement of a load.
@@ -75,10 +79,11 @@ pub fn place(model: &str, homes: &[&ModelResidency]) -> Placement {
             continue;
         };
         let cost = match engine.plan_load(id) {
-            Ok(victims) if victims.is_empty() => Cost::Fits(std::cmp::Reverse(
+            Ok(None) => Cost::Queued(engine.loading_used()),
+            Ok(Some(victims)) if victims.is_empty() => Cost::Fits(std::cmp::Reverse(
                 engine.budget().saturating_sub(engine.used()),
             )),
-            Ok(victims) => Cost::Evicts(
+            Ok(Some(victims)) => Cost::Evicts(
                 victims
                     .iter()
                     .filter_map(|&v| {

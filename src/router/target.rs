@@ -36,6 +36,12 @@ pub enum BadRequest {
     TooLarge { limit: usize },
     #[error("the X-Model header is not valid text")]
     BadHeader,
+    #[error("the request has more than one X-Model header")]
+    TwoModelHeaders,
+    #[error(
+        "CONNECT {target} is not served: the router forwards HTTP requests to model pods, not tunnels"
+    )]
+    Connect { target: String },
 }
 
 /// Where the request's model is named, so the router knows whether it must
@@ -50,6 +56,11 @@ pub enum Named {
 
 /// Where `method path` (with `headers`) names its model.
 pub fn locate(method: &Method, path: &str, headers: &HeaderMap) -> Result<Named, BadRequest> {
+    // Two headers are two answers to one question, as two `model` fields
+    // are: neither is taken.
+    if headers.get_all(MODEL_HEADER).iter().nth(1).is_some() {
+        return Err(BadRequest::TwoModelHeaders);
+    }
     if let Some(rest) = path.strip_prefix("/v2/models/") {
         let name = rest.split('/').next().unwrap_or_default();
         if !name.is_empty() {
@@ -169,6 +180,14 @@ mod tests {
             locate(&Method::GET, "/generate", &none),
             Err(BadRequest::Unrouted { .. })
         ));
+        let mut two = headers(Some("a"));
+        two.append(MODEL_HEADER, "b".parse().unwrap());
+        for path in ["/generate", "/v1/chat/completions", "/v2/models/a/infer"] {
+            assert_eq!(
+                locate(&Method::POST, path, &two),
+                Err(BadRequest::TwoModelHeaders)
+            );
+        }
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! A deliberately naive reference for the residency policy: a direct O(n)
 //! translation of the seed's `mx_run` (a resident array, a linear scan for
 //! the least recently used), extended with pinned models, unload, budget
-//! change and resize exactly as documented for the engine. The engine is
+//! change, resize and loading models exactly as documented for the engine. The engine is
 //! checked against it; it is never used by the product.
 
 #![allow(dead_code)]
@@ -10,6 +10,8 @@
 pub enum Outcome {
     Hit,
     Loaded(Vec<usize>),
+    /// Waits behind loading models holding this much.
+    Queued(u64),
     /// "LargerThanBudget" or "NoEvictableRoom".
     Refused(&'static str),
 }
@@ -27,6 +29,8 @@ pub struct Reference {
     pub budget: u64,
     pub sizes: Vec<u64>,
     pub pinned: Vec<bool>,
+    /// Marked loading (meaningful while resident).
+    pub loading: Vec<bool>,
     /// (model, last used); order of the array is irrelevant.
     pub resident: Vec<(usize, u64)>,
     pub clock: u64,
@@ -40,6 +44,7 @@ impl Reference {
             budget,
             sizes: models.iter().map(|m| m.0).collect(),
             pinned: models.iter().map(|m| m.1).collect(),
+            loading: vec![false; models.len()],
             resident: Vec::new(),
             clock: 0,
             totals: Totals::default(),
@@ -59,6 +64,15 @@ impl Reference {
             .sum()
     }
 
+    /// VRAM of resident unpinned models marked loading.
+    pub fn loading_used(&self) -> u64 {
+        self.resident
+            .iter()
+            .filter(|&&(m, _)| self.loading[m] && !self.pinned[m])
+            .map(|&(m, _)| self.sizes[m])
+            .sum()
+    }
+
     /// Index in `resident` of the LRU model passing `filter`.
     fn lru(&self, filter: impl Fn(usize) -> bool) -> Option<usize> {
         let mut best: Option<usize> = None;
@@ -72,6 +86,7 @@ impl Reference {
 
     fn evict_at(&mut self, i: usize, out: &mut Vec<usize>) {
         let (m, _) = self.resident.remove(i);
+        self.loading[m] = false;
         self.totals.evictions += 1;
         out.push(m);
     }
@@ -97,9 +112,15 @@ impl Reference {
             self.totals.refusals += 1;
             return Outcome::Refused(reason);
         }
+        let loading = self.loading_used();
+        if self.pinned_used_except(None) + loading + self.sizes[m] > self.budget {
+            return Outcome::Queued(loading);
+        }
         let mut evicted = Vec::new();
         while self.used() + self.sizes[m] > self.budget {
-            let i = self.lru(|r| !self.pinned[r]).expect("fit checked");
+            let i = self
+                .lru(|r| !self.pinned[r] && !self.loading[r])
+                .expect("room checked");
             self.evict_at(i, &mut evicted);
         }
         self.resident.push((m, self.clock));
@@ -112,6 +133,7 @@ impl Reference {
         match self.resident.iter().position(|&(r, _)| r == m) {
             Some(i) => {
                 self.resident.remove(i);
+                self.loading[m] = false;
                 self.totals.unloads += 1;
                 true
             }
@@ -140,6 +162,7 @@ impl Reference {
         };
         if let Some(reason) = self.refusal(m, size) {
             self.resident.remove(pos);
+            self.loading[m] = false;
             self.sizes[m] = size;
             self.totals.refusals += 1;
             return Err(reason);
@@ -156,6 +179,12 @@ impl Reference {
 
     pub fn set_pinned(&mut self, m: usize, pinned: bool) {
         self.pinned[m] = pinned;
+    }
+
+    pub fn set_loading(&mut self, m: usize, loading: bool) {
+        if self.resident.iter().any(|&(r, _)| r == m) {
+            self.loading[m] = loading;
+        }
     }
 
     /// Resident models, least recently used first.

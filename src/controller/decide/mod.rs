@@ -24,7 +24,9 @@ use super::conditions::{ConditionSet, DEGRADED, READY, REFUSED};
 use super::events::{EventReason, ModelEvent};
 use super::pods::{ModelPod, build_pod};
 use super::reasons::{Reason, refusal_message};
-use super::state::{InvalidSpec, Restored, Usage, Valid, ValidModel, restore, validate};
+use super::state::{
+    InvalidSpec, Restored, Usage, Valid, ValidModel, later, recorded_time, restore, validate,
+};
 use crate::api::{ModelResidency, ModelResidencyStatus, ModelState, ModelStatus};
 use crate::engine::{Engine, ModelId, RefuseReason, Resize};
 use crate::quantity::{format_bytes, format_bytes_rounded, parse_bytes};
@@ -59,6 +61,12 @@ pub struct Observed<'a> {
 
 /// Requests may be this far ahead of the operator's clock by default.
 pub const DEFAULT_MAX_SKEW: Duration = Duration::from_secs(60);
+
+/// How long after the request that admitted it a loading model is kept
+/// from eviction (the router's default `--load-timeout`): a pod that never
+/// becomes Ready (an image that cannot be pulled) must not hold its room
+/// against every later request for ever.
+pub const LOADING_PROTECTION: Duration = Duration::from_secs(600);
 
 impl<'a> Observed<'a> {
     /// What a reconcile observes in the common case: no GPU conflict, no
@@ -256,12 +264,64 @@ impl<'a> Decider<'a> {
             idle_requeue: None,
             events: Vec::new(),
         };
+        decider.end_old_protections();
         for name in overflow {
             let message =
                 format!("{name} did not fit the recorded budget when the state was rebuilt");
             decider.outcome(&name, ModelState::Evicted, Reason::BudgetExceeded, message);
         }
         decider
+    }
+
+    /// When the loading model `id` was admitted, as far as is known: its
+    /// last use, or its pod's creation when that is later (a request that
+    /// waited in the queue is admitted after its own time).
+    fn admitted_at(&self, id: ModelId) -> Option<Timestamp> {
+        let name = self.engine.name(id);
+        let now = self
+            .requested
+            .get(name)
+            .and_then(|t| t.last_used.as_deref());
+        let before = || self.prev_models.get(name)?.last_used.as_deref();
+        let used = recorded_time(now.or_else(before));
+        let created = self
+            .input
+            .pods
+            .iter()
+            .filter(|p| &*p.model == name && !p.deleting)
+            .filter_map(|p| recorded_time(p.created.as_deref()))
+            .max();
+        used.max(created)
+    }
+
+    /// Loading models admitted longer than [`LOADING_PROTECTION`] ago (or
+    /// at no recorded time) may be evicted again.
+    fn end_old_protections(&mut self) {
+        let now = self.input.now;
+        for id in self.engine.residents() {
+            let expired = self
+                .admitted_at(id)
+                .is_none_or(|t| later(t, LOADING_PROTECTION) <= now);
+            if self.engine.is_loading(id) && expired {
+                self.engine.set_loading(id, false);
+            }
+        }
+    }
+
+    /// How long until the first loading model's protection ends (when a
+    /// queued request may evict it).
+    fn next_protection_end(&self) -> Option<Duration> {
+        let now = self.input.now;
+        self.engine
+            .residents()
+            .into_iter()
+            .filter(|&id| self.engine.is_loading(id))
+            .filter_map(|id| self.admitted_at(id))
+            .map(|t| {
+                now.duration_until(later(t, LOADING_PROTECTION))
+                    .unsigned_abs()
+            })
+            .min()
     }
 
     fn run(mut self) -> Decision {

@@ -111,11 +111,12 @@ impl<'a> Decider<'a> {
     }
 
     /// One request: `written` is the entry's time (recorded, so the entry is
-    /// processed once), `at` the time it counts as (the LRU key).
+    /// processed once), `at` the time it counts as (the LRU key). A request
+    /// the engine queues is not recorded: it stays pending and is decided
+    /// again, in request order, by the next reconcile.
     fn request(&mut self, model: &str, written: Timestamp, at: Timestamp) {
-        let times = self.requested.entry(model.to_owned()).or_default();
-        times.last_requested = Some(written.to_string().into());
         let Some(id) = self.engine.id(model) else {
+            self.processed(model, written);
             self.engine.request_named(model);
             let message = format!("{model} is not in spec.models; demand for it is refused");
             self.event(model, EventReason::Refused, message.clone());
@@ -127,6 +128,7 @@ impl<'a> Decider<'a> {
         {
             // Checked before the engine sees the request, so nothing is
             // evicted for a model that cannot start.
+            self.processed(model, written);
             let message = format!("{model} cannot load: {problem}");
             self.outcome(model, ModelState::Failed, Reason::InvalidTemplate, message);
             return;
@@ -135,6 +137,8 @@ impl<'a> Decider<'a> {
             Admission::Hit => true,
             Admission::Loaded { evicted } => {
                 let evicted = evicted.to_vec();
+                // Its pod is not ready yet: no later request evicts it.
+                self.engine.set_loading(id, true);
                 self.outcomes.remove(model);
                 self.evicted(
                     &evicted,
@@ -149,14 +153,30 @@ impl<'a> Decider<'a> {
                 );
                 true
             }
+            Admission::Queued { loading } => {
+                let message = format!(
+                    "{model} ({}) waits for a model to finish loading: the room it needs is held by models still loading ({}), and a loading model is never evicted",
+                    format_bytes(self.engine.size(id)),
+                    format_bytes(loading)
+                );
+                self.outcome(model, ModelState::Queued, Reason::WaitingForLoads, message);
+                return;
+            }
             Admission::Refused(reason) => {
                 self.refused(model, &reason);
                 false
             }
         };
+        self.processed(model, written);
         if used {
             let times = self.requested.entry(model.to_owned()).or_default();
             times.last_used = Some(at.to_string().into());
         }
+    }
+
+    /// Records `written` as the newest request processed for `model`.
+    fn processed(&mut self, model: &str, written: Timestamp) {
+        let times = self.requested.entry(model.to_owned()).or_default();
+        times.last_requested = Some(written.to_string().into());
     }
 }

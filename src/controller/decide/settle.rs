@@ -102,6 +102,13 @@ impl<'a> Decider<'a> {
         if let Some(after) = self.idle_requeue {
             plan.look_again_within(after);
         }
+        let queued = self
+            .outcomes
+            .values()
+            .any(|o| o.state == ModelState::Queued);
+        if let Some(after) = self.next_protection_end().filter(|_| queued) {
+            plan.look_again_within(after);
+        }
         for p in self.input.pods {
             if self.engine.id(&p.model).is_none() && !p.deleting {
                 plan.delete(p);
@@ -490,6 +497,11 @@ impl<'a> Decider<'a> {
                     st.failures = prev.map_or(0, |p| p.failures) + 1;
                 }
                 return st;
+            }
+            (None, Some(p)) if p.state == ModelState::Queued => {
+                // Queued, and not requested any more (its demand entry
+                // went, or the GPU went to another residency).
+                st.state = ModelState::Unloaded;
             }
             (None, Some(p)) => {
                 st.state = p.state;

@@ -81,6 +81,23 @@ fn live(model: &str, size: u64, ready: bool, deleting: bool) -> ModelPod {
     }
 }
 
+/// A Ready pod for every model the residency's status has resident: a
+/// kubelet that starts every pod at once.
+fn ready_pods(r: &ModelResidency) -> Vec<ModelPod> {
+    let Some(status) = &r.status else {
+        return Vec::new();
+    };
+    status
+        .models
+        .iter()
+        .filter(|m| m.is_resident())
+        .map(|m| {
+            let size = parse_bytes(m.size.as_deref().unwrap_or("1")).unwrap();
+            live(&m.name, size, true, false)
+        })
+        .collect()
+}
+
 fn state(d: &Decision, model: &str) -> ModelState {
     d.status.model(model).unwrap().state
 }
@@ -106,6 +123,9 @@ fn a_load_waits_until_the_evicted_pod_is_gone() {
     );
     let d = run(&r, &[], 2);
     assert_eq!(d.create.len(), 1);
+    r.status = Some(d.status);
+    let d = run(&r, &[live("a", 6 * GI, true, false)], 3);
+    assert_eq!(state(&d, "a"), ModelState::Loaded);
     r.status = Some(d.status);
     // a is up; b is requested: a is evicted, b must wait for a's pod.
     r.spec.demand.insert("b".into(), at(3).to_string());
@@ -249,17 +269,21 @@ fn a_request_from_the_future_counts_as_now_and_shadows_nothing() {
     let a = d.status.model("a").unwrap();
     assert_eq!(a.last_used.as_deref(), Some(at(2).to_string().as_str()));
     r.status = Some(d.status);
-    // The same entry again is not a new request.
-    let d = run(&r, &[], 3);
-    assert!(d.events.is_empty(), "{:?}", d.events);
+    // The same entry again is not a new request (a's pod is Ready now).
+    let d = run(&r, &ready_pods(&r), 3);
+    assert_eq!(events(&d, EventReason::ModelReady), 1, "{:?}", d.events);
+    assert_eq!(d.events.len(), 1, "{:?}", d.events);
     r.status = Some(d.status);
     // b evicts a; a real request for a later is not shadowed by 2200.
     r.spec.demand.insert("b".into(), at(4).to_string());
-    let d = run(&r, &[], 5);
+    let d = run(&r, &ready_pods(&r), 5);
     assert_eq!(state(&d, "a"), ModelState::Evicted);
     r.status = Some(d.status);
+    let d = run(&r, &ready_pods(&r), 6);
+    assert_eq!(state(&d, "b"), ModelState::Loaded);
+    r.status = Some(d.status);
     r.spec.demand.insert("a".into(), at(6).to_string());
-    let d = run(&r, &[], 7);
+    let d = run(&r, &ready_pods(&r), 7);
     assert_eq!(
         state(&d, "a"),
         ModelState::Loading,
@@ -476,7 +500,7 @@ fn events_match_the_counters() {
                 r.spec.demand.insert(model.into(), at(step).to_string());
             }
         }
-        let d = run(&r, &[], step);
+        let d = run(&r, &ready_pods(&r), step);
         for (i, reason) in [
             EventReason::Loaded,
             EventReason::Evicted,
@@ -568,4 +592,90 @@ fn deadlines_past_the_last_representable_time_never_come_and_never_panic() {
     observed.max_skew = std::time::Duration::from_secs(u64::MAX / 2);
     let d = decide(&observed);
     assert_eq!(state(&d, "a"), ModelState::Loaded);
+}
+
+/// Nine held requests at once for nine 1Gi models on an 8Gi GPU: eight
+/// load and are never evicted while loading; the ninth waits (Queued, not
+/// counted) and loads once a model is Ready and has been seen so (its
+/// status written), evicting that one. Nine loads, one eviction.
+#[test]
+fn more_requests_at_once_than_fit_queue_behind_loading_models_instead_of_evicting_them() {
+    let names: Vec<String> = (0..9).map(|i| format!("m{i}")).collect();
+    let models: Vec<(&str, &str, bool)> =
+        names.iter().map(|n| (n.as_str(), "1Gi", false)).collect();
+    let demand: Vec<(&str, i64)> = names.iter().map(|n| (n.as_str(), 1)).collect();
+    let mut r = residency("8Gi", &models, &demand);
+    let d = run(&r, &[], 2);
+    assert_eq!(d.create.len(), 8);
+    assert_eq!(d.status.counters.loads, 8);
+    assert_eq!(d.status.counters.evictions, 0);
+    // Ties by name: m8 is the last request.
+    assert_eq!(state(&d, "m8"), ModelState::Queued);
+    let m8 = d.status.model("m8").unwrap();
+    assert_eq!(m8.reason.as_deref(), Some("WaitingForLoads"));
+    assert!(
+        m8.last_requested.is_none(),
+        "a queued request is not processed"
+    );
+    assert_eq!(events(&d, EventReason::Queued), 1);
+    r.status = Some(d.status);
+    // Still loading: nothing changes, nothing is written again.
+    let d = run(&r, &[], 3);
+    assert_eq!(state(&d, "m8"), ModelState::Queued);
+    assert!(d.events.is_empty(), "{:?}", d.events);
+    assert_eq!(Some(&d.status), r.status.as_ref());
+    // The pods become Ready: Loaded, but not evicted in the same reconcile
+    // (the router has not seen them Ready yet).
+    let d = run(&r, &ready_pods(&r), 4);
+    assert_eq!(state(&d, "m0"), ModelState::Loaded);
+    assert_eq!(state(&d, "m8"), ModelState::Queued);
+    assert_eq!(d.status.counters.evictions, 0);
+    r.status = Some(d.status);
+    // Now the oldest ready model makes room.
+    let d = run(&r, &ready_pods(&r), 5);
+    assert_eq!(state(&d, "m0"), ModelState::Evicted);
+    assert_eq!(state(&d, "m8"), ModelState::Loading);
+    assert_eq!(d.status.counters.loads, 9);
+    assert_eq!(d.status.counters.evictions, 1);
+    assert!(d.status.model("m8").unwrap().last_requested.is_some());
+}
+
+#[test]
+fn a_loading_model_is_protected_only_for_a_while_and_a_queued_model_no_longer_wanted_is_unloaded() {
+    let mut r = residency(
+        "2Gi",
+        &[
+            ("a", "2Gi", false),
+            ("b", "2Gi", false),
+            ("c", "2Gi", false),
+        ],
+        &[("a", 1), ("b", 2)],
+    );
+    let d = run(&r, &[], 3);
+    assert_eq!(state(&d, "a"), ModelState::Loading);
+    assert_eq!(state(&d, "b"), ModelState::Queued);
+    // Looked at again when a's protection ends.
+    let expiry = LOADING_PROTECTION - std::time::Duration::from_secs(2);
+    assert_eq!(d.requeue_after, Some(expiry));
+    r.status = Some(d.status);
+    // a never becomes Ready (an image that cannot be pulled): after the
+    // protection it is an ordinary victim again.
+    let late = LOADING_PROTECTION.as_secs() as i64 + 2;
+    let d = run(&r, &[live("a", 2 * GI, false, false)], late);
+    assert_eq!(state(&d, "a"), ModelState::Evicted);
+    assert_eq!(state(&d, "b"), ModelState::Loading);
+    r.status = Some(d.status);
+    // c queues behind b, whose request is old but whose pod was just
+    // created; c's demand entry is then removed: Unloaded, no event
+    // counted as an unload (nothing was resident).
+    let mut b = live("b", 2 * GI, false, false);
+    b.created = Some(at(late).to_string().into());
+    r.spec.demand.insert("c".into(), at(late).to_string());
+    let d = run(&r, std::slice::from_ref(&b), late + 1);
+    assert_eq!(state(&d, "c"), ModelState::Queued);
+    r.status = Some(d.status);
+    r.spec.demand.remove("c");
+    let d = run(&r, std::slice::from_ref(&b), late + 2);
+    assert_eq!(state(&d, "c"), ModelState::Unloaded);
+    assert_eq!(events(&d, EventReason::Unloaded), 0);
 }
