@@ -28,6 +28,17 @@ else
   echo "warning: could not provision helm; the chart tests will say so" >&2
 fi
 
+# The official OpenAI Python SDK for the client-library test (from PyPI,
+# cached).
+if sdk=$(bash scripts/openai-sdk.sh); then
+  export MODEL_RESIDENCY_OPENAI_PYTHON=$sdk
+elif [ "${CI:-}" = true ]; then
+  echo "error: CI=true and the OpenAI SDK could not be installed; see above" >&2
+  exit 1
+else
+  echo "warning: could not install the OpenAI SDK; its test will say so" >&2
+fi
+
 bash scripts/build-tools.sh
 cargo fmt --all -- --check
 cargo clippy --locked --all-targets -- -D warnings

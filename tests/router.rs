@@ -824,3 +824,42 @@ async fn a_refusal_on_one_gpu_does_not_stand_for_another_that_takes_the_model() 
     })
     .await;
 }
+
+/// The official OpenAI Python SDK (scripts/openai-sdk.sh installs it from
+/// PyPI) against the router and the fake model servers: chat, streamed
+/// chat, completions, streamed completions, embeddings, the model list
+/// and each error the router answers, all parsed by the SDK itself.
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn the_official_openai_sdk_reads_every_answer() {
+    let python = std::env::var("MODEL_RESIDENCY_OPENAI_PYTHON").expect(
+        "MODEL_RESIDENCY_OPENAI_PYTHON is not set: run scripts/test.sh, which installs the SDK (scripts/openai-sdk.sh)",
+    );
+    let h = Harness::start("route-openai-sdk").await;
+    h.create(
+        "gpu",
+        "8Gi",
+        &[("chat", "1Gi", false), ("huge", "20Gi", false)],
+    )
+    .await;
+    let router = RouterUnderTest::start(&h, Config::default()).await;
+    let base = format!("http://{}/v1", router.addr);
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python)
+            .args([
+                "tests/fixtures/openai_sdk.py",
+                &base,
+                "chat",
+                "nope",
+                "huge",
+            ])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("all OpenAI SDK checks passed"), "{stdout}");
+}

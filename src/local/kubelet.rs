@@ -21,7 +21,9 @@
 //!   for it ([`super::model_server`]) on a loopback address of the pod's own
 //!   (its `status.podIP`) and the first container's first `containerPort`
 //!   (8080 if none), and stops it when it finishes the pod's deletion. So
-//!   traffic to a model pod is real HTTP; what answers is not a model.
+//!   traffic to a model pod is real HTTP; what answers is not a model. An
+//!   address another process holds is skipped for the next one; a pod whose
+//!   server cannot listen at all is marked `Failed`, never Ready.
 //! - **Finishing deletions.** A bound pod whose `deletionTimestamp` is set is
 //!   deleted with grace period 0, as the kubelet does once containers stop
 //!   (`terminating_delay` later). Finalizers are left alone.
@@ -290,16 +292,23 @@ async fn start_pod(
     let fail = fail.or_else(|| missing_host_dir(&current));
     match fail {
         Some(message) => set_failed(api, &current, &message).await,
-        None => {
-            let ip = serve(&current, servers, stream_delay).await;
-            set_running(api, &current, ip).await
-        }
+        None => match serve(&current, servers, stream_delay).await {
+            Ok(ip) => set_running(api, &current, ip).await,
+            // A server that cannot listen serves nothing: the pod fails,
+            // as a model server that cannot bind its port exits.
+            Err(message) => set_failed(api, &current, &message).await,
+        },
     }
 }
 
-/// Starts the pod's fake model server; its address is the pod's IP.
-async fn serve(pod: &Pod, servers: &Servers, stream_delay: Duration) -> Ipv4Addr {
-    let ip = next_pod_ip();
+/// Addresses tried for one pod's server before the pod fails.
+const BIND_TRIES: usize = 8;
+
+/// Starts the pod's fake model server; its address is the pod's IP. An
+/// address another process holds (another local cluster's pod, say) is
+/// skipped for the next; when none of [`BIND_TRIES`] can be had the pod
+/// fails, never a pod marked Ready that someone else answers for.
+async fn serve(pod: &Pod, servers: &Servers, stream_delay: Duration) -> Result<Ipv4Addr, String> {
     let port = crate::router::snapshot::serving_port(pod);
     let meta = &pod.metadata;
     let pod_name = meta.name.clone().unwrap_or_default();
@@ -313,17 +322,44 @@ async fn serve(pod: &Pod, servers: &Servers, stream_delay: Duration) -> Ipv4Addr
         model,
         pod: pod_name,
     };
-    let addr = SocketAddr::from((ip, port));
-    match FakeModelServer::start(addr, identity, stream_delay).await {
+    let candidates = std::iter::repeat_with(next_pod_ip).take(BIND_TRIES);
+    match listen_on_one_of(candidates, port, identity, stream_delay).await {
         Ok(server) => {
+            let ip = match server.addr.ip() {
+                std::net::IpAddr::V4(ip) => ip,
+                std::net::IpAddr::V6(_) => unreachable!("bound an IPv4 candidate"),
+            };
             let uid = meta.uid.clone().unwrap_or_default();
             servers.lock().expect("servers lock").insert(uid, server);
+            Ok(ip)
         }
         Err(e) => {
-            tracing::warn!(%addr, error = %e, "kubelet stand-in: fake model server not started")
+            tracing::warn!(port, error = %e, "kubelet stand-in: fake model server not started");
+            Err(e)
         }
     }
-    ip
+}
+
+/// A fake model server on the first of `candidates` that can be bound at
+/// `port`; the error says why the last one could not.
+async fn listen_on_one_of(
+    candidates: impl Iterator<Item = Ipv4Addr>,
+    port: u16,
+    identity: Identity,
+    stream_delay: Duration,
+) -> Result<FakeModelServer, String> {
+    let mut last = String::from("no address to try");
+    for ip in candidates {
+        let addr = SocketAddr::from((ip, port));
+        match FakeModelServer::start(addr, identity.clone(), stream_delay).await {
+            Ok(server) => return Ok(server),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+                last = format!("the model server cannot listen on {addr}: {e}");
+            }
+            Err(e) => return Err(format!("the model server cannot listen on {addr}: {e}")),
+        }
+    }
+    Err(last)
 }
 
 /// A `hostPath` volume of `type: Directory` whose directory does not
@@ -412,4 +448,28 @@ fn kube_time_now() -> String {
         .round(k8s_openapi::jiff::Unit::Second)
         .map(|t| t.to_string())
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_server_that_cannot_listen_is_an_error_and_a_taken_address_is_skipped() {
+        let taken = tokio::net::TcpListener::bind("127.3.0.1:0").await.unwrap();
+        let port = taken.local_addr().unwrap().port();
+        let id = Identity {
+            model: "m".into(),
+            pod: "p".into(),
+        };
+        let ip = |n: u8| Ipv4Addr::new(127, 3, 0, n);
+        let e = listen_on_one_of([ip(1)].into_iter(), port, id.clone(), Duration::ZERO)
+            .await
+            .unwrap_err();
+        assert!(e.contains("cannot listen on 127.3.0.1"), "{e}");
+        let server = listen_on_one_of([ip(1), ip(2)].into_iter(), port, id, Duration::ZERO)
+            .await
+            .unwrap();
+        assert_eq!(server.addr, SocketAddr::from((ip(2), port)));
+    }
 }

@@ -6,10 +6,16 @@
 //! local, so every pod can use the same container port) from the moment
 //! the stand-in marks the pod Ready until the pod is deleted or failed, and
 //! answers:
-//! - `POST /v1/...` and `POST /v2/models/<name>/...`: a JSON completion
-//!   naming the model and the pod (`model`, `pod`, and the content
-//!   `"<model> on <pod>"`); with `"stream": true` in the body, three
-//!   server-sent-event chunks `stream_delay` apart, then `data: [DONE]`;
+//! - `POST /v1/embeddings`: one 8-number vector per input, in OpenAI's
+//!   embedding list shape;
+//! - `POST /v1/completions`: a text completion (`choices[].text`);
+//! - any other `POST /v1/...` and `POST /v2/models/<name>/...`: a chat
+//!   completion (`choices[].message`);
+//! - each of them names the model and the pod (`model`, `pod`, and the
+//!   text `"<model> on <pod>"`), with the `id`, `created` and `usage` an
+//!   OpenAI client reads; with `"stream": true` in the body, three
+//!   server-sent-event chunks of the same kind `stream_delay` apart, then
+//!   `data: [DONE]`;
 //! - `GET /v1/models`: the one model; `GET /healthz`: ok.
 //!
 //! Every response carries `x-model-pod: <pod>`. No inference happens, and
@@ -36,11 +42,14 @@ use tokio::task::JoinHandle;
 /// The largest request body the fake server reads.
 const MAX_BODY: usize = 1 << 20;
 
-/// A loopback address no other pod of this process has: 127.1.0.1,
-/// 127.1.0.2, ... (127.0.0.0/16 is left to everything else).
+/// A loopback address no other pod of this process has: 127.1.0.0/16 and
+/// up (127.0.0.0/16 is left to everything else), starting at an offset of
+/// this process's own, so two local clusters on one machine seldom meet
+/// (and the kubelet stand-in skips an address that is taken).
 pub fn next_pod_ip() -> Ipv4Addr {
-    static NEXT: AtomicU32 = AtomicU32::new(1);
-    let n = NEXT.fetch_add(1, Ordering::Relaxed) % (1 << 23);
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let start = (std::process::id() % 1024) << 13;
+    let n = (start + NEXT.fetch_add(1, Ordering::Relaxed)) % ((1 << 23) - 1) + 1;
     Ipv4Addr::from(0x7f01_0000 + n)
 }
 
@@ -148,20 +157,20 @@ async fn answer(req: Request<Incoming>, id: &Identity, stream_delay: Duration) -
                 }
             };
             let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-            if request["stream"] == Value::Bool(true) {
+            let kind = Kind::of(&path);
+            if request["stream"] == Value::Bool(true) && kind != Kind::Embeddings {
                 respond(
                     StatusCode::OK,
                     "text/event-stream",
-                    stream(id, stream_delay),
+                    stream(id, kind, stream_delay),
                     &id.pod,
                 )
             } else {
-                respond(
-                    StatusCode::OK,
-                    JSON,
-                    full(completion(id).to_string()),
-                    &id.pod,
-                )
+                let answer = match kind {
+                    Kind::Embeddings => embeddings(id, &request["input"]),
+                    Kind::Text | Kind::Chat => completion(id, kind),
+                };
+                respond(StatusCode::OK, JSON, full(answer.to_string()), &id.pod)
             }
         }
         _ => {
@@ -176,22 +185,94 @@ async fn answer(req: Request<Incoming>, id: &Identity, stream_delay: Duration) -
     }
 }
 
-fn completion(id: &Identity) -> Value {
+/// Which OpenAI answer a path gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Text,
+    Embeddings,
+}
+
+impl Kind {
+    fn of(path: &str) -> Kind {
+        match path {
+            "/v1/completions" => Kind::Text,
+            "/v1/embeddings" => Kind::Embeddings,
+            _ => Kind::Chat,
+        }
+    }
+}
+
+/// The fields every OpenAI completion object has.
+fn envelope(id: &Identity, object: &str, choices: Value) -> Value {
     json!({
-        "object": "chat.completion",
+        "id": format!("cmpl-{}", id.pod),
+        "object": object,
+        "created": 0,
         "model": id.model,
         "pod": id.pod,
-        "choices": [{"index": 0, "finish_reason": "stop",
-                     "message": {"role": "assistant", "content": format!("{} on {}", id.model, id.pod)}}],
+        "choices": choices,
+        "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+    })
+}
+
+fn completion(id: &Identity, kind: Kind) -> Value {
+    let text = format!("{} on {}", id.model, id.pod);
+    match kind {
+        Kind::Text => envelope(
+            id,
+            "text_completion",
+            json!([{"index": 0, "text": text, "logprobs": null, "finish_reason": "stop"}]),
+        ),
+        _ => envelope(
+            id,
+            "chat.completion",
+            json!([{"index": 0, "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": text}}]),
+        ),
+    }
+}
+
+/// One vector per input (a string or a list of them), in OpenAI's shape.
+fn embeddings(id: &Identity, input: &Value) -> Value {
+    let inputs = match input {
+        Value::Array(items) => items.len().max(1),
+        _ => 1,
+    };
+    let data: Vec<Value> = (0..inputs)
+        .map(|i| {
+            let vector: Vec<f64> = (0..8).map(|d| ((i * 8 + d) as f64) / 64.0).collect();
+            json!({"object": "embedding", "index": i, "embedding": vector})
+        })
+        .collect();
+    json!({
+        "object": "list",
+        "data": data,
+        "model": id.model,
+        "pod": id.pod,
+        "usage": {"prompt_tokens": inputs, "total_tokens": inputs},
     })
 }
 
 /// Three SSE chunks `delay` apart, then the end marker.
-fn stream(id: &Identity, delay: Duration) -> Body {
+fn stream(id: &Identity, kind: Kind, delay: Duration) -> Body {
     let chunks: Vec<String> = (0..3)
         .map(|i| {
-            let chunk = json!({"object": "chat.completion.chunk", "model": id.model, "pod": id.pod,
-                               "choices": [{"index": 0, "delta": {"content": format!("part {i}")}}]});
+            let part = format!("part {i}");
+            let last = (i == 2).then_some("stop");
+            let mut chunk = match kind {
+                Kind::Text => envelope(
+                    id,
+                    "text_completion",
+                    json!([{"index": 0, "text": part, "logprobs": null, "finish_reason": last}]),
+                ),
+                _ => envelope(
+                    id,
+                    "chat.completion.chunk",
+                    json!([{"index": 0, "delta": {"content": part}, "finish_reason": last}]),
+                ),
+            };
+            chunk.as_object_mut().map(|c| c.remove("usage"));
             format!("data: {chunk}\n\n")
         })
         .chain(["data: [DONE]\n\n".to_owned()])
