@@ -309,3 +309,59 @@ async fn a_download_cut_short_resumes_where_it_stopped() {
         entries(cache.path())
     );
 }
+
+#[tokio::test]
+async fn redirects_are_followed_only_through_allowed_sources() {
+    let (addr, _, log) = serve_logged().await;
+    let cache = tempfile::tempdir().unwrap();
+    let allowed = vec![format!("http://{addr}/store/")];
+    let client = client().unwrap();
+    let sum = Some(sha256_hex(&weights()));
+    let get = |path: &'static str| {
+        let (client, cache, allowed, sum) = (&client, cache.path(), &allowed, sum.clone());
+        async move {
+            let files = [source(addr, path, sum)];
+            let progress = Progress::default();
+            fetch(client, cache, "m", &files, 300 * 1024, allowed, &progress).await
+        }
+    };
+    // Two hops, both under the allowed source: fetched and verified.
+    let fetched = get("/store/hop.bin").await.unwrap();
+    assert_eq!(fetched.bytes, weights().len() as u64);
+    assert_eq!(
+        std::fs::read(cache.path().join("m/hop.bin")).unwrap(),
+        weights()
+    );
+    let seen = log.lock().unwrap().clone();
+    let seen: Vec<&str> = seen.iter().map(|l| l.split(' ').next().unwrap()).collect();
+    assert_eq!(
+        seen,
+        [
+            "/store/hop.bin",
+            "/store/moved.bin",
+            "/store/blobs/weights.bin"
+        ]
+    );
+    // Out of the allowed source: permanent, says where, never fetched.
+    log.lock().unwrap().clear();
+    let e = get("/store/away.bin").await.unwrap_err();
+    assert!(matches!(e, FetchError::Redirect { .. }), "{e}");
+    assert_eq!(e.reason(), "SourceNotAllowed");
+    assert!(!e.retryable());
+    assert!(
+        e.to_string()
+            .contains("/weights.bin, which is not under an allowed source"),
+        "{e}"
+    );
+    assert_eq!(
+        log.lock().unwrap().len(),
+        1,
+        "the target outside was not asked"
+    );
+    // A loop, and a redirect without a Location.
+    let e = get("/store/loop.bin").await.unwrap_err();
+    assert!(e.to_string().contains("more than 5 times"), "{e}");
+    let e = get("/store/nowhere.bin").await.unwrap_err();
+    assert!(e.to_string().contains("without a Location"), "{e}");
+    assert!(!e.retryable());
+}

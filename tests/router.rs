@@ -776,11 +776,13 @@ async fn held_requests_for_more_models_than_fit_are_all_answered_with_one_load_e
         assert_served_by(a, m);
     }
     let (loads, evictions) = loads_and_evictions(&h, &["two-a", "two-b"]).await;
-    // Requests sent at once all see both GPUs empty, so placement may
-    // send most of them to one (it ties by name): more evictions than the
-    // one the room needs, still one load per model.
+    // The router counts its own requests not processed yet where they
+    // went, so the burst spreads: one eviction where 16 fit (before it
+    // did, most went to the GPU first by name: 9 evictions). Two requests
+    // placed at the same instant on two threads may still pick one GPU.
     println!("two GPUs, 17 models at once: {loads} loads, {evictions} evictions");
     assert!(loads <= 17, "{loads} loads for 17 models");
+    assert!(evictions <= 2, "{evictions} evictions");
 }
 
 /// A refusal recorded on one GPU stands for that GPU only, and the model

@@ -5,6 +5,7 @@
 
 use super::Failure;
 use super::operator::{Logging, cluster_client, fatal, parse_duration, preflight, termination};
+use model_residency::router::workers::Workers;
 use model_residency::router::{Config, Router};
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -46,6 +47,11 @@ pub struct Args {
     /// steadily it comes (then 408 and the connection is closed).
     #[arg(long, env = "BODY_DEADLINE", default_value = "5m", value_parser = parse_duration)]
     body_deadline: Duration,
+    /// Serving threads, each with its own runtime, listener (SO_REUSEPORT on
+    /// --http-addr) and connections to model pods (default: the cores this
+    /// process may use).
+    #[arg(long, env = "ROUTER_WORKERS", value_parser = clap::value_parser!(u16).range(1..))]
+    workers: Option<u16>,
     /// On SIGTERM, how long requests in flight may take to finish.
     #[arg(long, default_value = "25s", value_parser = parse_duration)]
     shutdown_grace: Duration,
@@ -72,9 +78,6 @@ pub async fn run(args: Args) -> Result<(), Failure> {
          modelresidencies (the chart's router ClusterRole grants exactly that)",
     )
     .await?;
-    let listener = tokio::net::TcpListener::bind(args.http_addr)
-        .await
-        .map_err(|e| fatal(format!("cannot listen on {}: {e}", args.http_addr)))?;
     let config = Config {
         namespace: args.namespace,
         selector: args.selector,
@@ -86,12 +89,20 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         body_timeout: args.body_timeout,
         body_deadline: args.body_deadline,
     };
-    tracing::info!(addr = %args.http_addr, ?config, "routing model requests");
+    let workers = match args.workers {
+        Some(n) => usize::from(n),
+        None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
     let router = Router::start(client, config);
-    let serving = tokio::spawn(router.clone().serve(listener));
+    let serving = Workers::start(router.clone(), args.http_addr, workers)
+        .map_err(|e| fatal(format!("cannot listen on {}: {e}", args.http_addr)))?;
+    tracing::info!(addr = %serving.addr, workers, config = ?router.config(), "routing model requests");
     termination().await;
     tracing::info!("shutting down: no new connections; finishing the requests in flight");
-    serving.abort();
+    serving.stop_accepting();
     router.drain(args.shutdown_grace).await;
+    tokio::task::spawn_blocking(move || serving.stop())
+        .await
+        .map_err(|e| fatal(format!("stopping the router's workers: {e}")))?;
     Ok(())
 }

@@ -23,6 +23,7 @@ pub mod proxy;
 pub mod recency;
 pub mod snapshot;
 pub mod target;
+pub mod workers;
 
 use crate::api::{ModelResidency, ModelState};
 use crate::controller::state::recorded_time;
@@ -119,7 +120,6 @@ pub struct Router {
     in_flight: Mutex<HashMap<Arc<str>, usize>>,
     /// Requests waiting for loads, per model, and in all.
     pending: Mutex<(HashMap<String, usize>, usize)>,
-    upstream: proxy::Upstream,
     pub metrics: RouterMetrics,
     tasks: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -146,7 +146,6 @@ impl Router {
             ready: AtomicBool::new(false),
             in_flight: Mutex::default(),
             pending: Mutex::default(),
-            upstream: proxy::upstream(),
             metrics: RouterMetrics::default(),
             tasks: Mutex::default(),
         });
@@ -168,6 +167,11 @@ impl Router {
         {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// What it was started with.
+    pub fn config(&self) -> &Config {
+        &self.config
     }
 
     /// Both watches have listed once.
@@ -518,7 +522,16 @@ impl Router {
         }
         let homes: Vec<&ModelResidency> =
             view.homes.iter().map(|&i| &*snap.residencies[i]).collect();
-        let i = match place(model, &homes) {
+        // This router's own requests the residencies have not processed
+        // yet count where they went.
+        let pending = |j: usize, m: &str| {
+            let home = view.homes[j];
+            let processed = snap
+                .model_status(home, m)
+                .and_then(|s| recorded_time(s.last_requested.as_deref()));
+            self.recency.unprocessed(&key(snap, home, m), processed)
+        };
+        let i = match place(model, &homes, pending) {
             Placement::Nowhere { why, refusing } => {
                 // The request still reaches the residencies (at most once
                 // per resolution), so their status and counters show the
@@ -597,7 +610,7 @@ impl Router {
         start: Instant,
     ) -> Result<Response<ProxyBody>, proxy::SendError> {
         let guard = InFlight::enter(self.clone(), endpoint, start);
-        let answer = proxy::send(&self.upstream, endpoint.addr, parts, body).await?;
+        let answer = proxy::send(&proxy::thread_upstream(), endpoint.addr, parts, body).await?;
         let (head, incoming) = answer.into_parts();
         let body = if proxy::small_and_whole(&head.headers) {
             // A short answer of known length (most non-streamed answers)

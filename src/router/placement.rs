@@ -13,12 +13,17 @@
 //!    loading model is never evicted), the least loading VRAM first;
 //! 5. ties by namespace/name.
 //!
+//! Loads the caller has requested and the residency has not processed yet
+//! (`pending`) count as admitted, loading, on their home: requests that
+//! come at once would otherwise all see the same empty GPU and pile onto
+//! it, evicting each other there while another GPU stays empty.
+//!
 //! Loads nowhere: every home refuses it, each with its sizes.
 
 use crate::api::{ModelResidency, ModelResidencyStatus};
 use crate::controller::reasons::refusal_message;
 use crate::controller::state::{recorded_time, restore, validate};
-use crate::engine::Bytes;
+use crate::engine::{Admission, Bytes};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 
@@ -54,8 +59,13 @@ fn unusable(r: &ModelResidency) -> Option<&'static str> {
 }
 
 /// Chooses where to load `model` among `homes` (residencies whose registry
-/// lists it).
-pub fn place(model: &str, homes: &[&ModelResidency]) -> Placement {
+/// lists it); `pending(i, m)` says whether a load of `m` requested on
+/// `homes[i]` is not processed yet.
+pub fn place(
+    model: &str,
+    homes: &[&ModelResidency],
+    pending: impl Fn(usize, &str) -> bool,
+) -> Placement {
     let empty = ModelResidencyStatus::default();
     let mut best: Option<(Cost, String, usize)> = None;
     let mut refusals = Vec::new();
@@ -74,10 +84,19 @@ pub fn place(model: &str, homes: &[&ModelResidency]) -> Placement {
             }
         };
         let status = r.status.as_ref().unwrap_or(&empty);
-        let engine = restore(&valid, status).engine;
+        let mut engine = restore(&valid, status).engine;
         let Some(id) = engine.id(model) else {
             continue;
         };
+        let requested: Vec<_> = engine
+            .models()
+            .filter(|&m| m != id && !engine.is_resident(m) && pending(i, engine.name(m)))
+            .collect();
+        for m in requested {
+            if matches!(engine.request(m), Admission::Loaded { .. }) {
+                engine.set_loading(m, true);
+            }
+        }
         let cost = match engine.plan_load(id) {
             Ok(None) => Cost::Queued(engine.loading_used()),
             Ok(Some(victims)) if victims.is_empty() => Cost::Fits(std::cmp::Reverse(
@@ -154,6 +173,10 @@ mod tests {
         r
     }
 
+    fn none(_: usize, _: &str) -> bool {
+        false
+    }
+
     const T1: &str = "2026-11-30T10:00:00Z";
     const T2: &str = "2026-11-30T11:00:00Z";
 
@@ -167,8 +190,8 @@ mod tests {
         let full = residency("full", "8Gi", &models, &[("a", T1), ("b", T1)]);
         let half = residency("half", "8Gi", &models, &[("a", T1)]);
         let empty = residency("empty", "16Gi", &models, &[]);
-        assert_eq!(place("c", &[&full, &half, &empty]), Placement::On(2));
-        assert_eq!(place("c", &[&full, &half]), Placement::On(1));
+        assert_eq!(place("c", &[&full, &half, &empty], none), Placement::On(2));
+        assert_eq!(place("c", &[&full, &half], none), Placement::On(1));
     }
 
     #[test]
@@ -180,8 +203,8 @@ mod tests {
         ];
         let recent = residency("recent", "8Gi", &models, &[("a", T2)]);
         let stale = residency("stale", "8Gi", &models, &[("b", T1)]);
-        assert_eq!(place("c", &[&recent, &stale]), Placement::On(1));
-        assert_eq!(place("c", &[&stale, &recent]), Placement::On(0));
+        assert_eq!(place("c", &[&recent, &stale], none), Placement::On(1));
+        assert_eq!(place("c", &[&stale, &recent], none), Placement::On(0));
     }
 
     #[test]
@@ -193,8 +216,8 @@ mod tests {
         ];
         let pinned = residency("pinned", "8Gi", &models, &[("p", T1)]);
         let small = residency("small", "16Gi", &models, &[]);
-        assert_eq!(place("big", &[&pinned, &small]), Placement::On(1));
-        let Placement::Nowhere { why, refusing } = place("huge", &[&pinned, &small]) else {
+        assert_eq!(place("big", &[&pinned, &small], none), Placement::On(1));
+        let Placement::Nowhere { why, refusing } = place("huge", &[&pinned, &small], none) else {
             panic!("placed a model larger than every budget");
         };
         assert_eq!(refusing, vec![0, 1]);
@@ -202,9 +225,28 @@ mod tests {
             why.contains("ns/small: huge needs 20Gi, budget is 16Gi"),
             "{why}"
         );
-        let Placement::Nowhere { why, .. } = place("big", &[&pinned]) else {
+        let Placement::Nowhere { why, .. } = place("big", &[&pinned], none) else {
             panic!("placed past pinned models");
         };
         assert!(why.contains("pinned models hold 6Gi"), "{why}");
+    }
+
+    #[test]
+    fn loads_requested_and_not_processed_yet_count_on_their_gpu() {
+        let models = [
+            ("a", "4Gi", false),
+            ("b", "4Gi", false),
+            ("c", "4Gi", false),
+            ("d", "4Gi", false),
+        ];
+        let x = residency("x", "8Gi", &models, &[]);
+        let y = residency("y", "8Gi", &models, &[]);
+        // Both empty: x by name. With a and b on their way to x, y.
+        assert_eq!(place("c", &[&x, &y], none), Placement::On(0));
+        let on_x = |i: usize, m: &str| i == 0 && (m == "a" || m == "b");
+        assert_eq!(place("c", &[&x, &y], on_x), Placement::On(1));
+        // x full of loads on the way, y half: y, where c fits.
+        let busy = |i: usize, m: &str| m == "a" || (i == 0 && m == "b");
+        assert_eq!(place("c", &[&x, &y], busy), Placement::On(1));
     }
 }

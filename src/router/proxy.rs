@@ -17,6 +17,18 @@ use std::time::Duration;
 
 pub type Upstream = Client<HttpConnector, Full<Bytes>>;
 
+thread_local! {
+    /// This thread's pool: a router worker (one thread, one runtime) keeps
+    /// its connections to model pods to itself, as an nginx worker does,
+    /// so a request never waits on another thread's connection.
+    static POOL: Upstream = upstream();
+}
+
+/// This thread's pool of connections to model pods (a cheap handle).
+pub fn thread_upstream() -> Upstream {
+    POOL.with(Upstream::clone)
+}
+
 /// One pool for all model pods: idle connections are kept per pod address.
 pub fn upstream() -> Upstream {
     let mut connector = HttpConnector::new();

@@ -138,8 +138,27 @@ fn answer(path: &str, range: Option<&str>, first_flaky: bool) -> Response<Body> 
             .map_err(|never| match never {})
             .boxed()
     };
+    let redirect = |to: &str| {
+        let mut r = Response::new(full(Vec::new()));
+        *r.status_mut() = StatusCode::FOUND;
+        r.headers_mut()
+            .insert(header::LOCATION, to.parse().unwrap());
+        r
+    };
     let mut response = match path {
         "/weights.bin" => Response::new(full(weights())),
+        // A store that redirects: into /store/ (relative and absolute
+        // forms), out of it, in a loop.
+        "/store/moved.bin" => redirect("/store/blobs/weights.bin"),
+        "/store/hop.bin" => redirect("moved.bin"),
+        "/store/blobs/weights.bin" => Response::new(full(weights())),
+        "/store/away.bin" => redirect("/weights.bin"),
+        "/store/loop.bin" => redirect("/store/loop.bin"),
+        "/store/nowhere.bin" => {
+            let mut r = Response::new(full(Vec::new()));
+            *r.status_mut() = StatusCode::TEMPORARY_REDIRECT;
+            r
+        }
         "/config.json" => Response::new(full(br#"{"layers": 2}"#.to_vec())),
         "/flaky/weights.bin" if first_flaky => {
             // The break comes after the bytes are on their way.
