@@ -188,9 +188,14 @@ async fn time_to_ready(plane: &ControlPlane, model_mib: usize) {
         let api = api.clone();
         async move {
             let t = Instant::now();
-            model_residency::demand::load(&api, "gpu", m, k8s_openapi::jiff::Timestamp::now())
-                .await
-                .unwrap();
+            model_residency::residency::demand::load(
+                &api,
+                "gpu",
+                m,
+                k8s_openapi::jiff::Timestamp::now(),
+            )
+            .await
+            .unwrap();
             until_state(&api, m, ModelState::Loaded, Duration::from_secs(120)).await;
             t.elapsed()
         }

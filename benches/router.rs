@@ -7,11 +7,12 @@
 //! docs/performance.md came from this command.
 //!
 //! - **Hit path**: wrk (POST chat completions for one resident model) at 1
-//!   and 64 connections against the same fake model server, four ways in
+//!   and 64 connections against the same fake model server, five ways in
 //!   one run: straight to the pod, through nginx as a plain reverse proxy,
 //!   through `model-residency route` (a separate process), and through a
 //!   bare hyper forwarder (the HTTP stack's own ceiling, see
-//!   `bare_forwarder`), in
+//!   `bare_forwarder`) on one multi-thread runtime and in the router's
+//!   per-core shape, in
 //!   `--rounds` interleaved rounds: p50, p99, requests/s, and the medians
 //!   over the rounds of the router's added p50 against nginx's and of its
 //!   throughput over nginx's.
@@ -323,49 +324,67 @@ async fn router_metric(router: SocketAddr, name: &str) -> u64 {
 /// then sent to the one upstream and its answer streamed back. No routing,
 /// no JSON, no metrics: what any router on this HTTP stack can do at best
 /// on this machine, next to nginx.
-fn bare_forwarder(listen: &str, upstream: &str) {
-    use http_body_util::{BodyExt, Full, combinators::BoxBody};
-    use model_residency::router::proxy;
+fn bare_forwarder(listen: &str, upstream: &str, per_core: bool) {
     let (listen, upstream): (SocketAddr, SocketAddr) =
         (listen.parse().unwrap(), upstream.parse().unwrap());
-    runtime().block_on(async move {
-        let client = Arc::new(proxy::upstream());
-        let listener = tokio::net::TcpListener::bind(listen).await.unwrap();
-        model_residency::http::accept_loop(listener, |stream| {
-            let client = client.clone();
-            tokio::spawn(async move {
-                let service =
-                    hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-                        let client = client.clone();
-                        async move {
-                            let (parts, body) = req.into_parts();
-                            let body = body.collect().await?.to_bytes();
-                            let answer = match proxy::send(&client, upstream, &parts, body).await {
-                                Ok(a) => a.map(|b| b.boxed()),
-                                Err(e) => http::Response::builder()
-                                    .status(502)
-                                    .body(BoxBody::new(
-                                        Full::new(bytes::Bytes::from(format!("{e:?}")))
-                                            .map_err(|never| match never {}),
-                                    ))
-                                    .unwrap(),
-                            };
-                            Ok::<_, hyper::Error>(answer)
-                        }
-                    });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                    .await;
-            });
+    if per_core {
+        // The router's own shape: a current-thread runtime, listener and
+        // pool per core (model_residency::router::workers).
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let workers = model_residency::router::workers::Workers::start(listen, cores, move |l| {
+            forward_all(l, upstream)
         })
-        .await
-    });
+        .unwrap();
+        std::thread::park();
+        drop(workers);
+    } else {
+        runtime().block_on(async move {
+            let listener = tokio::net::TcpListener::bind(listen).await.unwrap();
+            forward_all(listener, upstream).await
+        });
+    }
+}
+
+/// Serves `listener`: every request's body read whole and sent to
+/// `upstream` with the router's sending code, on this thread's pool.
+async fn forward_all(listener: tokio::net::TcpListener, upstream: SocketAddr) {
+    use http_body_util::{BodyExt, Full, combinators::BoxBody};
+    use model_residency::router::proxy;
+    model_residency::http::accept_loop(listener, |stream| {
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(
+                move |req: http::Request<hyper::body::Incoming>| async move {
+                    let client = proxy::thread_upstream();
+                    let (parts, body) = req.into_parts();
+                    let body = body.collect().await?.to_bytes();
+                    let answer = match proxy::send(&client, upstream, &parts, body).await {
+                        Ok(a) => a.map(|b| b.boxed()),
+                        Err(e) => http::Response::builder()
+                            .status(502)
+                            .body(BoxBody::new(
+                                Full::new(bytes::Bytes::from(format!("{e:?}")))
+                                    .map_err(|never| match never {}),
+                            ))
+                            .unwrap(),
+                    };
+                    Ok::<_, hyper::Error>(answer)
+                },
+            );
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .await;
+        });
+    })
+    .await
 }
 
 fn main() {
     let args = bench_args();
     if let Some(i) = args.iter().position(|a| a == "--bare-forwarder") {
-        return bare_forwarder(&args[i + 1], &args[i + 2]);
+        return bare_forwarder(&args[i + 1], &args[i + 2], false);
+    }
+    if let Some(i) = args.iter().position(|a| a == "--bare-forwarder-per-core") {
+        return bare_forwarder(&args[i + 1], &args[i + 2], true);
     }
     let secs: u64 = arg(&args, "--seconds", "5").parse().unwrap();
     let rounds: usize = arg(&args, "--rounds", "3").parse().unwrap();
@@ -395,7 +414,7 @@ fn main() {
             .await
             .unwrap();
         for m in &hot {
-            model_residency::demand::load(&api, "gpu", m, k8s_openapi::jiff::Timestamp::now())
+            model_residency::residency::demand::load(&api, "gpu", m, k8s_openapi::jiff::Timestamp::now())
                 .await
                 .unwrap();
         }
@@ -445,9 +464,16 @@ fn main() {
             .arg(pod_addr.to_string());
         let _bare = Proc(spawn_owned(cmd).expect("start the bare forwarder"));
         until_listening(bare_addr).await;
+        let core_addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.arg("--bare-forwarder-per-core")
+            .arg(core_addr.to_string())
+            .arg(pod_addr.to_string());
+        let _core = Proc(spawn_owned(cmd).expect("start the per-core bare forwarder"));
+        until_listening(core_addr).await;
 
         println!(
-            "== hit path: POST /v1/chat/completions for one resident model, {secs} s per run, {rounds} rounds of the four targets back to back"
+            "== hit path: POST /v1/chat/completions for one resident model, {secs} s per run, {rounds} rounds of the five targets back to back"
         );
         println!(
             "{:<7} {:<6} {:<8} {:>10} {:>10} {:>12}  errors",
@@ -460,6 +486,7 @@ fn main() {
             // machine that slows down or speeds up weighs on all three.
             let (mut added_gap, mut ratios) = (Vec::new(), Vec::new());
             let (mut bare_gap, mut bare_ratios) = (Vec::new(), Vec::new());
+            let mut core_ratios = Vec::new();
             for round in 1..=rounds {
                 let mut row = Vec::new();
                 let targets = [
@@ -467,6 +494,7 @@ fn main() {
                     ("nginx", nginx_addr),
                     ("router", router_addr),
                     ("hyper", bare_addr),
+                    ("hyper-pc", core_addr),
                 ];
                 for (via, addr) in targets {
                     let (tools, one) = (tools.clone(), one.clone());
@@ -482,15 +510,18 @@ fn main() {
                     );
                     row.push(load);
                 }
-                let (direct, nginx, router, bare) = (&row[0], &row[1], &row[2], &row[3]);
+                let (direct, nginx, router, bare, core) =
+                    (&row[0], &row[1], &row[2], &row[3], &row[4]);
                 let added = |via: &Load| ms(via.p50.saturating_sub(direct.p50));
                 let (nginx_added, router_added) = (added(nginx), added(router));
                 println!(
-                    "   added p50: nginx {nginx_added:.3} ms, router {router_added:.3} ms, bare hyper {:.3} ms; throughput router/nginx {:.2}x, bare hyper/nginx {:.2}x",
+                    "   added p50: nginx {nginx_added:.3} ms, router {router_added:.3} ms, bare hyper {:.3} ms; throughput router/nginx {:.2}x, bare hyper/nginx {:.2}x, bare per-core hyper/nginx {:.2}x",
                     added(bare),
                     router.rps / nginx.rps,
-                    bare.rps / nginx.rps
+                    bare.rps / nginx.rps,
+                    core.rps / nginx.rps
                 );
+                core_ratios.push(core.rps / nginx.rps);
                 added_gap.push(router_added - nginx_added);
                 ratios.push(router.rps / nginx.rps);
                 bare_ratios.push(bare.rps / nginx.rps);
@@ -509,6 +540,10 @@ fn main() {
                 "   the same for the bare hyper forwarder (the HTTP stack's own ceiling): added p50 minus nginx's {:+.3} ms; throughput bare/nginx {:.2}x",
                 median(&mut bare_gap),
                 median(&mut bare_ratios)
+            );
+            println!(
+                "   the bare forwarder in the router's shape (a runtime, listener and pool per core): throughput/nginx {:.2}x",
+                median(&mut core_ratios)
             );
         }
 
@@ -622,7 +657,7 @@ fn main() {
             }
             ttfbs.push(ttfb);
             overhead.push(ttfb.saturating_sub(pod_ready));
-            model_residency::demand::unload(&api, "gpu", "cold").await.unwrap();
+            model_residency::residency::demand::unload(&api, "gpu", "cold").await.unwrap();
             until_state(&api, "cold", ModelState::Unloaded, Duration::from_secs(60)).await;
             let deadline = Instant::now() + Duration::from_secs(30);
             while !pods

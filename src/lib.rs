@@ -20,10 +20,8 @@
 
 pub mod api;
 pub mod controller;
-pub mod demand;
 pub mod engine;
 pub mod http;
-pub mod labels;
 pub mod lease;
 #[cfg(feature = "local")]
 pub mod local;
@@ -33,5 +31,6 @@ pub mod node_agent;
 pub mod panic_guard;
 pub mod quantity;
 pub mod registry;
+pub mod residency;
 pub mod router;
 pub mod simulate;

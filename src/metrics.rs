@@ -10,7 +10,7 @@
 //! [`Metrics::sum`], so there is one count of everything.
 
 use crate::api::Counters;
-use crate::controller::state::Usage;
+use crate::residency::state::Usage;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::MetricType;

@@ -9,12 +9,12 @@
 //! ModelDemand never deletes a residency, and the other way round.
 
 use crate::api::{ModelDemand, ModelDemandStatus, ModelResidency, ModelState};
-use crate::controller::MANAGER;
-use crate::controller::conditions::ConditionSet;
-use crate::controller::state::later;
-use crate::demand;
-use crate::labels::{MODEL_LABEL, RESIDENCY_LABEL};
 use crate::metrics::Metrics;
+use crate::residency::conditions::ConditionSet;
+use crate::residency::demand;
+use crate::residency::labels::MANAGER;
+use crate::residency::labels::{MODEL_LABEL, RESIDENCY_LABEL};
+use crate::residency::state::later;
 use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;

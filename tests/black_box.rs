@@ -11,7 +11,7 @@ use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use model_residency::api::{ModelResidency, ModelState, ModelStatus};
 use model_residency::controller::pods::pod_name;
-use model_residency::demand;
+use model_residency::residency::demand;
 use serde_json::json;
 use std::collections::BTreeMap;
 use support::cluster::eventually;

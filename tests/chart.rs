@@ -449,9 +449,14 @@ async fn the_operator_does_its_job_with_only_the_charts_rbac() {
     .unwrap();
     admin.create(&PostParams::default(), &r).await.unwrap();
     for m in ["a", "b", "huge"] {
-        model_residency::demand::load(&admin, "gpu", m, k8s_openapi::jiff::Timestamp::now())
-            .await
-            .unwrap();
+        model_residency::residency::demand::load(
+            &admin,
+            "gpu",
+            m,
+            k8s_openapi::jiff::Timestamp::now(),
+        )
+        .await
+        .unwrap();
         eventually(30, &format!("{m} to be processed"), || async {
             let r = admin.get("gpu").await.unwrap();
             let s = r.status?;
@@ -767,9 +772,14 @@ async fn the_node_agent_does_its_job_with_only_its_charts_rbac() {
     }))
     .unwrap();
     admin.create(&PostParams::default(), &r).await.unwrap();
-    model_residency::demand::load(&admin, "gpu", "a", k8s_openapi::jiff::Timestamp::now())
-        .await
-        .unwrap();
+    model_residency::residency::demand::load(
+        &admin,
+        "gpu",
+        "a",
+        k8s_openapi::jiff::Timestamp::now(),
+    )
+    .await
+    .unwrap();
     eventually(60, "a to load with its artifact", || async {
         let r = admin.get("gpu").await.ok()?;
         let st = r.status?.model("a")?.clone();

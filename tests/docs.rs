@@ -99,12 +99,18 @@ fn every_link_in_the_docs_points_at_a_file_and_heading_that_exist() {
         }
     }
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
-    assert!(checked > 20, "only {checked} links found: is the parser right?");
+    assert!(
+        checked > 20,
+        "only {checked} links found: is the parser right?"
+    );
 }
 
 #[test]
 fn the_anchor_rule_is_githubs() {
-    assert_eq!(anchor(" `model-residency simulate`"), "model-residency-simulate");
+    assert_eq!(
+        anchor(" `model-residency simulate`"),
+        "model-residency-simulate"
+    );
     assert_eq!(anchor("A session"), "a-session");
     assert_eq!(
         anchor("HPA, KEDA and `kubectl scale`: `ModelDemand`"),

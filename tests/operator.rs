@@ -197,7 +197,7 @@ async fn removing_demand_unloads_and_is_not_an_eviction() {
     h.create("gpu", "16000Mi", SEED).await;
     h.request("gpu", "zimage").await;
     h.request("gpu", "qwen-llm").await;
-    let r = model_residency::demand::unload(&h.api, "gpu", "zimage")
+    let r = model_residency::residency::demand::unload(&h.api, "gpu", "zimage")
         .await
         .unwrap();
     assert!(!r.spec.demand.contains_key("zimage"));
@@ -497,7 +497,7 @@ async fn a_random_demand_storm_never_exceeds_the_budget() {
     for _ in 0..80 {
         let m = models[(next() % models.len() as u64) as usize].0;
         if next().is_multiple_of(5) {
-            model_residency::demand::unload(&h.api, "gpu", m)
+            model_residency::residency::demand::unload(&h.api, "gpu", m)
                 .await
                 .unwrap();
         } else {
@@ -565,12 +565,12 @@ async fn demand_load_from_a_clock_behind_the_last_request_still_loads() {
     // ahead of this one (within the operator's skew allowance), and it was
     // unloaded since.
     let ahead = k8s_openapi::jiff::Timestamp::now() + std::time::Duration::from_secs(30);
-    model_residency::demand::load(&h.api, "gpu", "qwen-llm", ahead)
+    model_residency::residency::demand::load(&h.api, "gpu", "qwen-llm", ahead)
         .await
         .unwrap();
     h.until_state("gpu", "qwen-llm", ModelState::Loaded, 30)
         .await;
-    model_residency::demand::unload(&h.api, "gpu", "qwen-llm")
+    model_residency::residency::demand::unload(&h.api, "gpu", "qwen-llm")
         .await
         .unwrap();
     h.until_state("gpu", "qwen-llm", ModelState::Unloaded, 30)

@@ -78,7 +78,7 @@ async fn run_checks_serves_reconciles_and_stops_on_sigterm() {
     }))
     .unwrap();
     api.create(&PostParams::default(), &r).await.unwrap();
-    model_residency::demand::load(&api, "gpu", "a", k8s_openapi::jiff::Timestamp::now())
+    model_residency::residency::demand::load(&api, "gpu", "a", k8s_openapi::jiff::Timestamp::now())
         .await
         .unwrap();
     eventually(30, "a to load", || async {

@@ -673,11 +673,11 @@ async fn a_router_whose_clock_runs_behind_still_loads_a_cold_model() {
     // operator's allowed skew) requested qwen; then it was unloaded. The
     // residency has processed a request later than the router's clock.
     let ahead = k8s_openapi::jiff::Timestamp::now() + Duration::from_secs(50);
-    model_residency::demand::load(&h.api, "gpu", "qwen", ahead)
+    model_residency::residency::demand::load(&h.api, "gpu", "qwen", ahead)
         .await
         .unwrap();
     h.until_state("gpu", "qwen", ModelState::Loaded, 30).await;
-    model_residency::demand::unload(&h.api, "gpu", "qwen")
+    model_residency::residency::demand::unload(&h.api, "gpu", "qwen")
         .await
         .unwrap();
     h.until_state("gpu", "qwen", ModelState::Unloaded, 30).await;

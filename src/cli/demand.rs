@@ -6,10 +6,10 @@ use super::Failure;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::Api;
 use model_residency::api::{ModelResidency, ModelState};
-use model_residency::controller::state::{later, recorded_time, restore, validate};
-use model_residency::demand;
-use model_residency::labels::is_dns_label;
 use model_residency::quantity::format_bytes;
+use model_residency::residency::demand;
+use model_residency::residency::labels::is_dns_label;
+use model_residency::residency::state::{later, recorded_time, restore, validate};
 
 #[derive(clap::Args, Debug)]
 pub struct Target {

@@ -94,8 +94,11 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         None => std::thread::available_parallelism().map_or(1, |n| n.get()),
     };
     let router = Router::start(client, config);
-    let serving = Workers::start(router.clone(), args.http_addr, workers)
-        .map_err(|e| fatal(format!("cannot listen on {}: {e}", args.http_addr)))?;
+    let serving = Workers::start(args.http_addr, workers, {
+        let router = router.clone();
+        move |listener| router.clone().serve(listener)
+    })
+    .map_err(|e| fatal(format!("cannot listen on {}: {e}", args.http_addr)))?;
     tracing::info!(addr = %serving.addr, workers, config = ?router.config(), "routing model requests");
     termination().await;
     tracing::info!("shutting down: no new connections; finishing the requests in flight");

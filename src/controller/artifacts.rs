@@ -4,7 +4,7 @@
 //! node, with the artifact's directory mounted read-only.
 
 use crate::api::{ArtifactSpec, ArtifactState, CachedArtifact, NodeModelCache};
-use crate::controller::reasons::Reason;
+use crate::residency::reasons::Reason;
 use k8s_openapi::api::core::v1::{HostPathVolumeSource, Pod, Volume, VolumeMount};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

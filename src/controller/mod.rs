@@ -8,21 +8,18 @@
 pub mod artifacts;
 pub mod cached;
 pub mod claims;
-pub mod conditions;
 pub mod decide;
 pub mod events;
 pub mod fast_lane;
 pub mod pod_cache;
 pub mod pods;
-pub mod reasons;
 pub mod relist;
-pub mod state;
 pub mod templates;
 pub mod written;
 
 use crate::api::ModelResidency;
-use crate::labels::{MODEL_LABEL, RESIDENCY_LABEL, fits_label_value};
 use crate::metrics::Metrics;
+use crate::residency::labels::{MANAGER, MODEL_LABEL, RESIDENCY_LABEL, fits_label_value};
 use claims::GpuClaims;
 use decide::{DEFAULT_MAX_SKEW, Decision, Observed, decide};
 use futures::{StreamExt, TryStreamExt};
@@ -40,9 +37,6 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 use templates::{TemplateVerdicts, rejects_the_pod};
 use written::WrittenStatuses;
-
-/// The field manager of everything the operator writes.
-pub const MANAGER: &str = "model-residency";
 
 /// Reconciles running at once.
 const RECONCILE_CONCURRENCY: u16 = 8;

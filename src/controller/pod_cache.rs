@@ -18,7 +18,7 @@
 
 use super::pods::ModelPod;
 use crate::api::ModelResidency;
-use crate::labels::RESIDENCY_LABEL;
+use crate::residency::labels::RESIDENCY_LABEL;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::reflector::ObjectRef;
@@ -242,7 +242,7 @@ mod tests {
     fn pod(name: &str, residency: &str, rv: u64, deleting: bool) -> Pod {
         let mut meta = json!({
             "name": name, "namespace": "ns", "resourceVersion": rv.to_string(), "uid": format!("p-{name}"),
-            "labels": {RESIDENCY_LABEL: residency, crate::labels::MODEL_LABEL: "m"},
+            "labels": {RESIDENCY_LABEL: residency, crate::residency::labels::MODEL_LABEL: "m"},
             "ownerReferences": [{"apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
                 "name": residency, "uid": "owner", "controller": true}],
         });

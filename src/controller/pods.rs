@@ -3,7 +3,7 @@
 
 use crate::api::{ModelResidency, ModelSpec};
 use crate::engine::Bytes;
-use crate::labels::{
+use crate::residency::labels::{
     DEVICE_ANNOTATION, MODEL_LABEL, RESIDENCY_LABEL, SIZE_ANNOTATION, TEMPLATE_HASH_ANNOTATION,
 };
 use k8s_openapi::api::core::v1::{EnvVar, Pod, PodTemplateSpec};

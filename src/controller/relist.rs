@@ -53,7 +53,7 @@ mod tests {
     #[test]
     fn a_relist_tells_what_was_deleted_while_the_watch_was_down() {
         let metrics = Metrics::new();
-        let usage = crate::controller::state::Usage::default();
+        let usage = crate::residency::state::Usage::default();
         for name in ["kept", "gone"] {
             metrics.observe("ns", name, &usage, Default::default());
         }

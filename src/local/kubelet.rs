@@ -31,8 +31,8 @@
 //! Pods on other nodes, and unbound pods, are never touched.
 
 use super::model_server::{FakeModelServer, Identity, next_pod_ip};
-use crate::labels::{MODEL_LABEL, SIZE_ANNOTATION};
 use crate::quantity::parse_bytes;
+use crate::residency::labels::{MODEL_LABEL, SIZE_ANNOTATION};
 use futures::TryStreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
@@ -309,7 +309,7 @@ const BIND_TRIES: usize = 8;
 /// skipped for the next; when none of [`BIND_TRIES`] can be had the pod
 /// fails, never a pod marked Ready that someone else answers for.
 async fn serve(pod: &Pod, servers: &Servers, stream_delay: Duration) -> Result<Ipv4Addr, String> {
-    let port = crate::router::snapshot::serving_port(pod);
+    let port = crate::residency::labels::serving_port(pod);
     let meta = &pod.metadata;
     let pod_name = meta.name.clone().unwrap_or_default();
     let model = meta

@@ -21,8 +21,9 @@ use crate::api::{
     ArtifactState, CachedArtifact, ModelResidency, NodeModelCache, NodeModelCacheSpec,
     NodeModelCacheStatus,
 };
-use crate::controller::state::recorded_time;
 use crate::quantity::{format_bytes, parse_bytes};
+use crate::residency::labels::NODE_AGENT_MANAGER;
+use crate::residency::state::recorded_time;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -35,8 +36,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{Notify, Semaphore, mpsc};
-
-const MANAGER: &str = "model-residency-node-agent";
 
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
@@ -569,7 +568,7 @@ async fn publish(
             part: value,
         })
     };
-    let pp = PatchParams::apply(MANAGER).force();
+    let pp = PatchParams::apply(NODE_AGENT_MANAGER).force();
     let spec = NodeModelCacheSpec {
         budget: format_bytes(config.budget),
         cache_dir: config.cache_dir.display().to_string(),
@@ -651,7 +650,7 @@ pub async fn run(
         Api::<Pod>::all(client),
         watcher::Config::default()
             .fields(&format!("spec.nodeName={}", config.node))
-            .labels(crate::labels::MODEL_LABEL),
+            .labels(crate::residency::labels::MODEL_LABEL),
         changed.clone(),
     ));
     let _ = store.wait_until_ready().await;

@@ -1,5 +1,31 @@
-//! Label and annotation keys shared by the operator, its model pods and the
-//! kubelet stand-in.
+//! The names on a residency's objects that every process agrees on: label
+//! and annotation keys of model pods, the field managers that write them,
+//! and the port a model pod serves on.
+
+use k8s_openapi::api::core::v1::Pod;
+
+/// The operator's field manager (status writes, ModelDemand keys) and the
+/// controller name its events report.
+pub const MANAGER: &str = "model-residency";
+/// The node agent's field manager (its `NodeModelCache`).
+pub const NODE_AGENT_MANAGER: &str = "model-residency-node-agent";
+
+/// The port a model pod serves on when its first container declares none
+/// (the kubelet stand-in's fake servers listen there too).
+pub const DEFAULT_MODEL_PORT: u16 = 8080;
+
+/// The port a model pod serves on: its first container's first
+/// `containerPort`, else [`DEFAULT_MODEL_PORT`].
+pub fn serving_port(pod: &Pod) -> u16 {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.containers.first())
+        .flat_map(|c| c.ports.iter().flatten())
+        .map(|p| p.container_port)
+        .next()
+        .and_then(|p| u16::try_from(p).ok())
+        .unwrap_or(DEFAULT_MODEL_PORT)
+}
 
 /// Label on a model pod: the model it serves.
 pub const MODEL_LABEL: &str = "residency.dev/model";

@@ -7,8 +7,8 @@
 
 use crate::api::{ModelResidency, ModelResidencyStatus, ModelSpec, ModelState, ModelStatus};
 use crate::engine::{Bytes, Engine};
-use crate::labels::{fits_label_value, is_dns_subdomain};
 use crate::quantity::{QuantityError, parse_bytes};
+use crate::residency::labels::{fits_label_value, is_dns_subdomain};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;

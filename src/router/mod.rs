@@ -26,8 +26,8 @@ pub mod target;
 pub mod workers;
 
 use crate::api::{ModelResidency, ModelState};
-use crate::controller::state::recorded_time;
-use crate::labels::MODEL_LABEL;
+use crate::residency::labels::MODEL_LABEL;
+use crate::residency::state::recorded_time;
 use bytes::Bytes;
 use errors::Refusal;
 use futures::StreamExt;
@@ -571,7 +571,7 @@ impl Router {
     /// Writes a request for `key` at `at` (one merge patch).
     async fn write(&self, key: &Key, at: Timestamp, kind: &'static str) -> Result<(), kube::Error> {
         let api: Api<ModelResidency> = Api::namespaced(self.client.clone(), &key.0);
-        let result = crate::demand::load(&api, &key.1, &key.2, at).await;
+        let result = crate::residency::demand::load(&api, &key.1, &key.2, at).await;
         self.metrics
             .demand_writes
             .get_or_create(&WriteLabels { kind })

@@ -21,9 +21,9 @@
 //! Loads nowhere: every home refuses it, each with its sizes.
 
 use crate::api::{ModelResidency, ModelResidencyStatus};
-use crate::controller::reasons::refusal_message;
-use crate::controller::state::{recorded_time, restore, validate};
 use crate::engine::{Admission, Bytes};
+use crate::residency::reasons::refusal_message;
+use crate::residency::state::{recorded_time, restore, validate};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 

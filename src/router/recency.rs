@@ -16,7 +16,7 @@
 //!
 //! Pure bookkeeping: the caller does the writes.
 
-use crate::controller::state::later;
+use crate::residency::state::later;
 use k8s_openapi::jiff::Timestamp;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

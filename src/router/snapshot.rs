@@ -6,17 +6,13 @@
 
 use super::recency::Key;
 use crate::api::{ModelResidency, ModelState, ModelStatus};
-use crate::labels::{MODEL_LABEL, RESIDENCY_LABEL};
+use crate::residency::labels::{MODEL_LABEL, RESIDENCY_LABEL, serving_port};
 use http::HeaderValue;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-
-/// The port the router sends to when a pod's first container declares
-/// none (the same default the kubelet stand-in serves on).
-pub const DEFAULT_MODEL_PORT: u16 = 8080;
 
 /// A Ready model pod a request can be sent to, with what the hit path
 /// needs made once per snapshot rather than per request.
@@ -154,20 +150,6 @@ fn endpoint<'p>(
     }
     let ip: IpAddr = status.pod_ip.as_deref()?.parse().ok()?;
     Some((i, model, SocketAddr::new(ip, serving_port(pod))))
-}
-
-/// The port a model pod serves on: its first container's first
-/// `containerPort`, else [`DEFAULT_MODEL_PORT`]. (The kubelet stand-in's
-/// fake servers listen there too.)
-pub fn serving_port(pod: &Pod) -> u16 {
-    pod.spec
-        .iter()
-        .flat_map(|s| s.containers.first())
-        .flat_map(|c| c.ports.iter().flatten())
-        .map(|p| p.container_port)
-        .next()
-        .and_then(|p| u16::try_from(p).ok())
-        .unwrap_or(DEFAULT_MODEL_PORT)
 }
 
 #[cfg(test)]

@@ -5,12 +5,12 @@
 //! accepted, read, routed, forwarded and answered on one thread, with no
 //! hand-off between threads on the way. The watches, the recency ticks
 //! and the demand writes run on the process's main runtime, shared by
-//! every worker through the [`Router`].
+//! every worker through the [`super::Router`] that `serve` captures.
 
-use super::Router;
+use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::thread::JoinHandle;
+use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 /// The serving threads of one router; [`Workers::stop`] ends them.
@@ -38,8 +38,13 @@ fn shared_listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
 
 impl Workers {
     /// Binds `count` listeners on `addr` (the first decides the port when
-    /// `addr`'s is 0) and starts a serving thread on each.
-    pub fn start(router: Arc<Router>, addr: SocketAddr, count: usize) -> std::io::Result<Self> {
+    /// `addr`'s is 0) and starts a serving thread on each, running
+    /// `serve(listener)` until told to stop.
+    pub fn start<S, F>(addr: SocketAddr, count: usize, serve: S) -> std::io::Result<Self>
+    where
+        S: Fn(TcpListener) -> F + Clone + Send + 'static,
+        F: Future<Output = ()>,
+    {
         let first = shared_listener(addr)?;
         let addr = first.local_addr()?;
         let mut listeners = vec![first];
@@ -50,7 +55,7 @@ impl Workers {
         let (serving, _) = watch::channel(());
         let mut threads = Vec::with_capacity(listeners.len());
         for (i, listener) in listeners.into_iter().enumerate() {
-            let router = router.clone();
+            let serve = serve.clone();
             let mut stop = accepting.subscribe();
             let mut done = serving.subscribe();
             let runtime = tokio::runtime::Builder::new_current_thread()
@@ -60,7 +65,7 @@ impl Workers {
                 .name(format!("router-worker-{i}"))
                 .spawn(move || {
                     runtime.block_on(async move {
-                        let listener = match tokio::net::TcpListener::from_std(listener) {
+                        let listener = match TcpListener::from_std(listener) {
                             Ok(l) => l,
                             Err(e) => {
                                 tracing::error!(error = %e, "router worker cannot listen");
@@ -68,7 +73,7 @@ impl Workers {
                             }
                         };
                         tokio::select! {
-                            () = router.serve(listener) => {}
+                            () = serve(listener) => {}
                             _ = stop.wait_for(|stop| *stop) => {}
                         }
                         // The listener is closed; requests in flight keep

@@ -3,7 +3,7 @@
 //! which templates the API server rejected) to what it should do (pods to
 //! create and delete, the new status, events to publish).
 //!
-//! The engine is restored from the previous status ([`super::state`]), then
+//! The engine is restored from the previous status ([`crate::residency::state`]), then
 //! fed, in this order:
 //! 1. registry removals (unload), 2. size changes (re-admission),
 //! 3. the budget (a shrink evicts), 4. removed demand entries (unload),
@@ -20,16 +20,16 @@
 //! nothing new yields the previous status unchanged and no actions.
 
 use super::artifacts::NodeArtifacts;
-use super::conditions::{ConditionSet, DEGRADED, READY, REFUSED};
 use super::events::{EventReason, ModelEvent};
 use super::pods::{ModelPod, build_pod};
-use super::reasons::{Reason, refusal_message};
-use super::state::{
-    InvalidSpec, Restored, Usage, Valid, ValidModel, later, recorded_time, restore, validate,
-};
 use crate::api::{ModelResidency, ModelResidencyStatus, ModelState, ModelStatus};
 use crate::engine::{Engine, ModelId, RefuseReason, Resize};
 use crate::quantity::{format_bytes, format_bytes_rounded, parse_bytes};
+use crate::residency::conditions::{ConditionSet, DEGRADED, READY, REFUSED};
+use crate::residency::reasons::{Reason, refusal_message};
+use crate::residency::state::{
+    InvalidSpec, Restored, Usage, Valid, ValidModel, later, recorded_time, restore, validate,
+};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::Timestamp;

@@ -5,10 +5,10 @@
 use super::Decider;
 use crate::api::ModelState;
 use crate::controller::events::EventReason;
-use crate::controller::reasons::Reason;
-use crate::controller::state::{later, recorded_time};
 use crate::engine::Admission;
 use crate::quantity::format_bytes;
+use crate::residency::reasons::Reason;
+use crate::residency::state::{later, recorded_time};
 use k8s_openapi::jiff::Timestamp;
 
 impl<'a> Decider<'a> {

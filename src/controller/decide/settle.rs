@@ -4,13 +4,13 @@
 use super::{Decider, Decision, PodRef};
 use crate::api::{ModelResidencyStatus, ModelState, ModelStatus};
 use crate::controller::artifacts::{ArtifactGate, artifact_gate, mount_artifact};
-use crate::controller::conditions::{ConditionSet, model_conditions};
 use crate::controller::events::{EventReason, transition_events};
 use crate::controller::pods::{ModelPod, PodPhase, build_pod, pod_name, template_hash};
-use crate::controller::reasons::Reason;
-use crate::controller::state::{Usage, ValidModel, recorded_time};
 use crate::engine::{Bytes, Engine};
 use crate::quantity::{format_bytes, format_bytes_rounded};
+use crate::residency::conditions::{ConditionSet, model_conditions};
+use crate::residency::reasons::Reason;
+use crate::residency::state::{Usage, ValidModel, recorded_time};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::SignedDuration;
 use std::collections::{BTreeMap, HashMap};
