@@ -153,7 +153,7 @@ async fn time_to_ready(plane: &ControlPlane, model_mib: usize) {
     let _kubelet = FakeKubelet::start(client.clone(), KubeletConfig::instant(&[NODE]))
         .await
         .unwrap();
-    let (_ctx, _operator) = model_residency::controller::spawn_for_namespace(client.clone(), NS);
+    let (_ctx, _operator) = model_residency::operator::spawn_for_namespace(client.clone(), NS);
     let data: Vec<u8> = (0..model_mib << 20).map(|i| (i % 241) as u8).collect();
     let addr = serve(Bytes::from(data)).await;
     let dir = tempfile::tempdir().unwrap();

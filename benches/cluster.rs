@@ -113,7 +113,7 @@ fn gpu_of(name: &str) -> String {
 }
 
 fn start_operator(client: &kube::Client) -> (Arc<Context>, tokio::task::JoinHandle<()>) {
-    controller::spawn_for_namespace(client.clone(), NS)
+    model_residency::operator::spawn_for_namespace(client.clone(), NS)
 }
 
 async fn latency(client: &kube::Client, samples: usize) {
@@ -187,7 +187,7 @@ async fn latency(client: &kube::Client, samples: usize) {
     ] {
         let mut ctx = Context::new(client.clone());
         Arc::get_mut(&mut ctx).unwrap().fast_lane_slots = slots;
-        let operator = controller::spawn_with(ctx, NS);
+        let operator = model_residency::operator::spawn_with(ctx, NS);
         latency_samples(&api, &floors, seen_rx.clone(), samples, path).await;
         operator.abort();
         let _ = operator.await;

@@ -404,7 +404,7 @@ fn main() {
         let mut config = KubeletConfig::instant(&[NODE]);
         config.load_delay = LOAD_DELAY;
         let _kubelet = FakeKubelet::start(client.clone(), config).await.unwrap();
-        let (_ctx, _operator) = model_residency::controller::spawn_for_namespace(client.clone(), NS);
+        let (_ctx, _operator) = model_residency::operator::spawn_for_namespace(client.clone(), NS);
 
         let hot: Vec<String> = (0..20).map(|i| format!("m{i}")).collect();
         let mut all = hot.clone();

@@ -22,12 +22,11 @@ pub mod api;
 pub mod controller;
 pub mod engine;
 pub mod http;
-pub mod lease;
 #[cfg(feature = "local")]
 pub mod local;
 pub mod metrics;
-pub mod model_demand;
 pub mod node_agent;
+pub mod operator;
 pub mod panic_guard;
 pub mod quantity;
 pub mod registry;

@@ -8,11 +8,11 @@ mod support;
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::api::{Api, ListParams, PostParams};
 use model_residency::api::{ModelResidency, ModelState};
+use model_residency::controller::Context;
 use model_residency::controller::pods::pod_name;
-use model_residency::controller::{self, Context};
-use model_residency::lease::{LeaderElector, LeaseConfig};
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
 use model_residency::metrics::API_REQUESTS;
+use model_residency::operator::lease::{LeaderElector, LeaseConfig};
 use serde_json::{Value, json};
 use std::process::Command;
 use std::sync::Arc;
@@ -333,7 +333,7 @@ impl OperatorAlongside {
             .await
             .unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(controller::run(
+        let task = tokio::spawn(model_residency::operator::run(
             Context::new(env.client.clone()),
             Some(env.namespace.clone()),
             async {
@@ -428,7 +428,7 @@ async fn the_operator_does_its_job_with_only_the_charts_rbac() {
         .unwrap();
     let ctx = Context::new(client.clone());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let operator = tokio::spawn(controller::run(
+    let operator = tokio::spawn(model_residency::operator::run(
         ctx.clone(),
         Some(env.namespace.clone()),
         async {
@@ -520,7 +520,7 @@ async fn a_standby_takes_over_within_the_lease_and_never_writes_alongside() {
             LeaseConfig::new(&env.namespace, "lease-model-residency", id, lease),
         );
         let (stop, stop_rx) = tokio::sync::watch::channel(false);
-        let task = tokio::spawn(controller::run_elected(
+        let task = tokio::spawn(model_residency::operator::run_elected(
             ctx.clone(),
             Some(env.namespace.clone()),
             elector,

@@ -8,7 +8,7 @@ mod support;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use model_residency::api::{ModelResidency, ModelState};
-use model_residency::controller::{self, Context};
+use model_residency::controller::Context;
 use model_residency::engine::Engine;
 use model_residency::local::control_plane::ControlPlane;
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
@@ -82,7 +82,7 @@ async fn rig(plane: &ControlPlane) -> Rig {
 }
 
 fn start_operator(client: kube::Client) -> (Arc<Context>, tokio::task::JoinHandle<()>) {
-    controller::spawn_for_namespace(client, NS)
+    model_residency::operator::spawn_for_namespace(client, NS)
 }
 
 /// splitmix64, so a failing storm replays the same way.

@@ -7,9 +7,9 @@ use super::Failure;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 use model_residency::api::ModelResidency;
-use model_residency::controller::{self, Context};
+use model_residency::controller::Context;
 use model_residency::http::{Endpoints, serve};
-use model_residency::lease::{LeaderElector, LeaseConfig};
+use model_residency::operator::lease::{LeaderElector, LeaseConfig};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -198,7 +198,7 @@ pub async fn run(args: Args) -> Result<(), Failure> {
     let synced = Arc::new(std::sync::atomic::AtomicBool::new(false));
     if !args.leader_elect {
         let watcher = spawn_ready_mirror(synced.clone(), endpoints.clone());
-        controller::run(ctx, args.namespace.clone(), stopped(stop_rx), synced).await;
+        model_residency::operator::run(ctx, args.namespace.clone(), stopped(stop_rx), synced).await;
         watcher.abort();
         http.abort();
         return Ok(());
@@ -224,7 +224,7 @@ pub async fn run(args: Args) -> Result<(), Failure> {
     );
     // A standby is healthy and ready to take over.
     endpoints.ready.store(true, Ordering::Relaxed);
-    controller::run_elected(
+    model_residency::operator::run_elected(
         ctx,
         args.namespace.clone(),
         elector,

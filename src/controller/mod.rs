@@ -19,27 +19,25 @@ pub mod written;
 
 use crate::api::ModelResidency;
 use crate::metrics::Metrics;
-use crate::residency::labels::{MANAGER, MODEL_LABEL, RESIDENCY_LABEL, fits_label_value};
+use crate::residency::labels::{MANAGER, MODEL_LABEL, fits_label_value};
 use claims::GpuClaims;
 use decide::{DEFAULT_MAX_SKEW, Decision, Observed, decide};
-use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
-use kube::runtime::controller::{self, Action, Controller};
+use kube::runtime::controller::{self, Action};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::{WatchStreamExt, reflector, watcher};
+use kube::runtime::{reflector, watcher};
 use kube::{Resource, ResourceExt};
 use pod_cache::PodCache;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 use templates::{TemplateVerdicts, rejects_the_pod};
 use written::WrittenStatuses;
 
 /// Reconciles running at once.
-const RECONCILE_CONCURRENCY: u16 = 8;
+pub(crate) const RECONCILE_CONCURRENCY: u16 = 8;
 
 /// What failed, named by the step and the object it was about.
 #[derive(Debug, thiserror::Error)]
@@ -416,7 +414,7 @@ fn error_delay(error: &Error) -> Duration {
 
 /// The controller's reconcile: once the residency's turn is free (the fast
 /// lane may hold it), on the store's copy as it is then.
-async fn reconcile_in_turn(
+pub(crate) async fn reconcile_in_turn(
     r: Arc<ModelResidency>,
     ctx: Arc<Context>,
     store: reflector::Store<ModelResidency>,
@@ -432,7 +430,7 @@ async fn reconcile_in_turn(
 
 /// Logs what the controller's stream reports, except failed reconciles,
 /// which [`error_policy`] has logged already.
-fn log_controller_error(e: &controller::Error<Error, watcher::Error>) {
+pub(crate) fn log_controller_error(e: &controller::Error<Error, watcher::Error>) {
     match e {
         controller::Error::ReconcilerFailed(..) => {}
         // The object was deleted before its reconcile ran.
@@ -440,324 +438,6 @@ fn log_controller_error(e: &controller::Error<Error, watcher::Error>) {
             tracing::debug!(object = %obj, "reconcile of a deleted object skipped");
         }
         e => tracing::warn!(error = %e, "controller"),
-    }
-}
-
-/// Runs the controller for `namespace` (all namespaces when `None`) until
-/// `shutdown` completes. `synced` is set once the first watch list is in.
-pub async fn run(
-    ctx: Arc<Context>,
-    namespace: Option<String>,
-    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
-    synced: Arc<std::sync::atomic::AtomicBool>,
-) {
-    let shutdown = futures::FutureExt::shared(shutdown);
-    let client = ctx.client.clone();
-    let (residencies, pods): (Api<ModelResidency>, Api<Pod>) = match namespace.as_deref() {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client, ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client)),
-    };
-    // The cache of residencies keeps what `cached::compact` leaves.
-    let (store, writer) = reflector::store();
-    let (claim_tx, claim_rx) = futures::channel::mpsc::unbounded();
-    let (changed_tx, changed_rx) = futures::channel::mpsc::unbounded();
-    let (handed_back_tx, handed_back_rx) = futures::channel::mpsc::unbounded();
-    let lane = Arc::new(fast_lane::FastLane::new(ctx.clone(), handed_back_tx));
-    let offered = lane.clone();
-    let model_demands = start_model_demands(
-        &ctx,
-        namespace.as_deref(),
-        shutdown.clone(),
-        store.clone(),
-        changed_rx,
-    )
-    .await;
-    let residency_events = watcher(residencies, watcher::Config::default())
-        .default_backoff()
-        .modify(cached::compact)
-        .inspect_ok({
-            // A deleted residency's metrics go with it, also one deleted
-            // while the watch was down (the list that follows leaves it
-            // out). Every event updates the GPU claims; the residencies
-            // sharing a GPU with the one it is about are reconciled (their
-            // holder may have changed).
-            let ctx = ctx.clone();
-            let mut relist = relist::Relist::default();
-            move |event| {
-                if let watcher::Event::Delete(r) = event {
-                    ctx.metrics
-                        .forget(&r.namespace().unwrap_or_default(), &r.name_any());
-                    ctx.written.forget(r);
-                }
-                if let Some(present) = relist.record(event) {
-                    ctx.metrics.keep_only(&present);
-                    ctx.written.keep_only(&present);
-                }
-                for other in ctx.claims.record(event) {
-                    let _ = claim_tx.unbounded_send(other);
-                }
-            }
-        })
-        .reflect(writer)
-        .inspect_ok(move |event| {
-            // After the cache has it: the ModelDemands naming this
-            // residency read it there.
-            if model_demands.is_some()
-                && let watcher::Event::Apply(r)
-                | watcher::Event::InitApply(r)
-                | watcher::Event::Delete(r) = event
-            {
-                let _ = changed_tx.unbounded_send(ObjectRef::from_obj(r));
-            }
-        })
-        // A residency's own change is reconciled at once when the fast
-        // lane can take it; the rest go through the controller's queue.
-        // Only live changes: during a list (a watch that restarts) the
-        // cache keeps the previous copies until the whole list is in, so a
-        // reconcile started at once would act on an old copy and swallow
-        // the event (seen in the API-server-restart fault test); list
-        // events keep going through the controller's queue as before.
-        .try_filter_map(move |event| {
-            futures::future::ready(Ok(match event {
-                watcher::Event::Apply(r) => offered.offer(r).map(watcher::Event::Apply),
-                other => Some(other),
-            }))
-        })
-        .touched_objects();
-    // At most this many reconciles at once: each holds an API connection
-    // (TLS and HTTP buffers, pooled afterwards), so an unbounded burst at
-    // start-up over thousands of residencies costs memory and floods the
-    // API server for no gain.
-    let controller = Controller::for_stream(residency_events, store.clone()).with_config(
-        kube::runtime::controller::Config::default().concurrency(RECONCILE_CONCURRENCY),
-    );
-    // Model pods: one watch by label feeds the pod cache, and wakes the
-    // residency each event concerns (after the cache has it).
-    ctx.pods.reset();
-    let cache = ctx.clone();
-    let pod_events = watcher(pods, watcher::Config::default().labels(RESIDENCY_LABEL))
-        .default_backoff()
-        .flat_map(move |event| {
-            let touched = match event {
-                Ok(ev) => cache.pods.record(&ev),
-                Err(e) => {
-                    tracing::debug!(error = %e, "pod watch");
-                    Vec::new()
-                }
-            };
-            futures::stream::iter(touched)
-        });
-    let cache_events = node_cache_events(ctx.clone(), store.clone()).await;
-    let sync = tokio::spawn(mark_synced(store.clone(), ctx.clone(), synced));
-    controller
-        .reconcile_on(futures::stream::select(
-            futures::stream::select(pod_events, claim_rx),
-            futures::stream::select(cache_events, handed_back_rx),
-        ))
-        .graceful_shutdown_on(shutdown)
-        .run(
-            move |r, ctx| reconcile_in_turn(r, ctx, store.clone()),
-            error_policy,
-            ctx,
-        )
-        .for_each(|result| async move {
-            if let Err(e) = result {
-                log_controller_error(&e);
-            }
-        })
-        .await;
-    // A graceful shutdown lets the lane's reconciles finish as the
-    // controller's did (an aborted run drops them with the lane).
-    lane.finish().await;
-    sync.abort();
-}
-
-/// The ModelDemand controller, beside the residency controller and under
-/// the same leadership (it stops when the returned guard is dropped); `None`
-/// when the opt-in CRD is not installed.
-async fn start_model_demands(
-    ctx: &Context,
-    namespace: Option<&str>,
-    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
-    residencies: reflector::Store<ModelResidency>,
-    changed: futures::channel::mpsc::UnboundedReceiver<ObjectRef<ModelResidency>>,
-) -> Option<AbortOnDrop> {
-    if !crate::model_demand::installed(&ctx.client, namespace).await {
-        return None;
-    }
-    let task = crate::model_demand::run(
-        ctx.client.clone(),
-        ctx.metrics.clone(),
-        namespace.map(str::to_owned),
-        shutdown,
-        residencies,
-        changed,
-    );
-    Some(AbortOnDrop(tokio::spawn(task)))
-}
-
-/// The nodes' artifact caches (`NodeModelCache`, when its opt-in CRD is
-/// installed): each change is recorded in the context and wakes the
-/// residencies on that node (a model waiting in Fetching may start).
-async fn node_cache_events(
-    ctx: Arc<Context>,
-    residencies: reflector::Store<ModelResidency>,
-) -> futures::stream::BoxStream<'static, ObjectRef<ModelResidency>> {
-    use crate::api::NodeModelCache;
-    let api: Api<NodeModelCache> = Api::all(ctx.client.clone());
-    match api
-        .list_metadata(&kube::api::ListParams::default().limit(1))
-        .await
-    {
-        Ok(_) => {}
-        Err(e) => {
-            tracing::info!(error = %e, "NodeModelCache objects are not served: models with an artifact wait in Fetching");
-            return futures::stream::empty().boxed();
-        }
-    }
-    watcher(api, watcher::Config::default())
-        .default_backoff()
-        .flat_map(move |event| {
-            let mut nodes = Vec::new();
-            match event {
-                Ok(watcher::Event::Apply(c) | watcher::Event::InitApply(c)) => {
-                    if ctx.node_caches.record(&c) {
-                        nodes.push(c.name_any());
-                    }
-                }
-                Ok(watcher::Event::Delete(c)) => {
-                    ctx.node_caches.forget(&c.name_any());
-                    nodes.push(c.name_any());
-                }
-                Ok(_) => {}
-                Err(e) => tracing::debug!(error = %e, "NodeModelCache watch"),
-            }
-            let touched: Vec<ObjectRef<ModelResidency>> = residencies
-                .state()
-                .iter()
-                .filter(|r| nodes.contains(&r.spec.node_name))
-                .map(|r| ObjectRef::from_obj(&**r))
-                .collect();
-            futures::stream::iter(touched)
-        })
-        .boxed()
-}
-
-/// Sets `synced` once the residency store and the pod cache hold their
-/// first complete lists.
-async fn mark_synced(
-    store: reflector::Store<ModelResidency>,
-    ctx: Arc<Context>,
-    synced: Arc<std::sync::atomic::AtomicBool>,
-) {
-    // The store's readiness wakes only its latest waiter (the controller's
-    // own), so poll again now and then instead of waiting.
-    loop {
-        let attempt =
-            tokio::time::timeout(Duration::from_millis(200), store.wait_until_ready()).await;
-        match attempt {
-            Ok(Ok(())) => break,
-            Ok(Err(_)) => return,
-            Err(_) => {}
-        }
-    }
-    ctx.pods.wait_ready().await;
-    synced.store(true, Ordering::Relaxed);
-}
-
-/// A task that ends with its owner, however the owner ends.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// Starts a controller for one namespace in the background (tests,
-/// benchmarks): its context, to read the metrics, and its task.
-pub fn spawn_for_namespace(
-    client: kube::Client,
-    namespace: &str,
-) -> (Arc<Context>, tokio::task::JoinHandle<()>) {
-    let ctx = Context::new(client);
-    (ctx.clone(), spawn_with(ctx, namespace))
-}
-
-/// Starts a controller for one namespace with the given context.
-pub fn spawn_with(ctx: Arc<Context>, namespace: &str) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(run(
-        ctx,
-        Some(namespace.to_owned()),
-        std::future::pending(),
-        Arc::default(),
-    ))
-}
-
-/// A term of leadership: dropping it (stepping down, or the whole task being
-/// cancelled) aborts the controller at once, rather than draining it, and
-/// clears the `leading` flag.
-struct Term {
-    controller: tokio::task::JoinHandle<()>,
-    leading: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Drop for Term {
-    fn drop(&mut self) {
-        self.controller.abort();
-        self.leading.store(false, Ordering::SeqCst);
-    }
-}
-
-/// Runs the controller only while this replica holds the lease, standing by
-/// otherwise, until `stop` turns true. `leading` tells who leads right now.
-pub async fn run_elected(
-    ctx: Arc<Context>,
-    namespace: Option<String>,
-    elector: crate::lease::LeaderElector,
-    stop: tokio::sync::watch::Receiver<bool>,
-    synced: Arc<std::sync::atomic::AtomicBool>,
-    leading: Arc<std::sync::atomic::AtomicBool>,
-) {
-    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
-    };
-    let identity = elector.config().identity.clone();
-    loop {
-        tracing::info!(identity, "waiting for leadership");
-        tokio::select! {
-            _ = elector.acquire() => {}
-            _ = stopped(stop.clone()) => return,
-        }
-        tracing::info!(identity, "leading");
-        let (lead_tx, lead_rx) = tokio::sync::watch::channel(false);
-        let mut term = Term {
-            controller: tokio::spawn(run(
-                ctx.clone(),
-                namespace.clone(),
-                stopped(lead_rx),
-                synced.clone(),
-            )),
-            leading: leading.clone(),
-        };
-        leading.store(true, Ordering::SeqCst);
-        let shutting_down = tokio::select! {
-            _ = elector.hold() => false,
-            _ = stopped(stop.clone()) => true,
-            _ = &mut term.controller => false,
-        };
-        let _ = lead_tx.send(true);
-        drop(term);
-        if shutting_down {
-            if let Err(e) = elector.release().await {
-                tracing::warn!(error = %e, "could not release the lease");
-            }
-            return;
-        }
-        tracing::warn!(identity, "lost leadership; standing by");
     }
 }
 

@@ -10,7 +10,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use model_residency::api::{ModelResidency, ModelState};
-use model_residency::controller::{self, Context};
+use model_residency::controller::Context;
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
 use model_residency::quantity::parse_bytes;
 use model_residency::residency::demand;
@@ -95,7 +95,7 @@ impl Harness {
         );
         self.ctx = ctx.clone();
         self.task = Some(tokio::spawn(async move {
-            controller::run(
+            model_residency::operator::run(
                 ctx,
                 Some(ns),
                 async {
