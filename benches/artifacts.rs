@@ -167,7 +167,7 @@ async fn time_to_ready(plane: &ControlPlane, model_mib: usize) {
     let agent = tokio::spawn(model_residency::node_agent::agent::run(
         client.clone(),
         config,
-        Arc::default(),
+        Default::default(),
         Arc::default(),
         std::future::pending(),
     ));

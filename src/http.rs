@@ -19,24 +19,52 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
 
+/// Whether a process is ready: set by the process once its first watch
+/// lists are in (and, for the controller with leader election, while it
+/// stands by: a standby is ready to take over), read by its `/readyz`.
+/// One flag behind a cloneable handle, never unset: a latch, not a copy
+/// kept in step by polling.
+#[derive(Clone, Debug, Default)]
+pub struct Readiness(Arc<AtomicBool>);
+
+impl Readiness {
+    pub fn set(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
 /// What the endpoints serve: readiness and the metrics.
 pub struct Endpoints {
-    /// Set once the process's first watch list has been synced (and, for
-    /// the controller with leader election, also while standing by: a
-    /// standby is ready to take over).
-    pub ready: AtomicBool,
+    ready: Readiness,
     /// The metrics' exposition text, made at each scrape.
     encode: Box<dyn Fn() -> String + Send + Sync>,
 }
 
 impl Endpoints {
-    /// Not ready yet; `/metrics` answers `encode()`.
-    pub fn new(encode: impl Fn() -> String + Send + Sync + 'static) -> Self {
+    /// `/readyz` answers `ready`, `/metrics` answers `encode()`.
+    pub fn new(ready: Readiness, encode: impl Fn() -> String + Send + Sync + 'static) -> Self {
         Endpoints {
-            ready: AtomicBool::new(false),
+            ready,
             encode: Box::new(encode),
         }
     }
+}
+
+/// A long-running process's admin server (`/healthz`, `/readyz`,
+/// `/metrics`) on `addr`, serving until the returned task is aborted.
+pub async fn serve_admin(
+    addr: SocketAddr,
+    ready: Readiness,
+    encode: impl Fn() -> String + Send + Sync + 'static,
+) -> std::io::Result<tokio::task::JoinHandle<()>> {
+    let listener = TcpListener::bind(addr).await?;
+    tracing::info!(addr = %listener.local_addr()?, "serving /healthz, /readyz, /metrics");
+    let endpoints = Arc::new(Endpoints::new(ready, encode));
+    Ok(tokio::spawn(serve(listener, endpoints)))
 }
 
 /// Serves until the task is dropped.
@@ -79,8 +107,7 @@ pub async fn accept_loop(listener: TcpListener, mut connection: impl FnMut(TcpSt
 }
 
 fn respond<B>(req: &Request<B>, endpoints: &Endpoints) -> Response<Full<Bytes>> {
-    let ready = endpoints.ready.load(Ordering::Relaxed);
-    probe(req, ready, || (endpoints.encode)())
+    probe(req, endpoints.ready.is_ready(), || (endpoints.encode)())
         .unwrap_or_else(|| text_response(StatusCode::NOT_FOUND, TEXT, "not found\n".to_owned()))
 }
 
@@ -199,14 +226,15 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let metrics = Arc::new(crate::metrics::Metrics::default());
-        let endpoints = Arc::new(Endpoints::new(move || metrics.encode()));
-        tokio::spawn(serve(listener, endpoints.clone()));
+        let ready = Readiness::default();
+        let endpoints = Arc::new(Endpoints::new(ready.clone(), move || metrics.encode()));
+        tokio::spawn(serve(listener, endpoints));
         let status = |m: &'static str, p: &'static str| async move {
             send(addr, m, p, "").await.unwrap().status
         };
         assert_eq!(status("GET", "/healthz").await, 200);
         assert_eq!(status("GET", "/readyz").await, 503);
-        endpoints.ready.store(true, Ordering::Relaxed);
+        ready.set();
         assert_eq!(status("GET", "/readyz").await, 200);
         let metrics = send(addr, "GET", "/metrics", "").await.unwrap();
         assert!(

@@ -1,6 +1,7 @@
 //! model-residency: per-GPU model residency for Kubernetes.
 //!
 //! - [`api`]: the `ModelResidency` and `ModelDemand` custom resources.
+//! - [`cluster`]: namespaced-or-all API handles and status writes.
 //! - [`controller`]: the reconciler (validate, restore, decide, enact).
 //! - [`demand`]: load/unload requests (one merge patch of a `spec.demand` key).
 //! - [`engine`]: the pure VRAM-budgeted LRU admission policy.
@@ -19,6 +20,7 @@
 //!   (tests, benchmarks, demo); not in the operator image.
 
 pub mod api;
+pub mod cluster;
 pub mod controller;
 pub mod engine;
 pub mod http;

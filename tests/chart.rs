@@ -339,7 +339,7 @@ impl OperatorAlongside {
             async {
                 let _ = stopped.await;
             },
-            Arc::default(),
+            Default::default(),
         ));
         OperatorAlongside {
             node,
@@ -434,7 +434,7 @@ async fn the_operator_does_its_job_with_only_the_charts_rbac() {
         async {
             let _ = stopped.await;
         },
-        Arc::default(),
+        Default::default(),
     ));
     let admin: Api<ModelResidency> = Api::namespaced(env.client.clone(), &env.namespace);
     let r: ModelResidency = serde_json::from_value(json!({
@@ -525,7 +525,7 @@ async fn a_standby_takes_over_within_the_lease_and_never_writes_alongside() {
             Some(env.namespace.clone()),
             elector,
             stop_rx,
-            Arc::default(),
+            Default::default(),
             leading.clone(),
         ));
         replicas.push(Replica {
@@ -757,7 +757,7 @@ async fn the_node_agent_does_its_job_with_only_its_charts_rbac() {
             allowed_sources: vec![format!("http://{addr}/")],
             max_concurrent_downloads: 1,
         },
-        Arc::default(),
+        Default::default(),
         metrics.clone(),
         std::future::pending(),
     ));

@@ -7,6 +7,7 @@ mod demo;
 mod local_cluster;
 mod node_agent;
 mod operator;
+mod process;
 mod route;
 mod simulate;
 
@@ -111,9 +112,9 @@ fn one_arena() {
 }
 
 pub fn run(cli: Cli) -> Result<(), Failure> {
-    let build = |builder: &mut tokio::runtime::Builder| {
+    let build_with = |builder: &mut tokio::runtime::Builder, threads: u16| {
         builder
-            .worker_threads(2)
+            .worker_threads(usize::from(threads))
             .enable_all()
             .build()
             .map_err(|e| Failure {
@@ -121,6 +122,8 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
                 code: 1,
             })
     };
+    // Two threads unless a long-running process is told otherwise.
+    let build = |builder: &mut tokio::runtime::Builder| build_with(builder, 2);
     let runtime = || build(&mut tokio::runtime::Builder::new_multi_thread());
     match cli.command {
         #[cfg(feature = "local")]
@@ -130,8 +133,11 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
         Command::Run(args) => {
             args.logging.init();
             one_arena();
-            let runtime =
-                build(tokio::runtime::Builder::new_multi_thread().on_thread_start(one_arena))?;
+            let threads = args.threads.worker_threads;
+            let runtime = build_with(
+                tokio::runtime::Builder::new_multi_thread().on_thread_start(one_arena),
+                threads,
+            )?;
             runtime.block_on(operator::run(args))
         }
         Command::Route(args) => {
@@ -140,7 +146,9 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
         }
         Command::NodeAgent(args) => {
             args.logging.init();
-            runtime()?.block_on(node_agent::run(args))
+            let threads = args.threads.worker_threads;
+            build_with(&mut tokio::runtime::Builder::new_multi_thread(), threads)?
+                .block_on(node_agent::run(args))
         }
         Command::Demand { target, command } => runtime()?.block_on(demand::demand(target, command)),
         Command::Status { target, residency } => {

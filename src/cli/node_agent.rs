@@ -5,8 +5,8 @@
 //! it is still wanted, and removes it if not).
 
 use super::Failure;
-use super::operator::{Logging, cluster_client, fatal, preflight, termination};
-use model_residency::http::{Endpoints, serve};
+use super::process::{Logging, Threads, cluster_client, fatal, preflight, termination};
+use model_residency::http::{Readiness, serve_admin};
 use model_residency::node_agent::agent::{AgentConfig, run as run_agent};
 use model_residency::node_agent::fetch;
 use model_residency::node_agent::metrics::AgentMetrics;
@@ -42,6 +42,8 @@ pub struct Args {
     http_addr: SocketAddr,
     #[command(flatten)]
     pub logging: Logging,
+    #[command(flatten)]
+    pub threads: Threads,
 }
 
 pub async fn run(args: Args) -> Result<(), Failure> {
@@ -78,14 +80,13 @@ pub async fn run(args: Args) -> Result<(), Failure> {
     )
     .await?;
     let metrics = Arc::new(AgentMetrics::default());
-    let endpoints = Arc::new(Endpoints::new({
+    let ready = Readiness::default();
+    let http = serve_admin(args.http_addr, ready.clone(), {
         let metrics = metrics.clone();
         move || metrics.encode()
-    }));
-    let listener = tokio::net::TcpListener::bind(args.http_addr)
-        .await
-        .map_err(|e| fatal(format!("cannot listen on {}: {e}", args.http_addr)))?;
-    let http = tokio::spawn(serve(listener, endpoints.clone()));
+    })
+    .await
+    .map_err(|e| fatal(format!("cannot listen on {}: {e}", args.http_addr)))?;
     if args.allowed_sources.is_empty() {
         tracing::warn!("--allowed-sources is empty: every artifact source is refused");
     }
@@ -97,20 +98,7 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         max_concurrent_downloads: args.max_concurrent_downloads,
     };
     tracing::info!(?config, "keeping model artifacts on this node");
-    let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mirror = {
-        let (ready, endpoints) = (ready.clone(), endpoints.clone());
-        tokio::spawn(async move {
-            while !ready.load(std::sync::atomic::Ordering::Relaxed) {
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-            }
-            endpoints
-                .ready
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-        })
-    };
     let result = run_agent(client, config, ready, metrics, termination()).await;
-    mirror.abort();
     http.abort();
     result.map_err(fatal)
 }

@@ -4,7 +4,7 @@
 //! requests in flight have finished (up to `--shutdown-grace`).
 
 use super::Failure;
-use super::operator::{Logging, cluster_client, fatal, parse_duration, preflight, termination};
+use super::process::{Logging, cluster_client, fatal, parse_duration, preflight, termination};
 use model_residency::router::workers::Workers;
 use model_residency::router::{Config, Router};
 use std::net::SocketAddr;

@@ -24,7 +24,7 @@ use claims::GpuClaims;
 use decide::{DEFAULT_MAX_SKEW, Decision, Observed, decide};
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, PostParams, Preconditions};
 use kube::runtime::controller::{self, Action};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
@@ -229,15 +229,7 @@ async fn write_status(
     if r.status.as_ref() == Some(&d.status) {
         return Ok(());
     }
-    let body = serde_json::json!({
-        "apiVersion": "residency.dev/v1alpha1",
-        "kind": "ModelResidency",
-        "status": d.status,
-    });
-    let pp = PatchParams::apply(MANAGER).force();
-    let result = api
-        .patch_status(&r.name_any(), &pp, &Patch::Apply(&body))
-        .await;
+    let result = crate::cluster::apply_status(api, &r.name_any(), MANAGER, &d.status).await;
     ctx.metrics.api_request("patch", "modelresidencies/status");
     // The next reconcile may start before the watch delivers this write
     // (at once, on the fast lane): it reads this copy instead of deciding

@@ -21,6 +21,7 @@ use crate::api::{
     ArtifactState, CachedArtifact, ModelResidency, NodeModelCache, NodeModelCacheSpec,
     NodeModelCacheStatus,
 };
+use crate::cluster::apply_status;
 use crate::quantity::{format_bytes, parse_bytes};
 use crate::residency::labels::NODE_AGENT_MANAGER;
 use crate::residency::state::recorded_time;
@@ -575,19 +576,11 @@ async fn publish(
     };
     // The object (created by the first apply), then its status subresource.
     let spec = serde_json::to_value(spec).expect("serializable");
-    let status_value = serde_json::to_value(&status).expect("serializable");
     let result = match api
         .patch(&config.node, &pp, &Patch::Apply(object("spec", spec)))
         .await
     {
-        Ok(_) => {
-            api.patch_status(
-                &config.node,
-                &pp,
-                &Patch::Apply(object("status", status_value)),
-            )
-            .await
-        }
+        Ok(_) => apply_status(api, &config.node, NODE_AGENT_MANAGER, &status).await,
         Err(e) => Err(e),
     };
     match result {
@@ -601,7 +594,7 @@ async fn publish(
 pub async fn run(
     client: kube::Client,
     config: AgentConfig,
-    ready: Arc<std::sync::atomic::AtomicBool>,
+    ready: crate::http::Readiness,
     metrics: Arc<AgentMetrics>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), String> {
@@ -663,7 +656,7 @@ pub async fn run(
         let status = agent.status(used);
         metrics.observe(config.budget, used, &status);
         publish(&caches, &config, status, &mut last).await;
-        ready.store(true, std::sync::atomic::Ordering::Relaxed);
+        ready.set();
         // Progress and retries are looked at every second while anything
         // is fetching or waiting to retry; otherwise only on changes.
         let tick = if agent.fetching() {

@@ -14,6 +14,7 @@ use crate::controller::{
     Context, RECONCILE_CONCURRENCY, cached, error_policy, fast_lane, log_controller_error,
     reconcile_in_turn, relist,
 };
+use crate::http::Readiness;
 use crate::residency::labels::RESIDENCY_LABEL;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
@@ -32,17 +33,12 @@ pub async fn run(
     ctx: Arc<Context>,
     namespace: Option<String>,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
-    synced: Arc<std::sync::atomic::AtomicBool>,
+    synced: Readiness,
 ) {
     let shutdown = futures::FutureExt::shared(shutdown);
     let client = ctx.client.clone();
-    let (residencies, pods): (Api<ModelResidency>, Api<Pod>) = match namespace.as_deref() {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client, ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client)),
-    };
+    let residencies: Api<ModelResidency> = crate::cluster::api_in(&client, namespace.as_deref());
+    let pods: Api<Pod> = crate::cluster::api_in(&client, namespace.as_deref());
     // The cache of residencies keeps what `cached::compact` leaves.
     let (store, writer) = reflector::store();
     let (claim_tx, claim_rx) = futures::channel::mpsc::unbounded();
@@ -234,7 +230,7 @@ async fn node_cache_events(
 async fn mark_synced(
     store: reflector::Store<ModelResidency>,
     ctx: Arc<Context>,
-    synced: Arc<std::sync::atomic::AtomicBool>,
+    synced: Readiness,
 ) {
     // The store's readiness wakes only its latest waiter (the controller's
     // own), so poll again now and then instead of waiting.
@@ -248,7 +244,7 @@ async fn mark_synced(
         }
     }
     ctx.pods.wait_ready().await;
-    synced.store(true, Ordering::Relaxed);
+    synced.set();
 }
 
 /// A task that ends with its owner, however the owner ends.
@@ -276,7 +272,7 @@ pub fn spawn_with(ctx: Arc<Context>, namespace: &str) -> tokio::task::JoinHandle
         ctx,
         Some(namespace.to_owned()),
         std::future::pending(),
-        Arc::default(),
+        Readiness::default(),
     ))
 }
 
@@ -302,7 +298,7 @@ pub async fn run_elected(
     namespace: Option<String>,
     elector: lease::LeaderElector,
     stop: tokio::sync::watch::Receiver<bool>,
-    synced: Arc<std::sync::atomic::AtomicBool>,
+    synced: Readiness,
     leading: Arc<std::sync::atomic::AtomicBool>,
 ) {
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {

@@ -18,7 +18,7 @@ use crate::residency::state::later;
 use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, ListParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::finalizer::{Event, finalizer};
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -376,15 +376,7 @@ async fn apply(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
     write_key(ctx, &md, key_of(&md), &write).await?;
     if md.status.as_ref() != Some(&status) {
         let api: Api<ModelDemand> = Api::namespaced(ctx.client.clone(), &ns);
-        let body = serde_json::json!({
-            "apiVersion": "residency.dev/v1alpha1",
-            "kind": "ModelDemand",
-            "status": status,
-        });
-        let pp = PatchParams::apply(MANAGER).force();
-        let result = api
-            .patch_status(&md.name_any(), &pp, &Patch::Apply(&body))
-            .await;
+        let result = crate::cluster::apply_status(&api, &md.name_any(), MANAGER, &status).await;
         ctx.metrics.api_request("patch", "modeldemands/status");
         result.map_err(|source| Error::PatchStatus { source })?;
     }
@@ -447,10 +439,7 @@ fn error_policy(md: Arc<ModelDemand>, error: &Error, ctx: Arc<Context>) -> Actio
 
 /// Whether the ModelDemand CRD is installed and readable (it is opt-in).
 pub async fn installed(client: &kube::Client, namespace: Option<&str>) -> bool {
-    let api: Api<ModelDemand> = match namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
+    let api: Api<ModelDemand> = crate::cluster::api_in(client, namespace);
     match api.list(&ListParams::default().limit(1)).await {
         Ok(_) => true,
         Err(e) => {
@@ -472,10 +461,7 @@ pub async fn run(
     residencies: Store<ModelResidency>,
     changed: impl futures::Stream<Item = ObjectRef<ModelResidency>> + Send + 'static,
 ) {
-    let demands: Api<ModelDemand> = match namespace.as_deref() {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
+    let demands: Api<ModelDemand> = crate::cluster::api_in(&client, namespace.as_deref());
     let controller = Controller::new(demands.clone(), watcher::Config::default());
     let store = controller.store();
     let demand_cache = store.clone();

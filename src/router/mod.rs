@@ -44,7 +44,6 @@ use placement::{Placement, place};
 use recency::{Key, Recency};
 use snapshot::{Endpoint, Snapshot};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
@@ -114,7 +113,7 @@ pub struct Router {
     /// Woken when a demand write fails, so the requests waiting on it
     /// write again.
     retry: Notify,
-    ready: AtomicBool,
+    ready: crate::http::Readiness,
     recency: Recency,
     /// Requests being proxied, per pod (`<namespace>/<pod>`).
     in_flight: Mutex<HashMap<Arc<str>, usize>>,
@@ -143,7 +142,7 @@ impl Router {
             client,
             snapshot: rx,
             retry: Notify::new(),
-            ready: AtomicBool::new(false),
+            ready: crate::http::Readiness::default(),
             in_flight: Mutex::default(),
             pending: Mutex::default(),
             metrics: RouterMetrics::default(),
@@ -176,7 +175,7 @@ impl Router {
 
     /// Both watches have listed once.
     pub fn ready(&self) -> bool {
-        self.ready.load(Ordering::Relaxed)
+        self.ready.is_ready()
     }
 
     /// Serves HTTP on `listener` until the task is dropped.
@@ -801,13 +800,9 @@ async fn watch_cluster(router: std::sync::Weak<Router>, tx: watch::Sender<Arc<Sn
     else {
         return;
     };
-    let (residency_api, pod_api): (Api<ModelResidency>, Api<Pod>) = match &config.namespace {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client, ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client)),
-    };
+    let residency_api: Api<ModelResidency> =
+        crate::cluster::api_in(&client, config.namespace.as_deref());
+    let pod_api: Api<Pod> = crate::cluster::api_in(&client, config.namespace.as_deref());
     let mut residency_config = watcher::Config::default();
     if let Some(selector) = &config.selector {
         residency_config = residency_config.labels(selector);
@@ -848,7 +843,7 @@ async fn watch_cluster(router: std::sync::Weak<Router>, tx: watch::Sender<Arc<Sn
                 return;
             }
             if let Some(r) = router.upgrade() {
-                r.ready.store(true, Ordering::Relaxed);
+                r.ready.set();
             } else {
                 return;
             }

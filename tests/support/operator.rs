@@ -101,7 +101,7 @@ impl Harness {
                 async {
                     let _ = stopped.await;
                 },
-                Arc::default(),
+                Default::default(),
             )
             .await
         }));

@@ -1,0 +1,42 @@
+//! What every process does the same way against the API server: an API
+//! handle for one namespace or all of them, and a status written by
+//! server-side apply under its type's own `apiVersion` and `kind`.
+
+use kube::Resource;
+use kube::api::{Api, Patch, PatchParams};
+use kube::core::NamespaceResourceScope;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::fmt::Debug;
+
+/// `K`s in `namespace`, or in all namespaces when `None`.
+pub fn api_in<K>(client: &kube::Client, namespace: Option<&str>) -> Api<K>
+where
+    K: Resource<Scope = NamespaceResourceScope, DynamicType = ()>,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+/// Applies `status` as the status of `name` under the field manager
+/// `manager` (forced: the manager owns the status it writes), and returns
+/// the object as the API server stored it.
+pub async fn apply_status<K>(
+    api: &Api<K>,
+    name: &str,
+    manager: &str,
+    status: &impl Serialize,
+) -> Result<K, kube::Error>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug,
+{
+    let body = serde_json::json!({
+        "apiVersion": K::api_version(&()),
+        "kind": K::kind(&()),
+        "status": status,
+    });
+    let pp = PatchParams::apply(manager).force();
+    api.patch_status(name, &pp, &Patch::Apply(&body)).await
+}
