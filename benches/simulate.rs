@@ -8,12 +8,12 @@
 //! - end to end: a CSV trace file (`time,model,size`) read, parsed and
 //!   replayed by the same code the `simulate --trace` command runs;
 //! - engine alone: the requests pre-resolved to model ids;
-//! - the naive O(n) reference from tests/support (the seed's algorithm),
+//! - the naive O(n) reference from tests/it/support (the seed's algorithm),
 //!   with the engine's speed-up over it.
 //!
 //! The counters of all three are compared, so a fast wrong engine fails.
 
-#[path = "../tests/support/reference.rs"]
+#[path = "../tests/it/support/reference.rs"]
 mod reference;
 
 use model_residency::engine::{Engine, ModelId};

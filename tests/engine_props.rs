@@ -5,11 +5,12 @@
 //! budget`, a refused or queued request changes nothing, and no request
 //! evicts a loading model.
 
-mod support;
+#[path = "it/support/reference.rs"]
+mod reference;
 
 use model_residency::engine::{Admission, Engine, ModelId, RefuseReason, Resize};
 use proptest::prelude::*;
-use support::reference::{Outcome, Reference};
+use reference::{Outcome, Reference};
 
 #[derive(Clone, Debug)]
 enum Op {

@@ -3,8 +3,6 @@
 //! runs its own control plane (the API server restart needs one of its own),
 //! an independent budget watcher, and checks that nothing was lost.
 
-mod support;
-
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use model_residency::api::{ModelResidency, ModelState};
@@ -124,8 +122,8 @@ fn storm(
 
 /// Budget watcher (see tests/support/operator.rs): declared sizes of live
 /// pods never above the budget, checked after every pod event.
-fn watch_budget(pods: Api<Pod>) -> support::operator::BudgetWatcher {
-    support::operator::BudgetWatcher::start(
+fn watch_budget(pods: Api<Pod>) -> crate::support::operator::BudgetWatcher {
+    crate::support::operator::BudgetWatcher::start(
         pods,
         BTreeMap::from([("gpu".to_owned(), BUDGET_GI * GI)]),
     )

@@ -3,8 +3,7 @@
 //! operator doing its whole job with nothing but the chart's ServiceAccount
 //! permissions, and leader election between two replicas.
 
-mod support;
-
+use crate::support::cluster::{TestEnv, eventually, test_env};
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::api::{Api, ListParams, PostParams};
 use model_residency::api::{ModelResidency, ModelState};
@@ -18,7 +17,6 @@ use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-use support::cluster::{TestEnv, eventually, test_env};
 
 const CHART: &str = "charts/model-residency";
 const RELEASE: &str = "mr";
@@ -694,7 +692,7 @@ async fn the_router_does_its_job_with_only_its_charts_rbac() {
     })
     .await;
     let body = json!({"model": "a", "messages": []}).to_string();
-    let answer = support::http::send(addr, "POST", "/v1/chat/completions", &body).await;
+    let answer = crate::support::http::send(addr, "POST", "/v1/chat/completions", &body).await;
     assert_eq!(answer.status, 200, "{}", answer.body);
     assert!(answer.body.contains("\"model\":\"a\""), "{}", answer.body);
     assert_eq!(
@@ -712,7 +710,7 @@ async fn the_router_does_its_job_with_only_its_charts_rbac() {
 async fn the_node_agent_does_its_job_with_only_its_charts_rbac() {
     let helm = helm();
     let env = test_env("chart-agent").await;
-    let (addr, _) = support::artifact_server::serve().await;
+    let (addr, _) = crate::support::artifact_server::serve().await;
     install_chart_with(
         &env,
         &helm,

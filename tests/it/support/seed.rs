@@ -1,8 +1,10 @@
 //! The seed's registry and its five cases (docs/design.md), shared by the
 //! operator's and the router's seed-case tests.
 
-use super::operator::Model;
+use super::operator::{Harness, Model};
+use model_residency::api::ModelResidency;
 use model_residency::engine::Engine;
+use std::collections::BTreeSet;
 
 pub const MI: u64 = 1 << 20;
 
@@ -36,4 +38,32 @@ pub fn seed_engine(budget_mb: u64) -> Engine {
         e.register(n, mb * MI, false).unwrap();
     }
     e
+}
+
+/// The residency `name` as the seed's engine `engine` has it after the same
+/// requests: the same counters, and a live pod for exactly its residents.
+pub async fn assert_matches_the_engine(
+    h: &Harness,
+    name: &str,
+    r: &ModelResidency,
+    engine: &Engine,
+) {
+    let s = r.status.as_ref().expect("a status");
+    let c = engine.counters();
+    assert_eq!(
+        (
+            s.counters.hits,
+            s.counters.loads,
+            s.counters.evictions,
+            s.counters.refusals
+        ),
+        (c.hits, c.loads, c.evictions, c.refusals),
+        "{name} counters"
+    );
+    let want: BTreeSet<String> = engine
+        .residents()
+        .iter()
+        .map(|&id| engine.name(id).to_owned())
+        .collect();
+    assert_eq!(h.pods_of(name).await.0, want, "{name} live pods");
 }

@@ -2,9 +2,7 @@
 //! `kubectl get mres` shows the printer columns, and invalid objects are
 //! rejected at admission with a message that names the problem.
 
-mod support;
-
-use support::cluster::test_env;
+use crate::support::cluster::test_env;
 
 fn text(out: &std::process::Output) -> String {
     format!(
@@ -31,7 +29,7 @@ fn object(budget: &str, size: &str) -> String {
     VALID.replace("BUDGET", budget).replace("SIZE", size)
 }
 
-fn apply(env: &support::cluster::TestEnv, yaml: &str) -> std::process::Output {
+fn apply(env: &crate::support::cluster::TestEnv, yaml: &str) -> std::process::Output {
     let path = std::env::temp_dir().join(format!("{}-{}.yaml", env.namespace, rand_suffix()));
     std::fs::write(&path, yaml).unwrap();
     let out = env.kubectl(&["apply", "-f", path.to_str().unwrap()]);

@@ -2,15 +2,13 @@
 //! test starts: verified, renamed into place, never half-visible, and every
 //! failure with its reason and nothing left behind.
 
-mod support;
-
+use crate::support::artifact_server::{serve, serve_logged, sha256_hex, weights};
 use model_residency::node_agent::fetch::{
     FetchError, FileSource, PARTIAL_PREFIX, Progress, client, disk_usage, fetch, size_limit,
 };
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::Ordering;
-use support::artifact_server::{serve, serve_logged, sha256_hex, weights};
 
 fn source(addr: SocketAddr, path: &str, sha256: Option<String>) -> FileSource {
     FileSource {

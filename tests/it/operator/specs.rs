@@ -2,14 +2,12 @@
 //! becomes a status condition (and no crash, no lost data, nothing over
 //! budget), through the real operator.
 
-mod support;
-
+use crate::support::cluster::eventually;
+use crate::support::operator::Harness;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::PostParams;
 use model_residency::api::{ModelResidency, ModelState};
 use serde_json::json;
-use support::cluster::eventually;
-use support::operator::Harness;
 
 fn condition(r: &ModelResidency, type_: &str) -> Condition {
     r.status

@@ -2,8 +2,12 @@
 //! node agent as a real process (`model-residency node-agent`), artifacts
 //! served over real HTTP by a server the test starts, files on a real disk.
 
-mod support;
+mod fetch;
 
+use crate::support::artifact_server::{serve, serve_logged, sha256_hex, slow_content, weights};
+use crate::support::cluster::eventually;
+use crate::support::http::{free_port, send};
+use crate::support::operator::Harness;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, PostParams};
 use model_residency::api::{ArtifactState, ModelResidency, ModelState, NodeModelCache};
@@ -13,10 +17,6 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command};
 use std::sync::atomic::Ordering;
-use support::artifact_server::{serve, serve_logged, sha256_hex, slow_content, weights};
-use support::cluster::eventually;
-use support::http::{free_port, send};
-use support::operator::Harness;
 
 /// The agent process; killed (SIGKILL, no cleanup) when dropped.
 struct Agent {

@@ -2,8 +2,13 @@
 //! with the kubelet stand-in playing the GPU node. Every scenario drives the
 //! cluster through demand patches and checks status, pods and events.
 
-mod support;
+mod faults;
+mod gpus_pods_and_events;
+mod specs;
 
+use crate::support::cluster::eventually;
+use crate::support::operator::{Harness, Model};
+use crate::support::seed::{MI, SEED, SEED_CASES, assert_matches_the_engine, seed_engine};
 use futures::TryStreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
@@ -16,9 +21,6 @@ use model_residency::metrics::{API_REQUESTS, RECONCILES};
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
-use support::cluster::eventually;
-use support::operator::{Harness, Model};
-use support::seed::{MI, SEED, SEED_CASES, seed_engine};
 
 fn model<'a>(r: &'a ModelResidency, name: &str) -> &'a ModelStatus {
     r.status
@@ -69,18 +71,8 @@ async fn seed_cases_through_demand_patches_match_the_engine() {
             last = Some(h.request(&name, req).await);
         }
         let r = last.unwrap();
+        assert_matches_the_engine(&h, &name, &r, &engine).await;
         let s = r.status.as_ref().unwrap();
-        let c = engine.counters();
-        assert_eq!(
-            (
-                s.counters.hits,
-                s.counters.loads,
-                s.counters.evictions,
-                s.counters.refusals
-            ),
-            (c.hits, c.loads, c.evictions, c.refusals),
-            "{name} counters"
-        );
         let want: BTreeSet<String> = engine
             .residents()
             .iter()
@@ -93,7 +85,6 @@ async fn seed_cases_through_demand_patches_match_the_engine() {
             .map(|m| m.name.to_string())
             .collect();
         assert_eq!(resident, want, "{name} resident set");
-        assert_eq!(h.pods_of(&name).await.0, want, "{name} live pods");
         assert_eq!(
             s.used.as_deref(),
             Some(model_residency::quantity::format_bytes(engine.used()).as_str())

@@ -3,8 +3,10 @@
 //! address (the kubelet stand-in), and every request goes through the
 //! router's socket.
 
-mod support;
-
+use crate::support::cluster::eventually;
+use crate::support::operator::Harness;
+use crate::support::router::{RouterUnderTest, assert_served_by, json_of};
+use crate::support::seed::{SEED, SEED_CASES, assert_matches_the_engine, seed_engine};
 use futures::future::join_all;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams};
@@ -14,10 +16,6 @@ use model_residency::router::Config;
 use serde_json::json;
 use std::collections::BTreeSet;
 use std::time::Duration;
-use support::cluster::eventually;
-use support::operator::Harness;
-use support::router::{RouterUnderTest, assert_served_by, json_of};
-use support::seed::{SEED, SEED_CASES, seed_engine};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn exact() -> Config {
@@ -84,18 +82,7 @@ async fn seed_cases_through_the_router_give_the_seed_counters() {
             .await;
         }
         let r = h.converged(&name).await;
-        let c = engine.counters();
-        assert_eq!(
-            counters(&r),
-            (c.hits, c.loads, c.evictions, c.refusals),
-            "{name} counters"
-        );
-        let want: BTreeSet<String> = engine
-            .residents()
-            .iter()
-            .map(|&id| engine.name(id).to_owned())
-            .collect();
-        assert_eq!(h.pods_of(&name).await.0, want, "{name} live pods");
+        assert_matches_the_engine(&h, &name, &r, &engine).await;
         assert_eq!(
             router.metric("model_residency_router_requests_total", ""),
             requests.len() as u64,
@@ -177,7 +164,7 @@ async fn create_with_failing(
     h.api.create(&Default::default(), &r).await.unwrap();
 }
 
-fn error_code(a: &support::router::Answer) -> String {
+fn error_code(a: &crate::support::router::Answer) -> String {
     json_of(a)["error"]["code"]
         .as_str()
         .unwrap_or_default()
@@ -486,7 +473,7 @@ async fn with_the_operator_stopped_resident_models_serve_and_cold_ones_wait() {
         let addr = router.addr;
         async move {
             let body = json!({"model": "sd", "messages": []}).to_string();
-            support::http::send(addr, "POST", "/v1/chat/completions", &body).await
+            crate::support::http::send(addr, "POST", "/v1/chat/completions", &body).await
         }
     });
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -524,7 +511,7 @@ async fn two_gpus_placement_follows_the_rule_and_a_storm_loses_nothing() {
     h.create("gpu-0", "8Gi", models).await;
     h.create("gpu-1", "8Gi", models).await;
     let router = RouterUnderTest::start(&h, exact()).await;
-    let served_on = |a: &support::router::Answer| {
+    let served_on = |a: &crate::support::router::Answer| {
         a.headers["x-residency"]
             .to_str()
             .unwrap()
@@ -700,7 +687,7 @@ async fn a_router_whose_clock_runs_behind_still_loads_a_cold_model() {
 async fn burst(
     router: &RouterUnderTest,
     models: &[(&str, &str, bool)],
-) -> Vec<support::router::Answer> {
+) -> Vec<crate::support::router::Answer> {
     let asks = models.iter().map(|(m, _, _)| router.chat(m));
     tokio::time::timeout(Duration::from_secs(150), join_all(asks))
         .await

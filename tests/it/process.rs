@@ -3,8 +3,8 @@
 //! /healthz, /readyz and /metrics, reconciles, and exits cleanly on SIGTERM.
 //! One test, in order, because "no CRD yet" must come first.
 
-mod support;
-
+use crate::support::cluster::{eventually, test_env};
+use crate::support::http::free_port;
 use kube::api::{Api, PostParams};
 use model_residency::api::{ModelResidency, ModelState};
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
@@ -12,8 +12,6 @@ use serde_json::json;
 use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::Duration;
-use support::cluster::{eventually, test_env};
-use support::http::free_port;
 
 /// GETs `path` from the operator on `port`: the status and the body.
 async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {

@@ -1,13 +1,11 @@
 //! ModelDemand and its /scale subresource on the real API server: what
 //! `kubectl scale`, HPA and KEDA do to it, and what they read back.
 
-mod support;
-
+use crate::support::cluster::eventually;
+use crate::support::operator::Harness;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use model_residency::api::{ModelDemand, ModelResidency, ModelState};
 use serde_json::{Value, json};
-use support::cluster::eventually;
-use support::operator::Harness;
 
 fn new_demand(name: &str, residency: &str, model: &str, replicas: i32) -> ModelDemand {
     serde_json::from_value(json!({

@@ -1,16 +1,14 @@
 //! Smoke tests of the local control plane and the kubelet stand-in: a real
 //! kube-apiserver + etcd + garbage collector, started by this test binary.
 
-mod support;
-
+use crate::support::cluster::{eventually, test_env};
+use crate::support::http;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use model_residency::local::kubelet::{FAIL_ANNOTATION, FakeKubelet, KubeletConfig, fail_pod};
 use serde_json::json;
-use support::cluster::{eventually, test_env};
-use support::http;
 
 fn pod(name: &str, node: &str, annotations: serde_json::Value) -> Pod {
     serde_json::from_value(json!({

@@ -4,8 +4,8 @@
 //! moves, a template that changes, demand written before its model, events
 //! that did not match the counters, and status people could not read.
 
-mod support;
-
+use crate::support::cluster::eventually;
+use crate::support::operator::Harness;
 use k8s_openapi::api::core::v1::{Pod, ResourceQuota};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -14,8 +14,6 @@ use model_residency::controller::pods::pod_name;
 use model_residency::residency::demand;
 use serde_json::json;
 use std::collections::BTreeMap;
-use support::cluster::eventually;
-use support::operator::Harness;
 
 fn model<'r>(r: &'r ModelResidency, name: &str) -> &'r ModelStatus {
     let status = r.status.as_ref().expect("a status");
