@@ -264,7 +264,34 @@ impl Agent {
         let now = Timestamp::now();
         let wanted = declared(residencies, &self.config.node);
         let in_use = mounted(pods, &self.config.cache_dir);
-        for (key, d) in &wanted {
+        let plan = self.plan(&wanted, &in_use, now);
+        self.evict(&plan.evict);
+        // Downloads cut short resume in the room they hold, once due.
+        let resumable: Vec<&String> = wanted
+            .keys()
+            .filter(|k| {
+                self.entries
+                    .get(*k)
+                    .is_some_and(|e| e.partial && e.state == ArtifactState::Failed)
+            })
+            .collect();
+        for key in plan.fetch.iter().chain(resumable) {
+            self.start_fetch(key, &wanted[key], now);
+        }
+        self.mark_refused_and_waiting(&wanted, &plan);
+        self.forget_unwanted(residencies, &wanted);
+    }
+
+    /// The pass's plan (pure, [`keep::plan`]) from what is wanted, what the
+    /// node holds and what its pods mount; wanted artifacts' sizes and last
+    /// uses are brought up to date first.
+    fn plan(
+        &mut self,
+        wanted: &HashMap<String, Declared>,
+        in_use: &HashSet<String>,
+        now: Timestamp,
+    ) -> keep::Plan {
+        for (key, d) in wanted {
             if let Some(e) = self.entries.get_mut(key) {
                 e.size = d.size;
                 if d.want == Want::Required {
@@ -293,8 +320,12 @@ impl Agent {
                 requested: d.requested,
             })
             .collect();
-        let plan = keep::plan(self.config.budget, &held, &want);
-        for key in &plan.evict {
+        keep::plan(self.config.budget, &held, &want)
+    }
+
+    /// Removes the plan's victims from disk (never one being fetched).
+    fn evict(&mut self, keys: &[String]) {
+        for key in keys {
             let Some(e) = self.entries.get(key) else {
                 continue;
             };
@@ -319,71 +350,67 @@ impl Agent {
                 Err(e) => tracing::warn!(artifact = %key, error = %e, "evicting failed"),
             }
         }
-        // Downloads cut short resume in the room they hold, once due.
-        let resumable: Vec<&String> = wanted
-            .keys()
-            .filter(|k| {
-                self.entries
-                    .get(*k)
-                    .is_some_and(|e| e.partial && e.state == ArtifactState::Failed)
-            })
-            .collect();
-        for key in plan.fetch.iter().chain(resumable) {
-            let d = &wanted[key];
-            let entry = self.entries.entry(key.clone()).or_insert_with(|| {
-                Entry::new(d.model.clone(), d.size, ArtifactState::Failed, d.requested)
-            });
-            let waiting =
-                entry.state == ArtifactState::Failed && entry.retry_at.is_some_and(|at| at > now);
-            if entry.state == ArtifactState::Fetching || waiting {
-                continue;
-            }
-            entry.state = ArtifactState::Fetching;
-            entry.reason = None;
-            entry.message = None;
-            entry.retry_at = None;
-            let progress = Arc::new(Progress::default());
-            entry.progress = Some(progress.clone());
-            let (client, cache, key, files, size, allowed, permits, done, metrics) = (
-                self.client.clone(),
-                self.config.cache_dir.clone(),
-                key.clone(),
-                d.files.clone(),
-                d.size,
-                self.config.allowed_sources.clone(),
-                self.downloads.clone(),
-                self.done.clone(),
-                self.metrics.clone(),
-            );
-            tokio::spawn(async move {
-                let _permit = permits.acquire_owned().await;
-                let started = std::time::Instant::now();
-                let result =
-                    fetch::fetch(&client, &cache, &key, &files, size, &allowed, &progress).await;
-                metrics
-                    .fetch_duration
-                    .observe(started.elapsed().as_secs_f64());
-                let outcome = match &result {
-                    Ok(fetched) => {
-                        metrics
-                            .fetched_bytes
-                            .inc_by(fetched.bytes - fetched.resumed);
-                        metrics.resumed_bytes.inc_by(fetched.resumed);
-                        "Fetched"
-                    }
-                    Err(e) => e.reason(),
-                };
-                metrics
-                    .fetches
-                    .get_or_create(&ResultLabels { result: outcome })
-                    .inc();
-                let _ = done.send((key, result));
-            });
+    }
+
+    /// Starts fetching `key` unless it is being fetched or waits for its
+    /// retry time; the result comes back on `done`.
+    fn start_fetch(&mut self, key: &str, d: &Declared, now: Timestamp) {
+        let entry = self.entries.entry(key.to_owned()).or_insert_with(|| {
+            Entry::new(d.model.clone(), d.size, ArtifactState::Failed, d.requested)
+        });
+        let waiting =
+            entry.state == ArtifactState::Failed && entry.retry_at.is_some_and(|at| at > now);
+        if entry.state == ArtifactState::Fetching || waiting {
+            return;
         }
+        entry.state = ArtifactState::Fetching;
+        entry.reason = None;
+        entry.message = None;
+        entry.retry_at = None;
+        let progress = Arc::new(Progress::default());
+        entry.progress = Some(progress.clone());
+        let (client, cache, key, files, size, allowed, permits, done, metrics) = (
+            self.client.clone(),
+            self.config.cache_dir.clone(),
+            key.to_owned(),
+            d.files.clone(),
+            d.size,
+            self.config.allowed_sources.clone(),
+            self.downloads.clone(),
+            self.done.clone(),
+            self.metrics.clone(),
+        );
+        tokio::spawn(async move {
+            let _permit = permits.acquire_owned().await;
+            let started = std::time::Instant::now();
+            let result =
+                fetch::fetch(&client, &cache, &key, &files, size, &allowed, &progress).await;
+            metrics
+                .fetch_duration
+                .observe(started.elapsed().as_secs_f64());
+            let outcome = match &result {
+                Ok(fetched) => {
+                    metrics
+                        .fetched_bytes
+                        .inc_by(fetched.bytes - fetched.resumed);
+                    metrics.resumed_bytes.inc_by(fetched.resumed);
+                    "Fetched"
+                }
+                Err(e) => e.reason(),
+            };
+            metrics
+                .fetches
+                .get_or_create(&ResultLabels { result: outcome })
+                .inc();
+            let _ = done.send((key, result));
+        });
+    }
+
+    /// The plan's refusals and waits, as they stand now: earlier ones that
+    /// now fit (or are no longer wanted) go.
+    fn mark_refused_and_waiting(&mut self, wanted: &HashMap<String, Declared>, plan: &keep::Plan) {
         let refused: HashMap<&String, &String> = plan.refused.iter().map(|(k, m)| (k, m)).collect();
         let waiting: HashMap<&String, &String> = plan.waiting.iter().map(|(k, m)| (k, m)).collect();
-        // Refusals and waits are current: earlier ones that now fit (or are
-        // no longer wanted) go.
         self.entries.retain(|k, e| match e.state {
             ArtifactState::Refused => refused.contains_key(k),
             ArtifactState::Waiting => waiting.contains_key(k),
@@ -409,8 +436,16 @@ impl Agent {
                 e.message = Some(message.clone());
             }
         }
-        // Failures of artifacts nobody wants any more are forgotten, and
-        // evictions of artifacts no registry on the node declares.
+    }
+
+    /// Failures of artifacts nobody wants any more are forgotten (their
+    /// parts removed), and evictions of artifacts no registry on the node
+    /// declares.
+    fn forget_unwanted(
+        &mut self,
+        residencies: &[Arc<ModelResidency>],
+        wanted: &HashMap<String, Declared>,
+    ) {
         let declared_here = registry_keys(residencies, &self.config.node);
         let forgotten: Vec<String> = self
             .entries

@@ -465,124 +465,22 @@ async fn download_all(
     allowed: &[String],
     progress: &Progress,
 ) -> Result<Fetched, FetchError> {
-    let limit = size_limit(declared);
-    let mut total = 0u64;
+    let mut budget = Budget {
+        declared,
+        limit: size_limit(declared),
+        total: 0,
+        progress,
+    };
     let mut resumed = 0u64;
     let mut manifest = String::new();
     for f in files {
-        let transfer = |message: String| FetchError::Transfer {
-            uri: f.uri.clone(),
-            message,
-        };
-        let path = dir.join(&f.path);
-        if let Some(parent) = path.parent() {
-            tokio::fs::create_dir_all(parent).await.map_err(io)?;
-        }
-        // Resumed only where the checksum will say whether the parts
-        // belong together (a source may change between two tries).
-        let have = match &f.sha256 {
-            Some(_) => tokio::fs::metadata(&path).await.map_or(0, |m| m.len()),
-            None => 0,
-        };
-        let range = (have > 0).then(|| format!("bytes={have}-"));
-        let response = get_following(client, &f.uri, range, allowed).await?;
-        let start = match response.status() {
-            http::StatusCode::OK => Start::Whole,
-            http::StatusCode::PARTIAL_CONTENT
-                if have > 0 && range_starts_at(response.headers(), have) =>
-            {
-                Start::At(have)
-            }
-            http::StatusCode::RANGE_NOT_SATISFIABLE if have > 0 => Start::Complete(have),
-            status => {
-                return Err(FetchError::Status {
-                    uri: f.uri.clone(),
-                    status: status.as_u16(),
-                });
-            }
-        };
-        let kept = match start {
-            Start::Whole => 0,
-            Start::At(n) | Start::Complete(n) => n,
-        };
-        total += kept;
+        let (digest, kept) = download_one(client, dir, f, allowed, &mut budget).await?;
         resumed += kept;
-        if total > limit {
-            return Err(FetchError::TooLarge {
-                declared,
-                got: total,
-            });
-        }
-        progress.bytes.store(total, Ordering::Relaxed);
-        // Received here, hashed and written on a blocking thread, chunk by
-        // chunk, so the network, the hash and the disk overlap.
-        let (chunks, mut sink) = disk_writer(path.clone(), kept);
-        let mut pending = bytes::BytesMut::with_capacity(WRITE_CHUNK);
-        let mut body = response.into_body();
-        let received: Result<(), FetchError> = async {
-            if matches!(start, Start::Complete(_)) {
-                return Ok(());
-            }
-            while let Some(frame) = body.frame().await {
-                let frame = frame.map_err(|e| transfer(error_chain(&e)))?;
-                let Ok(data) = frame.into_data() else {
-                    continue;
-                };
-                total += data.len() as u64;
-                if total > limit {
-                    return Err(FetchError::TooLarge {
-                        declared,
-                        got: total,
-                    });
-                }
-                pending.extend_from_slice(&data);
-                if pending.len() >= WRITE_CHUNK {
-                    let chunk = pending.split().freeze();
-                    if chunks.send(chunk).await.is_err() {
-                        break; // the writer failed; its error follows
-                    }
-                }
-                progress.bytes.store(total, Ordering::Relaxed);
-            }
-            Ok(())
-        }
-        .await;
-        // What arrived before a cut is kept (and written) for the next try.
-        if !pending.is_empty() && !matches!(received, Err(FetchError::TooLarge { .. })) {
-            let _ = chunks.send(pending.split().freeze()).await;
-        }
-        drop(chunks);
-        let written = (&mut sink)
-            .await
-            .map_err(|e| FetchError::Io(e.to_string()))?;
-        received?;
-        let digest = written.map_err(io)?;
         manifest.push_str(&format!(
             "{}  {}\n",
             encode_hex(digest.as_ref()),
             f.path.display()
         ));
-        if let Some(want) = &f.sha256 {
-            let got = digest;
-            if got.as_ref() != want.as_slice() {
-                if kept > 0 {
-                    // The kept part and the rest do not belong together (the
-                    // source changed, or the kept part was damaged): start
-                    // this file over on the next try.
-                    let _ = tokio::fs::remove_file(&path).await;
-                    return Err(transfer(format!(
-                        "sha256 is {}, expected {}, after resuming at byte {kept}: the file starts over",
-                        encode_hex(got.as_ref()),
-                        encode_hex(want)
-                    )));
-                }
-                return Err(FetchError::ChecksumMismatch {
-                    uri: f.uri.clone(),
-                    want: encode_hex(want),
-                    got: encode_hex(got.as_ref()),
-                });
-            }
-        }
     }
     let sha256 = match files {
         [_one] => manifest
@@ -593,10 +491,138 @@ async fn download_all(
         _ => encode_hex(ring::digest::digest(&ring::digest::SHA256, manifest.as_bytes()).as_ref()),
     };
     Ok(Fetched {
-        bytes: total,
+        bytes: budget.total,
         resumed,
         sha256,
     })
+}
+
+/// The artifact's bytes so far against its size limit, shown as progress.
+struct Budget<'p> {
+    declared: u64,
+    limit: u64,
+    total: u64,
+    progress: &'p Progress,
+}
+
+impl Budget<'_> {
+    /// Counts `n` more bytes; past the limit is `TooLarge`.
+    fn add(&mut self, n: u64) -> Result<(), FetchError> {
+        self.total += n;
+        if self.total > self.limit {
+            return Err(FetchError::TooLarge {
+                declared: self.declared,
+                got: self.total,
+            });
+        }
+        self.progress.bytes.store(self.total, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Fetches one file into `dir`, resuming a part an earlier try kept when
+/// the file has a sha256 to tell whether the parts belong together, and
+/// checks it. Yields its SHA-256 and how many of its bytes were kept.
+async fn download_one(
+    client: &HttpsClient,
+    dir: &Path,
+    f: &Checked,
+    allowed: &[String],
+    budget: &mut Budget<'_>,
+) -> Result<(ring::digest::Digest, u64), FetchError> {
+    let transfer = |message: String| FetchError::Transfer {
+        uri: f.uri.clone(),
+        message,
+    };
+    let path = dir.join(&f.path);
+    if let Some(parent) = path.parent() {
+        tokio::fs::create_dir_all(parent).await.map_err(io)?;
+    }
+    // Resumed only where the checksum will say whether the parts belong
+    // together (a source may change between two tries).
+    let have = match &f.sha256 {
+        Some(_) => tokio::fs::metadata(&path).await.map_or(0, |m| m.len()),
+        None => 0,
+    };
+    let range = (have > 0).then(|| format!("bytes={have}-"));
+    let response = get_following(client, &f.uri, range, allowed).await?;
+    let start = match response.status() {
+        http::StatusCode::OK => Start::Whole,
+        http::StatusCode::PARTIAL_CONTENT
+            if have > 0 && range_starts_at(response.headers(), have) =>
+        {
+            Start::At(have)
+        }
+        http::StatusCode::RANGE_NOT_SATISFIABLE if have > 0 => Start::Complete(have),
+        status => {
+            return Err(FetchError::Status {
+                uri: f.uri.clone(),
+                status: status.as_u16(),
+            });
+        }
+    };
+    let kept = match start {
+        Start::Whole => 0,
+        Start::At(n) | Start::Complete(n) => n,
+    };
+    budget.add(kept)?;
+    // Received here, hashed and written on a blocking thread, chunk by
+    // chunk, so the network, the hash and the disk overlap.
+    let (chunks, mut sink) = disk_writer(path.clone(), kept);
+    let mut pending = bytes::BytesMut::with_capacity(WRITE_CHUNK);
+    let mut body = response.into_body();
+    let received: Result<(), FetchError> = async {
+        if matches!(start, Start::Complete(_)) {
+            return Ok(());
+        }
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| transfer(error_chain(&e)))?;
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            budget.add(data.len() as u64)?;
+            pending.extend_from_slice(&data);
+            if pending.len() >= WRITE_CHUNK {
+                let chunk = pending.split().freeze();
+                if chunks.send(chunk).await.is_err() {
+                    break; // the writer failed; its error follows
+                }
+            }
+        }
+        Ok(())
+    }
+    .await;
+    // What arrived before a cut is kept (and written) for the next try.
+    if !pending.is_empty() && !matches!(received, Err(FetchError::TooLarge { .. })) {
+        let _ = chunks.send(pending.split().freeze()).await;
+    }
+    drop(chunks);
+    let written = (&mut sink)
+        .await
+        .map_err(|e| FetchError::Io(e.to_string()))?;
+    received?;
+    let digest = written.map_err(io)?;
+    if let Some(want) = &f.sha256
+        && digest.as_ref() != want.as_slice()
+    {
+        if kept > 0 {
+            // The kept part and the rest do not belong together (the
+            // source changed, or the kept part was damaged): start this
+            // file over on the next try.
+            let _ = tokio::fs::remove_file(&path).await;
+            return Err(transfer(format!(
+                "sha256 is {}, expected {}, after resuming at byte {kept}: the file starts over",
+                encode_hex(digest.as_ref()),
+                encode_hex(want)
+            )));
+        }
+        return Err(FetchError::ChecksumMismatch {
+            uri: f.uri.clone(),
+            want: encode_hex(want),
+            got: encode_hex(digest.as_ref()),
+        });
+    }
+    Ok((digest, kept))
 }
 
 /// A blocking thread that writes the chunks it is sent to `path`, hashing

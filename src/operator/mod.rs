@@ -28,7 +28,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// Runs the controller for `namespace` (all namespaces when `None`) until
-/// `shutdown` completes. `synced` is set once the first watch list is in.
+/// `shutdown` completes. `synced` is set once the first watch lists are in.
 pub async fn run(
     ctx: Arc<Context>,
     namespace: Option<String>,
@@ -113,22 +113,7 @@ pub async fn run(
     let controller = Controller::for_stream(residency_events, store.clone()).with_config(
         kube::runtime::controller::Config::default().concurrency(RECONCILE_CONCURRENCY),
     );
-    // Model pods: one watch by label feeds the pod cache, and wakes the
-    // residency each event concerns (after the cache has it).
-    ctx.pods.reset();
-    let cache = ctx.clone();
-    let pod_events = watcher(pods, watcher::Config::default().labels(RESIDENCY_LABEL))
-        .default_backoff()
-        .flat_map(move |event| {
-            let touched = match event {
-                Ok(ev) => cache.pods.record(&ev),
-                Err(e) => {
-                    tracing::debug!(error = %e, "pod watch");
-                    Vec::new()
-                }
-            };
-            futures::stream::iter(touched)
-        });
+    let pod_events = pod_events(&ctx, pods);
     let cache_events = node_cache_events(ctx.clone(), store.clone()).await;
     let sync = tokio::spawn(mark_synced(store.clone(), ctx.clone(), synced));
     controller
@@ -152,6 +137,28 @@ pub async fn run(
     // controller's did (an aborted run drops them with the lane).
     lane.finish().await;
     sync.abort();
+}
+
+/// Model pods: one watch by label feeds the pod cache, and wakes the
+/// residency each event concerns (after the cache has it).
+fn pod_events(
+    ctx: &Arc<Context>,
+    pods: Api<Pod>,
+) -> impl futures::Stream<Item = ObjectRef<ModelResidency>> + Send + use<> {
+    ctx.pods.reset();
+    let cache = ctx.clone();
+    watcher(pods, watcher::Config::default().labels(RESIDENCY_LABEL))
+        .default_backoff()
+        .flat_map(move |event| {
+            let touched = match event {
+                Ok(ev) => cache.pods.record(&ev),
+                Err(e) => {
+                    tracing::debug!(error = %e, "pod watch");
+                    Vec::new()
+                }
+            };
+            futures::stream::iter(touched)
+        })
 }
 
 /// The ModelDemand controller, beside the residency controller and under

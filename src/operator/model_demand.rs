@@ -129,6 +129,22 @@ pub fn plan(
             _ => KeyWrite::Set(at),
         },
     };
+    mirror_the_model(&mut status, &mut set, r, model, known);
+    status.conditions = set.finish();
+    (write, status)
+}
+
+/// The ModelDemand's status and `Ready` condition as the residency sees
+/// its model: replicas 1 while it is resident and Ready, the residency's
+/// state and reason, or why there is none.
+fn mirror_the_model(
+    status: &mut ModelDemandStatus,
+    set: &mut ConditionSet<'_>,
+    r: &ModelResidency,
+    model: &str,
+    known: bool,
+) {
+    let r_name = r.name_any();
     let seen = r.status.as_ref().and_then(|s| s.model(model));
     if !known {
         let message = format!("{model:?} is not in {r_name}'s spec.models");
@@ -151,8 +167,6 @@ pub fn plan(
         let message = format!("{model} has no state on {r_name} yet");
         set.set(READY, false, "Pending", message);
     }
-    status.conditions = set.finish();
-    (write, status)
 }
 
 /// Whether the key's time `key` is still the request a ModelDemand made at

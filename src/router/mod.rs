@@ -17,30 +17,25 @@
 
 pub mod catalog;
 pub mod errors;
+mod hold;
 pub mod metrics;
 pub mod placement;
 pub mod proxy;
 pub mod recency;
 pub mod snapshot;
 pub mod target;
+mod watches;
 pub mod workers;
 
-use crate::api::{ModelResidency, ModelState};
-use crate::residency::labels::MODEL_LABEL;
-use crate::residency::state::recorded_time;
+use crate::api::ModelResidency;
 use bytes::Bytes;
 use errors::Refusal;
-use futures::StreamExt;
 use http::{Request, Response, header};
 use http_body_util::{BodyExt, Full, combinators::BoxBody};
 use hyper::body::Incoming;
-use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::Api;
-use kube::runtime::reflector::{self, Store};
-use kube::runtime::{WatchStreamExt, watcher};
 use metrics::{CodeLabels, ModelLabels, RouterMetrics, WriteLabels};
-use placement::{Placement, place};
 use recency::{Key, Recency};
 use snapshot::{Endpoint, Snapshot};
 use std::collections::HashMap;
@@ -148,10 +143,12 @@ impl Router {
             metrics: RouterMetrics::default(),
             tasks: Mutex::default(),
         });
-        let watches = tokio::spawn(watch_cluster(Arc::downgrade(&router), tx));
+        let watches = tokio::spawn(watches::watch_cluster(Arc::downgrade(&router), tx));
         let mut tasks = vec![watches];
         if !router.config.recency_resolution.is_zero() {
-            tasks.push(tokio::spawn(refresh_recency(Arc::downgrade(&router))));
+            tasks.push(tokio::spawn(watches::refresh_recency(Arc::downgrade(
+                &router,
+            ))));
         }
         *router.tasks.lock().expect("tasks lock") = tasks;
         router
@@ -376,8 +373,8 @@ impl Router {
             let deadline = tokio::time::Instant::now() + self.config.load_timeout;
             while !snap.synced {
                 tokio::select! {
-                    changed = rx.changed() => if changed.is_err() { return Err(shutting_down()) },
-                    _ = tokio::time::sleep_until(deadline) => return Err(timed_out(model, self.config.load_timeout)),
+                    changed = rx.changed() => if changed.is_err() { return Err(hold::shutting_down()) },
+                    _ = tokio::time::sleep_until(deadline) => return Err(hold::timed_out(model, self.config.load_timeout)),
                 }
                 snap = rx.borrow_and_update().clone();
             }
@@ -405,166 +402,6 @@ impl Router {
             .min_by_key(|e| in_flight.get(&e.pod).copied().unwrap_or(0))
             .or_else(|| ready.first())
             .cloned()
-    }
-
-    /// Holds a request until its model has a Ready pod, requesting the load
-    /// where the placement rule says, bounded by `--load-timeout` and
-    /// `--max-pending`. Wakes on the watches, never polls.
-    async fn hold(
-        &self,
-        model: &str,
-        mut rx: watch::Receiver<Arc<Snapshot>>,
-        avoid: Option<&str>,
-    ) -> Result<Endpoint, Refusal> {
-        let _pending = self.enter_pending(model)?;
-        self.metrics
-            .cold_starts
-            .get_or_create(&ModelLabels {
-                model: model.to_owned(),
-            })
-            .inc();
-        let start = Instant::now();
-        let deadline = tokio::time::Instant::now() + self.config.load_timeout;
-        let mut held = Held::default();
-        loop {
-            let snap = rx.borrow_and_update().clone();
-            if let Some(endpoint) = self.step(&snap, model, avoid, &mut held).await? {
-                self.metrics.hold.observe(start.elapsed().as_secs_f64());
-                return Ok(endpoint);
-            }
-            tokio::select! {
-                changed = rx.changed() => if changed.is_err() { return Err(shutting_down()) },
-                _ = self.retry.notified() => {}
-                _ = tokio::time::sleep_until(deadline) => {
-                    return Err(timed_out(model, self.config.load_timeout));
-                }
-            }
-        }
-    }
-
-    /// One look at the cluster for a held request: its pod if one is
-    /// Ready; else nothing, after making sure a load is requested (once);
-    /// or why it will not load. A model taken away while the request waits
-    /// for it (evicted, unloaded) is requested again once; the second time
-    /// the request fails at once with the reason.
-    async fn step(
-        &self,
-        snap: &Snapshot,
-        model: &str,
-        avoid: Option<&str>,
-        held: &mut Held,
-    ) -> Result<Option<Endpoint>, Refusal> {
-        let Some(view) = snap.models.get(model) else {
-            return Err(Refusal::ModelNotFound(format!(
-                "the model `{model}` was removed from every registry while the request waited"
-            )));
-        };
-        if let Some(e) = self.least_busy(&view.ready, avoid) {
-            return Ok(Some(e));
-        }
-        let mut refused_here = None;
-        for &i in &view.homes {
-            let key = key(snap, i, model);
-            let status = snap.model_status(i, model);
-            let processed = recorded_time(status.and_then(|m| m.last_requested.as_deref()));
-            let why = || {
-                let s = status.and_then(|m| m.message.clone()).unwrap_or_default();
-                format!("{model} on {}: {s}", snap.residency_name(i))
-            };
-            match snap.state(i, model) {
-                // Admitted here (or queued behind loads): its pod is on
-                // the way.
-                ModelState::Loaded
-                | ModelState::Loading
-                | ModelState::Fetching
-                | ModelState::Queued => {
-                    held.admitted_on = Some(i);
-                    return Ok(None);
-                }
-                ModelState::Failed => {
-                    let retry_at = recorded_time(status.and_then(|m| m.retry_at.as_deref()));
-                    let retry_after = retry_at
-                        .and_then(|t| Duration::try_from(t.duration_since(Timestamp::now())).ok())
-                        .unwrap_or(Duration::from_secs(10));
-                    return Err(Refusal::ModelUnavailable {
-                        message: format!("the load failed: {}", why()),
-                        retry_after,
-                    });
-                }
-                // A refusal on this GPU stands for this GPU only: the
-                // placement below looks for one that takes the model.
-                ModelState::Refused if self.recency.processed(&key, processed) => {
-                    refused_here = Some(why());
-                    continue;
-                }
-                _ => {}
-            }
-            if self.recency.unprocessed(&key, processed) {
-                // Our request waits for the operator.
-                return Ok(None);
-            }
-        }
-        if let Some(i) = held.admitted_on.take() {
-            // Admitted for this request, and gone before it was Ready.
-            held.lost += 1;
-            if held.lost > 1 {
-                let status = snap.model_status(i, model);
-                let s = status.and_then(|m| m.message.as_deref()).unwrap_or("gone");
-                return Err(Refusal::ModelUnavailable {
-                    message: format!(
-                        "{model} was taken off {} twice while this request waited for it (last: {s})",
-                        snap.residency_name(i)
-                    ),
-                    retry_after: Duration::from_secs(1),
-                });
-            }
-        }
-        let homes: Vec<&ModelResidency> =
-            view.homes.iter().map(|&i| &*snap.residencies[i]).collect();
-        // This router's own requests the residencies have not processed
-        // yet count where they went.
-        let pending = |j: usize, m: &str| {
-            let home = view.homes[j];
-            let processed = snap
-                .model_status(home, m)
-                .and_then(|s| recorded_time(s.last_requested.as_deref()));
-            self.recency.unprocessed(&key(snap, home, m), processed)
-        };
-        let i = match place(model, &homes, pending) {
-            Placement::Nowhere { why, refusing } => {
-                // The request still reaches the residencies (at most once
-                // per resolution), so their status and counters show the
-                // refusal as they would for any other writer.
-                for j in refusing {
-                    let key = key(snap, view.homes[j], model);
-                    if let Some(at) = self.recency.hit(&key, Instant::now()) {
-                        let _ = self.write(&key, at, "refused").await;
-                    }
-                }
-                return Err(Refusal::ModelRefused(match refused_here {
-                    Some(here) if view.homes.len() == 1 => format!("refused: {here}"),
-                    _ => why,
-                }));
-            }
-            Placement::On(j) => view.homes[j],
-        };
-        let key = key(snap, i, model);
-        let processed = recorded_time(
-            snap.model_status(i, model)
-                .and_then(|m| m.last_requested.as_deref()),
-        );
-        if let Some(at) = self.recency.cold(&key, processed, Instant::now())
-            && let Err(e) = self.write(&key, at, "cold").await
-        {
-            return Err(Refusal::ModelUnavailable {
-                message: format!(
-                    "could not request {model} on {}: {e}",
-                    snap.residency_name(i)
-                ),
-                retry_after: Duration::from_secs(1),
-            });
-        }
-        Ok(None)
     }
 
     /// Writes a request for `key` at `at` (one merge patch).
@@ -633,38 +470,6 @@ impl Router {
         headers.insert("x-model-pod", endpoint.pod_header.clone());
         Ok(response)
     }
-
-    fn enter_pending(&self, model: &str) -> Result<PendingGuard<'_>, Refusal> {
-        let mut pending = self.pending.lock().expect("pending lock");
-        let (per_model, total) = &mut *pending;
-        let here = per_model.get(model).copied().unwrap_or(0);
-        let full = |message: String| Refusal::TooManyPending {
-            message,
-            retry_after: Duration::from_secs(5),
-        };
-        if here >= self.config.max_pending {
-            return Err(full(format!(
-                "{here} requests already wait for {model} to load (--max-pending)"
-            )));
-        }
-        if *total >= self.config.max_pending_total {
-            return Err(full(format!(
-                "{total} requests already wait for models to load (--max-pending-total)"
-            )));
-        }
-        per_model.insert(model.to_owned(), here + 1);
-        *total += 1;
-        self.metrics
-            .pending
-            .get_or_create(&ModelLabels {
-                model: model.to_owned(),
-            })
-            .inc();
-        Ok(PendingGuard {
-            router: self,
-            model: model.to_owned(),
-        })
-    }
 }
 
 /// A name a client sent, as an error message repeats it: whole unless it
@@ -689,59 +494,6 @@ fn key(snap: &Snapshot, i: usize, model: &str) -> Key {
         kube::ResourceExt::name_any(&**r),
         model.to_owned(),
     ))
-}
-
-fn shutting_down() -> Refusal {
-    Refusal::ModelUnavailable {
-        message: "the router is shutting down".into(),
-        retry_after: Duration::from_secs(1),
-    }
-}
-
-fn timed_out(model: &str, after: Duration) -> Refusal {
-    Refusal::ModelUnavailable {
-        message: format!(
-            "{model} did not become ready within {}s (--load-timeout)",
-            after.as_secs()
-        ),
-        retry_after: Duration::from_secs(30),
-    }
-}
-
-/// What one held request has seen of its model's load.
-#[derive(Debug, Default)]
-struct Held {
-    /// The home that last showed the model admitted (or queued).
-    admitted_on: Option<usize>,
-    /// How often the model was admitted and then taken away.
-    lost: u32,
-}
-
-/// A request counted as waiting for a load until dropped.
-struct PendingGuard<'a> {
-    router: &'a Router,
-    model: String,
-}
-
-impl Drop for PendingGuard<'_> {
-    fn drop(&mut self) {
-        let mut pending = self.router.pending.lock().expect("pending lock");
-        let (per_model, total) = &mut *pending;
-        if let Some(n) = per_model.get_mut(&self.model) {
-            *n -= 1;
-            if *n == 0 {
-                per_model.remove(&self.model);
-            }
-        }
-        *total -= 1;
-        self.router
-            .metrics
-            .pending
-            .get_or_create(&ModelLabels {
-                model: self.model.clone(),
-            })
-            .dec();
-    }
 }
 
 /// A request in flight on a pod, from just before it is sent until its
@@ -788,119 +540,6 @@ impl Drop for InFlight {
             .metrics
             .duration
             .observe(self.start.elapsed().as_secs_f64());
-    }
-}
-
-/// Watches residencies and model pods, and publishes a new snapshot after
-/// each change (changes that come together are folded into one).
-async fn watch_cluster(router: std::sync::Weak<Router>, tx: watch::Sender<Arc<Snapshot>>) {
-    let Some((client, config)) = router
-        .upgrade()
-        .map(|r| (r.client.clone(), r.config.clone()))
-    else {
-        return;
-    };
-    let residency_api: Api<ModelResidency> =
-        crate::cluster::api_in(&client, config.namespace.as_deref());
-    let pod_api: Api<Pod> = crate::cluster::api_in(&client, config.namespace.as_deref());
-    let mut residency_config = watcher::Config::default();
-    if let Some(selector) = &config.selector {
-        residency_config = residency_config.labels(selector);
-    }
-    let pod_config = watcher::Config::default().labels(MODEL_LABEL);
-    let (residencies, residency_writer) = reflector::store();
-    let (pods, pod_writer) = reflector::store();
-    let changed = Arc::new(Notify::new());
-    let watch_residencies = reflector::reflector(
-        residency_writer,
-        watcher(residency_api, residency_config).default_backoff(),
-    );
-    let watch_pods =
-        reflector::reflector(pod_writer, watcher(pod_api, pod_config).default_backoff());
-    let events = futures::stream::select(
-        watch_residencies.map(|e| e.map(|_| ())),
-        watch_pods.map(|e| e.map(|_| ())),
-    );
-    let feed = {
-        let changed = changed.clone();
-        events.for_each(move |event| {
-            if let Err(e) = event {
-                tracing::warn!(error = %e, "router watch error (retrying)");
-            }
-            changed.notify_one();
-            futures::future::ready(())
-        })
-    };
-    let publish = async {
-        let synced = async {
-            let _ = residencies.wait_until_ready().await;
-            let _ = pods.wait_until_ready().await;
-        };
-        synced.await;
-        loop {
-            let snapshot = build(&residencies, &pods);
-            if tx.send(Arc::new(snapshot)).is_err() {
-                return;
-            }
-            if let Some(r) = router.upgrade() {
-                r.ready.set();
-            } else {
-                return;
-            }
-            changed.notified().await;
-        }
-    };
-    tokio::join!(feed, publish);
-}
-
-fn build(residencies: &Store<ModelResidency>, pods: &Store<Pod>) -> Snapshot {
-    Snapshot::build(true, residencies.state(), &pods.state())
-}
-
-/// Whether `key`'s model is Loaded or Loading on its residency.
-fn still_resident(snap: &Snapshot, key: &Key) -> bool {
-    snap.residencies
-        .iter()
-        .position(|r| {
-            kube::ResourceExt::namespace(&**r).as_deref() == Some(key.0.as_str())
-                && kube::ResourceExt::name_any(&**r) == key.1
-        })
-        .is_some_and(|i| {
-            matches!(
-                snap.state(i, &key.2),
-                ModelState::Loaded | ModelState::Loading | ModelState::Fetching
-            )
-        })
-}
-
-/// Refreshes the recency of models hit (or with requests in flight) since
-/// their last write, every half resolution.
-async fn refresh_recency(router: std::sync::Weak<Router>) {
-    let Some(period) = router
-        .upgrade()
-        .map(|r| (r.config.recency_resolution / 2).max(Duration::from_millis(50)))
-    else {
-        return;
-    };
-    let mut ticks = tokio::time::interval(period);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        ticks.tick().await;
-        let Some(router) = router.upgrade() else {
-            return;
-        };
-        let snap = router.snapshot.borrow().clone();
-        for (key, at) in router.recency.due(Instant::now()) {
-            // A model evicted since its hits is not refreshed: the write
-            // would load it back for requests that are already answered.
-            if !still_resident(&snap, &key) {
-                continue;
-            }
-            let router = router.clone();
-            tokio::spawn(async move {
-                let _ = router.write(&key, at, "recency").await;
-            });
-        }
     }
 }
 

@@ -1,7 +1,8 @@
 //! `model-residency run` as a process, the way a Deployment runs it: it
 //! refuses to start without the CRD (saying how to install it), serves
 //! /healthz, /readyz and /metrics, reconciles, and exits cleanly on SIGTERM.
-//! One test, in order, because "no CRD yet" must come first.
+//! "No CRD" is asked of a control plane of its own: the shared one has the
+//! CRDs from the other tests of this binary.
 
 use crate::support::cluster::{eventually, test_env};
 use crate::support::http::free_port;
@@ -29,11 +30,27 @@ async fn run_checks_serves_reconciles_and_stops_on_sigterm() {
     let bin = env!("CARGO_BIN_EXE_model-residency");
 
     // 1. Without the CRD: exit 1 with the fix.
-    let out = Command::new(bin)
-        .env("KUBECONFIG", env.plane.kubeconfig())
+    let bare = model_residency::local::control_plane::ControlPlane::start()
+        .unwrap_or_else(|e| panic!("a control plane without the CRDs could not start: {e}"));
+    let mut cmd = Command::new(bin);
+    cmd.env("KUBECONFIG", bare.kubeconfig())
         .args(["run", "--http-addr", &format!("127.0.0.1:{}", free_port())])
-        .output()
-        .unwrap();
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut child = model_residency::local::control_plane::spawn_owned(cmd).unwrap();
+    let out = tokio::task::spawn_blocking(move || {
+        for _ in 0..300 {
+            if child.try_wait().unwrap().is_some() {
+                return child.wait_with_output().unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = child.kill();
+        panic!("run without the CRD did not exit within 30 s");
+    })
+    .await
+    .unwrap();
+    drop(bare);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
