@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 // jemalloc rather than glibc's malloc: the operator's cache is many small
 // allocations replaced as objects change, and glibc keeps more of the holes
-// between them (83 against 71 MiB at 10,000 residencies; Cargo.toml).
+// between them (docs/performance.md, Memory).
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 

@@ -92,8 +92,8 @@ impl Failure {
 /// Binds the calling thread to jemalloc's first arena. The operator's
 /// memory is many small, long-lived allocations (its caches), and it is
 /// never allocation-bound; jemalloc's default of four arenas per core
-/// spreads them over as many arenas, each keeping pages of its own (about
-/// 0.9 MiB at 10,000 residencies, docs/performance.md). The router keeps
+/// spreads them over as many arenas, each keeping pages of its own
+/// (docs/performance.md, Memory). The router keeps
 /// the default: its threads allocate on every request.
 fn one_arena() {
     let arena: std::ffi::c_uint = 0;

@@ -11,12 +11,11 @@
 //! (not a re-list's events) at once when the operator is nearly idle
 //! (fewer than [`FAST_LANE_SLOTS`] reconciles running, by either path) and
 //! no one is reconciling that residency; every other event goes to the
-//! controller as before, which keeps the queueing, the coalescing of a busy
+//! controller, which keeps the queueing, the coalescing of a busy
 //! residency's events, the requeues and the retries. So a request that
 //! arrives alone is reconciled at once, and a storm goes through the
-//! controller as it did before the lane existed (taking storm events in the
-//! lane as well cost the coalescing: 13 % more reconciles at 1,000
-//! residencies). A fast-lane reconcile that asks for a requeue, or fails,
+//! controller (taking storm events in the lane as well would cost the
+//! coalescing: more reconciles, docs/performance.md). A fast-lane reconcile that asks for a requeue, or fails,
 //! hands the residency back to the controller (after the error's backoff).
 //!
 //! One reconcile per residency at a time holds across both paths: each

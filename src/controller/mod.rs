@@ -370,8 +370,8 @@ async fn reconcile_unguarded(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Resul
         (false, Some(after)) => Action::requeue(after),
         // Everything else arrives by watch (a watch that restarts lists
         // again, which reconciles every residency). No periodic requeue: it
-        // kept a scheduler entry per residency (with the last-applied strip,
-        // 6 MiB of RSS at 10,000 residencies) only to find nothing to do.
+        // would keep a scheduler entry per residency (memory at 10,000
+        // residencies, docs/performance.md) only to find nothing to do.
         (false, None) => Action::await_change(),
     })
 }

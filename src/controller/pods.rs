@@ -315,7 +315,7 @@ mod tests {
 
     #[test]
     fn pod_names_are_unique_per_residency_and_model() {
-        // The black-box finding: these two pairs used to share `gpu-a-b`.
+        // Two pairs whose names joined with '-' are the same text.
         assert_ne!(pod_name("gpu", "a-b"), pod_name("gpu-a", "b"));
         assert_eq!(pod_name("gpu", "a-b"), pod_name("gpu", "a-b"), "stable");
     }

@@ -173,9 +173,8 @@ fn mirror_the_model(
 /// `own` (no one requested the model since). A later time is someone
 /// else's request (the router's traffic, `demand load`, another tool):
 /// scaling the ModelDemand to 0 or deleting it leaves that standing, so a
-/// ModelDemand at 0 never vetoes traffic (before, it removed every key
-/// written for its model, and requests the router held for that model
-/// waited out their load timeout).
+/// ModelDemand at 0 never vetoes traffic (requests the router holds for
+/// the model would otherwise wait out their load timeout).
 fn holds_own_request(key: &str, own: Option<&str>) -> bool {
     let (Ok(key), Some(Ok(own))) = (key.parse::<Timestamp>(), own.map(str::parse::<Timestamp>))
     else {
