@@ -1,13 +1,18 @@
 //! What every process does the same way against the API server: an API
-//! handle for one namespace or all of them, and a status written by
-//! server-side apply under its type's own `apiVersion` and `kind`.
+//! handle for one namespace or all of them, a status written by
+//! server-side apply under its type's own `apiVersion` and `kind`, and a
+//! watch kept in a store that says when it changed.
 
+use futures::StreamExt;
 use kube::Resource;
 use kube::api::{Api, Patch, PatchParams};
 use kube::core::NamespaceResourceScope;
+use kube::runtime::{WatchStreamExt, reflector, watcher};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::fmt::Debug;
+use std::sync::Arc;
+use tokio::sync::Notify;
 
 /// `K`s in `namespace`, or in all namespaces when `None`.
 pub fn api_in<K>(client: &kube::Client, namespace: Option<&str>) -> Api<K>
@@ -39,4 +44,28 @@ where
     });
     let pp = PatchParams::apply(manager).force();
     api.patch_status(name, &pp, &Patch::Apply(&body)).await
+}
+
+/// Keeps `writer`'s store current from a watch of `api` (retried with
+/// backoff), notifying `changed` after every event: what the router and
+/// the node agent rebuild their view on. `what` names the watch in logs.
+pub async fn reflect<K>(
+    writer: reflector::store::Writer<K>,
+    api: Api<K>,
+    config: watcher::Config,
+    changed: Arc<Notify>,
+    what: &'static str,
+) where
+    K: Resource + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + std::hash::Hash + Clone,
+{
+    reflector::reflector(writer, watcher(api, config).default_backoff())
+        .for_each(move |event| {
+            if let Err(e) = event {
+                tracing::warn!(error = %e, "{what} failed (retrying)");
+            }
+            changed.notify_one();
+            futures::future::ready(())
+        })
+        .await
 }

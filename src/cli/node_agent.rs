@@ -100,5 +100,5 @@ pub async fn run(args: Args) -> Result<(), Failure> {
     tracing::info!(?config, "keeping model artifacts on this node");
     let result = run_agent(client, config, ready, metrics, termination()).await;
     http.abort();
-    result.map_err(fatal)
+    result.map_err(|e| fatal(e.to_string()))
 }

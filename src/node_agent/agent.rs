@@ -21,17 +21,16 @@ use crate::api::{
     ArtifactState, CachedArtifact, ModelResidency, NodeModelCache, NodeModelCacheSpec,
     NodeModelCacheStatus,
 };
-use crate::cluster::apply_status;
+use crate::cluster::{apply_status, reflect};
 use crate::quantity::{format_bytes, parse_bytes};
 use crate::residency::labels::NODE_AGENT_MANAGER;
 use crate::residency::state::recorded_time;
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::{self, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -624,6 +623,17 @@ async fn publish(
     }
 }
 
+/// Why the agent could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("creating the cache directory {dir}: {source}")]
+    CreateCacheDir { dir: String, source: std::io::Error },
+    #[error("reading the cache directory {dir}: {source}")]
+    ReadCacheDir { dir: String, source: std::io::Error },
+    #[error("building the HTTPS client: {0}")]
+    HttpClient(fetch::FetchError),
+}
+
 /// Runs the agent until `shutdown` completes. `ready` is set after the
 /// first pass; `metrics` is kept current.
 pub async fn run(
@@ -632,13 +642,14 @@ pub async fn run(
     ready: crate::http::Readiness,
     metrics: Arc<AgentMetrics>,
     shutdown: impl std::future::Future<Output = ()>,
-) -> Result<(), String> {
+) -> Result<(), AgentError> {
+    let dir = || config.cache_dir.display().to_string();
     std::fs::create_dir_all(&config.cache_dir)
-        .map_err(|e| format!("creating {}: {e}", config.cache_dir.display()))?;
+        .map_err(|source| AgentError::CreateCacheDir { dir: dir(), source })?;
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let mut agent = Agent {
         downloads: Arc::new(Semaphore::new(config.max_concurrent_downloads.max(1))),
-        client: fetch::client().map_err(|e| e.to_string())?,
+        client: fetch::client().map_err(AgentError::HttpClient)?,
         config: config.clone(),
         entries: HashMap::new(),
         done: done_tx,
@@ -646,7 +657,7 @@ pub async fn run(
     };
     agent
         .scan()
-        .map_err(|e| format!("reading {}: {e}", config.cache_dir.display()))?;
+        .map_err(|source| AgentError::ReadCacheDir { dir: dir(), source })?;
     let cut_short = agent.entries.values().filter(|e| e.partial).count();
     if cut_short > 0 {
         tracing::info!(
@@ -670,6 +681,7 @@ pub async fn run(
         Api::<ModelResidency>::all(client.clone()),
         watcher::Config::default(),
         changed.clone(),
+        "node agent's residency watch",
     ));
     // The model pods on this node: what they mount stays on the disk.
     let (pods, writer): (Store<Pod>, _) = reflector::store();
@@ -680,6 +692,7 @@ pub async fn run(
             .fields(&format!("spec.nodeName={}", config.node))
             .labels(crate::residency::labels::MODEL_LABEL),
         changed.clone(),
+        "node agent's pod watch",
     ));
     let _ = store.wait_until_ready().await;
     let _ = pods.wait_until_ready().await;
@@ -709,25 +722,6 @@ pub async fn run(
     watch.abort();
     pod_watch.abort();
     Ok(())
-}
-
-/// Keeps `writer`'s store current from a watch of `api`, notifying
-/// `changed` on every event.
-async fn reflect<K>(
-    writer: reflector::store::Writer<K>,
-    api: Api<K>,
-    config: watcher::Config,
-    changed: Arc<Notify>,
-) where
-    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
-    K::DynamicType: Default + Eq + std::hash::Hash + Clone,
-{
-    reflector::reflector(writer, watcher(api, config).default_backoff())
-        .for_each(move |_| {
-            changed.notify_one();
-            futures::future::ready(())
-        })
-        .await
 }
 
 #[cfg(test)]

@@ -45,7 +45,6 @@ pub async fn run(
     let (changed_tx, changed_rx) = futures::channel::mpsc::unbounded();
     let (handed_back_tx, handed_back_rx) = futures::channel::mpsc::unbounded();
     let lane = Arc::new(fast_lane::FastLane::new(ctx.clone(), handed_back_tx));
-    let offered = lane.clone();
     let model_demands = start_model_demands(
         &ctx,
         namespace.as_deref(),
@@ -54,58 +53,14 @@ pub async fn run(
         changed_rx,
     )
     .await;
-    let residency_events = watcher(residencies, watcher::Config::default())
-        .default_backoff()
-        .modify(cached::compact)
-        .inspect_ok({
-            // A deleted residency's metrics go with it, also one deleted
-            // while the watch was down (the list that follows leaves it
-            // out). Every event updates the GPU claims; the residencies
-            // sharing a GPU with the one it is about are reconciled (their
-            // holder may have changed).
-            let ctx = ctx.clone();
-            let mut relist = relist::Relist::default();
-            move |event| {
-                if let watcher::Event::Delete(r) = event {
-                    ctx.metrics
-                        .forget(&r.namespace().unwrap_or_default(), &r.name_any());
-                    ctx.written.forget(r);
-                }
-                if let Some(present) = relist.record(event) {
-                    ctx.metrics.keep_only(&present);
-                    ctx.written.keep_only(&present);
-                }
-                for other in ctx.claims.record(event) {
-                    let _ = claim_tx.unbounded_send(other);
-                }
-            }
-        })
-        .reflect(writer)
-        .inspect_ok(move |event| {
-            // After the cache has it: the ModelDemands naming this
-            // residency read it there.
-            if model_demands.is_some()
-                && let watcher::Event::Apply(r)
-                | watcher::Event::InitApply(r)
-                | watcher::Event::Delete(r) = event
-            {
-                let _ = changed_tx.unbounded_send(ObjectRef::from_obj(r));
-            }
-        })
-        // A residency's own change is reconciled at once when the fast
-        // lane can take it; the rest go through the controller's queue.
-        // Only live changes: during a list (a watch that restarts) the
-        // cache keeps the previous copies until the whole list is in, so a
-        // reconcile started at once would act on an old copy and swallow
-        // the event (seen in the API-server-restart fault test); list
-        // events keep going through the controller's queue as before.
-        .try_filter_map(move |event| {
-            futures::future::ready(Ok(match event {
-                watcher::Event::Apply(r) => offered.offer(r).map(watcher::Event::Apply),
-                other => Some(other),
-            }))
-        })
-        .touched_objects();
+    let residency_events = residency_events(
+        &ctx,
+        residencies,
+        writer,
+        claim_tx,
+        model_demands.is_some().then_some(changed_tx),
+        lane.clone(),
+    );
     // At most this many reconciles at once: each holds an API connection
     // (TLS and HTTP buffers, pooled afterwards), so an unbounded burst at
     // start-up over thousands of residencies costs memory and floods the
@@ -137,6 +92,73 @@ pub async fn run(
     // controller's did (an aborted run drops them with the lane).
     lane.finish().await;
     sync.abort();
+}
+
+/// The residency watch: compacted into the cache, recording deletions and
+/// GPU claims (and waking the residencies sharing a GPU with one that
+/// changed), telling the ModelDemand controller (`changed`, when it runs)
+/// what changed after the cache has it, and offering each live change to
+/// the fast lane first.
+fn residency_events(
+    ctx: &Arc<Context>,
+    residencies: Api<ModelResidency>,
+    writer: reflector::store::Writer<ModelResidency>,
+    claim_tx: futures::channel::mpsc::UnboundedSender<ObjectRef<ModelResidency>>,
+    changed_tx: Option<futures::channel::mpsc::UnboundedSender<ObjectRef<ModelResidency>>>,
+    offered: Arc<fast_lane::FastLane>,
+) -> impl futures::Stream<Item = Result<ModelResidency, watcher::Error>> + Send + use<> {
+    watcher(residencies, watcher::Config::default())
+        .default_backoff()
+        .modify(cached::compact)
+        .inspect_ok({
+            // A deleted residency's metrics go with it, also one deleted
+            // while the watch was down (the list that follows leaves it
+            // out). Every event updates the GPU claims; the residencies
+            // sharing a GPU with the one it is about are reconciled (their
+            // holder may have changed).
+            let ctx = ctx.clone();
+            let mut relist = relist::Relist::default();
+            move |event| {
+                if let watcher::Event::Delete(r) = event {
+                    ctx.metrics
+                        .forget(&r.namespace().unwrap_or_default(), &r.name_any());
+                    ctx.written.forget(r);
+                }
+                if let Some(present) = relist.record(event) {
+                    ctx.metrics.keep_only(&present);
+                    ctx.written.keep_only(&present);
+                }
+                for other in ctx.claims.record(event) {
+                    let _ = claim_tx.unbounded_send(other);
+                }
+            }
+        })
+        .reflect(writer)
+        .inspect_ok(move |event| {
+            // After the cache has it: the ModelDemands naming this
+            // residency read it there.
+            if let Some(changed_tx) = &changed_tx
+                && let watcher::Event::Apply(r)
+                | watcher::Event::InitApply(r)
+                | watcher::Event::Delete(r) = event
+            {
+                let _ = changed_tx.unbounded_send(ObjectRef::from_obj(r));
+            }
+        })
+        // A residency's own change is reconciled at once when the fast
+        // lane can take it; the rest go through the controller's queue.
+        // Only live changes: during a list (a watch that restarts) the
+        // cache keeps the previous copies until the whole list is in, so a
+        // reconcile started at once would act on an old copy and swallow
+        // the event (seen in the API-server-restart fault test); list
+        // events keep going through the controller's queue as before.
+        .try_filter_map(move |event| {
+            futures::future::ready(Ok(match event {
+                watcher::Event::Apply(r) => offered.offer(r).map(watcher::Event::Apply),
+                other => Some(other),
+            }))
+        })
+        .touched_objects()
 }
 
 /// Model pods: one watch by label feeds the pod cache, and wakes the

@@ -6,12 +6,12 @@ use super::Router;
 use super::recency::Key;
 use super::snapshot::Snapshot;
 use crate::api::{ModelResidency, ModelState};
+use crate::cluster::reflect;
 use crate::residency::labels::MODEL_LABEL;
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, watch};
@@ -39,26 +39,22 @@ pub(super) async fn watch_cluster(
     let (residencies, residency_writer) = reflector::store();
     let (pods, pod_writer) = reflector::store();
     let changed = Arc::new(Notify::new());
-    let watch_residencies = reflector::reflector(
-        residency_writer,
-        watcher(residency_api, residency_config).default_backoff(),
+    let feed = futures::future::join(
+        reflect(
+            residency_writer,
+            residency_api,
+            residency_config,
+            changed.clone(),
+            "router's residency watch",
+        ),
+        reflect(
+            pod_writer,
+            pod_api,
+            pod_config,
+            changed.clone(),
+            "router's pod watch",
+        ),
     );
-    let watch_pods =
-        reflector::reflector(pod_writer, watcher(pod_api, pod_config).default_backoff());
-    let events = futures::stream::select(
-        watch_residencies.map(|e| e.map(|_| ())),
-        watch_pods.map(|e| e.map(|_| ())),
-    );
-    let feed = {
-        let changed = changed.clone();
-        events.for_each(move |event| {
-            if let Err(e) = event {
-                tracing::warn!(error = %e, "router watch error (retrying)");
-            }
-            changed.notify_one();
-            futures::future::ready(())
-        })
-    };
     let publish = async {
         let synced = async {
             let _ = residencies.wait_until_ready().await;
