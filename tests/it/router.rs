@@ -852,3 +852,53 @@ async fn the_official_openai_sdk_reads_every_answer() {
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("all OpenAI SDK checks passed"), "{stdout}");
 }
+
+/// A held request whose model is taken away before its pod is Ready (its
+/// demand entry removed, as a scale-down would) requests it once more;
+/// taken away again, the request fails at once with the reason, long
+/// before `--load-timeout`, instead of waiting for a load nobody is doing.
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_model_taken_away_twice_while_a_request_waits_fails_it_at_once() {
+    let h = Harness::start_kubelet("route-taken-away", |c| {
+        c.load_delay = Duration::from_secs(60);
+    })
+    .await;
+    h.create("gpu", "8Gi", &[("slow", "1Gi", false)]).await;
+    let router = RouterUnderTest::start(
+        &h,
+        Config {
+            load_timeout: Duration::from_secs(300),
+            ..exact()
+        },
+    )
+    .await;
+    let started = std::time::Instant::now();
+    let asked = tokio::spawn({
+        let addr = router.addr;
+        async move {
+            let body = json!({"model": "slow", "messages": []}).to_string();
+            crate::support::http::send(addr, "POST", "/v1/chat/completions", &body).await
+        }
+    });
+    for round in 1..=2 {
+        h.until_state("gpu", "slow", ModelState::Loading, 30).await;
+        h.patch_spec("gpu", json!({"demand": {"slow": null}})).await;
+        if round == 1 {
+            // The router asks for it again.
+            eventually(30, "the router to request slow again", || async {
+                let r = h.api.get("gpu").await.unwrap();
+                r.spec.demand.contains_key("slow").then_some(())
+            })
+            .await;
+        }
+    }
+    let answer = tokio::time::timeout(Duration::from_secs(30), asked)
+        .await
+        .expect("answered at once, not at --load-timeout")
+        .unwrap();
+    assert_eq!(answer.status, 503, "{}", answer.body);
+    assert_eq!(json_of(&answer)["error"]["code"], "model_unavailable");
+    assert!(answer.body.contains("twice"), "{}", answer.body);
+    assert!(started.elapsed() < Duration::from_secs(120));
+}
