@@ -178,6 +178,14 @@ fn free_port() -> std::io::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// The minor version a Kubernetes binary reports (`Kubernetes v1.37.2`).
+fn minor_version(binary: &Path) -> Option<u32> {
+    let out = Command::new(binary).arg("--version").output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let version = text.split_whitespace().find(|w| w.starts_with("v1."))?;
+    version.split('.').nth(1)?.parse().ok()
+}
+
 fn start_process(
     name: &'static str,
     binary: &Path,
@@ -272,21 +280,22 @@ impl ControlPlane {
         plane.start_janitor()?;
         plane.start_apiserver()?;
         plane.wait_ready(Duration::from_secs(60))?;
-        plane.controller_manager = start_process(
-            "kube-controller-manager",
-            &plane.assets.join("kube-controller-manager"),
-            &[
-                format!("--kubeconfig={}", plane.kubeconfig.display()),
-                "--controllers=garbagecollector,namespace".into(),
-                "--leader-elect=false".into(),
-                "--use-service-account-credentials=false".into(),
-                // No serving: parallel control planes must not share ports.
-                "--port=0".into(),
-                "--secure-port=0".into(),
-                "--concurrent-gc-syncs=5".into(),
-            ],
-            plane.dir.path(),
-        )?;
+        let manager = plane.assets.join("kube-controller-manager");
+        let mut args = vec![
+            format!("--kubeconfig={}", plane.kubeconfig.display()),
+            "--controllers=garbagecollector,namespace".into(),
+            "--leader-elect=false".into(),
+            "--use-service-account-credentials=false".into(),
+            // No serving: parallel control planes must not share ports.
+            "--secure-port=0".into(),
+            "--concurrent-gc-syncs=5".into(),
+        ];
+        // The insecure port is gone (and its flag with it) since 1.24.
+        if minor_version(&manager).is_some_and(|minor| minor < 24) {
+            args.push("--port=0".into());
+        }
+        plane.controller_manager =
+            start_process("kube-controller-manager", &manager, &args, plane.dir.path())?;
         plane.start_janitor()?;
         plane.startup = t0.elapsed();
         Ok(plane)
@@ -300,6 +309,10 @@ impl ControlPlane {
             format!("--secure-port={}", self.apiserver_port),
             "--bind-address=127.0.0.1".into(),
             "--advertise-address=127.0.0.1".into(),
+            // A loopback advertise address is refused by the endpoint
+            // reconciler since 1.3x; nothing here needs the kubernetes
+            // Service's endpoints.
+            "--endpoint-reconciler-type=none".into(),
             format!("--token-auth-file={}", d.join("tokens.csv").display()),
             "--authorization-mode=RBAC".into(),
             format!("--service-account-key-file={}", d.join("sa.key").display()),
