@@ -378,6 +378,17 @@ async fn forward_all(listener: tokio::net::TcpListener, upstream: SocketAddr) {
     .await
 }
 
+/// This bench again as a bare forwarder (`flag`: one runtime, or per core)
+/// in front of `pod`, once it listens.
+async fn start_forwarder(flag: &str, pod: SocketAddr) -> (Proc, SocketAddr) {
+    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.arg(flag).arg(addr.to_string()).arg(pod.to_string());
+    let process = Proc(spawn_owned(cmd).expect("start a bare forwarder"));
+    until_listening(addr).await;
+    (process, addr)
+}
+
 fn main() {
     let args = bench_args();
     if let Some(i) = args.iter().position(|a| a == "--bare-forwarder") {
@@ -457,20 +468,8 @@ fn main() {
         let pod_addr: SocketAddr = format!("{pod_ip}:8080").parse().unwrap();
         let (_nginx, nginx_addr) = start_nginx(&tools.nginx, pod_addr, dir.path());
         until_listening(nginx_addr).await;
-        let bare_addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.arg("--bare-forwarder")
-            .arg(bare_addr.to_string())
-            .arg(pod_addr.to_string());
-        let _bare = Proc(spawn_owned(cmd).expect("start the bare forwarder"));
-        until_listening(bare_addr).await;
-        let core_addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.arg("--bare-forwarder-per-core")
-            .arg(core_addr.to_string())
-            .arg(pod_addr.to_string());
-        let _core = Proc(spawn_owned(cmd).expect("start the per-core bare forwarder"));
-        until_listening(core_addr).await;
+        let (_bare, bare_addr) = start_forwarder("--bare-forwarder", pod_addr).await;
+        let (_core, core_addr) = start_forwarder("--bare-forwarder-per-core", pod_addr).await;
 
         println!(
             "== hit path: POST /v1/chat/completions for one resident model, {secs} s per run, {rounds} rounds of the five targets back to back"

