@@ -39,6 +39,7 @@ use metrics::{CodeLabels, ModelLabels, RouterMetrics, WriteLabels};
 use recency::{Key, Recency};
 use snapshot::{Endpoint, Snapshot};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
@@ -111,7 +112,7 @@ pub struct Router {
     ready: crate::http::Readiness,
     recency: Recency,
     /// Requests being proxied, per pod (`<namespace>/<pod>`).
-    in_flight: Mutex<HashMap<Arc<str>, usize>>,
+    in_flight: Mutex<HashMap<Arc<str>, Arc<AtomicUsize>>>,
     /// Requests waiting for loads, per model, and in all.
     pending: Mutex<(HashMap<String, usize>, usize)>,
     pub metrics: RouterMetrics,
@@ -159,10 +160,28 @@ impl Router {
     pub async fn drain(&self, grace: Duration) {
         let deadline = Instant::now() + grace;
         while Instant::now() < deadline
-            && !self.in_flight.lock().expect("in-flight lock").is_empty()
+            && self
+                .in_flight
+                .lock()
+                .expect("in-flight lock")
+                .values()
+                .any(|n| n.load(Ordering::Relaxed) > 0)
         {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// The in-flight counter of `pod`, the same for every snapshot; counters
+    /// of pods gone from every snapshot and idle are dropped on the way.
+    fn in_flight_of(&self, pod: &Arc<str>) -> Arc<AtomicUsize> {
+        let mut counters = self.in_flight.lock().expect("in-flight lock");
+        counters.entry(pod.clone()).or_default().clone()
+    }
+
+    /// Drops the counters no snapshot and no request holds any more.
+    fn forget_idle_counters(&self) {
+        let mut counters = self.in_flight.lock().expect("in-flight lock");
+        counters.retain(|_, n| Arc::strong_count(n) > 1 || n.load(Ordering::Relaxed) > 0);
     }
 
     /// What it was started with.
@@ -395,11 +414,10 @@ impl Router {
     /// The Ready pod with the fewest requests in flight; a pod that could
     /// not be reached (`avoid`) only if it is the only one still listed.
     fn least_busy(&self, ready: &[Endpoint], avoid: Option<&str>) -> Option<Endpoint> {
-        let in_flight = self.in_flight.lock().expect("in-flight lock");
         ready
             .iter()
             .filter(|e| avoid != Some(&*e.pod))
-            .min_by_key(|e| in_flight.get(&e.pod).copied().unwrap_or(0))
+            .min_by_key(|e| e.in_flight.load(Ordering::Relaxed))
             .or_else(|| ready.first())
             .cloned()
     }
@@ -500,25 +518,16 @@ fn key(snap: &Snapshot, i: usize, model: &str) -> Key {
 /// answer's body has ended (or the client went away).
 struct InFlight {
     router: Arc<Router>,
-    pod: Arc<str>,
-    key: Key,
+    count: Arc<AtomicUsize>,
     start: Instant,
 }
 
 impl InFlight {
     fn enter(router: Arc<Router>, endpoint: &Endpoint, start: Instant) -> Self {
-        *router
-            .in_flight
-            .lock()
-            .expect("in-flight lock")
-            .entry(endpoint.pod.clone())
-            .or_default() += 1;
-        let key = endpoint.key.clone();
-        router.recency.in_flight(&key, 1);
+        endpoint.in_flight.fetch_add(1, Ordering::Relaxed);
         InFlight {
             router,
-            pod: endpoint.pod.clone(),
-            key,
+            count: endpoint.in_flight.clone(),
             start,
         }
     }
@@ -526,16 +535,7 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        {
-            let mut in_flight = self.router.in_flight.lock().expect("in-flight lock");
-            if let Some(n) = in_flight.get_mut(&self.pod) {
-                *n -= 1;
-                if *n == 0 {
-                    in_flight.remove(&self.pod);
-                }
-            }
-        }
-        self.router.recency.in_flight(&self.key, -1);
+        self.count.fetch_sub(1, Ordering::Relaxed);
         self.router
             .metrics
             .duration

@@ -34,8 +34,6 @@ struct Entry {
     written: Option<Timestamp>,
     /// Hit since the last write.
     dirty: bool,
-    /// Requests being proxied to it now.
-    in_flight: usize,
 }
 
 #[derive(Debug)]
@@ -148,23 +146,20 @@ impl Recency {
         }
     }
 
-    /// A request to `key` starts or ends being proxied.
-    pub fn in_flight(&self, key: &Key, delta: isize) {
-        let mut entries = self.entries.lock().expect("recency lock");
-        let entry = entries.entry(key.clone()).or_default();
-        entry.in_flight = entry.in_flight.saturating_add_signed(delta);
-    }
-
     /// The tick: the models hit since their last write, or with requests in
-    /// flight, whose last write is a resolution old, each with the request
-    /// time to write for it now.
-    pub fn due(&self, now: Instant) -> Vec<(Key, Timestamp)> {
+    /// flight (`busy`), whose last write is a resolution old, each with the
+    /// request time to write for it now.
+    pub fn due(&self, now: Instant, busy: &[Key]) -> Vec<(Key, Timestamp)> {
         let quiet_for = |e: &Entry| e.last_write.map(|t| now.duration_since(t));
         let mut entries = self.entries.lock().expect("recency lock");
+        for key in busy {
+            entries.entry(key.clone()).or_default();
+        }
+        let busy: std::collections::HashSet<&Key> = busy.iter().collect();
         let mut due = Vec::new();
         for (key, e) in entries.iter_mut() {
             let old = quiet_for(e).is_none_or(|q| q >= self.resolution);
-            if old && (e.dirty || e.in_flight > 0) {
+            if old && (e.dirty || busy.contains(key)) {
                 let at = self.next_time();
                 e.dirty = false;
                 e.last_write = Some(now);
@@ -175,8 +170,8 @@ impl Recency {
         // Models gone quiet for a while are forgotten, so the map stays as
         // small as the traffic (their next request writes at once).
         let forget_after = self.resolution * 4 + Duration::from_secs(60);
-        entries.retain(|_, e| {
-            e.dirty || e.in_flight > 0 || quiet_for(e).is_some_and(|q| q < forget_after)
+        entries.retain(|k, e| {
+            e.dirty || busy.contains(k) || quiet_for(e).is_some_and(|q| q < forget_after)
         });
         due
     }
@@ -199,10 +194,10 @@ mod tests {
             assert!(r.hit(&key("a"), t0 + Duration::from_millis(ms)).is_none());
         }
         // The tick before the resolution is up writes nothing; after it, one.
-        assert!(r.due(t0 + Duration::from_secs(4)).is_empty());
-        assert_eq!(r.due(t0 + Duration::from_secs(5)).len(), 1);
+        assert!(r.due(t0 + Duration::from_secs(4), &[]).is_empty());
+        assert_eq!(r.due(t0 + Duration::from_secs(5), &[]).len(), 1);
         assert!(
-            r.due(t0 + Duration::from_secs(10)).is_empty(),
+            r.due(t0 + Duration::from_secs(10), &[]).is_empty(),
             "no hits since"
         );
         assert!(r.hit(&key("a"), t0 + Duration::from_secs(11)).is_some());
@@ -259,10 +254,9 @@ mod tests {
         let r = Recency::new(Duration::from_secs(5));
         let t0 = Instant::now();
         r.hit(&key("a"), t0);
-        r.in_flight(&key("a"), 1);
-        assert_eq!(r.due(t0 + Duration::from_secs(5)).len(), 1);
-        assert_eq!(r.due(t0 + Duration::from_secs(10)).len(), 1);
-        r.in_flight(&key("a"), -1);
-        assert!(r.due(t0 + Duration::from_secs(15)).is_empty());
+        let busy = [key("a")];
+        assert_eq!(r.due(t0 + Duration::from_secs(5), &busy).len(), 1);
+        assert_eq!(r.due(t0 + Duration::from_secs(10), &busy).len(), 1);
+        assert!(r.due(t0 + Duration::from_secs(15), &[]).is_empty());
     }
 }

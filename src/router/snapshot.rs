@@ -13,10 +13,11 @@ use kube::ResourceExt;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// A Ready model pod a request can be sent to, with what the hit path
 /// needs made once per snapshot rather than per request.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct Endpoint {
     /// Index into [`Snapshot::residencies`].
     pub residency: usize,
@@ -28,6 +29,10 @@ pub struct Endpoint {
     /// The `X-Residency` and `X-Model-Pod` answer headers.
     pub residency_header: HeaderValue,
     pub pod_header: HeaderValue,
+    /// Requests being proxied to this pod now: one counter per pod that
+    /// outlives snapshots (the router hands it in, [`Snapshot::count_with`]),
+    /// so the hit path counts with an atomic, not a lock both workers share.
+    pub in_flight: Arc<AtomicUsize>,
 }
 
 #[derive(Debug, Default)]
@@ -88,6 +93,7 @@ impl Snapshot {
                 )),
                 residency_header,
                 pod_header,
+                in_flight: Arc::default(),
             });
         }
         Snapshot {
@@ -95,6 +101,25 @@ impl Snapshot {
             residencies,
             models,
         }
+    }
+
+    /// Gives every endpoint the counter `counter(pod)` returns for its pod.
+    pub fn count_with(&mut self, mut counter: impl FnMut(&Arc<str>) -> Arc<AtomicUsize>) {
+        for view in self.models.values_mut() {
+            for e in &mut view.ready {
+                e.in_flight = counter(&e.pod);
+            }
+        }
+    }
+
+    /// The keys of the models with requests in flight now.
+    pub fn busy(&self) -> Vec<Key> {
+        self.models
+            .values()
+            .flat_map(|v| &v.ready)
+            .filter(|e| e.in_flight.load(Ordering::Relaxed) > 0)
+            .map(|e| e.key.clone())
+            .collect()
     }
 
     /// `<namespace>/<name>` of residency `i`.

@@ -62,15 +62,17 @@ pub(super) async fn watch_cluster(
         };
         synced.await;
         loop {
-            let snapshot = build(&residencies, &pods);
+            let mut snapshot = build(&residencies, &pods);
+            let Some(r) = router.upgrade() else {
+                return;
+            };
+            snapshot.count_with(|pod| r.in_flight_of(pod));
             if tx.send(Arc::new(snapshot)).is_err() {
                 return;
             }
-            if let Some(r) = router.upgrade() {
-                r.ready.set();
-            } else {
-                return;
-            }
+            r.forget_idle_counters();
+            r.ready.set();
+            drop(r);
             changed.notified().await;
         }
     };
@@ -114,7 +116,7 @@ pub(super) async fn refresh_recency(router: std::sync::Weak<Router>) {
             return;
         };
         let snap = router.snapshot.borrow().clone();
-        for (key, at) in router.recency.due(Instant::now()) {
+        for (key, at) in router.recency.due(Instant::now(), &snap.busy()) {
             // A model evicted since its hits is not refreshed: the write
             // would load it back for requests that are already answered.
             if !still_resident(&snap, &key) {
