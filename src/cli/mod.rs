@@ -123,8 +123,7 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
             })
     };
     // Two threads unless a long-running process is told otherwise.
-    let build = |builder: &mut tokio::runtime::Builder| build_with(builder, 2);
-    let runtime = || build(&mut tokio::runtime::Builder::new_multi_thread());
+    let runtime = || build_with(&mut tokio::runtime::Builder::new_multi_thread(), 2);
     match cli.command {
         #[cfg(feature = "local")]
         Command::Demo(args) => demo::run(args),

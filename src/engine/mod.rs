@@ -401,14 +401,14 @@ impl Engine {
             self.counters.refusals += 1;
             return Admission::Refused(reason);
         }
-        if self.pinned_used + self.loading_used + size > self.budget {
+        if self.must_queue(size) {
             return Admission::Queued {
                 loading: self.loading_used,
             };
         }
         self.evicted.clear();
         while self.used + size > self.budget {
-            let victim = self.ready_lru().expect("room checked");
+            let victim = self.ready_residents().next().expect("room checked");
             self.evict(ModelId(victim));
         }
         self.make_resident(id);
@@ -477,15 +477,12 @@ impl Engine {
             return Ok(Some(Vec::new()));
         }
         self.check_fit(slot.size)?;
-        if self.pinned_used + self.loading_used + slot.size > self.budget {
+        if self.must_queue(slot.size) {
             return Ok(None);
         }
         let mut freed = self.budget - self.used;
         let mut victims = Vec::new();
-        let mut lru = self
-            .evictable
-            .iter(&self.slots)
-            .filter(|&v| !self.slots.0[v as usize].loading);
+        let mut lru = self.ready_residents();
         while freed < slot.size {
             let v = lru.next().expect("room checked");
             freed += self.slots.0[v as usize].size;
@@ -583,11 +580,18 @@ impl Engine {
         Ok(())
     }
 
-    /// The least recently used unpinned resident that is not loading.
-    fn ready_lru(&self) -> Option<u32> {
+    /// Whether a load of `size` could only fit by evicting pinned or
+    /// loading models, neither of which a request evicts.
+    fn must_queue(&self, size: Bytes) -> bool {
+        self.pinned_used + self.loading_used + size > self.budget
+    }
+
+    /// Unpinned residents that are not loading (a request's victims), least
+    /// recently used first.
+    fn ready_residents(&self) -> impl Iterator<Item = u32> + '_ {
         self.evictable
             .iter(&self.slots)
-            .find(|&v| !self.slots.0[v as usize].loading)
+            .filter(|&v| !self.slots.0[v as usize].loading)
     }
 
     /// The recency list `id` belongs in, with the slots it links through.

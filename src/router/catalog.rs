@@ -131,7 +131,7 @@ fn model(snap: &Snapshot, name: &str) -> Value {
     let (residency, state) = admitted.unwrap_or_else(|| {
         let homes: Vec<&ModelResidency> =
             view.homes.iter().map(|&i| &*snap.residencies[i]).collect();
-        match place(name, &homes, |_, _| false) {
+        match place(name, &homes, &[]) {
             Placement::On(j) => (Some(places[j].0.clone()), places[j].1),
             Placement::Nowhere { .. } => (None, ModelState::Refused),
         }

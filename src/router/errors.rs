@@ -47,12 +47,17 @@ pub enum Refusal {
     /// 408 (and the connection closed): the request's body paused longer
     /// than `--body-timeout`, or was not whole within `--body-deadline`.
     BodyTimeout { after: Duration, whole: bool },
+    /// 400 (and the connection closed): a `CONNECT`, whose next bytes would
+    /// be a tunnel's, not HTTP.
+    Tunnel(String),
 }
 
 impl Refusal {
     pub fn status(&self) -> StatusCode {
         match self {
-            Refusal::BadRequest(_) | Refusal::NotReady(_) => StatusCode::BAD_REQUEST,
+            Refusal::BadRequest(_) | Refusal::NotReady(_) | Refusal::Tunnel(_) => {
+                StatusCode::BAD_REQUEST
+            }
             Refusal::ModelNotFound(_) => StatusCode::NOT_FOUND,
             Refusal::ModelRefused(_) | Refusal::ModelUnavailable { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -66,7 +71,9 @@ impl Refusal {
     /// The OpenAI error `type` and `code`.
     fn kind(&self) -> (&'static str, &'static str) {
         match self {
-            Refusal::BadRequest(_) => ("invalid_request_error", "invalid_request"),
+            Refusal::BadRequest(_) | Refusal::Tunnel(_) => {
+                ("invalid_request_error", "invalid_request")
+            }
             Refusal::ModelNotFound(_) => ("invalid_request_error", "model_not_found"),
             Refusal::NotReady(_) => ("invalid_request_error", "model_not_ready"),
             Refusal::ModelRefused(_) => ("server_error", "model_refused"),
@@ -80,6 +87,7 @@ impl Refusal {
     fn message(&self) -> String {
         match self {
             Refusal::BadRequest(m)
+            | Refusal::Tunnel(m)
             | Refusal::ModelNotFound(m)
             | Refusal::NotReady(m)
             | Refusal::ModelRefused(m)
@@ -119,9 +127,9 @@ impl Refusal {
             let secs = after.as_secs_f64().ceil().max(1.0) as u64;
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
-        if matches!(self, Refusal::BodyTimeout { .. }) {
-            // The rest of the body may still come: the connection cannot
-            // carry another request.
+        if matches!(self, Refusal::BodyTimeout { .. } | Refusal::Tunnel(_)) {
+            // The rest of the body (or a tunnel's bytes) may still come:
+            // the connection cannot carry another request.
             headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         response

@@ -11,6 +11,7 @@ use super::{ModelLabels, Router, key};
 use crate::api::{ModelResidency, ModelState};
 use crate::residency::state::recorded_time;
 use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -163,14 +164,23 @@ impl Router {
             homes.iter().map(|&i| &*snap.residencies[i]).collect();
         // This router's own requests the residencies have not processed
         // yet count where they went.
-        let pending = |j: usize, m: &str| {
-            let home = homes[j];
-            let processed = snap
-                .model_status(home, m)
-                .and_then(|s| recorded_time(s.last_requested.as_deref()));
-            self.recency.unprocessed(&key(snap, home, m), processed)
-        };
-        let i = match place(model, &residencies, pending) {
+        let written = self.recency.written();
+        let pending: Vec<(usize, &str)> = written
+            .iter()
+            .filter_map(|(k, at)| {
+                let j = homes.iter().position(|&h| {
+                    let r = &snap.residencies[h];
+                    r.namespace().as_deref() == Some(k.0.as_str()) && r.name_any() == k.1
+                })?;
+                let processed = snap
+                    .model_status(homes[j], &k.2)
+                    .and_then(|s| recorded_time(s.last_requested.as_deref()));
+                processed
+                    .is_none_or(|p| *at > p)
+                    .then_some((j, k.2.as_str()))
+            })
+            .collect();
+        let i = match place(model, &residencies, &pending) {
             Placement::Nowhere { why, refusing } => {
                 // The request still reaches the residencies (at most once
                 // per resolution), so their status and counters show the

@@ -223,28 +223,6 @@ impl Router {
             let snap = self.snapshot.borrow().clone();
             return catalog::answer(q, &snap, self.ready()).map(boxed);
         }
-        if req.method() == http::Method::CONNECT {
-            // Whatever the client sends next is a tunnel's bytes, not
-            // HTTP: the connection closes after the answer.
-            let target = target::BadRequest::Connect {
-                target: req.uri().to_string(),
-            };
-            let mut response = Refusal::BadRequest(target.to_string())
-                .response::<Full<Bytes>>()
-                .map(boxed);
-            response.headers_mut().insert(
-                http::header::CONNECTION,
-                http::HeaderValue::from_static("close"),
-            );
-            self.metrics
-                .requests
-                .get_or_create(&CodeLabels {
-                    model: String::new(),
-                    code: response.status().as_u16(),
-                })
-                .inc();
-            return response;
-        }
         let (model, result) = match self.model_of(req).await {
             Ok((model, parts, body)) => {
                 let result = self.serve_model(&model, &parts, body, start).await;
@@ -298,6 +276,12 @@ impl Router {
         req: Request<Incoming>,
     ) -> Result<(String, http::request::Parts, Bytes), Refusal> {
         let bad = |e: target::BadRequest| Refusal::BadRequest(e.to_string());
+        if req.method() == http::Method::CONNECT {
+            let tunnel = target::BadRequest::Connect {
+                target: req.uri().to_string(),
+            };
+            return Err(Refusal::Tunnel(tunnel.to_string()));
+        }
         let named = target::locate(req.method(), req.uri().path(), req.headers()).map_err(bad)?;
         let limit = self.config.max_body;
         let too_large = || bad(target::BadRequest::TooLarge { limit });

@@ -59,13 +59,10 @@ fn unusable(r: &ModelResidency) -> Option<&'static str> {
 }
 
 /// Chooses where to load `model` among `homes` (residencies whose registry
-/// lists it); `pending(i, m)` says whether a load of `m` requested on
+/// lists it); `pending` are the loads requested (in request order), as
+/// `(i, m)`: model `m` on
 /// `homes[i]` is not processed yet.
-pub fn place(
-    model: &str,
-    homes: &[&ModelResidency],
-    pending: impl Fn(usize, &str) -> bool,
-) -> Placement {
+pub fn place(model: &str, homes: &[&ModelResidency], pending: &[(usize, &str)]) -> Placement {
     let empty = ModelResidencyStatus::default();
     let mut best: Option<(Cost, String, usize)> = None;
     let mut refusals = Vec::new();
@@ -88,11 +85,10 @@ pub fn place(
         let Some(id) = engine.id(model) else {
             continue;
         };
-        let requested: Vec<_> = engine
-            .models()
-            .filter(|&m| m != id && !engine.is_resident(m) && pending(i, engine.name(m)))
-            .collect();
-        for m in requested {
+        for &(_, m) in pending.iter().filter(|(j, m)| *j == i && *m != model) {
+            let Some(m) = engine.id(m).filter(|&m| !engine.is_resident(m)) else {
+                continue;
+            };
             if matches!(engine.request(m), Admission::Loaded { .. }) {
                 engine.set_loading(m, true);
             }
@@ -173,10 +169,6 @@ mod tests {
         r
     }
 
-    fn none(_: usize, _: &str) -> bool {
-        false
-    }
-
     const T1: &str = "2026-11-30T10:00:00Z";
     const T2: &str = "2026-11-30T11:00:00Z";
 
@@ -190,8 +182,8 @@ mod tests {
         let full = residency("full", "8Gi", &models, &[("a", T1), ("b", T1)]);
         let half = residency("half", "8Gi", &models, &[("a", T1)]);
         let empty = residency("empty", "16Gi", &models, &[]);
-        assert_eq!(place("c", &[&full, &half, &empty], none), Placement::On(2));
-        assert_eq!(place("c", &[&full, &half], none), Placement::On(1));
+        assert_eq!(place("c", &[&full, &half, &empty], &[]), Placement::On(2));
+        assert_eq!(place("c", &[&full, &half], &[]), Placement::On(1));
     }
 
     #[test]
@@ -203,8 +195,8 @@ mod tests {
         ];
         let recent = residency("recent", "8Gi", &models, &[("a", T2)]);
         let stale = residency("stale", "8Gi", &models, &[("b", T1)]);
-        assert_eq!(place("c", &[&recent, &stale], none), Placement::On(1));
-        assert_eq!(place("c", &[&stale, &recent], none), Placement::On(0));
+        assert_eq!(place("c", &[&recent, &stale], &[]), Placement::On(1));
+        assert_eq!(place("c", &[&stale, &recent], &[]), Placement::On(0));
     }
 
     #[test]
@@ -216,8 +208,8 @@ mod tests {
         ];
         let pinned = residency("pinned", "8Gi", &models, &[("p", T1)]);
         let small = residency("small", "16Gi", &models, &[]);
-        assert_eq!(place("big", &[&pinned, &small], none), Placement::On(1));
-        let Placement::Nowhere { why, refusing } = place("huge", &[&pinned, &small], none) else {
+        assert_eq!(place("big", &[&pinned, &small], &[]), Placement::On(1));
+        let Placement::Nowhere { why, refusing } = place("huge", &[&pinned, &small], &[]) else {
             panic!("placed a model larger than every budget");
         };
         assert_eq!(refusing, vec![0, 1]);
@@ -225,7 +217,7 @@ mod tests {
             why.contains("ns/small: huge needs 20Gi, budget is 16Gi"),
             "{why}"
         );
-        let Placement::Nowhere { why, .. } = place("big", &[&pinned], none) else {
+        let Placement::Nowhere { why, .. } = place("big", &[&pinned], &[]) else {
             panic!("placed past pinned models");
         };
         assert!(why.contains("pinned models hold 6Gi"), "{why}");
@@ -242,11 +234,13 @@ mod tests {
         let x = residency("x", "8Gi", &models, &[]);
         let y = residency("y", "8Gi", &models, &[]);
         // Both empty: x by name. With a and b on their way to x, y.
-        assert_eq!(place("c", &[&x, &y], none), Placement::On(0));
-        let on_x = |i: usize, m: &str| i == 0 && (m == "a" || m == "b");
-        assert_eq!(place("c", &[&x, &y], on_x), Placement::On(1));
+        assert_eq!(place("c", &[&x, &y], &[]), Placement::On(0));
+        assert_eq!(
+            place("c", &[&x, &y], &[(0, "a"), (0, "b")]),
+            Placement::On(1)
+        );
         // x full of loads on the way, y half: y, where c fits.
-        let busy = |i: usize, m: &str| m == "a" || (i == 0 && m == "b");
-        assert_eq!(place("c", &[&x, &y], busy), Placement::On(1));
+        let busy = [(0, "a"), (1, "a"), (0, "b")];
+        assert_eq!(place("c", &[&x, &y], &busy), Placement::On(1));
     }
 }

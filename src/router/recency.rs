@@ -117,6 +117,18 @@ impl Recency {
         Some(at)
     }
 
+    /// Every request this router wrote (or is writing), with its time,
+    /// oldest first: what placement counts as on its way.
+    pub fn written(&self) -> Vec<(Key, Timestamp)> {
+        let entries = self.entries.lock().expect("recency lock");
+        let mut written: Vec<(Key, Timestamp)> = entries
+            .iter()
+            .filter_map(|(k, e)| Some((k.clone(), e.written?)))
+            .collect();
+        written.sort_by_key(|(_, at)| *at);
+        written
+    }
+
     /// Whether this router wrote a request for `key` that the status (last
     /// processed at `processed`) has not seen yet.
     pub fn unprocessed(&self, key: &Key, processed: Option<Timestamp>) -> bool {

@@ -299,10 +299,13 @@ impl<'a> Decider<'a> {
     fn end_old_protections(&mut self) {
         let now = self.input.now;
         for id in self.engine.residents() {
+            if !self.engine.is_loading(id) {
+                continue;
+            }
             let expired = self
                 .admitted_at(id)
                 .is_none_or(|t| later(t, LOADING_PROTECTION) <= now);
-            if self.engine.is_loading(id) && expired {
+            if expired {
                 self.engine.set_loading(id, false);
             }
         }
