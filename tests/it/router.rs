@@ -311,18 +311,12 @@ async fn each_error_has_its_status_body_and_headers() {
         },
     )
     .await;
-    let mut conn = tokio::net::TcpStream::connect(patient.addr).await.unwrap();
-    conn.write_all(
+    let answer = raw_exchange(
+        patient.addr,
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n\
           content-length: 100\r\n\r\n{\"model\": \"ok\",",
     )
-    .await
-    .unwrap();
-    let mut answer = String::new();
-    tokio::time::timeout(Duration::from_secs(20), conn.read_to_string(&mut answer))
-        .await
-        .expect("an answer, and the connection closed, within 20 s")
-        .unwrap();
+    .await;
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
     assert!(answer.contains(r#""code":"request_timeout""#), "{answer}");
     assert!(answer.contains("--body-timeout"), "{answer}");
@@ -371,29 +365,22 @@ async fn each_error_has_its_status_body_and_headers() {
     assert!(started.elapsed() < Duration::from_secs(25));
 
     // Two X-Model headers are as ambiguous as two "model" fields.
-    let mut conn = tokio::net::TcpStream::connect(patient.addr).await.unwrap();
-    conn.write_all(
+    let answer = raw_exchange(
+        patient.addr,
         b"GET /generate HTTP/1.1\r\nhost: r\r\nx-model: ok\r\nx-model: slow\r\n\
           connection: close\r\n\r\n",
     )
-    .await
-    .unwrap();
-    let mut answer = String::new();
-    conn.read_to_string(&mut answer).await.unwrap();
+    .await;
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     assert!(answer.contains("more than one X-Model header"), "{answer}");
 
     // CONNECT: a 400 that says what was asked, and the connection closed
     // (what follows would be a tunnel's bytes).
-    let mut conn = tokio::net::TcpStream::connect(patient.addr).await.unwrap();
-    conn.write_all(b"CONNECT evil.example:443 HTTP/1.1\r\nhost: evil.example:443\r\n\r\n")
-        .await
-        .unwrap();
-    let mut answer = String::new();
-    tokio::time::timeout(Duration::from_secs(20), conn.read_to_string(&mut answer))
-        .await
-        .expect("the connection closed after the answer")
-        .unwrap();
+    let answer = raw_exchange(
+        patient.addr,
+        b"CONNECT evil.example:443 HTTP/1.1\r\nhost: evil.example:443\r\n\r\n",
+    )
+    .await;
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     assert!(
         answer.contains("CONNECT evil.example:443 is not served"),
@@ -692,6 +679,19 @@ async fn burst(
     tokio::time::timeout(Duration::from_secs(150), join_all(asks))
         .await
         .expect("every request answered within 150 s")
+}
+
+/// Sends `request` as raw bytes (what a client library would never send)
+/// and reads until the router closes the connection, within 20 s.
+async fn raw_exchange(addr: std::net::SocketAddr, request: &[u8]) -> String {
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(request).await.unwrap();
+    let mut answer = String::new();
+    tokio::time::timeout(Duration::from_secs(20), conn.read_to_string(&mut answer))
+        .await
+        .expect("an answer, and the connection closed, within 20 s")
+        .unwrap();
+    answer
 }
 
 /// Loads and evictions on `names`' residencies, from their status.
