@@ -16,18 +16,16 @@ pub struct ArtifactSpec {
     /// The files, fetched into the model's directory on the node.
     #[schemars(length(min = 1, max = 64))]
     pub files: Vec<ArtifactFile>,
-    /// The artifact's declared disk footprint: a positive quantity or
-    /// bytes. The node agent keeps artifacts within the node's disk budget
-    /// by these sizes, and stops a download that goes past it.
+    /// The artifact's declared disk footprint: a positive quantity as a
+    /// string ("8Gi") or bytes. The node agent keeps artifacts within the
+    /// node's disk budget by these sizes, and stops a download that goes
+    /// past it.
     pub size: ByteQuantity,
     /// Where the model's pod sees the directory, read-only (default
     /// `/models/<name>`): a normalized absolute path (no `.` or `..`
     /// segments, no empty ones, not `/`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(
-        length(min = 2, max = 1024),
-        regex(pattern = r"^(/([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+))+$")
-    )]
+    #[schemars(length(min = 2, max = 1024), extend("x-kubernetes-validations" = super::rules::mount_path()))]
     pub mount_path: Option<String>,
 }
 
@@ -37,7 +35,7 @@ pub struct ArtifactSpec {
 pub struct ArtifactFile {
     /// Where to fetch it: an http or https URI under one of the node
     /// agent's --allowed-sources.
-    #[schemars(length(min = 1, max = 2048), regex(pattern = "^https?://"))]
+    #[schemars(length(min = 1, max = 2048), extend("x-kubernetes-validations" = super::rules::http_uri()))]
     pub uri: String,
     /// Its path inside the model's directory, relative, never escaping it
     /// (default: the URI's last segment).
@@ -46,7 +44,7 @@ pub struct ArtifactFile {
     pub path: Option<String>,
     /// Its SHA-256 (64 hex digits), checked before the artifact is used.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(regex(pattern = "^[0-9a-fA-F]{64}$"))]
+    #[schemars(length(min = 64, max = 64), extend("x-kubernetes-validations" = super::rules::sha256()))]
     pub sha256: Option<String>,
 }
 

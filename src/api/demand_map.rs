@@ -121,17 +121,20 @@ impl JsonSchema for DemandMap {
     }
 
     fn json_schema(_: &mut SchemaGenerator) -> Schema {
-        // Keys are model names. The API servers this is tested on (v1.20)
-        // cannot check a map's keys (that takes a CEL rule, 1.25+, which a
-        // 1.20 server and kubectl's client-side validation against it refuse
-        // as an unknown field), so a key that is not a DNS label is not
-        // rejected at admission: it can name no registry model and is
-        // refused as UnknownModel.
-        json_schema!({
+        // Keys are model names: a schema cannot say so, a CEL rule can.
+        // A key that names no registry model is still admitted (an
+        // autoscaler may write it before the registry edit lands) and
+        // refused in status as UnknownModel.
+        let mut schema = json_schema!({
             "type": "object",
-            "additionalProperties": {"type": "string", "format": "date-time"},
+            "additionalProperties": {"type": "string", "format": "date-time", "maxLength": 64},
             "maxProperties": 100000,
-        })
+        });
+        schema.insert(
+            "x-kubernetes-validations".into(),
+            super::rules::demand_keys(),
+        );
+        schema
     }
 }
 

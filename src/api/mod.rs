@@ -5,6 +5,7 @@
 mod artifact;
 mod demand_map;
 mod model_demand;
+pub mod rules;
 
 pub use artifact::{
     ArtifactFile, ArtifactSpec, ArtifactState, CachedArtifact, NodeModelCache, NodeModelCacheSpec,
@@ -17,18 +18,6 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::CustomResource;
 use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
 use serde::{Deserialize, Deserializer, Serialize};
-
-/// DNS label: lowercase alphanumerics and '-', starting and ending with an
-/// alphanumeric. Model names become pod-name parts and label values.
-const DNS_LABEL: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
-/// One GPU: an index, a `GPU-...` UUID or a `MIG-...` UUID (MIG's own
-/// `MIG-GPU-<uuid>/<gi>/<ci>` form included). Not `all`, `none`, a list or
-/// empty: one object is one GPU's budget.
-/// A DNS-1123 subdomain, what the API server accepts as a pod's node name.
-const DNS_SUBDOMAIN: &str = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$";
-const ONE_GPU: &str = r"^([0-9]+|GPU-[0-9a-fA-F-]+|MIG-[0-9a-zA-Z/-]+)$";
-/// A positive Kubernetes quantity without sign or milli-units.
-const POSITIVE_QUANTITY: &str = r"^\+?(0*[1-9][0-9]*(\.[0-9]*)?|0*\.0*[1-9][0-9]*)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE]\+?[0-9]+)?$";
 
 /// Desired residency of models on one GPU.
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
@@ -51,26 +40,33 @@ const POSITIVE_QUANTITY: &str = r"^\+?(0*[1-9][0-9]*(\.[0-9]*)?|0*\.0*[1-9][0-9]
     printcolumn = r#"{"name":"Fetching","type":"integer","jsonPath":".status.fetching","priority":1}"#,
     printcolumn = r#"{"name":"Refused","type":"integer","jsonPath":".status.refused"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
-    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
+    selectable = ".spec.nodeName",
+    selectable = ".spec.device"
 )]
 #[serde(rename_all = "camelCase")]
 pub struct ModelResidencySpec {
     /// The node that holds the GPU (a node name: lowercase letters, digits,
-    /// '-' and '.'). Every model pod is bound to it.
-    #[schemars(length(min = 1, max = 253), regex(pattern = DNS_SUBDOMAIN))]
+    /// '-' and '.'). Every model pod is kept to it by a required node
+    /// affinity on the node's name; the scheduler binds it there.
+    #[schemars(length(min = 1, max = 253), extend("x-kubernetes-validations" = rules::node_name()))]
     pub node_name: String,
     /// The GPU on that node: one GPU, as an index ("0"), a UUID ("GPU-...")
     /// or a MIG instance ("MIG-..."); not "all", "none" or a list. Model pods
     /// get it as NVIDIA_VISIBLE_DEVICES. Two residencies naming the same node
     /// and GPU are one budget: the older one holds it, the other loads
     /// nothing (condition Ready=False, reason GpuConflict).
-    #[schemars(length(min = 1, max = 128), regex(pattern = ONE_GPU))]
+    #[schemars(length(min = 1, max = 128), extend("x-kubernetes-validations" = rules::one_gpu()))]
     pub device: String,
     /// VRAM budget: the most the resident models may declare together. A
-    /// positive Kubernetes quantity (16000Mi, 80Gi) or bytes.
+    /// positive Kubernetes quantity as a string ("16000Mi", "80Gi") or bytes
+    /// ("17179869184").
     pub budget: ByteQuantity,
-    /// The model registry: every model this GPU may serve. Keyed by name.
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    /// The model registry: every model this GPU may serve, at most 1000
+    /// (the object, status included, must stay well under etcd's request
+    /// limit, and the API server's budget for checking it). Keyed by name: server-side apply merges two managers'
+    /// models by name.
+    #[schemars(length(max = 1000), extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub models: Vec<ModelSpec>,
     /// Unload a resident model that has not been requested for this long
     /// (a duration: 90s, 10m, 1h30m). Unset: keep it until it is evicted
@@ -104,9 +100,10 @@ fn is_zero_u32(n: &u32) -> bool {
 #[serde(rename_all = "camelCase")]
 pub struct ModelSpec {
     /// Model name: a DNS label (it names the model's pod and labels it).
-    #[schemars(length(min = 1, max = 63), regex(pattern = DNS_LABEL))]
+    #[schemars(length(min = 1, max = 63), extend("x-kubernetes-validations" = rules::model_name()))]
     pub name: String,
-    /// The model's VRAM footprint: a positive quantity (10900Mi) or bytes.
+    /// The model's VRAM footprint: a positive quantity as a string
+    /// ("10900Mi") or bytes ("11429478400").
     pub size: ByteQuantity,
     /// A pinned model, once loaded, is never evicted to make room for
     /// another (only a budget shrink below the pinned models' total, an
@@ -119,8 +116,9 @@ pub struct ModelSpec {
     #[schemars(length(min = 1, max = 32))]
     pub keep_alive: Option<String>,
     /// Pod template of the model server (containers, volumes, ...). The
-    /// operator sets the node, the GPU (NVIDIA_VISIBLE_DEVICES), labels,
-    /// an owner reference and the size annotation. Checked when the model
+    /// operator adds the node affinity to spec.nodeName (and drops a
+    /// nodeName of the template's), the GPU (NVIDIA_VISIBLE_DEVICES),
+    /// labels, an owner reference and the size annotation. Checked when the model
     /// loads; a template without containers fails the load.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "template_schema")]
@@ -364,13 +362,19 @@ impl JsonSchema for ByteQuantity {
         true
     }
     fn json_schema(_: &mut SchemaGenerator) -> Schema {
-        // `minimum` only constrains integers and `pattern` only strings, so
-        // both sit at the top (kube drops types inside `anyOf`).
-        json_schema!({
-            "x-kubernetes-int-or-string": true,
-            "minimum": 1,
-            "pattern": POSITIVE_QUANTITY,
-        })
+        // A string, not int-or-string: kubectl explain can name only a
+        // declared type (it showed int-or-string as <Object>), and a
+        // quantity's digits alone are bytes anyway ("17179869184").
+        let mut schema = json_schema!({
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 64,
+        });
+        schema.insert(
+            "x-kubernetes-validations".into(),
+            rules::positive_quantity(),
+        );
+        schema
     }
 }
 

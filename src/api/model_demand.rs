@@ -48,7 +48,7 @@ pub struct ModelDemandSpec {
     #[schemars(length(min = 1, max = 253))]
     pub residency: String,
     /// The model: a name in that residency's spec.models.
-    #[schemars(length(min = 1, max = 63), regex(pattern = super::DNS_LABEL))]
+    #[schemars(length(min = 1, max = 63), extend("x-kubernetes-validations" = super::rules::model_name()))]
     pub model: String,
     /// 1: the model is wanted (the change from 0 is a request); 0: this
     /// object's request is withdrawn (its demand key is removed, which

@@ -60,13 +60,16 @@ pub fn run(args: Args) -> Result<(), Failure> {
         .map_err(|e| Failure::bad_input(format!("{}: {e}", args.manifest.display())))?;
     let residency: ModelResidency = serde_saphyr::from_str(&manifest)
         .map_err(|e| Failure::bad_input(format!("{}: {e}", args.manifest.display())))?;
-    say("Starting a local Kubernetes control plane (etcd, kube-apiserver, garbage collector)...");
+    say(
+        "Starting a local Kubernetes control plane (etcd, kube-apiserver, kube-scheduler, kube-controller-manager)...",
+    );
     let plane = ControlPlane::start().map_err(|e| Failure {
         message: e.to_string(),
         code: 1,
     })?;
     println!(
-        "   ready in {:.1} s at {} (kubeconfig {})",
+        "   Kubernetes {} ready in {:.1} s at {} (kubeconfig {})",
+        plane.version(),
         plane.startup.as_secs_f64(),
         plane.server_url(),
         plane.kubeconfig().display()
@@ -101,7 +104,7 @@ fn say(text: &str) {
 fn kubectl(kubeconfig: &Path, args: &[&str]) {
     println!("$ kubectl {}", args.join(" "));
     let cache = tempfile::tempdir().ok();
-    let mut cmd = Command::new("kubectl");
+    let mut cmd = Command::new(model_residency::local::control_plane::kubectl());
     cmd.env("KUBECONFIG", kubeconfig).args(args);
     if let Some(c) = &cache {
         cmd.arg(format!("--cache-dir={}", c.path().display()));
@@ -109,11 +112,7 @@ fn kubectl(kubeconfig: &Path, args: &[&str]) {
     match cmd.output() {
         Ok(out) => {
             print!("{}", String::from_utf8_lossy(&out.stdout));
-            let err = String::from_utf8_lossy(&out.stderr);
-            // kubectl 1.32 warns about the 1.20 server's version skew.
-            for line in err.lines().filter(|l| !l.contains("version difference")) {
-                println!("{line}");
-            }
+            print!("{}", String::from_utf8_lossy(&out.stderr));
         }
         Err(e) => println!("(kubectl is not available here: {e})"),
     }

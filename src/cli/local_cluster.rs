@@ -50,7 +50,8 @@ pub fn run(args: Args) -> Result<(), Failure> {
                 code: 1,
             })?;
         println!(
-            "local control plane ready in {:.1} s; fake GPU nodes: {}",
+            "local control plane (Kubernetes {}) ready in {:.1} s; fake GPU nodes: {}",
+            plane.version(),
             plane.startup.as_secs_f64(),
             args.nodes.join(", ")
         );

@@ -6,7 +6,10 @@ use crate::engine::Bytes;
 use crate::residency::labels::{
     DEVICE_ANNOTATION, MODEL_LABEL, RESIDENCY_LABEL, SIZE_ANNOTATION, TEMPLATE_HASH_ANNOTATION,
 };
-use k8s_openapi::api::core::v1::{EnvVar, Pod, PodTemplateSpec};
+use k8s_openapi::api::core::v1::{
+    Affinity, EnvVar, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod,
+    PodSpec, PodTemplateSpec,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
 /// The environment variable that tells a model server which GPU to use.
@@ -179,8 +182,8 @@ fn waiting_reason(pod: &Pod) -> Option<String> {
         .map(|r| said(r, status.message.as_deref()))
 }
 
-/// Builds the pod for `model` from its template: bound to the residency's
-/// node, given the GPU, labelled, annotated with its size and owned by the
+/// Builds the pod for `model` from its template: kept to the residency's
+/// node (for the scheduler to place it there), given the GPU, labelled, annotated with its size and owned by the
 /// residency. Fails with a message when the template is unusable.
 pub fn build_pod(
     residency: &ModelResidency,
@@ -198,7 +201,7 @@ pub fn build_pod(
         return Err("the pod template has no containers".into());
     }
     let residency_name = residency.metadata.name.clone().unwrap_or_default();
-    spec.node_name = Some(residency.spec.node_name.clone());
+    require_node(&mut spec, &residency.spec.node_name);
     // The operator retries failed loads itself (with backoff, reported in
     // status); a kubelet restart loop would hide failures from it.
     spec.restart_policy.get_or_insert_with(|| "Never".into());
@@ -237,11 +240,64 @@ pub fn build_pod(
     })
 }
 
+/// Keeps the pod to `node` through the scheduler: a required node affinity
+/// on the node's name (`matchFields metadata.name`, as the DaemonSet
+/// controller does; a hostname label need not equal the name). The
+/// template's own required terms stay, each narrowed to the node (terms
+/// are ORed, so a term left alone would let the pod go elsewhere). A
+/// `nodeName` in the template is dropped: it would bypass the scheduler,
+/// which hardened clusters and device allocation need to see the pod.
+fn require_node(spec: &mut PodSpec, node: &str) {
+    spec.node_name = None;
+    let on_node = NodeSelectorRequirement {
+        key: "metadata.name".into(),
+        operator: "In".into(),
+        values: Some(vec![node.to_owned()]),
+    };
+    let required = spec
+        .affinity
+        .get_or_insert_with(Affinity::default)
+        .node_affinity
+        .get_or_insert_with(NodeAffinity::default)
+        .required_during_scheduling_ignored_during_execution
+        .get_or_insert_with(NodeSelector::default);
+    if required.node_selector_terms.is_empty() {
+        required
+            .node_selector_terms
+            .push(NodeSelectorTerm::default());
+    }
+    for term in &mut required.node_selector_terms {
+        let fields = term.match_fields.get_or_insert_with(Vec::new);
+        fields.retain(|f| f.key != "metadata.name");
+        fields.push(on_node.clone());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::api::{ByteQuantity, ModelResidencySpec};
     use serde_json::json;
+
+    /// The node a pod is kept to by [`require_node`], if any.
+    fn required_node(spec: &PodSpec) -> Vec<Option<&str>> {
+        spec.affinity
+            .iter()
+            .flat_map(|a| a.node_affinity.as_ref())
+            .flat_map(|n| {
+                n.required_during_scheduling_ignored_during_execution
+                    .as_ref()
+            })
+            .flat_map(|r| r.node_selector_terms.iter())
+            .map(|t| {
+                t.match_fields
+                    .iter()
+                    .flatten()
+                    .find(|f| f.key == "metadata.name")
+                    .and_then(|f| f.values.as_ref()?.first().map(String::as_str))
+            })
+            .collect()
+    }
 
     fn residency() -> ModelResidency {
         let mut r = ModelResidency::new(
@@ -302,7 +358,8 @@ mod tests {
         );
         assert_eq!(meta.owner_references.as_ref().unwrap()[0].uid, "u-1");
         let spec = pod.spec.unwrap();
-        assert_eq!(spec.node_name.as_deref(), Some("node-a"));
+        assert_eq!(spec.node_name, None, "placed by the scheduler");
+        assert_eq!(required_node(&spec), [Some("node-a")]);
         assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
         let env = spec.containers[0].env.as_ref().unwrap();
         assert_eq!(
@@ -311,6 +368,36 @@ mod tests {
             "the template's own device setting is replaced"
         );
         assert_eq!(env[0].value.as_deref(), Some("GPU-1234"));
+    }
+
+    #[test]
+    fn the_templates_own_placement_is_narrowed_to_the_node_never_widened() {
+        let t = json!({"spec": {
+            "nodeName": "elsewhere",
+            "containers": [{"name": "server", "image": "img"}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]},
+                    {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["other"]}]},
+                ]}}},
+        }});
+        let pod = build_pod(&residency(), &owner(), &model(t), 1 << 30).unwrap();
+        let spec = pod.spec.unwrap();
+        assert_eq!(spec.node_name, None);
+        assert_eq!(required_node(&spec), [Some("node-a"), Some("node-a")]);
+        let terms = &spec
+            .affinity
+            .as_ref()
+            .unwrap()
+            .node_affinity
+            .as_ref()
+            .unwrap()
+            .required_during_scheduling_ignored_during_execution
+            .as_ref()
+            .unwrap()
+            .node_selector_terms;
+        assert_eq!(terms[0].match_expressions.as_ref().unwrap()[0].key, "gpu");
+        assert_eq!(terms[1].match_fields.as_ref().unwrap().len(), 1);
     }
 
     #[test]

@@ -1,11 +1,13 @@
-//! A real, local Kubernetes control plane: etcd, kube-apiserver and
-//! kube-controller-manager (garbage collector and namespace controllers only)
-//! on free loopback ports, in a temporary directory.
+//! A real, local Kubernetes control plane: etcd, kube-apiserver,
+//! kube-scheduler and kube-controller-manager (its garbage collector,
+//! namespace and resource-claim controllers) on free loopback ports, in a
+//! temporary directory.
 //!
-//! The binaries come from `scripts/control-plane.sh` (built once from Debian's
-//! sources and cached) or from a directory named by `MODEL_RESIDENCY_ASSETS`
-//! or `KUBEBUILDER_ASSETS`. There is no kubelet and no scheduler: see
-//! [`super::kubelet`] for the stand-in.
+//! The binaries come from `scripts/control-plane.sh` (built once from the
+//! Kubernetes and etcd Go modules and cached) or from a directory named by
+//! `MODEL_RESIDENCY_ASSETS` or `KUBEBUILDER_ASSETS`. There is no kubelet: see
+//! [`super::kubelet`] for the stand-in, which registers the nodes the
+//! scheduler places pods on.
 //!
 //! Nothing outlives its owner: every process is started with
 //! `PR_SET_PDEATHSIG` from a thread that lives as long as the process, and a
@@ -23,19 +25,26 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-/// The Kubernetes version the cached binaries are built at.
-pub const KUBERNETES_VERSION: &str = "v1.20.2";
-/// The cache entry `scripts/control-plane.sh` builds (version + recipe rev).
-const CACHE_KEY: &str = "v1.20.2-r2";
+/// The Kubernetes version `scripts/control-plane.sh` builds by default.
+pub const KUBERNETES_VERSION: &str = "v1.37.2";
+/// Its cache entry (version + recipe rev).
+const CACHE_KEY: &str = "v1.37.2-go1";
+/// What an assets directory holds.
+const BINARIES: [&str; 4] = [
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+];
 const ADMIN_TOKEN: &str = "model-residency-admin-token";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControlPlaneError {
     #[error(
         "no control-plane binaries found ({0}). Install them with `bash scripts/control-plane.sh` \
-         (builds kube-apiserver {KUBERNETES_VERSION} once, about 5 minutes, cached in \
-         ~/.cache/model-residency), or point MODEL_RESIDENCY_ASSETS at a directory holding \
-         etcd, kube-apiserver and kube-controller-manager"
+         (builds Kubernetes {KUBERNETES_VERSION} from its Go modules once, about 12 minutes, \
+         cached in ~/.cache/model-residency), or point MODEL_RESIDENCY_ASSETS at a directory \
+         holding etcd, kube-apiserver, kube-controller-manager and kube-scheduler"
     )]
     NoAssets(String),
     #[error("control plane: {0}")]
@@ -52,8 +61,7 @@ pub enum ControlPlaneError {
     Config(String),
 }
 
-/// Finds the directory holding `etcd`, `kube-apiserver` and
-/// `kube-controller-manager`.
+/// Finds the directory holding the [`BINARIES`].
 pub fn find_assets() -> Result<PathBuf, ControlPlaneError> {
     let mut tried = Vec::new();
     let mut candidates: Vec<PathBuf> = ["MODEL_RESIDENCY_ASSETS", "KUBEBUILDER_ASSETS"]
@@ -67,9 +75,7 @@ pub fn find_assets() -> Result<PathBuf, ControlPlaneError> {
         candidates.push(cache.join("control-plane").join(CACHE_KEY));
     }
     for dir in candidates {
-        let complete = ["etcd", "kube-apiserver", "kube-controller-manager"]
-            .iter()
-            .all(|b| dir.join(b).is_file());
+        let complete = BINARIES.iter().all(|b| dir.join(b).is_file());
         if complete {
             return Ok(dir);
         }
@@ -85,6 +91,17 @@ pub fn find_assets() -> Result<PathBuf, ControlPlaneError> {
     )))
 }
 
+/// The kubectl to use with these control planes: the one built with them
+/// (`kubectl` in the assets directory, at their version, so within
+/// kubectl's version skew), else whatever `kubectl` is on the PATH.
+pub fn kubectl() -> PathBuf {
+    find_assets()
+        .map(|dir| dir.join("kubectl"))
+        .ok()
+        .filter(|k| k.is_file())
+        .unwrap_or_else(|| PathBuf::from("kubectl"))
+}
+
 /// A running control plane. Dropping it stops every process and removes
 /// its directory.
 pub struct ControlPlane {
@@ -93,6 +110,7 @@ pub struct ControlPlane {
     etcd: Process,
     apiserver: Process,
     controller_manager: Process,
+    scheduler: Process,
     apiserver_port: u16,
     etcd_port: u16,
     kubeconfig: PathBuf,
@@ -109,6 +127,14 @@ struct Process {
 }
 
 impl Process {
+    fn not_started(name: &'static str, dir: &Path) -> Self {
+        Process {
+            name,
+            child: None,
+            log: dir.join(format!("{name}.log")),
+        }
+    }
+
     fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
     }
@@ -178,12 +204,13 @@ fn free_port() -> std::io::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-/// The minor version a Kubernetes binary reports (`Kubernetes v1.37.2`).
-fn minor_version(binary: &Path) -> Option<u32> {
+/// The version a Kubernetes binary reports (`Kubernetes v1.37.2`).
+fn binary_version(binary: &Path) -> Option<String> {
     let out = Command::new(binary).arg("--version").output().ok()?;
     let text = String::from_utf8_lossy(&out.stdout);
-    let version = text.split_whitespace().find(|w| w.starts_with("v1."))?;
-    version.split('.').nth(1)?.parse().ok()
+    text.split_whitespace()
+        .find(|w| w.starts_with("v1."))
+        .map(str::to_owned)
 }
 
 fn start_process(
@@ -259,16 +286,9 @@ impl ControlPlane {
                 &etcd_args(d, etcd_port, peer_port),
                 d,
             )?,
-            apiserver: Process {
-                name: "kube-apiserver",
-                child: None,
-                log: d.join("kube-apiserver.log"),
-            },
-            controller_manager: Process {
-                name: "kube-controller-manager",
-                child: None,
-                log: d.join("kube-controller-manager.log"),
-            },
+            apiserver: Process::not_started("kube-apiserver", d),
+            controller_manager: Process::not_started("kube-controller-manager", d),
+            scheduler: Process::not_started("kube-scheduler", d),
             janitor: None,
             assets,
             apiserver_port,
@@ -280,22 +300,35 @@ impl ControlPlane {
         plane.start_janitor()?;
         plane.start_apiserver()?;
         plane.wait_ready(Duration::from_secs(60))?;
-        let manager = plane.assets.join("kube-controller-manager");
-        let mut args = vec![
-            format!("--kubeconfig={}", plane.kubeconfig.display()),
-            "--controllers=garbagecollector,namespace".into(),
+        let kubeconfig = format!("--kubeconfig={}", plane.kubeconfig.display());
+        // No serving (--secure-port=0): parallel control planes must not
+        // share ports.
+        let manager = [
+            kubeconfig.clone(),
+            "--controllers=garbage-collector-controller,namespace-controller,resourceclaim-controller"
+                .into(),
             "--leader-elect=false".into(),
             "--use-service-account-credentials=false".into(),
-            // No serving: parallel control planes must not share ports.
             "--secure-port=0".into(),
             "--concurrent-gc-syncs=5".into(),
         ];
-        // The insecure port is gone (and its flag with it) since 1.24.
-        if minor_version(&manager).is_some_and(|minor| minor < 24) {
-            args.push("--port=0".into());
-        }
-        plane.controller_manager =
-            start_process("kube-controller-manager", &manager, &args, plane.dir.path())?;
+        plane.controller_manager = start_process(
+            "kube-controller-manager",
+            &plane.assets.join("kube-controller-manager"),
+            &manager,
+            plane.dir.path(),
+        )?;
+        let scheduler = [
+            kubeconfig,
+            "--leader-elect=false".into(),
+            "--secure-port=0".into(),
+        ];
+        plane.scheduler = start_process(
+            "kube-scheduler",
+            &plane.assets.join("kube-scheduler"),
+            &scheduler,
+            plane.dir.path(),
+        )?;
         plane.start_janitor()?;
         plane.startup = t0.elapsed();
         Ok(plane)
@@ -343,7 +376,8 @@ impl ControlPlane {
             let _ = old.kill();
             let _ = old.wait();
         }
-        let pids: Vec<String> = [&self.etcd, &self.apiserver, &self.controller_manager]
+        let pids: Vec<String> = self
+            .processes()
             .iter()
             .filter_map(|p| p.pid())
             .map(|p| p.to_string())
@@ -482,9 +516,24 @@ impl ControlPlane {
         Ok(t0.elapsed())
     }
 
-    /// Resident memory of the three processes together, in bytes.
+    /// The processes, in the order they start.
+    fn processes(&self) -> [&Process; 4] {
+        [
+            &self.etcd,
+            &self.apiserver,
+            &self.controller_manager,
+            &self.scheduler,
+        ]
+    }
+
+    /// The Kubernetes version the API server binary reports (`v1.37.2`).
+    pub fn version(&self) -> String {
+        binary_version(&self.assets.join("kube-apiserver")).unwrap_or_else(|| "unknown".into())
+    }
+
+    /// Resident memory of the control plane's processes together, in bytes.
     pub fn rss_bytes(&self) -> u64 {
-        [&self.etcd, &self.apiserver, &self.controller_manager]
+        self.processes()
             .iter()
             .filter_map(|p| p.pid())
             .filter_map(|pid| fs::read_to_string(format!("/proc/{pid}/status")).ok())
@@ -502,6 +551,7 @@ impl ControlPlane {
 impl Drop for ControlPlane {
     fn drop(&mut self) {
         // Reverse order of start; the TempDir removes the directory.
+        self.scheduler.kill();
         self.controller_manager.kill();
         self.apiserver.kill();
         self.etcd.kill();

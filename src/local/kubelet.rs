@@ -1,12 +1,18 @@
 //! The kubelet stand-in: plays the kubelet for fake GPU nodes on the local
 //! control plane, where no kubelet (and no container runtime) can run.
 //!
+//! Placement is real: kube-scheduler binds each pod to a node (the operator
+//! only says which, by node affinity); the stand-in plays the node's side.
 //! What it fakes, and nothing more:
 //! - **Nodes.** Registers each declared node with a `Ready` condition and a
-//!   capacity of `nvidia.com/gpu: <gpus>` (plus nominal cpu, memory, pods).
-//!   No heartbeats: nothing here watches node leases.
-//! - **Starting pods.** A pod bound to one of its nodes (`spec.nodeName`) that
-//!   is still `Pending` is marked `Running` and `Ready` (pod conditions and
+//!   capacity and allocatable of `nvidia.com/gpu: <gpus>` plus nominal cpu
+//!   (16), memory (64Gi) and pods (110), which the scheduler fits pods
+//!   against, and takes off the `node.kubernetes.io/not-ready` taint the
+//!   API server puts on a new node (the node lifecycle controller's part,
+//!   which is not run: without heartbeats it would find every node
+//!   unreachable). No heartbeats, no node leases.
+//! - **Starting pods.** A pod the scheduler bound to one of its nodes
+//!   (`spec.nodeName`) that is still `Pending` is marked `Running` and `Ready` (pod conditions and
 //!   one running status per container) after `load_delay`, plus
 //!   `delay_per_gib` for each GiB in the pod's `residency.dev/size`
 //!   annotation, to mimic a model loading into VRAM. No container runs; no
@@ -144,8 +150,27 @@ async fn register_node(nodes: &Api<Node>, node: &FakeNode) -> Result<(), kube::E
     nodes
         .patch_status(&node.name, &pp, &Patch::Apply(&status))
         .await?;
+    // The API server taints a new node not-ready (NoSchedule); the node
+    // lifecycle controller takes the taint off once the node reports
+    // Ready. That controller is not run here (without kubelet heartbeats it
+    // would declare every node unreachable), so the stand-in does its part.
+    let registered = nodes.get(&node.name).await?;
+    let taints = registered.spec.and_then(|s| s.taints).unwrap_or_default();
+    if taints.iter().any(|t| t.key == NOT_READY_TAINT) {
+        let kept: Vec<_> = taints
+            .into_iter()
+            .filter(|t| t.key != NOT_READY_TAINT)
+            .collect();
+        let patch = json!({"spec": {"taints": kept}});
+        nodes
+            .patch(&node.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
+    }
     Ok(())
 }
+
+/// The taint a new node carries until it is Ready.
+const NOT_READY_TAINT: &str = "node.kubernetes.io/not-ready";
 
 async fn run(client: kube::Client, config: Arc<KubeletConfig>) {
     let names: HashSet<String> = config.nodes.iter().map(|n| n.name.clone()).collect();

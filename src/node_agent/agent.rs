@@ -676,10 +676,13 @@ pub async fn run(
     }
     let changed = Arc::new(Notify::new());
     let (store, writer): (Store<ModelResidency>, _) = reflector::store();
+    // Only this node's residencies, selected by the API server (the CRD
+    // declares spec.nodeName selectable): a node agent on each of a
+    // thousand nodes no longer holds and re-lists every residency.
     let watch = tokio::spawn(reflect(
         writer,
         Api::<ModelResidency>::all(client.clone()),
-        watcher::Config::default(),
+        watcher::Config::default().fields(&format!("spec.nodeName={}", config.node)),
         changed.clone(),
         "node agent's residency watch",
     ));

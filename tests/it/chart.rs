@@ -269,7 +269,7 @@ fn chart_lints_and_renders_hardened_least_privilege_manifests() {
 fn kubectl_stdin(env: &TestEnv, args: &[&str], input: &str) -> std::process::Output {
     use std::io::Write;
     let cache = tempfile::tempdir().unwrap();
-    let mut child = Command::new("kubectl")
+    let mut child = Command::new(model_residency::local::control_plane::kubectl())
         .env("KUBECONFIG", env.plane.kubeconfig())
         .arg(format!("--cache-dir={}", cache.path().display()))
         .args(args)

@@ -172,7 +172,7 @@ fn local_cluster_comes_up_with_the_crds_and_says_what_to_run_next() {
     // The CRDs are there: kubectl knows the kinds, and the fake node too.
     let cache = tempfile::tempdir().unwrap();
     let kubectl = |args: &[&str]| {
-        Command::new("kubectl")
+        Command::new(model_residency::local::control_plane::kubectl())
             .env("KUBECONFIG", &kubeconfig)
             .arg(format!("--cache-dir={}", cache.path().display()))
             .args(args)

@@ -265,9 +265,19 @@ async fn standin_pods_answer_real_http_on_their_own_address_until_deleted() {
 async fn control_plane_reports_its_version() {
     let env = test_env("version").await;
     let info = env.client.apiserver_version().await.unwrap();
-    assert_eq!(info.git_version, "v1.20.2");
+    // What /version says is what the binary was stamped with, and it is in
+    // the supported range (1.34-1.37).
+    assert_eq!(info.git_version, env.plane.version());
+    let minor: u32 = info.minor.trim_end_matches('+').parse().unwrap();
+    assert_eq!(info.major, "1");
+    assert!(
+        (34..=37).contains(&minor),
+        "unsupported {}",
+        info.git_version
+    );
     eprintln!(
-        "control plane: started in {:.2} s, {} MiB resident (etcd + apiserver + controller-manager)",
+        "control plane {}: started in {:.2} s, {} MiB resident (etcd, apiserver, controller manager, scheduler)",
+        info.git_version,
         env.plane.startup.as_secs_f64(),
         env.plane.rss_bytes() >> 20
     );

@@ -503,24 +503,37 @@ async fn sixteen_blind_writers_and_a_hundred_models_lose_nothing() {
     .await;
     let c = r.status.as_ref().unwrap().counters;
     assert_eq!(c.loads + c.hits + c.refusals, 100, "{c:?}");
-    // A key that is no model name (no DNS label) names no registry model.
-    demand::load(
+    // A key that is no model name (no DNS label) is refused at admission,
+    // with a sentence that names it; the others stay as they were.
+    let err = demand::load(
         &h.api,
         "gpu",
         "Not_A_Model",
         k8s_openapi::jiff::Timestamp::now(),
     )
     .await
+    .expect_err("a key that is no model name must be refused");
+    assert!(
+        matches!(&err, kube::Error::Api(s) if s.code == 422
+            && s.message.contains("'Not_A_Model' is not one")),
+        "{err}"
+    );
+    // A model name that is in no registry is admitted (an autoscaler may
+    // write it before the registry edit lands) and refused in status.
+    demand::load(
+        &h.api,
+        "gpu",
+        "not-yet",
+        k8s_openapi::jiff::Timestamp::now(),
+    )
+    .await
     .unwrap();
     let r = h
-        .until_state("gpu", "Not_A_Model", ModelState::Refused, 30)
+        .until_state("gpu", "not-yet", ModelState::Refused, 30)
         .await;
-    assert_eq!(
-        model(&r, "Not_A_Model").reason.as_deref(),
-        Some("UnknownModel")
-    );
+    assert_eq!(model(&r, "not-yet").reason.as_deref(), Some("UnknownModel"));
     // An unload is one write that removes one key.
     let r = demand::unload(&h.api, "gpu", "m7").await.unwrap();
-    assert_eq!(r.spec.demand.len(), 100, "m7 gone, Not_A_Model there");
+    assert_eq!(r.spec.demand.len(), 100, "m7 gone, not-yet there");
     assert!(!r.spec.demand.contains_key("m7"));
 }

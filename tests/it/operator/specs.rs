@@ -150,9 +150,12 @@ async fn a_name_too_long_for_labels_is_an_invalid_spec() {
 
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
-async fn ten_thousand_models() {
+async fn a_registry_of_a_thousand_models_keeps_its_status() {
+    // 1000 is the schema's maxItems: the most a registry may hold, so the
+    // object with its status stays under etcd's request limit (at 10,001
+    // models v1.37 refused the status write, 2.37 MB against 2 MiB).
     let h = Harness::start("bad-many").await;
-    let models: Vec<_> = (0..10_000)
+    let models: Vec<_> = (0..999)
         .map(|i| json!({"name": format!("m{i}"), "size": "1Gi"}))
         .chain(std::iter::once(json!({"name": "served", "size": "1Gi",
             "template": {"spec": {"containers": [{"name": "s", "image": "i"}]}}})))
@@ -166,7 +169,7 @@ async fn ten_thousand_models() {
     h.api.create(&PostParams::default(), &r).await.unwrap();
     let r = h.request("gpu", "served").await;
     let s = r.status.as_ref().unwrap();
-    assert_eq!(s.models.len(), 10_001);
+    assert_eq!(s.models.len(), 1000);
     assert_eq!(state(&r, "served").0, ModelState::Loaded);
     assert_eq!(condition(&r, "Ready").status, "True");
 }

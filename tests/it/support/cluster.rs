@@ -68,7 +68,7 @@ impl TestEnv {
     /// ago is always found.
     pub fn kubectl(&self, args: &[&str]) -> Output {
         let cache = tempfile::tempdir().expect("kubectl cache dir");
-        Command::new("kubectl")
+        Command::new(model_residency::local::control_plane::kubectl())
             .env("KUBECONFIG", self.plane.kubeconfig())
             .arg(format!("--cache-dir={}", cache.path().display()))
             .args(["-n", &self.namespace])

@@ -1,0 +1,121 @@
+//! The CEL rules (`x-kubernetes-validations`) the API server checks at
+//! admission. Each answers with a sentence that says what is right, where
+//! a schema `pattern` would answer with its raw regex; the demand map's
+//! (`messageExpression`) also names the key that is wrong, which the API
+//! server cannot show for a map's key. Only facts about one field live here; facts that need another
+//! object (is that model in the registry?) stay conditions, since an
+//! autoscaler may write demand before the registry edit lands.
+//!
+//! The rules are cheap by construction: every string they read has a
+//! `maxLength`, every list a `maxItems`, the demand map a `maxProperties`,
+//! so the API server's cost estimate accepts them (it refuses a CRD whose
+//! worst case is too expensive). A raw CEL string (`r'...'`) carries each
+//! regex, so its backslashes are the regex's own.
+
+use serde_json::{Value, json};
+
+/// DNS label: lowercase alphanumerics and '-', starting and ending with an
+/// alphanumeric. Model names become pod-name parts and label values.
+pub const DNS_LABEL: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
+/// A DNS-1123 subdomain, what the API server accepts as a node's name.
+pub const DNS_SUBDOMAIN: &str =
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$";
+/// One GPU: an index, a `GPU-...` UUID or a `MIG-...` UUID (MIG's own
+/// `MIG-GPU-<uuid>/<gi>/<ci>` form included). Not `all`, `none`, a list or
+/// empty: one object is one GPU's budget.
+pub const ONE_GPU: &str = r"^([0-9]+|GPU-[0-9a-fA-F-]+|MIG-[0-9a-zA-Z/-]+)$";
+/// A positive Kubernetes quantity without sign or milli-units.
+pub const POSITIVE_QUANTITY: &str = r"^\+?(0*[1-9][0-9]*(\.[0-9]*)?|0*\.0*[1-9][0-9]*)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE]\+?[0-9]+)?$";
+/// A normalized absolute path: no `.`, `..` or empty segments, not `/`.
+pub const NORMAL_ABSOLUTE_PATH: &str = r"^(/([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+))+$";
+const SHA256_HEX: &str = "^[0-9a-fA-F]{64}$";
+
+/// `self` (a string) must match `pattern`; else `message` (the API server
+/// shows the field and its value before it).
+fn matching(pattern: &str, message: &str) -> Value {
+    json!([{"rule": format!("self.matches(r'{pattern}')"), "message": message}])
+}
+
+/// `spec.nodeName`.
+pub fn node_name() -> Value {
+    matching(
+        DNS_SUBDOMAIN,
+        "must be a node name: lowercase letters, digits, '-' and '.', starting and ending with a letter or digit",
+    )
+}
+
+/// `spec.device`.
+pub fn one_gpu() -> Value {
+    matching(
+        ONE_GPU,
+        "must name one GPU: its index (0), its UUID (GPU-...) or a MIG instance's (MIG-...); not all, none or a list",
+    )
+}
+
+/// A model's name, in the registry and in a ModelDemand.
+pub fn model_name() -> Value {
+    matching(
+        DNS_LABEL,
+        "must be a model name: lowercase letters, digits and '-', starting and ending with a letter or digit",
+    )
+}
+
+/// `budget` and every `size`.
+pub fn positive_quantity() -> Value {
+    matching(
+        POSITIVE_QUANTITY,
+        "must be a positive size: bytes (\"17179869184\") or a number and a unit (16000Mi, 80Gi, 1.5T); no sign, no milli-units",
+    )
+}
+
+/// An artifact's `mountPath`.
+pub fn mount_path() -> Value {
+    matching(
+        NORMAL_ABSOLUTE_PATH,
+        "must be a normalized absolute path: starting with '/', with no empty, '.' or '..' segments",
+    )
+}
+
+/// An artifact file's `uri`. Prefix tests, not a regex: a regex over
+/// 2048 characters, in 64 files of 1000 models, is past the API server's
+/// cost budget.
+pub fn http_uri() -> Value {
+    json!([{
+        "rule": "self.startsWith('http://') || self.startsWith('https://')",
+        "message": "must be an http:// or https:// URI (the node agent fetches nothing else)",
+    }])
+}
+
+/// An artifact file's `sha256`.
+pub fn sha256() -> Value {
+    matching(SHA256_HEX, "must be a SHA-256: 64 hexadecimal digits")
+}
+
+/// `spec.demand`: every key is a model name. The message names one key
+/// that is not (the first; naming them all costs more than the API server
+/// allows a message at 100,000 keys).
+pub fn demand_keys() -> Value {
+    let bad = format!("size(k) > 63 || !k.matches(r'{DNS_LABEL}')");
+    json!([{
+        "rule": format!("!self.exists(k, {bad})"),
+        "messageExpression": format!(
+            "\"keys are model names (lowercase letters, digits and '-', at most 63), and '\" + self.filter(k, {bad})[0] + \"' is not one\""
+        ),
+    }])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rule_quotes_its_regex_raw() {
+        let rule = &positive_quantity()[0];
+        let text = rule["rule"].as_str().unwrap();
+        assert_eq!(text, format!("self.matches(r'{POSITIVE_QUANTITY}')"));
+        assert!(!POSITIVE_QUANTITY.contains('\''));
+        let demand = &demand_keys()[0];
+        let message = demand["messageExpression"].as_str().unwrap();
+        assert!(message.starts_with("\"keys are model names"), "{message}");
+    }
+}
