@@ -81,7 +81,7 @@ fn main() {
         }
     });
     println!(
-        "control plane RSS at the end: {} MiB (etcd + apiserver + controller-manager)",
+        "control plane RSS at the end: {} MiB (etcd, apiserver, controller manager, scheduler)",
         plane.rss_bytes() >> 20
     );
 }
@@ -462,6 +462,7 @@ async fn scale(client: &kube::Client, counts: &[usize], models: usize, nodes: us
         };
         tokio::time::sleep(Duration::from_secs(wait)).await;
         let steady_writes = ctx.metrics.sum(API_REQUESTS) - before;
+        event_repeats(client, &prefix).await;
         println!(
             "  {count:>5} | {:>8.2} | {:>7.2} | {:>26.2} | {:>20.2} | {per:>18.2} | {reconciles:>10} | {breakdown:>29} | {conflicts:>4} | {steady_writes} in {wait} s",
             created.as_secs_f64(),
@@ -488,6 +489,36 @@ async fn scale(client: &kube::Client, counts: &[usize], models: usize, nodes: us
         );
     }
     api_server_time(client).await;
+}
+
+/// How many of a round's events an event series would fold: events that
+/// repeat one residency, reason and model (what a series is keyed by,
+/// `regarding`, `reason` and `related`) would patch the first one's series
+/// instead of creating an object. Printed as events / distinct keys.
+async fn event_repeats(client: &kube::Client, prefix: &str) {
+    use k8s_openapi::api::events::v1::Event;
+    let events: Api<Event> = Api::namespaced(client.clone(), NS);
+    let Ok(list) = events.list(&Default::default()).await else {
+        println!("    (events not listable)");
+        return;
+    };
+    let mut keys = std::collections::HashSet::new();
+    let mut total = 0usize;
+    for e in &list.items {
+        let regarding = e.regarding.as_ref().and_then(|r| r.name.clone());
+        if !regarding.as_deref().is_some_and(|n| n.starts_with(prefix)) {
+            continue;
+        }
+        total += 1;
+        let related = e.related.as_ref().and_then(|r| r.name.clone());
+        keys.insert((regarding, e.reason.clone(), related));
+    }
+    println!(
+        "    events: {total}, distinct (residency, reason, model): {} -> a series would fold {} ({:.1} %) into patches of existing objects",
+        keys.len(),
+        total - keys.len(),
+        100.0 * (total - keys.len()) as f64 / total.max(1) as f64
+    );
 }
 
 /// Where the API server spent its request time during the run, from its
@@ -648,6 +679,65 @@ async fn memory(plane: &ControlPlane, client: &kube::Client, counts: &[usize]) {
         );
         println!("    file pages: {}", file_pages(op.id()));
     }
+    let _ = op.kill();
+    let _ = op.wait();
+    // A restart at the last count: the initial list of every residency and
+    // pod, as a plain list and as a streaming list (watch-list with
+    // sendInitialEvents), one after the other in the same run.
+    for streaming in [false, true] {
+        restart(plane, total, streaming).await;
+    }
+}
+
+/// Starts `model-residency run` over `count` converged residencies and
+/// reports the time until `/readyz` (its first lists are in) and its peak
+/// RSS by then.
+async fn restart(plane: &ControlPlane, count: usize, streaming: bool) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_model-residency"));
+    cmd.env("KUBECONFIG", plane.kubeconfig())
+        .args([
+            "run",
+            "--namespace",
+            NS,
+            "--http-addr",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    cmd.env("INITIAL_LIST", if streaming { "stream" } else { "list" });
+    let t0 = Instant::now();
+    let mut op = model_residency::local::control_plane::spawn_owned(cmd).unwrap();
+    let ready = loop {
+        let answer = tokio::net::TcpStream::connect(("127.0.0.1", port)).await;
+        if let Ok(mut conn) = answer {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let _ = conn
+                .write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .await;
+            let mut text = String::new();
+            let _ = conn.read_to_string(&mut text).await;
+            if text.starts_with("HTTP/1.1 200") {
+                break t0.elapsed();
+            }
+        }
+        if t0.elapsed() > Duration::from_secs(300) {
+            println!("  restart: not ready in 300 s");
+            break t0.elapsed();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    println!(
+        "  restart over {count} residencies ({}): ready in {:.2} s, peak {:.1} MiB, then {}",
+        if streaming { "streaming list" } else { "list" },
+        ready.as_secs_f64(),
+        mib(status_bytes(op.id(), "VmHWM:")),
+        footprint(op.id()),
+    );
     let _ = op.kill();
     let _ = op.wait();
 }

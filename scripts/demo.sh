@@ -8,7 +8,9 @@ MODEL_RESIDENCY_ASSETS=$(bash scripts/control-plane.sh install)
 export MODEL_RESIDENCY_ASSETS
 HELM=$(bash scripts/helm.sh)
 export HELM
-command -v kubectl >/dev/null || echo "note: kubectl not found; the demo prints its own views only" >&2
+# kubectl comes with the control plane (same version); else the PATH's.
+[ -x "$MODEL_RESIDENCY_ASSETS/kubectl" ] || command -v kubectl >/dev/null \
+  || echo "note: kubectl not found; the demo prints its own views only" >&2
 bash scripts/build-tools.sh
 echo "[demo] building model-residency (release)..." >&2
 cargo build --release --locked --quiet

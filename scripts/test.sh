@@ -25,7 +25,10 @@ provide() {
 # plane (built once, cached under ~/.cache/model-residency) is there. Under
 # CI=true a control plane that cannot be provisioned fails the run; elsewhere
 # those tests are skipped and the closing line counts them as skipped.
+# MODEL_RESIDENCY_K8S_VERSION picks the Kubernetes release (default 1.37.2;
+# 1.34.x for the newest 1.34 pinned); see scripts/control-plane.sh.
 run_ignored=(-- --include-ignored)
+echo "control plane: Kubernetes $(bash scripts/control-plane.sh version)" >&2
 provide MODEL_RESIDENCY_ASSETS scripts/control-plane.sh "the local control plane" || run_ignored=()
 
 # helm for the chart tests (from a PyPI wheel, cached).

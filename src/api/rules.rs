@@ -1,8 +1,7 @@
 //! The CEL rules (`x-kubernetes-validations`) the API server checks at
-//! admission. Each answers with a sentence that says what is right, where
-//! a schema `pattern` would answer with its raw regex; the demand map's
-//! (`messageExpression`) also names the key that is wrong, which the API
-//! server cannot show for a map's key. Only facts about one field live here; facts that need another
+//! admission. Each answers with a sentence (`messageExpression`) that names
+//! the value and says what is right, where a schema `pattern` would answer
+//! with its raw regex; the demand map's names the key that is wrong. Only facts about one field live here; facts that need another
 //! object (is that model in the registry?) stay conditions, since an
 //! autoscaler may write demand before the registry edit lands.
 //!
@@ -30,17 +29,26 @@ pub const POSITIVE_QUANTITY: &str = r"^\+?(0*[1-9][0-9]*(\.[0-9]*)?|0*\.0*[1-9][
 pub const NORMAL_ABSOLUTE_PATH: &str = r"^(/([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+))+$";
 const SHA256_HEX: &str = "^[0-9a-fA-F]{64}$";
 
-/// `self` (a string) must match `pattern`; else `message` (the API server
-/// shows the field and its value before it).
-fn matching(pattern: &str, message: &str) -> Value {
-    json!([{"rule": format!("self.matches(r'{pattern}')"), "message": message}])
+/// `self` (a string) must match `pattern`; else the message is the value,
+/// quoted, and `is_not` (the API server names the field; 1.37 shows the
+/// value too, 1.34 only its type).
+fn matching(pattern: &str, is_not: &str) -> Value {
+    json!([{
+        "rule": format!("self.matches(r'{pattern}')"),
+        "messageExpression": quoted_self(is_not),
+    }])
+}
+
+/// A CEL message: `self` in single quotes, then `rest`.
+fn quoted_self(rest: &str) -> String {
+    format!("\"'\" + self + \"' {rest}\"")
 }
 
 /// `spec.nodeName`.
 pub fn node_name() -> Value {
     matching(
         DNS_SUBDOMAIN,
-        "must be a node name: lowercase letters, digits, '-' and '.', starting and ending with a letter or digit",
+        "is not a node name: lowercase letters, digits, '-' and '.', starting and ending with a letter or digit",
     )
 }
 
@@ -48,7 +56,7 @@ pub fn node_name() -> Value {
 pub fn one_gpu() -> Value {
     matching(
         ONE_GPU,
-        "must name one GPU: its index (0), its UUID (GPU-...) or a MIG instance's (MIG-...); not all, none or a list",
+        "is not one GPU: give its index (0), its UUID (GPU-...) or a MIG instance's (MIG-...); not all, none or a list",
     )
 }
 
@@ -56,7 +64,7 @@ pub fn one_gpu() -> Value {
 pub fn model_name() -> Value {
     matching(
         DNS_LABEL,
-        "must be a model name: lowercase letters, digits and '-', starting and ending with a letter or digit",
+        "is not a model name: lowercase letters, digits and '-', starting and ending with a letter or digit",
     )
 }
 
@@ -64,7 +72,7 @@ pub fn model_name() -> Value {
 pub fn positive_quantity() -> Value {
     matching(
         POSITIVE_QUANTITY,
-        "must be a positive size: bytes (\"17179869184\") or a number and a unit (16000Mi, 80Gi, 1.5T); no sign, no milli-units",
+        "is not a positive size: write bytes (17179869184) or a number and a unit (16000Mi, 80Gi, 1.5T); no sign, no milli-units",
     )
 }
 
@@ -72,7 +80,7 @@ pub fn positive_quantity() -> Value {
 pub fn mount_path() -> Value {
     matching(
         NORMAL_ABSOLUTE_PATH,
-        "must be a normalized absolute path: starting with '/', with no empty, '.' or '..' segments",
+        "is not a normalized absolute path (one that starts with '/' and has no empty, '.' or '..' segments)",
     )
 }
 
@@ -82,13 +90,13 @@ pub fn mount_path() -> Value {
 pub fn http_uri() -> Value {
     json!([{
         "rule": "self.startsWith('http://') || self.startsWith('https://')",
-        "message": "must be an http:// or https:// URI (the node agent fetches nothing else)",
+        "messageExpression": quoted_self("is not an http:// or https:// URI (the node agent fetches nothing else)"),
     }])
 }
 
 /// An artifact file's `sha256`.
 pub fn sha256() -> Value {
-    matching(SHA256_HEX, "must be a SHA-256: 64 hexadecimal digits")
+    matching(SHA256_HEX, "is not a SHA-256 (64 hexadecimal digits)")
 }
 
 /// `spec.demand`: every key is a model name. The message names one key

@@ -47,6 +47,11 @@ pub struct Args {
     /// as the moment the operator saw it (with a ClockSkew event).
     #[arg(long, env = "MAX_CLOCK_SKEW", default_value = "1m", value_parser = parse_duration)]
     max_clock_skew: std::time::Duration,
+    /// How the watches get their initial state: stream (a streaming list,
+    /// less memory at a restart) or list (for API servers with the
+    /// WatchList feature off).
+    #[arg(long, env = "INITIAL_LIST", value_enum, default_value_t)]
+    initial_list: model_residency::operator::InitialList,
 }
 
 pub async fn run(args: Args) -> Result<(), Failure> {
@@ -79,7 +84,12 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         let _ = rx.wait_for(|s| *s).await;
     };
 
-    let ctx = Context::with_options(client.clone(), metrics, args.max_clock_skew);
+    let ctx = Context::with_options(
+        client.clone(),
+        metrics,
+        args.max_clock_skew,
+        args.initial_list,
+    );
     if !args.leader_elect {
         // Ready once the controller's first lists are in.
         model_residency::operator::run(ctx, args.namespace.clone(), stopped(stop_rx), ready).await;

@@ -120,17 +120,20 @@ pub struct Context {
     /// The fast lane takes events while fewer reconciles than this run (0
     /// turns it off).
     pub fast_lane_slots: usize,
+    /// How the residency and pod watches list.
+    pub initial_list: crate::operator::InitialList,
 }
 
 impl Context {
     pub fn new(client: kube::Client) -> Arc<Self> {
-        Self::with_options(client, Arc::default(), DEFAULT_MAX_SKEW)
+        Self::with_options(client, Arc::default(), DEFAULT_MAX_SKEW, Default::default())
     }
 
     pub fn with_options(
         client: kube::Client,
         metrics: Arc<Metrics>,
         max_skew: Duration,
+        initial_list: crate::operator::InitialList,
     ) -> Arc<Self> {
         let reporter = Reporter {
             controller: MANAGER.into(),
@@ -148,6 +151,7 @@ impl Context {
             node_caches: Default::default(),
             turns: Arc::default(),
             fast_lane_slots: fast_lane::FAST_LANE_SLOTS,
+            initial_list,
         })
     }
 }

@@ -4,7 +4,8 @@
 use crate::api::{ModelResidency, ModelSpec};
 use crate::engine::Bytes;
 use crate::residency::labels::{
-    DEVICE_ANNOTATION, MODEL_LABEL, RESIDENCY_LABEL, SIZE_ANNOTATION, TEMPLATE_HASH_ANNOTATION,
+    DEVICE_ANNOTATION, MODEL_LABEL, NODE_ANNOTATION, RESIDENCY_LABEL, SIZE_ANNOTATION,
+    TEMPLATE_HASH_ANNOTATION,
 };
 use k8s_openapi::api::core::v1::{
     Affinity, EnvVar, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod,
@@ -67,7 +68,7 @@ pub struct ModelPod {
     pub failure: Option<Box<str>>,
     /// `creationTimestamp`, to time loads.
     pub created: Option<Box<str>>,
-    /// The node it is bound to.
+    /// The node it is for (its annotation), or bound to.
     pub node: Option<Box<str>>,
     /// The GPU it was given (annotation).
     pub device: Option<Box<str>>,
@@ -127,10 +128,10 @@ impl ModelPod {
                 .creation_timestamp
                 .as_ref()
                 .map(|t| t.0.to_string().into()),
-            node: pod
-                .spec
-                .as_ref()
-                .and_then(|s| s.node_name.as_deref())
+            // The node it is for: bound or not yet (pods from before the
+            // annotation say it only once bound).
+            node: annotation(NODE_ANNOTATION)
+                .or_else(|| pod.spec.as_ref().and_then(|s| s.node_name.clone()))
                 .map(Into::into),
             device: annotation(DEVICE_ANNOTATION).map(Into::into),
             template_hash: annotation(TEMPLATE_HASH_ANNOTATION)
@@ -183,8 +184,9 @@ fn waiting_reason(pod: &Pod) -> Option<String> {
 }
 
 /// Builds the pod for `model` from its template: kept to the residency's
-/// node (for the scheduler to place it there), given the GPU, labelled, annotated with its size and owned by the
-/// residency. Fails with a message when the template is unusable.
+/// node (for the scheduler to place it there), given the GPU, labelled,
+/// annotated with its size and owned by the residency. Fails with a
+/// message when the template is unusable.
 pub fn build_pod(
     residency: &ModelResidency,
     owner: &OwnerReference,
@@ -231,6 +233,7 @@ pub fn build_pod(
     let annotations = meta.annotations.get_or_insert_with(Default::default);
     annotations.insert(SIZE_ANNOTATION.into(), size.to_string());
     annotations.insert(DEVICE_ANNOTATION.into(), residency.spec.device.clone());
+    annotations.insert(NODE_ANNOTATION.into(), residency.spec.node_name.clone());
     annotations.insert(TEMPLATE_HASH_ANNOTATION.into(), format!("{hash:016x}"));
     meta.owner_references = Some(vec![owner.clone()]);
     Ok(Pod {
@@ -355,6 +358,10 @@ mod tests {
         assert_eq!(
             meta.annotations.as_ref().unwrap()[SIZE_ANNOTATION],
             "1073741824"
+        );
+        assert_eq!(
+            meta.annotations.as_ref().unwrap()[NODE_ANNOTATION],
+            "node-a"
         );
         assert_eq!(meta.owner_references.as_ref().unwrap()[0].uid, "u-1");
         let spec = pod.spec.unwrap();

@@ -35,6 +35,9 @@ pub const RESIDENCY_LABEL: &str = "residency.dev/residency";
 pub const SIZE_ANNOTATION: &str = "residency.dev/size";
 /// Annotation on a model pod: the GPU it was given.
 pub const DEVICE_ANNOTATION: &str = "residency.dev/device";
+/// Annotation on a model pod: the node it is kept to (by node affinity),
+/// so a pod the scheduler has not bound yet is known to be for that node.
+pub const NODE_ANNOTATION: &str = "residency.dev/node";
 /// Annotation on a model pod: a hash of the template it was built from, so
 /// a changed template is seen and rolled out.
 pub const TEMPLATE_HASH_ANNOTATION: &str = "residency.dev/template-hash";

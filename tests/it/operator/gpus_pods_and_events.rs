@@ -537,3 +537,56 @@ async fn sixteen_blind_writers_and_a_hundred_models_lose_nothing() {
     assert_eq!(r.spec.demand.len(), 100, "m7 gone, not-yet there");
     assert!(!r.spec.demand.contains_key("m7"));
 }
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn the_scheduler_places_model_pods_and_a_node_that_is_not_there_is_said() {
+    let h = Harness::start("scheduled").await;
+    h.create("gpu", "10Gi", &[("a", "2Gi", false)]).await;
+    // The real node first: kube-scheduler binds the pod there (the
+    // operator set no nodeName, only the affinity).
+    let r = h.request("gpu", "a").await;
+    assert_eq!(model(&r, "a").state, ModelState::Loaded);
+    let pod = h.pods.get(&pod_name("gpu", "a")).await.unwrap();
+    assert_eq!(
+        pod.spec.as_ref().unwrap().node_name.as_deref(),
+        Some(h.node.as_str())
+    );
+    let scheduled = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| {
+            c.iter()
+                .any(|c| c.type_ == "PodScheduled" && c.status == "True")
+        });
+    assert!(scheduled, "{:?}", pod.status);
+    // A node no kubelet registered: the pod waits unscheduled, and the
+    // status says why in the scheduler's words.
+    let gone = h.env.node("nowhere");
+    h.patch_spec("gpu", json!({"nodeName": gone})).await;
+    let r = eventually(30, "the scheduler's reason in status", || async {
+        let r = h.api.get("gpu").await.unwrap();
+        let m = r.status.as_ref()?.model("a")?;
+        let said = m.state == ModelState::Loading
+            && m.message
+                .as_deref()
+                .is_some_and(|t| t.contains("Unschedulable"));
+        said.then_some(r)
+    })
+    .await;
+    let message = model(&r, "a").message.clone().unwrap_or_default();
+    assert!(message.contains("NodeAffinity"), "{message}");
+    // Back to the real node: the unbound pod is known to be for the other
+    // node (its annotation), so it is replaced, and the model loads.
+    h.patch_spec("gpu", json!({"nodeName": h.node})).await;
+    let r = h.until_state("gpu", "a", ModelState::Loaded, 30).await;
+    let pod = h.pods.get(&pod_name("gpu", "a")).await.unwrap();
+    assert_eq!(
+        pod.spec.as_ref().unwrap().node_name.as_deref(),
+        Some(h.node.as_str())
+    );
+    assert_eq!(event_counts(&h, "gpu").await.get("Moved"), Some(&2));
+    let c = r.status.as_ref().unwrap().counters;
+    assert_eq!((c.loads, c.evictions), (1, 0));
+}

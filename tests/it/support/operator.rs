@@ -92,6 +92,7 @@ impl Harness {
             self.env.client.clone(),
             self.ctx.metrics.clone(),
             self.ctx.max_skew,
+            self.ctx.initial_list,
         );
         self.ctx = ctx.clone();
         self.task = Some(tokio::spawn(async move {
