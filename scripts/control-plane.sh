@@ -91,6 +91,7 @@ build_etcd() {
   (cd "$PINS/etcd" && go build -trimpath -ldflags "-s -w" -o "$work/etcd" go.etcd.io/etcd/server/v3) \
     || { rm -rf "$work"; die "go build etcd failed (is the Go module proxy reachable?)"; }
   chmod 755 "$work"
+  mkdir -p "$(dirname "$ETCD_DIR")"
   rm -rf "$ETCD_DIR"
   mv "$work" "$ETCD_DIR"
   log "etcd built in $((SECONDS - t0)) s -> $ETCD_DIR"

@@ -312,23 +312,18 @@ impl ControlPlane {
             "--secure-port=0".into(),
             "--concurrent-gc-syncs=5".into(),
         ];
-        plane.controller_manager = start_process(
-            "kube-controller-manager",
-            &plane.assets.join("kube-controller-manager"),
-            &manager,
-            plane.dir.path(),
-        )?;
+        // Each binary is named as its process is.
+        let (assets, dir) = (plane.assets.clone(), plane.dir.path().to_owned());
+        let start = |name: &'static str, args: &[String]| {
+            start_process(name, &assets.join(name), args, &dir)
+        };
+        plane.controller_manager = start("kube-controller-manager", &manager)?;
         let scheduler = [
             kubeconfig,
             "--leader-elect=false".into(),
             "--secure-port=0".into(),
         ];
-        plane.scheduler = start_process(
-            "kube-scheduler",
-            &plane.assets.join("kube-scheduler"),
-            &scheduler,
-            plane.dir.path(),
-        )?;
+        plane.scheduler = start("kube-scheduler", &scheduler)?;
         plane.start_janitor()?;
         plane.startup = t0.elapsed();
         Ok(plane)

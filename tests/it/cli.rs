@@ -163,6 +163,7 @@ fn local_cluster_comes_up_with_the_crds_and_says_what_to_run_next() {
     }
     let kubeconfig = kubeconfig.unwrap_or_else(|| panic!("no KUBECONFIG in\n{text}"));
     for next in [
+        "local control plane (Kubernetes v1.3",
         "model-residency run",
         "model-residency route",
         "examples/seed-registry.yaml",
@@ -268,6 +269,8 @@ fn the_demo_runs_end_to_end() {
         String::from_utf8_lossy(&out.stderr)
     );
     for want in [
+        // It says which Kubernetes it runs on (1.34-1.37).
+        "   Kubernetes v1.3",
         "answer: \"zimage on seed-gpu-zimage-",
         "HTTP 503",
         "\"code\":\"model_refused\"",
