@@ -565,6 +565,7 @@ fn main() {
         .unwrap();
         let after = router_metric(router_addr, "model_residency_router_demand_writes_total").await;
         let writes = after - before;
+        let failed = router_metric(router_addr, "model_residency_router_demand_write_errors_total").await;
         println!(
             "   {:.0} requests/s, {writes} demand writes in {steady} s = {:.2} writes/s (goal at most 20 / 5 s = 4.00)  {}",
             load.rps,
@@ -584,7 +585,7 @@ fn main() {
             })
             .collect();
         println!(
-            "   shortest gap between two writes of one model: {:.2} s over {} gaps (goal at least 5 s)",
+            "   shortest gap between two writes of one model: {:.2} s over {} gaps (goal at least 5 s); demand writes failed so far: {failed}",
             gaps.iter().min().copied().unwrap_or_default().as_secs_f64(),
             gaps.len()
         );
