@@ -572,7 +572,9 @@ fn main() {
             writes as f64 / steady as f64,
             load.errors
         );
-        let gaps: Vec<Duration> = written
+        // Signed: a pair whose later write carries the earlier time would
+        // otherwise read as a zero gap.
+        let gaps: Vec<f64> = written
             .lock()
             .unwrap()
             .iter()
@@ -580,13 +582,15 @@ fn main() {
             .flat_map(|(_, times)| {
                 times
                     .windows(2)
-                    .map(|w| Duration::try_from(w[1].0.duration_since(w[0].0)).unwrap_or_default())
+                    .map(|w| w[1].0.duration_since(w[0].0).as_secs_f64())
                     .collect::<Vec<_>>()
             })
             .collect();
+        let backwards = gaps.iter().filter(|g| **g < 0.0).count();
+        let short = gaps.iter().filter(|g| (0.0..4.9).contains(*g)).count();
         println!(
-            "   shortest gap between two writes of one model: {:.2} s over {} gaps (goal at least 5 s); demand writes failed so far: {failed}",
-            gaps.iter().min().copied().unwrap_or_default().as_secs_f64(),
+            "   shortest gap between two writes of one model: {:.2} s over {} gaps (goal at least 5 s); {backwards} backwards, {short} under 4.9 s; demand writes failed so far: {failed}",
+            gaps.iter().copied().fold(f64::INFINITY, f64::min),
             gaps.len()
         );
 

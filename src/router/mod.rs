@@ -414,11 +414,14 @@ impl Router {
             .demand_writes
             .get_or_create(&WriteLabels { kind })
             .inc();
-        if let Err(e) = &result {
-            self.metrics.demand_write_errors.inc();
-            tracing::warn!(namespace = %key.0, residency = %key.1, model = %key.2, error = %e, "demand write failed");
-            self.recency.write_failed(key, at);
-            self.retry.notify_waiters();
+        match &result {
+            Ok(_) => self.recency.write_done(key),
+            Err(e) => {
+                self.metrics.demand_write_errors.inc();
+                tracing::warn!(namespace = %key.0, residency = %key.1, model = %key.2, error = %e, "demand write failed");
+                self.recency.write_failed(key, at);
+                self.retry.notify_waiters();
+            }
         }
         result.map(|_| ())
     }

@@ -11,6 +11,11 @@
 //!   in flight are refreshed on the ticks the same way, so a long stream
 //!   keeps its model recent. Steady traffic therefore costs at most one
 //!   write per model per resolution (per router replica).
+//! - One write per model at a time: while one is on its way (an API server
+//!   under load can take seconds), the next waits for the tick after it.
+//!   Two in flight could land out of order, and the older time would
+//!   overwrite the newer one in `spec.demand` (seen in the router bench on
+//!   v1.37: a model's demand going back by 10 s).
 //! - With a zero resolution every hit writes, before it is proxied, in the
 //!   order the hits came: the seed's exact LRU and counters.
 //!
@@ -34,6 +39,9 @@ struct Entry {
     written: Option<Timestamp>,
     /// Hit since the last write.
     dirty: bool,
+    /// A write is on its way (with a resolution; with none every hit
+    /// writes, awaited before it is proxied).
+    writing: bool,
 }
 
 #[derive(Debug)]
@@ -87,11 +95,12 @@ impl Recency {
         let due = entry
             .last_write
             .is_none_or(|t| now.duration_since(t) >= self.resolution);
-        if !due {
+        if !due || (entry.writing && !self.resolution.is_zero()) {
             entry.dirty = true;
             return None;
         }
         entry.dirty = false;
+        entry.writing = true;
         entry.last_write = Some(now);
         let at = self.next_time();
         entry.written = Some(at);
@@ -111,6 +120,7 @@ impl Recency {
             return None;
         }
         entry.dirty = false;
+        entry.writing = true;
         entry.last_write = Some(now);
         let at = self.next_time_after(processed);
         entry.written = Some(at);
@@ -149,12 +159,23 @@ impl Recency {
             .is_some_and(|w| processed.is_some_and(|p| w <= p))
     }
 
+    /// A write for `key` is done: the next may go.
+    pub fn write_done(&self, key: &Key) {
+        let mut entries = self.entries.lock().expect("recency lock");
+        if let Some(e) = entries.get_mut(key) {
+            e.writing = false;
+        }
+    }
+
     /// A write for `key` failed: forget it, so the next request writes again.
     pub fn write_failed(&self, key: &Key, at: Timestamp) {
         let mut entries = self.entries.lock().expect("recency lock");
-        if let Some(e) = entries.get_mut(key).filter(|e| e.written == Some(at)) {
-            e.written = None;
-            e.last_write = None;
+        if let Some(e) = entries.get_mut(key) {
+            e.writing = false;
+            if e.written == Some(at) {
+                e.written = None;
+                e.last_write = None;
+            }
         }
     }
 
@@ -171,9 +192,10 @@ impl Recency {
         let mut due = Vec::new();
         for (key, e) in entries.iter_mut() {
             let old = quiet_for(e).is_none_or(|q| q >= self.resolution);
-            if old && (e.dirty || busy.contains(key)) {
+            if old && !e.writing && (e.dirty || busy.contains(key)) {
                 let at = self.next_time();
                 e.dirty = false;
+                e.writing = true;
                 e.last_write = Some(now);
                 e.written = Some(at);
                 due.push((key.clone(), at));
@@ -183,7 +205,10 @@ impl Recency {
         // small as the traffic (their next request writes at once).
         let forget_after = self.resolution * 4 + Duration::from_secs(60);
         entries.retain(|k, e| {
-            e.dirty || busy.contains(k) || quiet_for(e).is_some_and(|q| q < forget_after)
+            e.dirty
+                || e.writing
+                || busy.contains(k)
+                || quiet_for(e).is_some_and(|q| q < forget_after)
         });
         due
     }
@@ -202,17 +227,39 @@ mod tests {
         let r = Recency::new(Duration::from_secs(5));
         let t0 = Instant::now();
         assert!(r.hit(&key("a"), t0).is_some());
+        r.write_done(&key("a"));
         for ms in [1, 100, 4_000] {
             assert!(r.hit(&key("a"), t0 + Duration::from_millis(ms)).is_none());
         }
         // The tick before the resolution is up writes nothing; after it, one.
         assert!(r.due(t0 + Duration::from_secs(4), &[]).is_empty());
         assert_eq!(r.due(t0 + Duration::from_secs(5), &[]).len(), 1);
+        r.write_done(&key("a"));
         assert!(
             r.due(t0 + Duration::from_secs(10), &[]).is_empty(),
             "no hits since"
         );
         assert!(r.hit(&key("a"), t0 + Duration::from_secs(11)).is_some());
+    }
+
+    #[test]
+    fn one_write_per_model_at_a_time() {
+        let r = Recency::new(Duration::from_secs(5));
+        let t0 = Instant::now();
+        let first = r.hit(&key("a"), t0).unwrap();
+        // Still on its way a resolution later: nothing more is written for
+        // the model, by a hit or by the tick, until it is done.
+        let later = t0 + Duration::from_secs(6);
+        assert!(r.hit(&key("a"), later).is_none());
+        assert!(r.due(later, &[key("a")]).is_empty());
+        assert!(r.hit(&key("b"), later).is_some(), "other models go on");
+        r.write_done(&key("a"));
+        let next = r.due(later, &[]);
+        assert_eq!(next.len(), 1, "the hit while it was on its way counts");
+        assert!(next[0].1 > first);
+        // A failed write lets the next one go too.
+        r.write_failed(&key("a"), next[0].1);
+        assert!(r.hit(&key("a"), later).is_some());
     }
 
     #[test]
@@ -266,9 +313,12 @@ mod tests {
         let r = Recency::new(Duration::from_secs(5));
         let t0 = Instant::now();
         r.hit(&key("a"), t0);
+        r.write_done(&key("a"));
         let busy = [key("a")];
         assert_eq!(r.due(t0 + Duration::from_secs(5), &busy).len(), 1);
+        r.write_done(&key("a"));
         assert_eq!(r.due(t0 + Duration::from_secs(10), &busy).len(), 1);
+        r.write_done(&key("a"));
         assert!(r.due(t0 + Duration::from_secs(15), &[]).is_empty());
     }
 }
