@@ -711,18 +711,11 @@ async fn restart(plane: &ControlPlane, count: usize, streaming: bool) {
     cmd.env("INITIAL_LIST", if streaming { "stream" } else { "list" });
     let t0 = Instant::now();
     let mut op = model_residency::local::control_plane::spawn_owned(cmd).unwrap();
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
     let ready = loop {
-        let answer = tokio::net::TcpStream::connect(("127.0.0.1", port)).await;
-        if let Ok(mut conn) = answer {
-            use tokio::io::{AsyncReadExt, AsyncWriteExt};
-            let _ = conn
-                .write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                .await;
-            let mut text = String::new();
-            let _ = conn.read_to_string(&mut text).await;
-            if text.starts_with("HTTP/1.1 200") {
-                break t0.elapsed();
-            }
+        let answer = model_residency::http::send(addr, "GET", "/readyz", "").await;
+        if answer.is_ok_and(|a| a.status == 200) {
+            break t0.elapsed();
         }
         if t0.elapsed() > Duration::from_secs(300) {
             println!("  restart: not ready in 300 s");

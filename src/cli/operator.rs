@@ -51,7 +51,7 @@ pub struct Args {
     /// less memory at a restart) or list (for API servers with the
     /// WatchList feature off).
     #[arg(long, env = "INITIAL_LIST", value_enum, default_value_t)]
-    initial_list: model_residency::operator::InitialList,
+    initial_list: model_residency::cluster::InitialList,
 }
 
 pub async fn run(args: Args) -> Result<(), Failure> {

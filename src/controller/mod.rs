@@ -121,7 +121,7 @@ pub struct Context {
     /// turns it off).
     pub fast_lane_slots: usize,
     /// How the residency and pod watches list.
-    pub initial_list: crate::operator::InitialList,
+    pub initial_list: crate::cluster::InitialList,
 }
 
 impl Context {
@@ -133,7 +133,7 @@ impl Context {
         client: kube::Client,
         metrics: Arc<Metrics>,
         max_skew: Duration,
-        initial_list: crate::operator::InitialList,
+        initial_list: crate::cluster::InitialList,
     ) -> Arc<Self> {
         let reporter = Reporter {
             controller: MANAGER.into(),

@@ -94,30 +94,6 @@ pub async fn run(
     sync.abort();
 }
 
-/// How the operator's watches get their initial state (and re-list after
-/// a watch is lost).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum InitialList {
-    /// A streaming list (watch-list with `sendInitialEvents`): objects one
-    /// at a time instead of one whole list in memory. At 10,000
-    /// residencies a restart peaked at 67 MiB instead of 82 MiB, ready
-    /// 1.1 s later (docs/performance.md). Needs the API server's WatchList
-    /// feature (beta, on by default in every supported release).
-    #[default]
-    Stream,
-    /// A plain list, then a watch: for API servers with WatchList off.
-    List,
-}
-
-impl InitialList {
-    fn config(self) -> watcher::Config {
-        match self {
-            InitialList::Stream => watcher::Config::default().streaming_lists(),
-            InitialList::List => watcher::Config::default(),
-        }
-    }
-}
-
 /// The residency watch: compacted into the cache, recording deletions and
 /// GPU claims (and waking the residencies sharing a GPU with one that
 /// changed), telling the ModelDemand controller (`changed`, when it runs)
