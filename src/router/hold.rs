@@ -45,6 +45,9 @@ impl Router {
             tokio::select! {
                 changed = rx.changed() => if changed.is_err() { return Err(shutting_down()) },
                 _ = self.retry.notified() => {}
+                // A request written and never processed is written again
+                // after a while (recency::LOST_AFTER): look again then.
+                _ = tokio::time::sleep(RELOOK) => {}
                 _ = tokio::time::sleep_until(deadline) => {
                     return Err(timed_out(model, self.config.load_timeout));
                 }
@@ -91,7 +94,7 @@ impl Router {
                 });
             }
         }
-        self.request_load(snap, &view.homes, model, refused_here)
+        self.request_load(snap, &view.homes, model, refused_here, held)
             .await
             .map(|()| None)
     }
@@ -159,6 +162,7 @@ impl Router {
         homes: &[usize],
         model: &str,
         refused_here: Option<String>,
+        held: &mut Held,
     ) -> Result<(), Refusal> {
         let residencies: Vec<&ModelResidency> =
             homes.iter().map(|&i| &*snap.residencies[i]).collect();
@@ -187,6 +191,18 @@ impl Router {
                 // refusal as they would for any other writer.
                 for j in refusing {
                     let key = key(snap, homes[j], model);
+                    // Refused there for this very request (sent as a load
+                    // while the GPU was not placed yet): counted once.
+                    let processed = recorded_time(
+                        snap.model_status(homes[j], model)
+                            .and_then(|m| m.last_requested.as_deref()),
+                    );
+                    if held.requested
+                        && snap.state(homes[j], model) == ModelState::Refused
+                        && self.recency.processed(&key, processed)
+                    {
+                        continue;
+                    }
                     if let Some(at) = self.recency.hit(&key, Instant::now()) {
                         let _ = self.write(&key, at, "refused").await;
                     }
@@ -203,7 +219,9 @@ impl Router {
             snap.model_status(i, model)
                 .and_then(|m| m.last_requested.as_deref()),
         );
-        if let Some(at) = self.recency.cold(&key, processed, Instant::now())
+        let cold = self.recency.cold(&key, processed, Instant::now());
+        held.requested |= cold.is_some();
+        if let Some(at) = cold
             && let Err(e) = self.write(&key, at, "cold").await
         {
             return Err(Refusal::ModelUnavailable {
@@ -275,11 +293,17 @@ enum AtHomes {
     Nowhere { refused_here: Option<String> },
 }
 
+/// How often a held request looks again with nothing changed.
+const RELOOK: Duration = Duration::from_secs(2);
+
 /// What one held request has seen of its model's load.
 #[derive(Debug, Default)]
 struct Held {
     /// The home that last showed the model admitted (or queued).
     admitted_on: Option<usize>,
+    /// This request wrote a load request (its refusal, if it is refused,
+    /// is counted by it).
+    requested: bool,
     /// How often the model was admitted and then taken away.
     lost: u32,
 }

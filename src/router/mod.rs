@@ -408,6 +408,14 @@ impl Router {
 
     /// Writes a request for `key` at `at` (one merge patch).
     async fn write(&self, key: &Key, at: Timestamp, kind: &'static str) -> Result<(), kube::Error> {
+        let turn = self.recency.write_turn(key);
+        let _turn = turn.lock().await;
+        if self.recency.superseded(key, at) {
+            // A newer request of this key landed first: it stands for this
+            // one too.
+            self.recency.write_done(key);
+            return Ok(());
+        }
         let api: Api<ModelResidency> = Api::namespaced(self.client.clone(), &key.0);
         let result = crate::residency::demand::load(&api, &key.1, &key.2, at).await;
         self.metrics
@@ -415,7 +423,10 @@ impl Router {
             .get_or_create(&WriteLabels { kind })
             .inc();
         match &result {
-            Ok(_) => self.recency.write_done(key),
+            Ok(_) => {
+                self.recency.landed(key, at);
+                self.recency.write_done(key);
+            }
             Err(e) => {
                 self.metrics.demand_write_errors.inc();
                 tracing::warn!(namespace = %key.0, residency = %key.1, model = %key.2, error = %e, "demand write failed");

@@ -31,6 +31,12 @@ use std::time::{Duration, Instant};
 /// hit path never copies the names.
 pub type Key = Arc<(String, String, String)>;
 
+/// How long a request this router wrote may stay unprocessed before it is
+/// taken as lost and written again: a write whose future was dropped (its
+/// client gone mid-write), or that another writer overwrote, would
+/// otherwise leave every later request for the model waiting on it.
+pub const LOST_AFTER: Duration = Duration::from_secs(10);
+
 #[derive(Default, Debug)]
 struct Entry {
     /// When the router last wrote (or started writing) a request for it.
@@ -42,6 +48,10 @@ struct Entry {
     /// A write is on its way (with a resolution; with none every hit
     /// writes, awaited before it is proxied).
     writing: bool,
+    /// Taken for each write of this key, so writes go one at a time.
+    turn: std::sync::Arc<tokio::sync::Mutex<()>>,
+    /// The newest request time a write of this key has landed.
+    landed: Option<Timestamp>,
 }
 
 #[derive(Debug)]
@@ -51,6 +61,21 @@ pub struct Recency {
     /// The last request time handed out: times are strictly increasing, so
     /// requests this router writes are processed in the order they came.
     last_time: Mutex<Timestamp>,
+}
+
+impl Entry {
+    /// Whether a request written for this key is still to be processed (by
+    /// a status that last processed one at `processed`), and recent enough
+    /// to wait for.
+    fn waits(&self, processed: Option<Timestamp>, now: Instant) -> bool {
+        let unprocessed = self
+            .written
+            .is_some_and(|w| processed.is_none_or(|p| w > p));
+        let recent = self
+            .last_write
+            .is_some_and(|t| now.duration_since(t) < LOST_AFTER);
+        unprocessed && recent
+    }
 }
 
 impl Recency {
@@ -113,10 +138,7 @@ impl Recency {
     pub fn cold(&self, key: &Key, processed: Option<Timestamp>, now: Instant) -> Option<Timestamp> {
         let mut entries = self.entries.lock().expect("recency lock");
         let entry = entries.entry(key.clone()).or_default();
-        if entry
-            .written
-            .is_some_and(|w| processed.is_none_or(|p| w > p))
-        {
+        if entry.waits(processed, now) {
             return None;
         }
         entry.dirty = false;
@@ -145,8 +167,7 @@ impl Recency {
         let entries = self.entries.lock().expect("recency lock");
         entries
             .get(key)
-            .and_then(|e| e.written)
-            .is_some_and(|w| processed.is_none_or(|p| w > p))
+            .is_some_and(|e| e.waits(processed, Instant::now()))
     }
 
     /// Whether the router's last request for `key` was processed by the
@@ -157,6 +178,33 @@ impl Recency {
             .get(key)
             .and_then(|e| e.written)
             .is_some_and(|w| processed.is_some_and(|p| w <= p))
+    }
+
+    /// The turn a write of `key` takes (one write per key at a time: a
+    /// load's write and a hit's could otherwise land out of order, and the
+    /// older time overwrite the newer, which the router then waits on for
+    /// ever as unprocessed).
+    pub fn write_turn(&self, key: &Key) -> std::sync::Arc<tokio::sync::Mutex<()>> {
+        let mut entries = self.entries.lock().expect("recency lock");
+        entries.entry(key.clone()).or_default().turn.clone()
+    }
+
+    /// Whether a newer request time than `at` has landed for `key` (so
+    /// writing `at` would move the demand back).
+    pub fn superseded(&self, key: &Key, at: Timestamp) -> bool {
+        let entries = self.entries.lock().expect("recency lock");
+        entries
+            .get(key)
+            .and_then(|e| e.landed)
+            .is_some_and(|l| l > at)
+    }
+
+    /// A write of `at` for `key` landed.
+    pub fn landed(&self, key: &Key, at: Timestamp) {
+        let mut entries = self.entries.lock().expect("recency lock");
+        if let Some(e) = entries.get_mut(key) {
+            e.landed = Some(e.landed.map_or(at, |l| l.max(at)));
+        }
     }
 
     /// A write for `key` is done: the next may go.
@@ -220,6 +268,40 @@ mod tests {
 
     fn key(m: &str) -> Key {
         Arc::new(("ns".into(), "gpu".into(), m.into()))
+    }
+
+    #[test]
+    fn a_request_never_processed_is_written_again_after_a_while() {
+        let r = Recency::new(Duration::ZERO);
+        let t0 = Instant::now();
+        let first = r.cold(&key("a"), None, t0).unwrap();
+        assert!(
+            r.cold(&key("a"), None, t0 + Duration::from_secs(1))
+                .is_none(),
+            "waits for it"
+        );
+        // Never processed (its write lost): written again.
+        let again = r.cold(&key("a"), None, t0 + LOST_AFTER).unwrap();
+        assert!(again > first);
+    }
+
+    #[test]
+    fn an_older_write_never_lands_after_a_newer_one() {
+        let r = Recency::new(Duration::ZERO);
+        let now = Instant::now();
+        let older = r.hit(&key("a"), now).unwrap();
+        let newer = r.cold(&key("a"), Some(older), now).unwrap();
+        assert!(newer > older);
+        // One turn per key: the second writer waits for the first.
+        let turn = r.write_turn(&key("a"));
+        let held = turn.try_lock().unwrap();
+        assert!(r.write_turn(&key("a")).try_lock().is_err());
+        drop(held);
+        // The newer landed first: the older is superseded, not written.
+        r.landed(&key("a"), newer);
+        assert!(r.superseded(&key("a"), older));
+        assert!(!r.superseded(&key("a"), newer));
+        assert!(!r.superseded(&key("b"), older), "another key");
     }
 
     #[test]

@@ -392,7 +392,10 @@ async fn each_error_has_its_status_body_and_headers() {
     let ok_pod: &Pod = pods
         .items
         .iter()
-        .find(|p| p.metadata.labels.as_ref().unwrap()["residency.dev/model"] == "slow")
+        .find(|p| {
+            let labels = p.metadata.labels.as_ref().unwrap();
+            labels.get("residency.dev/model").map(String::as_str) == Some("slow")
+        })
         .unwrap();
     let name = ok_pod.metadata.name.clone().unwrap();
     let body = json!({"status": {"podIP": "127.254.0.1"}});
@@ -542,7 +545,44 @@ async fn two_gpus_placement_follows_the_rule_and_a_storm_loses_nothing() {
     let names = ["a", "b", "c", "d", "e"];
     let sequence: Vec<&str> = (0..240).map(|i| names[(i * 7 + i / 5) % 5]).collect();
     for chunk in sequence.chunks(16) {
-        let answers = join_all(chunk.iter().map(|m| storm.chat(m))).await;
+        let chats = join_all(chunk.iter().map(|m| {
+            let storm = &storm;
+            async move {
+                let a = tokio::time::timeout(Duration::from_secs(60), storm.chat(m)).await;
+                (m, a)
+            }
+        }))
+        .await;
+        let stuck: Vec<&&str> = chats
+            .iter()
+            .filter(|(_, a)| a.is_err())
+            .map(|(m, _)| *m)
+            .collect();
+        if !stuck.is_empty() {
+            let mut states = String::new();
+            for r in ["gpu-0", "gpu-1"] {
+                let r = h.api.get(r).await.unwrap();
+                states.push_str(&format!("{}\n", serde_json::to_string(&r.status).unwrap()));
+                states.push_str(&format!("{:?}\n", r.spec.demand));
+            }
+            let pods = h.pods.list(&Default::default()).await.unwrap();
+            let pods: Vec<_> = pods
+                .items
+                .iter()
+                .map(|p| {
+                    (
+                        p.metadata.name.clone(),
+                        p.status.as_ref().and_then(|s| s.phase.clone()),
+                        p.metadata.deletion_timestamp.is_some(),
+                    )
+                })
+                .collect();
+            panic!(
+                "no answer in 60 s for {stuck:?}\n{states}\npods {pods:?}\nrouter metrics:\n{}",
+                storm.router.metrics.encode()
+            );
+        }
+        let answers: Vec<_> = chats.into_iter().map(|(_, a)| a.unwrap()).collect();
         for (a, m) in answers.iter().zip(chunk) {
             assert_served_by(a, m);
         }
