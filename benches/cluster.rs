@@ -100,7 +100,11 @@ fn residency(name: &str, node: &str, budget: &str, models: &[(String, String)]) 
     serde_json::from_value(json!({
         "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
         "metadata": {"name": name},
-        "spec": {"nodeName": node, "device": gpu_of(name), "budget": budget, "models": models},
+        // Env mode: the scale figures stay comparable with earlier runs (a
+        // GPU of its own per residency, by a uuid no slice publishes); claim
+        // mode's cost per load is the router bench's claim/env comparison.
+        "spec": {"nodeName": node, "device": gpu_of(name), "budget": budget, "models": models,
+                 "gpu": {"mode": "env"}},
     }))
     .unwrap()
 }

@@ -74,7 +74,10 @@ fn residency_json(i: usize) -> String {
                 {"manager": "model-residency", "operation": "Apply", "apiVersion": "residency.dev/v1alpha1",
                     "time": "2026-11-30T07:00:02Z", "fieldsType": "FieldsV1", "subresource": "status",
                     "fieldsV1": {"f:status": {"f:budget": {}, "f:conditions": {}, "f:counters": {}, "f:models": {}}}}]},
+        // Env mode: the GPU conflict index holds every residency (claim
+        // mode's hold none of it; the scheduler decides).
         "spec": {"nodeName": "node-34", "device": i.to_string(), "budget": "8Gi", "models": models,
+            "gpu": {"mode": "env"},
             "demand": {"model-0": "2026-11-30T07:00:01.123456Z"}},
         "status": {"observedGeneration": 2, "budget": "8Gi", "used": "2Gi", "peak": "2Gi",
             "resident": 1, "refused": 0,

@@ -45,7 +45,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use support::{
     arg, bench_args, copy_as_floor, create_namespace, ms, percentile, poke, runtime, start_plane,
-    until_state, watch_poke,
+    until_state, until_state_of, watch_poke,
 };
 
 const NS: &str = "bench-router";
@@ -242,7 +242,8 @@ fn wrk(tools: &Tools, script: &std::path::Path, addr: SocketAddr, conns: usize, 
     }
 }
 
-fn residency(models: &[String]) -> ModelResidency {
+/// Residency `name` on GPU `device` of the node, in `spec.gpu.mode` `mode`.
+fn residency_as(name: &str, device: &str, mode: &str, models: &[String]) -> ModelResidency {
     let models: Vec<_> = models
         .iter()
         .map(|n| json!({"name": n, "size": "1Gi",
@@ -250,21 +251,28 @@ fn residency(models: &[String]) -> ModelResidency {
         .collect();
     serde_json::from_value(json!({
         "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
-        "metadata": {"name": "gpu"},
-        "spec": {"nodeName": NODE, "device": "0", "budget": "64Gi", "models": models},
+        "metadata": {"name": name},
+        "spec": {"nodeName": NODE, "device": device, "budget": "64Gi", "models": models,
+                 "gpu": {"mode": mode}},
     }))
     .unwrap()
 }
 
-/// When each pod of model `cold` was first seen and first seen Ready, by
-/// uid, through a watch.
+/// The served residency: claim mode (the default), on GPU 0.
+fn residency(models: &[String]) -> ModelResidency {
+    residency_as("gpu", "0", "claim", models)
+}
+
+/// When each pod of a model was first seen and first seen Ready, by uid,
+/// through a watch.
 type PodTimes = Arc<Mutex<HashMap<String, (Instant, Option<Instant>)>>>;
 
-fn watch_cold_pods(pods: Api<Pod>) -> PodTimes {
+fn watch_cold_pods(pods: Api<Pod>, model: &str) -> PodTimes {
     let times: PodTimes = Arc::default();
     let out = times.clone();
+    let selector = format!("residency.dev/model={model}");
     tokio::spawn(async move {
-        let config = watcher::Config::default().labels("residency.dev/model=cold");
+        let config = watcher::Config::default().labels(&selector);
         let mut s = std::pin::pin!(watcher(pods, config).applied_objects());
         while let Ok(Some(p)) = s.try_next().await {
             let now = Instant::now();
@@ -389,6 +397,98 @@ async fn start_forwarder(flag: &str, pod: SocketAddr) -> (Proc, SocketAddr) {
     (process, addr)
 }
 
+/// One cold load of `model` (of residency `name`) through the router, and
+/// back to unloaded: its first byte, the router's part (first byte minus
+/// the pod's creation-to-Ready), and that part's pieces.
+struct ColdSample {
+    ttfb: Duration,
+    overhead: Duration,
+    /// Request sent -> the router's demand write seen; -> the pod seen;
+    /// pod Ready -> first byte (when the demand write was seen).
+    parts: Option<(Duration, Duration, Duration)>,
+}
+
+struct ColdRig<'a> {
+    api: &'a Api<ModelResidency>,
+    pods: &'a Api<Pod>,
+    router: SocketAddr,
+    name: &'a str,
+    model: &'a str,
+    times: PodTimes,
+    demanded: DemandSeen,
+}
+
+async fn cold_sample(rig: &ColdRig<'_>) -> ColdSample {
+    let (times, demanded, model) = (&rig.times, &rig.demanded, rig.model);
+    let known: Vec<String> = times.lock().unwrap().keys().cloned().collect();
+    let requests_before = demanded.lock().unwrap().get(model).map_or(0, Vec::len);
+    let body = format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}]}}"#);
+    let sent = Instant::now();
+    let answer = model_residency::http::send(rig.router, "POST", "/v1/chat/completions", &body)
+        .await
+        .unwrap();
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let ttfb = answer.chunks.first().expect("a body").0;
+    // The router may see the pod Ready (and answer) just before this
+    // bench's own watch does.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let (created, ready) = loop {
+        let seen = times
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(uid, _)| !known.contains(uid))
+            .map(|(_, t)| *t);
+        match seen {
+            Some((created, Some(ready))) => break (created, ready),
+            _ if Instant::now() > deadline => panic!("{model}'s new pod was not seen Ready"),
+            _ => tokio::time::sleep(Duration::from_millis(2)).await,
+        }
+    };
+    let requested = demanded
+        .lock()
+        .unwrap()
+        .get(model)
+        .and_then(|times| times.get(requests_before))
+        .map(|&(_, seen)| seen);
+    let parts = requested.map(|requested| {
+        (
+            requested.saturating_duration_since(sent),
+            created.saturating_duration_since(requested),
+            (sent + ttfb).saturating_duration_since(ready),
+        )
+    });
+    model_residency::residency::demand::unload(rig.api, rig.name, model)
+        .await
+        .unwrap();
+    until_state_of(
+        rig.api,
+        rig.name,
+        model,
+        ModelState::Unloaded,
+        Duration::from_secs(60),
+    )
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let selector = format!("residency.dev/model={model}");
+    while !rig
+        .pods
+        .list(&kube::api::ListParams::default().labels(&selector))
+        .await
+        .unwrap()
+        .items
+        .is_empty()
+    {
+        assert!(Instant::now() < deadline, "{model}'s pod never went");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    ColdSample {
+        ttfb,
+        overhead: ttfb.saturating_sub(ready - created),
+        parts,
+    }
+}
+
 fn main() {
     let args = bench_args();
     if let Some(i) = args.iter().position(|a| a == "--bare-forwarder") {
@@ -424,6 +524,12 @@ fn main() {
         api.create(&PostParams::default(), &residency(&all))
             .await
             .unwrap();
+        api.create(
+            &PostParams::default(),
+            &residency_as("gpu-env", "1", "env", &["cold-env".into()]),
+        )
+        .await
+        .unwrap();
         for m in &hot {
             model_residency::residency::demand::load(&api, "gpu", m, k8s_openapi::jiff::Timestamp::now())
                 .await
@@ -613,68 +719,44 @@ fn main() {
         }
         floor.sort();
         shaped_floor.sort();
-        let times = watch_cold_pods(pods.clone());
-        let demanded = watch_demand(api.clone());
-        // Where the router's part goes: until the residency's watch shows
-        // the router's request; from there until the operator's pod shows;
-        // from the pod seen Ready until the first answer byte.
+        // Interleaved, one sample of each in turn: the claim-mode residency
+        // (its claim allocated long before, by its holder pod) and an
+        // env-mode one on another GPU of the same node.
+        let claim_rig = ColdRig {
+            api: &api,
+            pods: &pods,
+            router: router_addr,
+            name: "gpu",
+            model: "cold",
+            times: watch_cold_pods(pods.clone(), "cold"),
+            demanded: watch_demand(api.clone()),
+        };
+        let env_rig = ColdRig {
+            name: "gpu-env",
+            model: "cold-env",
+            times: watch_cold_pods(pods.clone(), "cold-env"),
+            demanded: watch_demand(api.clone()),
+            ..claim_rig
+        };
         let (mut to_demand, mut to_pod, mut to_byte) = (Vec::new(), Vec::new(), Vec::new());
-        let body = r#"{"model":"cold","messages":[{"role":"user","content":"hi"}]}"#;
         let mut overhead = Vec::new();
         let mut ttfbs = Vec::new();
+        let (mut env_ttfbs, mut env_overhead) = (Vec::new(), Vec::new());
         for _ in 0..cold_samples {
-            let known: Vec<String> = times.lock().unwrap().keys().cloned().collect();
-            let requests_before = demanded.lock().unwrap().get("cold").map_or(0, Vec::len);
-            let sent = Instant::now();
-            let answer = model_residency::http::send(router_addr, "POST", "/v1/chat/completions", body)
-                .await
-                .unwrap();
-            assert_eq!(answer.status, 200, "{}", answer.body);
-            let ttfb = answer.chunks.first().expect("a body").0;
-            // The router may see the pod Ready (and answer) just before
-            // this bench's own watch does.
-            let deadline = Instant::now() + Duration::from_secs(5);
-            let (created, ready) = loop {
-                let seen = times
-                    .lock()
-                    .unwrap()
-                    .iter()
-                    .find(|(uid, _)| !known.contains(uid))
-                    .map(|(_, t)| *t);
-                match seen {
-                    Some((created, Some(ready))) => break (created, ready),
-                    _ if Instant::now() > deadline => panic!("the cold model's new pod was not seen Ready"),
-                    _ => tokio::time::sleep(Duration::from_millis(2)).await,
-                }
-            };
-            let pod_ready = ready - created;
-            let requested = demanded
-                .lock()
-                .unwrap()
-                .get("cold")
-                .and_then(|times| times.get(requests_before))
-                .map(|&(_, seen)| seen);
-            if let Some(requested) = requested {
-                to_demand.push(requested.saturating_duration_since(sent));
-                to_pod.push(created.saturating_duration_since(requested));
-                to_byte.push((sent + ttfb).saturating_duration_since(ready));
+            let c = cold_sample(&claim_rig).await;
+            if let Some((d, p, b)) = c.parts {
+                to_demand.push(d);
+                to_pod.push(p);
+                to_byte.push(b);
             }
-            ttfbs.push(ttfb);
-            overhead.push(ttfb.saturating_sub(pod_ready));
-            model_residency::residency::demand::unload(&api, "gpu", "cold").await.unwrap();
-            until_state(&api, "cold", ModelState::Unloaded, Duration::from_secs(60)).await;
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while !pods
-                .list(&kube::api::ListParams::default().labels("residency.dev/model=cold"))
-                .await
-                .unwrap()
-                .items
-                .is_empty()
-            {
-                assert!(Instant::now() < deadline, "cold's pod never went");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            ttfbs.push(c.ttfb);
+            overhead.push(c.overhead);
+            let e = cold_sample(&env_rig).await;
+            env_ttfbs.push(e.ttfb);
+            env_overhead.push(e.overhead);
         }
+        env_ttfbs.sort();
+        env_overhead.sort();
         overhead.sort();
         ttfbs.sort();
         for v in [&mut to_demand, &mut to_pod, &mut to_byte] {
@@ -683,11 +765,20 @@ fn main() {
         let p50 = percentile(&overhead, 0.5);
         let floor50 = percentile(&floor, 0.5);
         println!(
-            "   first byte p50 {:.1} ms (pod creation-to-Ready {:.0} ms of the stand-in's included); router's part p50 {:.1} ms, p99 {:.1} ms",
+            "   claim mode (spec.gpu.mode claim, its claim allocated): first byte p50 {:.1} ms (pod creation-to-Ready {:.0} ms of the stand-in's included); router's part p50 {:.1} ms, p99 {:.1} ms",
             ms(percentile(&ttfbs, 0.5)),
             ms(LOAD_DELAY),
             ms(p50),
             ms(percentile(&overhead, 0.99))
+        );
+        let env50 = percentile(&env_overhead, 0.5);
+        println!(
+            "   env mode, same node, interleaved: first byte p50 {:.1} ms; router's part p50 {:.1} ms, p99 {:.1} ms; claim/env first byte {:.2}x, router's part {:.2}x (goal: the claim costs nothing per load, 1.00x)",
+            ms(percentile(&env_ttfbs, 0.5)),
+            ms(env50),
+            ms(percentile(&env_overhead, 0.99)),
+            percentile(&ttfbs, 0.5).as_secs_f64() / percentile(&env_ttfbs, 0.5).as_secs_f64(),
+            p50.as_secs_f64() / env50.as_secs_f64()
         );
         println!(
             "   of which p50: request sent -> the router's demand write seen {:.1} ms; -> the operator's pod seen {:.1} ms; pod seen Ready -> first byte {:.1} ms",

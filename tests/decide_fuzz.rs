@@ -134,9 +134,11 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
             let mut r = ModelResidency::new(
                 "gpu",
                 ModelResidencySpec {
-                    node_name: "node-a".into(),
+                    node_name: Some("node-a".into()),
                     device: "0".into(),
-                    budget: ByteQuantity(budget),
+                    gpu: Default::default(),
+                    budget: Some(ByteQuantity(budget)),
+                    budget_fraction: None,
                     models,
                     prefetch: 0,
                     keep_alive: Some("5m".into()),
@@ -172,6 +174,7 @@ fn pods() -> impl Strategy<Value = Vec<ModelPod>> {
             },
             ready_since: (live && ready).then(|| base().to_string().into()),
             deleting,
+            access: None,
             failure: (!live).then(|| "boom".into()),
             created: Some(base().to_string().into()),
             // Now and then a pod left on another node (a residency moved).
@@ -214,6 +217,7 @@ proptest! {
         pods in pods(),
         now in 0i64..900,
         conflict in prop::bool::weighted(0.1),
+        withheld_claim in any::<bool>(),
         rejected in prop::collection::btree_set(name(), 0..3),
         skew in 0u64..120,
     ) {
@@ -223,7 +227,19 @@ proptest! {
             rejected.into_iter().map(|m| (m, "rejected".to_owned())).collect();
         let owner = r.controller_owner_ref(&()).unwrap();
         let mut input = Observed::new(&r, owner, &pods, base() + SignedDuration::from_secs(now));
-        input.gpu_holder = conflict.then_some("other/gpu");
+        // Half the GPUs lost are another residency's (declared modes),
+        // half a claim that is not allocated (claim mode).
+        if conflict && withheld_claim {
+            input.gpu = model_residency::residency::gpu::GpuView::Withheld(
+                model_residency::residency::gpu::Withheld {
+                    reason: model_residency::residency::reasons::Reason::GpuUnavailable,
+                    message: "taken".into(),
+                    status: Default::default(),
+                },
+            );
+        } else {
+            input.gpu_holder = conflict.then_some("other/gpu");
+        }
         input.rejected_templates = &rejected;
         input.max_skew = std::time::Duration::from_secs(skew);
         let d = decide(&input);
@@ -237,7 +253,7 @@ proptest! {
             prop_assert!(d.create.is_empty(), "a residency that does not hold its GPU loaded");
             prop_assert_eq!(d.status.resident, 0);
         }
-        let budget = parse_bytes(&r.spec.budget.0).unwrap();
+        let budget = parse_bytes(&r.spec.budget.as_ref().unwrap().0).unwrap();
         let used = parse_bytes(d.status.used.as_deref().unwrap()).unwrap();
         prop_assert!(used <= budget, "used {} > budget {}", used, budget);
         let live_before: u64 = pods.iter().filter(|p| p.phase == PodPhase::Live).map(|p| declared(p, &r)).sum();

@@ -170,9 +170,20 @@ pub async fn until_state(
     want: model_residency::api::ModelState,
     within: Duration,
 ) {
+    until_state_of(api, "gpu", model, want, within).await
+}
+
+/// [`until_state`] for residency `residency`.
+pub async fn until_state_of(
+    api: &Api<model_residency::api::ModelResidency>,
+    residency: &str,
+    model: &str,
+    want: model_residency::api::ModelState,
+    within: Duration,
+) {
     let deadline = Instant::now() + within;
     loop {
-        let r = api.get("gpu").await.unwrap();
+        let r = api.get(residency).await.unwrap();
         let state = r
             .status
             .as_ref()

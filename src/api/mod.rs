@@ -4,6 +4,7 @@
 
 mod artifact;
 mod demand_map;
+mod gpu;
 mod model_demand;
 pub mod rules;
 
@@ -12,6 +13,10 @@ pub use artifact::{
     NodeModelCacheStatus,
 };
 pub use demand_map::DemandMap;
+pub use gpu::{
+    DEFAULT_BUDGET_FRACTION, DEFAULT_DEVICE_CLASS, DEFAULT_GPU_RESOURCE, GpuMode, GpuSpec,
+    GpuStatus, MIG_DEVICE_CLASS,
+};
 pub use model_demand::{ModelDemand, ModelDemandSpec, ModelDemandStatus};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
@@ -31,9 +36,10 @@ use serde::{Deserialize, Deserializer, Serialize};
     shortname = "mres",
     namespaced,
     status = "ModelResidencyStatus",
-    printcolumn = r#"{"name":"Node","type":"string","jsonPath":".spec.nodeName"}"#,
-    printcolumn = r#"{"name":"Device","type":"string","jsonPath":".spec.device"}"#,
-    printcolumn = r#"{"name":"Budget","type":"string","jsonPath":".spec.budget"}"#,
+    printcolumn = r#"{"name":"Node","type":"string","jsonPath":".status.gpu.node"}"#,
+    printcolumn = r#"{"name":"Device","type":"string","jsonPath":".status.gpu.device"}"#,
+    printcolumn = r#"{"name":"UUID","type":"string","jsonPath":".status.gpu.uuid","priority":1}"#,
+    printcolumn = r#"{"name":"Budget","type":"string","jsonPath":".status.budget"}"#,
     printcolumn = r#"{"name":"Used","type":"string","jsonPath":".status.used"}"#,
     printcolumn = r#"{"name":"Resident","type":"integer","jsonPath":".status.resident"}"#,
     printcolumn = r#"{"name":"Loading","type":"integer","jsonPath":".status.loading"}"#,
@@ -42,26 +48,46 @@ use serde::{Deserialize, Deserializer, Serialize};
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
     selectable = ".spec.nodeName",
-    selectable = ".spec.device"
+    selectable = ".spec.device",
+    selectable = ".status.gpu.node"
 )]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = rules::spec()))]
 pub struct ModelResidencySpec {
     /// The node that holds the GPU (a node name: lowercase letters, digits,
     /// '-' and '.'). Every model pod is kept to it by a required node
-    /// affinity on the node's name; the scheduler binds it there.
+    /// affinity on the node's name; the scheduler binds it there. Required
+    /// unless gpu.mode is claim, where the scheduler may choose the node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253), extend("x-kubernetes-validations" = rules::node_name()))]
-    pub node_name: String,
-    /// The GPU on that node: one GPU, as an index ("0"), a UUID ("GPU-...")
-    /// or a MIG instance ("MIG-..."); not "all", "none" or a list. Model pods
-    /// get it as NVIDIA_VISIBLE_DEVICES. Two residencies naming the same node
-    /// and GPU are one budget: the older one holds it, the other loads
-    /// nothing (condition Ready=False, reason GpuConflict).
+    pub node_name: Option<String>,
+    /// The GPU: one GPU, as an index ("0"), a UUID ("GPU-...") or a MIG
+    /// instance ("MIG-..."); not "all", "none" or a list. In claim mode the
+    /// claim selects the device with this index or uuid; otherwise model
+    /// pods get it as NVIDIA_VISIBLE_DEVICES. In devicePlugin and env mode
+    /// two residencies naming the same node and GPU are one budget: the
+    /// older one holds it, the other loads nothing (Ready=False,
+    /// GpuConflict); in claim mode the scheduler gives the device to one
+    /// claim (the other residency says GpuUnavailable).
     #[schemars(length(min = 1, max = 128), extend("x-kubernetes-validations" = rules::one_gpu()))]
     pub device: String,
+    /// How model pods get the GPU: a shared ResourceClaim (claim, the
+    /// default), a device plugin's resource (devicePlugin) or only the
+    /// environment variable (env).
+    #[serde(default, skip_serializing_if = "is_default_gpu")]
+    pub gpu: GpuSpec,
     /// VRAM budget: the most the resident models may declare together. A
     /// positive Kubernetes quantity as a string ("16000Mi", "80Gi") or bytes
-    /// ("17179869184").
-    pub budget: ByteQuantity,
+    /// ("17179869184"). In claim mode it may be omitted: it is then the
+    /// allocated device's memory times budgetFraction; one larger than the
+    /// device's memory is cut to it (condition BudgetExceedsDevice).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<ByteQuantity>,
+    /// The share of the device's memory that is the budget when budget is
+    /// omitted (claim mode): more than 0, at most 1. Default 0.9.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.01, max = 1.0))]
+    pub budget_fraction: Option<f64>,
     /// The model registry: every model this GPU may serve, at most 1000
     /// (the object, status included, must stay well under etcd's request
     /// limit, and the API server's budget for checking it). Keyed by name: server-side apply merges two managers'
@@ -89,6 +115,10 @@ pub struct ModelResidencySpec {
     #[serde(default, skip_serializing_if = "is_zero_u32")]
     #[schemars(range(min = 0, max = 64))]
     pub prefetch: u32,
+}
+
+fn is_default_gpu(g: &GpuSpec) -> bool {
+    *g == GpuSpec::default()
 }
 
 fn is_zero_u32(n: &u32) -> bool {
@@ -179,6 +209,10 @@ pub struct ModelResidencyStatus {
     /// The budget this status was computed against.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget: Option<String>,
+    /// The GPU: its node and device, and in claim mode the claim and what
+    /// the allocated device is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<GpuStatus>,
     /// VRAM declared by the resident models (rounded down to two decimals
     /// when no unit says it exactly).
     #[serde(default, skip_serializing_if = "Option::is_none")]

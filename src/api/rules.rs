@@ -60,6 +60,34 @@ pub fn one_gpu() -> Value {
     )
 }
 
+/// Rules across spec fields: what only claim mode may leave out, and the
+/// fields each mode reads.
+pub fn spec() -> Value {
+    const CLAIM: &str = "(!has(self.gpu) || !has(self.gpu.mode) || self.gpu.mode == 'claim')";
+    json!([
+        {
+            "rule": format!("has(self.nodeName) || {CLAIM}"),
+            "message": "spec.nodeName is required unless spec.gpu.mode is claim (where the scheduler may choose the node)",
+        },
+        {
+            "rule": format!("has(self.budget) || {CLAIM}"),
+            "message": "spec.budget is required unless spec.gpu.mode is claim (where it is the allocated device's memory times spec.budgetFraction)",
+        },
+        {
+            "rule": format!("!has(self.gpu) || !has(self.gpu.existingClaim) || {CLAIM}"),
+            "message": "spec.gpu.existingClaim is for spec.gpu.mode claim only",
+        },
+        {
+            "rule": "!has(self.gpu) || !has(self.gpu.resourceName) || (has(self.gpu.mode) && self.gpu.mode == 'devicePlugin')",
+            "message": "spec.gpu.resourceName is for spec.gpu.mode devicePlugin only",
+        },
+        {
+            "rule": format!("!has(self.budgetFraction) || {CLAIM}"),
+            "message": "spec.budgetFraction is for spec.gpu.mode claim only (the other modes cannot read the device's memory)",
+        },
+    ])
+}
+
 /// A model's name, in the registry and in a ModelDemand.
 pub fn model_name() -> Value {
     matching(

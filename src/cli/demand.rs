@@ -116,7 +116,8 @@ pub fn render_status(r: &ModelResidency) -> String {
     let mut out = String::new();
     let status = r.status.clone().unwrap_or_default();
     let name = r.metadata.name.as_deref().unwrap_or("?");
-    let where_ = format!("{name} on node {} GPU {}", r.spec.node_name, r.spec.device);
+    let node = model_residency::residency::gpu::node_of(r).unwrap_or("(not placed yet)");
+    let where_ = format!("{name} on node {node} GPU {}", r.spec.device);
     let valid = match validate(r) {
         Ok(v) => v,
         Err(problem) => {

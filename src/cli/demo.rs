@@ -99,6 +99,25 @@ fn say(text: &str) {
     println!("\n== {text}");
 }
 
+/// Runs `model-residency gpus` against the demo's control plane, as a
+/// person would.
+fn gpus(kubeconfig: &Path) {
+    println!("$ model-residency gpus");
+    let out = std::env::current_exe().and_then(|exe| {
+        Command::new(exe)
+            .env("KUBECONFIG", kubeconfig)
+            .arg("gpus")
+            .output()
+    });
+    match out {
+        Ok(out) => {
+            print!("{}", String::from_utf8_lossy(&out.stdout));
+            print!("{}", String::from_utf8_lossy(&out.stderr));
+        }
+        Err(e) => println!("(could not run model-residency gpus: {e})"),
+    }
+}
+
 /// Runs kubectl against the demo's control plane and prints the command and
 /// its output, as a person would see them.
 fn kubectl(kubeconfig: &Path, args: &[&str]) {
@@ -118,6 +137,14 @@ fn kubectl(kubeconfig: &Path, args: &[&str]) {
     }
 }
 
+/// The demo's GPU node: the one the example residency names.
+fn demo_node(r: &ModelResidency) -> String {
+    r.spec
+        .node_name
+        .clone()
+        .unwrap_or_else(|| "gpu-node-1".into())
+}
+
 async fn story(
     plane: &ControlPlane,
     residency: ModelResidency,
@@ -134,11 +161,13 @@ async fn story(
         .await
         .map_err(fail("install the CRD"))?;
 
-    let node = residency.spec.node_name.clone();
+    let node = demo_node(&residency);
     say(&format!(
         "Registering fake GPU node {node} with the kubelet stand-in (pods become Ready after {secs_per_gib} s per GiB)"
     ));
     let mut config = KubeletConfig::instant(&[&node]);
+    // Two GPUs: the residency's claim takes one, `gpus` shows the other free.
+    config.nodes[0].gpus = 2;
     config.load_delay = Duration::from_millis(100);
     config.delay_per_gib = Duration::from_secs_f64(secs_per_gib.max(0.0));
     config.terminating_delay = Duration::from_millis(200);
@@ -169,7 +198,22 @@ async fn story(
         .clone()
         .unwrap_or_else(|| NAME.into());
     settle(&api, &name).await?;
-    kubectl(kc, &["get", "mres", "-n", NAMESPACE]);
+    kubectl(kc, &["get", "mres", "-n", NAMESPACE, "-o", "wide"]);
+    say(
+        "Its GPU, the way current clusters grant one (spec.gpu.mode claim, the default): the operator made one ResourceClaim for exactly GPU 0 of the node, and a small holder pod that the scheduler placed, allocating the claim; every model pod will reference the same claim",
+    );
+    kubectl(
+        kc,
+        &[
+            "get",
+            "resourceclaims",
+            "-n",
+            NAMESPACE,
+            "-o",
+            "custom-columns=NAME:.metadata.name,DEVICE:.status.allocation.devices.results[0].device,POOL:.status.allocation.devices.results[0].pool,RESERVED-FOR:.status.reservedFor[*].name",
+        ],
+    );
+    gpus(kc);
 
     let router = start_router(plane).await?;
     let steps: &[(Step, &str)] = &[
@@ -288,7 +332,7 @@ async fn story(
         c.refusals,
         c.unloads,
         s.used.as_deref().unwrap_or("0"),
-        r.spec.budget.0,
+        s.budget.as_deref().unwrap_or("?"),
         s.peak.as_deref().unwrap_or("0"),
     );
     show_metrics(
@@ -402,7 +446,7 @@ async fn disk_tier(
     say(&format!(
         "The node's disk: starting the node agent (model-residency node-agent, as the chart's node-agent ServiceAccount) with a 64Mi disk budget, fetching only from the model store at http://{store}/"
     ));
-    let node = residency.spec.node_name.clone();
+    let node = demo_node(residency);
     let agent = spawn_as(
         plane,
         "node agent",

@@ -5,14 +5,20 @@
 
 use super::Failure;
 use model_residency::local::control_plane::ControlPlane;
-use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
+use model_residency::local::kubelet::{FakeKubelet, FakeNode, KubeletConfig};
 use std::time::Duration;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Fake GPU nodes to register (repeatable).
+    /// Fake GPU nodes to register (repeatable), each with one 80Gi GPU
+    /// unless --gpu says otherwise.
     #[arg(long = "node", default_values_t = ["node-a".to_string()])]
     nodes: Vec<String>,
+    /// A node's GPUs as NODE=COUNTxMEMORY (`--gpu node-a=2x80Gi`,
+    /// repeatable): published in its ResourceSlice as the NVIDIA DRA driver
+    /// does. A node named only here is registered too.
+    #[arg(long = "gpu")]
+    gpus: Vec<FakeNode>,
     /// Seconds a pod takes to become Ready, per GiB of its model.
     #[arg(long, default_value_t = 0.2)]
     load_secs_per_gib: f64,
@@ -40,6 +46,17 @@ pub fn run(args: Args) -> Result<(), Failure> {
             })?;
         let nodes: Vec<&str> = args.nodes.iter().map(String::as_str).collect();
         let mut config = KubeletConfig::instant(&nodes);
+        for gpu in &args.gpus {
+            match config.nodes.iter_mut().find(|n| n.name == gpu.name) {
+                Some(n) => *n = gpu.clone(),
+                None => config.nodes.push(gpu.clone()),
+            }
+        }
+        let described: Vec<String> = config
+            .nodes
+            .iter()
+            .map(|n| format!("{} ({}x{})", n.name, n.gpus, model_residency::quantity::format_bytes(n.gpu_memory)))
+            .collect();
         config.load_delay = Duration::from_millis(200);
         config.delay_per_gib = Duration::from_secs_f64(args.load_secs_per_gib.max(0.0));
         config.terminating_delay = Duration::from_millis(200);
@@ -53,7 +70,7 @@ pub fn run(args: Args) -> Result<(), Failure> {
             "local control plane (Kubernetes {}) ready in {:.1} s; fake GPU nodes: {}",
             plane.version(),
             plane.startup.as_secs_f64(),
-            args.nodes.join(", ")
+            described.join(", ")
         );
         println!("the ModelResidency, ModelDemand and NodeModelCache CRDs are installed");
         println!("export KUBECONFIG={}", plane.kubeconfig().display());

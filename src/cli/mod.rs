@@ -3,6 +3,7 @@
 mod demand;
 #[cfg(feature = "local")]
 mod demo;
+mod gpus;
 #[cfg(feature = "local")]
 mod local_cluster;
 mod node_agent;
@@ -55,6 +56,9 @@ enum Command {
         #[command(subcommand)]
         command: demand::DemandCommand,
     },
+    /// List the cluster's GPUs (from the DRA drivers' ResourceSlices): node,
+    /// device, uuid, product, memory, the residency that holds it, free.
+    Gpus(gpus::Args),
     /// Show a residency: resident models in LRU order, used/budget, and what
     /// loading each other model would evict.
     Status {
@@ -154,6 +158,7 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
             runtime()?.block_on(demand::status(target, residency))
         }
         Command::Simulate(args) => simulate::run(args),
+        Command::Gpus(args) => runtime()?.block_on(gpus::run(args)),
         Command::Crd => {
             for (_, yaml) in model_residency::api::crd_files() {
                 print!("{yaml}");

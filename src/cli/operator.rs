@@ -52,6 +52,10 @@ pub struct Args {
     /// WatchList feature off).
     #[arg(long, env = "INITIAL_LIST", value_enum, default_value_t)]
     initial_list: model_residency::cluster::InitialList,
+    /// The image of the GPU holder pods (claim mode: one per residency,
+    /// keeping its ResourceClaim allocated between loads; docs/gpu.md).
+    #[arg(long, env = "GPU_HOLDER_IMAGE", default_value = model_residency::controller::gpu::objects::DEFAULT_HOLDER_IMAGE)]
+    gpu_holder_image: String,
 }
 
 pub async fn run(args: Args) -> Result<(), Failure> {
@@ -89,6 +93,7 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         metrics,
         args.max_clock_skew,
         args.initial_list,
+        args.gpu_holder_image.clone(),
     );
     if !args.leader_elect {
         // Ready once the controller's first lists are in.

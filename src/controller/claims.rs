@@ -1,4 +1,5 @@
-//! Who holds each GPU. Residencies that name the same node and device
+//! Who holds each declared GPU (devicePlugin and env mode; in claim mode
+//! the scheduler decides). Residencies that name the same node and device
 //! describe one GPU, whose VRAM is one budget: only one of them may use it.
 //! The oldest holds it (creation time, then namespace/name); the others
 //! load nothing until it goes away or moves. Fed from the residency watch,
@@ -43,11 +44,17 @@ impl Claimant {
 /// A GPU: (node, device).
 type Gpu = (Box<str>, Box<str>);
 
-fn gpu_of(r: &ModelResidency) -> Gpu {
-    (
-        r.spec.node_name.as_str().into(),
+/// The GPU a residency declares: devicePlugin and env mode only (in claim
+/// mode the scheduler gives a device to one claim, so no two residencies
+/// can share one).
+fn gpu_of(r: &ModelResidency) -> Option<Gpu> {
+    if r.spec.gpu.mode == crate::api::GpuMode::Claim {
+        return None;
+    }
+    Some((
+        r.spec.node_name.as_deref()?.into(),
         r.spec.device.as_str().into(),
-    )
+    ))
 }
 
 /// Kept small (measured by `cargo bench --bench heap`): a GPU's claimants
@@ -65,9 +72,12 @@ impl Index {
     fn claim(&mut self, r: &ModelResidency) -> Vec<Gpu> {
         let claimant = Claimant::of(r);
         let key = claimant.key();
-        let gpu = gpu_of(r);
+        let old = self.release(&key);
+        let Some(gpu) = gpu_of(r) else {
+            return old.into_iter().collect();
+        };
         let mut changed = vec![gpu.clone()];
-        if let Some(old) = self.release(&key)
+        if let Some(old) = old
             && old != gpu
         {
             changed.push(old);
@@ -143,7 +153,7 @@ impl GpuClaims {
     pub fn holder_other_than(&self, r: &ModelResidency) -> Option<String> {
         let me = Claimant::of(r);
         let guard = self.inner.lock().expect("claims lock");
-        let first = guard.0.by_gpu.get(&gpu_of(r))?.first()?;
+        let first = guard.0.by_gpu.get(&gpu_of(r)?)?.first()?;
         (*first < me).then(|| format!("{}/{}", first.namespace, first.name))
     }
 }
@@ -156,7 +166,8 @@ mod tests {
 
     fn residency(ns: &str, name: &str, created: i64, node: &str, device: &str) -> ModelResidency {
         let spec: ModelResidencySpec = serde_json::from_value(serde_json::json!({
-            "nodeName": node, "device": device, "budget": "16Gi", "models": []
+            "nodeName": node, "device": device, "budget": "16Gi", "models": [],
+            "gpu": {"mode": "env"}
         }))
         .unwrap();
         let mut r = ModelResidency::new(name, spec);

@@ -324,3 +324,121 @@ fn a_panicked_reconcile_is_counted_as_such_and_retried_after_a_minute() {
     assert_eq!(e.metric_label(), "panic");
     assert_eq!(error_delay(&e), Duration::from_secs(60));
 }
+
+/// A claim-mode residency's ResourceClaim as the scheduler leaves it:
+/// allocated on node-a's gpu-0 and reserved for the holder.
+fn allocated_claim() -> k8s_openapi::api::resource::v1::ResourceClaim {
+    serde_json::from_value(json!({
+        "metadata": {"name": "gpu-gpu", "namespace": "ns", "uid": "c-1",
+            "annotations": {"residency.dev/claim-device": "gpu.nvidia.com/0@node-a"},
+            "ownerReferences": [{"apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+                "name": "gpu", "uid": "uid-1", "controller": true}]},
+        "spec": {"devices": {"requests": []}},
+        "status": {
+            "allocation": {
+                "devices": {"results": [{"request": "gpu", "driver": "gpu.nvidia.com", "pool": "node-a", "device": "gpu-0"}]},
+                "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                    {"key": "metadata.name", "operator": "In", "values": ["node-a"]}]}]},
+            },
+            "reservedFor": [{"resource": "pods", "name": "gpu-gpu-holder", "uid": "h-1"}],
+        },
+    }))
+    .unwrap()
+}
+
+fn claim_mode(r: &mut ModelResidency) {
+    r.spec.gpu = crate::api::GpuSpec::default();
+}
+
+#[tokio::test]
+async fn an_allocated_claim_costs_no_request_per_reconcile() {
+    let (ctx, mut handle) = mocked();
+    ctx.gpus.set_served(true);
+    ctx.gpus
+        .record_claim(&kube::runtime::watcher::Event::Apply(allocated_claim()));
+    let slice = serde_json::from_value(json!({
+        "metadata": {"name": "node-a-gpu"},
+        "spec": {"driver": "gpu.nvidia.com", "nodeName": "node-a",
+            "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1},
+            "devices": [{"name": "gpu-0", "attributes": {"index": {"int": 0}, "uuid": {"string": "GPU-a"}},
+                "capacity": {"memory": {"value": "80Gi"}}}]},
+    }))
+    .unwrap();
+    ctx.gpus
+        .record_slice(&kube::runtime::watcher::Event::Apply(slice));
+    let mut r = residency();
+    claim_mode(&mut r);
+    let owner = kube::Resource::controller_owner_ref(&r, &()).unwrap();
+    // A request here would wait for an answer that never comes.
+    let found = tokio::time::timeout(Duration::from_secs(5), super::gpu::find(&r, &owner, &ctx))
+        .await
+        .expect("a request was made")
+        .unwrap();
+    let crate::residency::gpu::GpuView::Placed(p) = found.view else {
+        panic!("not placed");
+    };
+    assert_eq!((p.node.as_str(), p.memory), ("node-a", Some(80 << 30)));
+    assert_eq!(p.status.uuid.as_deref(), Some("GPU-a"));
+    drop(ctx);
+    assert!(handle.next_request().await.is_none());
+}
+
+#[tokio::test]
+async fn a_missing_claim_is_made_and_one_that_asks_for_another_device_is_replaced() {
+    let (ctx, mut handle) = mocked();
+    ctx.gpus.set_served(true);
+    let mut r = residency();
+    claim_mode(&mut r);
+    let owner = kube::Resource::controller_owner_ref(&r, &()).unwrap();
+    let claims = "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims";
+    let answered = tokio::spawn(async move {
+        let made = serde_json::to_value(allocated_claim()).unwrap();
+        let sent = expect(&mut handle, Method::POST, claims, 201, made).await;
+        assert_eq!(sent["metadata"]["name"], "gpu-gpu");
+        let exactly = &sent["spec"]["devices"]["requests"][0]["exactly"];
+        assert_eq!(exactly["count"], 1);
+        let cel = exactly["selectors"][0]["cel"]["expression"]
+            .as_str()
+            .unwrap();
+        assert_eq!(cel, "device.attributes['gpu.nvidia.com'].index == 0");
+        handle
+    });
+    let found = super::gpu::find(&r, &owner, &ctx).await.unwrap();
+    let mut handle = answered.await.unwrap();
+    let crate::residency::gpu::GpuView::Withheld(w) = found.view else {
+        panic!("placed before the claim is allocated");
+    };
+    assert_eq!(w.reason, crate::residency::reasons::Reason::GpuPending);
+    // The spec now names GPU 1: the claim (made for GPU 0) is deleted, with
+    // its holder, before a new one is made.
+    r.spec.device = "1".into();
+    let answered = tokio::spawn(async move {
+        expect(
+            &mut handle,
+            Method::DELETE,
+            &format!("{claims}/gpu-gpu"),
+            200,
+            json!({}),
+        )
+        .await;
+        expect(
+            &mut handle,
+            Method::DELETE,
+            &format!("{PODS}/gpu-gpu-holder"),
+            404,
+            status(404, "NotFound"),
+        )
+        .await;
+    });
+    let found = super::gpu::find(&r, &owner, &ctx).await.unwrap();
+    answered.await.unwrap();
+    let crate::residency::gpu::GpuView::Withheld(w) = found.view else {
+        panic!("placed on a claim for another device");
+    };
+    assert!(
+        w.message
+            .contains("is replaced for gpu.nvidia.com/1@node-a"),
+        "{}",
+        w.message
+    );
+}

@@ -2,7 +2,7 @@
 //! one when the spec turns invalid. Pure; the reconciler publishes them
 //! after the status is written.
 
-use crate::api::{ModelResidency, ModelState, ModelStatus};
+use crate::api::{ModelState, ModelStatus};
 use std::collections::HashMap;
 
 /// An event's reason, which also fixes its type and action.
@@ -25,6 +25,9 @@ pub enum EventReason {
     TemplateChanged,
     InvalidSpec,
     GpuConflict,
+    /// claim mode: the GPU is not this residency's (yet); the message says
+    /// why (the status's Ready reason names it).
+    GpuUnavailable,
     ClockSkew,
 }
 
@@ -43,6 +46,7 @@ impl EventReason {
             EventReason::TemplateChanged => "TemplateChanged",
             EventReason::InvalidSpec => "InvalidSpec",
             EventReason::GpuConflict => "GpuConflict",
+            EventReason::GpuUnavailable => "GpuUnavailable",
             EventReason::ClockSkew => "ClockSkew",
         }
     }
@@ -52,7 +56,9 @@ impl EventReason {
         match self {
             EventReason::Loaded | EventReason::ModelReady | EventReason::LoadFailed => "Load",
             EventReason::Evicted => "Evict",
-            EventReason::Unloaded | EventReason::GpuConflict => "Unload",
+            EventReason::Unloaded | EventReason::GpuConflict | EventReason::GpuUnavailable => {
+                "Unload"
+            }
             EventReason::Refused | EventReason::ClockSkew | EventReason::Queued => "Admit",
             EventReason::Resized | EventReason::Moved | EventReason::TemplateChanged => "Replace",
             EventReason::InvalidSpec => "Validate",
@@ -67,6 +73,7 @@ impl EventReason {
                 | EventReason::LoadFailed
                 | EventReason::InvalidSpec
                 | EventReason::GpuConflict
+                | EventReason::GpuUnavailable
                 | EventReason::ClockSkew
         )
     }
@@ -96,31 +103,30 @@ impl ModelEvent {
 /// Events of pod transitions between two statuses (the counted
 /// operations announce themselves when decided): a model's pod turning
 /// Ready, and each failed load.
+/// `gpu` says where the models are ("node a GPU 0").
 pub fn transition_events(
     prev: &HashMap<&str, &ModelStatus>,
     models: &[ModelStatus],
-    r: &ModelResidency,
+    gpu: &str,
 ) -> Vec<ModelEvent> {
     models
         .iter()
-        .filter_map(|m| transition_event(prev.get(&*m.name).copied(), m, r))
+        .filter_map(|m| transition_event(prev.get(&*m.name).copied(), m, gpu))
         .collect()
 }
 
 fn transition_event(
     before: Option<&ModelStatus>,
     m: &ModelStatus,
-    r: &ModelResidency,
+    gpu: &str,
 ) -> Option<ModelEvent> {
     let was = before.map(|b| b.state);
     match m.state {
         ModelState::Loaded if was != Some(ModelState::Loaded) => {
             let message = format!(
-                "{} is ready ({}) on node {} GPU {}",
+                "{} is ready ({}) on {gpu}",
                 m.name,
                 m.size.as_deref().unwrap_or("?"),
-                r.spec.node_name,
-                r.spec.device
             );
             Some(ModelEvent::about(&m.name, EventReason::ModelReady, message))
         }

@@ -11,6 +11,7 @@ pub mod claims;
 pub mod decide;
 pub mod events;
 pub mod fast_lane;
+pub mod gpu;
 pub mod pod_cache;
 pub mod pods;
 pub mod relist;
@@ -19,6 +20,7 @@ pub mod written;
 
 use crate::api::ModelResidency;
 use crate::metrics::Metrics;
+use crate::residency::gpu::{GpuView, assumed};
 use crate::residency::labels::{MANAGER, MODEL_LABEL, fits_label_value};
 use claims::GpuClaims;
 use decide::{DEFAULT_MAX_SKEW, Decision, Observed, decide};
@@ -48,6 +50,10 @@ pub enum Error {
     DeletePod { pod: String, source: kube::Error },
     #[error("writing the status: {}", describe(.source))]
     PatchStatus { source: kube::Error },
+    #[error("making or deleting ResourceClaim {claim}: {}", describe(.source))]
+    Claim { claim: String, source: kube::Error },
+    #[error("making or deleting GPU holder pod {pod}: {}", describe(.source))]
+    HolderPod { pod: String, source: kube::Error },
     #[error("the object has no {0}")]
     Incomplete(&'static str),
     /// A bug: the reconcile panicked. Only this residency's reconcile
@@ -71,6 +77,8 @@ impl Error {
         match self {
             Error::CreatePod { source, .. }
             | Error::DeletePod { source, .. }
+            | Error::Claim { source, .. }
+            | Error::HolderPod { source, .. }
             | Error::PatchStatus { source } => match source {
                 kube::Error::Api(s) => Some(s.code),
                 _ => None,
@@ -88,6 +96,8 @@ impl Error {
             Error::CreatePod { .. } => "create_pod",
             Error::DeletePod { .. } => "delete_pod",
             Error::PatchStatus { .. } => "patch_status",
+            Error::Claim { .. } => "resource_claim",
+            Error::HolderPod { .. } => "gpu_holder",
             Error::Incomplete(_) => "incomplete",
             Error::Panicked(_) => "panic",
         }
@@ -122,11 +132,21 @@ pub struct Context {
     pub fast_lane_slots: usize,
     /// How the residency and pod watches list.
     pub initial_list: crate::cluster::InitialList,
+    /// The ResourceClaims and published devices (claim mode).
+    pub gpus: gpu::inventory::GpuInventory,
+    /// The image of the GPU holder pods (claim mode).
+    pub gpu_holder_image: String,
 }
 
 impl Context {
     pub fn new(client: kube::Client) -> Arc<Self> {
-        Self::with_options(client, Arc::default(), DEFAULT_MAX_SKEW, Default::default())
+        Self::with_options(
+            client,
+            Arc::default(),
+            DEFAULT_MAX_SKEW,
+            Default::default(),
+            gpu::objects::DEFAULT_HOLDER_IMAGE.into(),
+        )
     }
 
     pub fn with_options(
@@ -134,6 +154,7 @@ impl Context {
         metrics: Arc<Metrics>,
         max_skew: Duration,
         initial_list: crate::cluster::InitialList,
+        gpu_holder_image: String,
     ) -> Arc<Self> {
         let reporter = Reporter {
             controller: MANAGER.into(),
@@ -152,6 +173,8 @@ impl Context {
             turns: Arc::default(),
             fast_lane_slots: fast_lane::FAST_LANE_SLOTS,
             initial_list,
+            gpus: Default::default(),
+            gpu_holder_image,
         })
     }
 }
@@ -342,16 +365,29 @@ async fn reconcile_unguarded(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Resul
     let owner = r
         .controller_owner_ref(&())
         .ok_or(Error::Incomplete("uid"))?;
+    // No claim or holder pod for a residency that cannot own pods.
+    let found = if fits_label_value(&name) {
+        gpu::find(&r, &owner, &ctx).await?
+    } else {
+        gpu::Found {
+            view: GpuView::Placed(assumed(&r)),
+            recheck: None,
+        }
+    };
+    let placement = match &found.view {
+        GpuView::Placed(p) => p.clone(),
+        GpuView::Withheld(_) => assumed(&r),
+    };
     let rejections = if fits_label_value(&name) {
         let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
         ctx.templates
-            .rejected(&pods, &r, &owner, &ctx.metrics)
+            .rejected(&pods, &r, &owner, &placement, &ctx.metrics)
             .await
     } else {
         Default::default()
     };
     let gpu_holder = ctx.claims.holder_other_than(&r);
-    let node_cache = ctx.node_caches.get(&r.spec.node_name);
+    let node_cache = ctx.node_caches.get(&placement.node);
     let mut decision = decide(&Observed {
         residency: &r,
         owner,
@@ -359,13 +395,14 @@ async fn reconcile_unguarded(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Resul
         now: Timestamp::now(),
         max_skew: ctx.max_skew,
         gpu_holder: gpu_holder.as_deref(),
+        gpu: found.view,
         rejected_templates: &rejections.by_model,
         artifacts: node_cache.as_deref(),
     });
     let retry_soon = enact(&r, &ns, &mut decision, &ctx).await?;
     // A rejected template is asked again when its backoff ends (the
     // quota or webhook that rejected it may have changed meanwhile).
-    let requeue_after = [decision.requeue_after, rejections.recheck_in]
+    let requeue_after = [decision.requeue_after, rejections.recheck_in, found.recheck]
         .into_iter()
         .flatten()
         .min();

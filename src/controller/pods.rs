@@ -3,14 +3,16 @@
 
 use crate::api::{ModelResidency, ModelSpec};
 use crate::engine::Bytes;
+use crate::residency::gpu::{Access, CLAIM_REQUEST, Placement};
 use crate::residency::labels::{
-    DEVICE_ANNOTATION, MODEL_LABEL, NODE_ANNOTATION, RESIDENCY_LABEL, SIZE_ANNOTATION,
-    TEMPLATE_HASH_ANNOTATION,
+    DEVICE_ANNOTATION, GPU_ACCESS_ANNOTATION, MODEL_LABEL, NODE_ANNOTATION, RESIDENCY_LABEL,
+    SIZE_ANNOTATION, TEMPLATE_HASH_ANNOTATION,
 };
 use k8s_openapi::api::core::v1::{
-    Affinity, EnvVar, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod,
-    PodSpec, PodTemplateSpec,
+    Affinity, Container, EnvVar, NodeAffinity, NodeSelector, NodeSelectorRequirement,
+    NodeSelectorTerm, Pod, PodResourceClaim, PodSpec, PodTemplateSpec, ResourceClaim,
 };
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
 /// The environment variable that tells a model server which GPU to use.
@@ -72,6 +74,8 @@ pub struct ModelPod {
     pub node: Option<Box<str>>,
     /// The GPU it was given (annotation).
     pub device: Option<Box<str>>,
+    /// How it was given the GPU ([`Access::key`], annotation).
+    pub access: Option<Box<str>>,
     /// The hash of the template it was built from (annotation).
     pub template_hash: Option<u64>,
     /// Why a pod that is not Ready is waiting, in the kubelet's or the
@@ -134,6 +138,7 @@ impl ModelPod {
                 .or_else(|| pod.spec.as_ref().and_then(|s| s.node_name.clone()))
                 .map(Into::into),
             device: annotation(DEVICE_ANNOTATION).map(Into::into),
+            access: annotation(GPU_ACCESS_ANNOTATION).map(Into::into),
             template_hash: annotation(TEMPLATE_HASH_ANNOTATION)
                 .and_then(|h| u64::from_str_radix(&h, 16).ok()),
             waiting: if finished {
@@ -192,6 +197,7 @@ pub fn build_pod(
     owner: &OwnerReference,
     model: &ModelSpec,
     size: Bytes,
+    gpu: &Placement,
 ) -> Result<Pod, String> {
     let template: PodTemplateSpec = match &model.template {
         None => return Err("the model has no pod template".into()),
@@ -203,19 +209,13 @@ pub fn build_pod(
         return Err("the pod template has no containers".into());
     }
     let residency_name = residency.metadata.name.clone().unwrap_or_default();
-    require_node(&mut spec, &residency.spec.node_name);
+    if !gpu.node.is_empty() {
+        require_node(&mut spec, &gpu.node);
+    }
     // The operator retries failed loads itself (with backoff, reported in
     // status); a kubelet restart loop would hide failures from it.
     spec.restart_policy.get_or_insert_with(|| "Never".into());
-    for c in &mut spec.containers {
-        let env = c.env.get_or_insert_with(Vec::new);
-        env.retain(|e| e.name != DEVICE_ENV);
-        env.push(EnvVar {
-            name: DEVICE_ENV.into(),
-            value: Some(residency.spec.device.clone()),
-            value_from: None,
-        });
-    }
+    give_gpu(&mut spec, residency, gpu);
     let hash = template_hash(
         model
             .template
@@ -232,8 +232,9 @@ pub fn build_pod(
     labels.insert(RESIDENCY_LABEL.into(), residency_name);
     let annotations = meta.annotations.get_or_insert_with(Default::default);
     annotations.insert(SIZE_ANNOTATION.into(), size.to_string());
-    annotations.insert(DEVICE_ANNOTATION.into(), residency.spec.device.clone());
-    annotations.insert(NODE_ANNOTATION.into(), residency.spec.node_name.clone());
+    annotations.insert(DEVICE_ANNOTATION.into(), gpu.device.clone());
+    annotations.insert(NODE_ANNOTATION.into(), gpu.node.clone());
+    annotations.insert(GPU_ACCESS_ANNOTATION.into(), gpu.access.key());
     annotations.insert(TEMPLATE_HASH_ANNOTATION.into(), format!("{hash:016x}"));
     meta.owner_references = Some(vec![owner.clone()]);
     Ok(Pod {
@@ -243,6 +244,55 @@ pub fn build_pod(
     })
 }
 
+/// Gives the GPU to the containers spec.gpu.containers names (all by
+/// default), the way the mode says: a reference to the shared claim, one
+/// of the device plugin's resource, or the environment variable alone. In
+/// the first two the variable is dropped (the claim's or the plugin's
+/// device is the one the container sees).
+fn give_gpu(spec: &mut PodSpec, residency: &ModelResidency, gpu: &Placement) {
+    let chosen = &residency.spec.gpu;
+    if let Access::Claim { claim } = &gpu.access {
+        let claims = spec.resource_claims.get_or_insert_with(Vec::new);
+        claims.retain(|c| c.name != CLAIM_REQUEST);
+        claims.push(PodResourceClaim {
+            name: CLAIM_REQUEST.into(),
+            resource_claim_name: Some(claim.clone()),
+            resource_claim_template_name: None,
+        });
+    }
+    let given = |c: &Container| chosen.gives_to(&c.name);
+    for c in spec.containers.iter_mut().filter(|c| given(c)) {
+        let env = c.env.get_or_insert_with(Vec::new);
+        env.retain(|e| e.name != DEVICE_ENV);
+        match &gpu.access {
+            Access::Env => env.push(EnvVar {
+                name: DEVICE_ENV.into(),
+                value: Some(gpu.device.clone()),
+                value_from: None,
+            }),
+            Access::DevicePlugin { resource } => {
+                let resources = c.resources.get_or_insert_with(Default::default);
+                for list in [&mut resources.limits, &mut resources.requests] {
+                    list.get_or_insert_with(Default::default)
+                        .insert(resource.clone(), Quantity("1".into()));
+                }
+            }
+            Access::Claim { .. } => {
+                let resources = c.resources.get_or_insert_with(Default::default);
+                let claims = resources.claims.get_or_insert_with(Vec::new);
+                claims.retain(|r| r.name != CLAIM_REQUEST);
+                claims.push(ResourceClaim {
+                    name: CLAIM_REQUEST.into(),
+                    request: None,
+                });
+            }
+        }
+        if c.env.as_ref().is_some_and(Vec::is_empty) {
+            c.env = None;
+        }
+    }
+}
+
 /// Keeps the pod to `node` through the scheduler: a required node affinity
 /// on the node's name (`matchFields metadata.name`, as the DaemonSet
 /// controller does; a hostname label need not equal the name). The
@@ -250,7 +300,7 @@ pub fn build_pod(
 /// are ORed, so a term left alone would let the pod go elsewhere). A
 /// `nodeName` in the template is dropped: it would bypass the scheduler,
 /// which hardened clusters and device allocation need to see the pod.
-fn require_node(spec: &mut PodSpec, node: &str) {
+pub(crate) fn require_node(spec: &mut PodSpec, node: &str) {
     spec.node_name = None;
     let on_node = NodeSelectorRequirement {
         key: "metadata.name".into(),
@@ -279,8 +329,13 @@ fn require_node(spec: &mut PodSpec, node: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{ByteQuantity, ModelResidencySpec};
+    use crate::api::{ByteQuantity, GpuMode, ModelResidencySpec};
+    use crate::residency::gpu::assumed;
     use serde_json::json;
+
+    fn build(r: &ModelResidency, t: serde_json::Value) -> Result<Pod, String> {
+        build_pod(r, &owner(), &model(t), 1 << 30, &assumed(r))
+    }
 
     /// The node a pod is kept to by [`require_node`], if any.
     fn required_node(spec: &PodSpec) -> Vec<Option<&str>> {
@@ -306,9 +361,14 @@ mod tests {
         let mut r = ModelResidency::new(
             "gpu0",
             ModelResidencySpec {
-                node_name: "node-a".into(),
+                node_name: Some("node-a".into()),
                 device: "GPU-1234".into(),
-                budget: ByteQuantity("16Gi".into()),
+                gpu: crate::api::GpuSpec {
+                    mode: GpuMode::Env,
+                    ..Default::default()
+                },
+                budget: Some(ByteQuantity("16Gi".into())),
+                budget_fraction: None,
                 models: vec![],
                 prefetch: 0,
                 keep_alive: None,
@@ -346,7 +406,7 @@ mod tests {
         let t = json!({"metadata": {"labels": {"app": "z"}}, "spec": {"containers": [
             {"name": "server", "image": "img", "env": [{"name": DEVICE_ENV, "value": "all"}]}
         ]}});
-        let pod = build_pod(&residency(), &owner(), &model(t), 1 << 30).unwrap();
+        let pod = build(&residency(), t).unwrap();
         let meta = &pod.metadata;
         assert_eq!(meta.name, Some(pod_name("gpu0", "zimage")));
         assert!(pod_name("gpu0", "zimage").starts_with("gpu0-zimage-"));
@@ -388,7 +448,7 @@ mod tests {
                     {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["other"]}]},
                 ]}}},
         }});
-        let pod = build_pod(&residency(), &owner(), &model(t), 1 << 30).unwrap();
+        let pod = build(&residency(), t).unwrap();
         let spec = pod.spec.unwrap();
         assert_eq!(spec.node_name, None);
         assert_eq!(required_node(&spec), [Some("node-a"), Some("node-a")]);
@@ -408,6 +468,55 @@ mod tests {
     }
 
     #[test]
+    fn a_claim_is_referenced_by_the_chosen_containers_and_no_variable_is_set() {
+        let mut r = residency();
+        r.spec.gpu = crate::api::GpuSpec {
+            containers: Some(vec!["server".into()]),
+            ..Default::default()
+        };
+        let t = json!({"spec": {"containers": [
+            {"name": "server", "image": "img", "env": [{"name": DEVICE_ENV, "value": "all"}]},
+            {"name": "sidecar", "image": "proxy"},
+        ]}});
+        let pod = build(&r, t).unwrap();
+        let annotations = pod.metadata.annotations.as_ref().unwrap();
+        assert_eq!(annotations[GPU_ACCESS_ANNOTATION], "claim:gpu0-gpu");
+        let spec = pod.spec.unwrap();
+        let claims = spec.resource_claims.as_ref().unwrap();
+        assert_eq!(claims.len(), 1);
+        assert_eq!(claims[0].name, CLAIM_REQUEST);
+        assert_eq!(claims[0].resource_claim_name.as_deref(), Some("gpu0-gpu"));
+        let server = &spec.containers[0];
+        assert_eq!(server.env, None, "the claim's device is the one it sees");
+        let used = server.resources.as_ref().unwrap().claims.as_ref().unwrap();
+        assert_eq!(used[0].name, CLAIM_REQUEST);
+        assert_eq!(spec.containers[1].resources, None, "not chosen");
+        // An existing claim is referenced by its own name.
+        r.spec.gpu.existing_claim = Some("team-gpu".into());
+        let pod = build(&r, json!({"spec": {"containers": [{"name": "server"}]}})).unwrap();
+        let claims = pod.spec.unwrap().resource_claims.unwrap();
+        assert_eq!(claims[0].resource_claim_name.as_deref(), Some("team-gpu"));
+    }
+
+    #[test]
+    fn the_device_plugin_mode_requests_one_resource() {
+        let mut r = residency();
+        r.spec.gpu = crate::api::GpuSpec {
+            mode: GpuMode::DevicePlugin,
+            resource_name: Some("nvidia.com/gpu.shared".into()),
+            ..Default::default()
+        };
+        let pod = build(&r, json!({"spec": {"containers": [{"name": "server"}]}})).unwrap();
+        let c = &pod.spec.as_ref().unwrap().containers[0];
+        let resources = c.resources.as_ref().unwrap();
+        for list in [&resources.limits, &resources.requests] {
+            assert_eq!(list.as_ref().unwrap()["nvidia.com/gpu.shared"].0, "1");
+        }
+        assert_eq!(c.env, None);
+        assert_eq!(pod.spec.unwrap().resource_claims, None);
+    }
+
+    #[test]
     fn pod_names_are_unique_per_residency_and_model() {
         // Two pairs whose names joined with '-' are the same text.
         assert_ne!(pod_name("gpu", "a-b"), pod_name("gpu-a", "b"));
@@ -424,13 +533,13 @@ mod tests {
                 "not a valid PodTemplateSpec",
             ),
         ] {
-            let err = build_pod(&residency(), &owner(), &model(t), 1).unwrap_err();
+            let err = build(&residency(), t).unwrap_err();
             assert!(err.contains(want), "{err}");
         }
         let mut m = model(json!({}));
         m.template = None;
         assert!(
-            build_pod(&residency(), &owner(), &m, 1)
+            build_pod(&residency(), &owner(), &m, 1, &assumed(&residency()))
                 .unwrap_err()
                 .contains("no pod template")
         );

@@ -169,6 +169,7 @@ impl TemplateVerdicts {
         api: &Api<Pod>,
         r: &ModelResidency,
         owner: &OwnerReference,
+        gpu: &crate::residency::gpu::Placement,
         metrics: &Metrics,
     ) -> Rejections {
         let namespace = r.namespace().unwrap_or_default();
@@ -204,7 +205,7 @@ impl TemplateVerdicts {
                 Known::Ask => {
                     // A template that cannot even be built is decide's to
                     // report; the size does not matter to the API server.
-                    let Ok(pod) = build_pod(r, owner, m, 0) else {
+                    let Ok(pod) = build_pod(r, owner, m, 0, gpu) else {
                         continue;
                     };
                     let dry_run = PostParams {

@@ -11,8 +11,18 @@
 //!   API server puts on a new node (the node lifecycle controller's part,
 //!   which is not run: without heartbeats it would find every node
 //!   unreachable). No heartbeats, no node leases.
+//! - **The DRA driver.** For each node it publishes a ResourceSlice as the
+//!   NVIDIA DRA driver's kubelet plugin does (driver `gpu.nvidia.com`, pool
+//!   and slice named after the node, one device `gpu-<i>` per GPU with the
+//!   attributes `type` ("gpu"), `index`, `minor`, `uuid` (a stable
+//!   `GPU-...` made from the node's name and the index), `productName`, and
+//!   the capacity `memory`), and installs the driver's DeviceClass
+//!   `gpu.nvidia.com` when it is missing. No device is prepared (no CDI, no
+//!   driver on a node); allocation is the real scheduler's.
 //! - **Starting pods.** A pod the scheduler bound to one of its nodes
-//!   (`spec.nodeName`) that is still `Pending` is marked `Running` and `Ready` (pod conditions and
+//!   (`spec.nodeName`) that is still `Pending` is started once every
+//!   ResourceClaim it references is allocated and reserved for it (as the
+//!   kubelet waits for them): marked `Running` and `Ready` (pod conditions and
 //!   one running status per container) after `load_delay`, plus
 //!   `delay_per_gib` for each GiB in the pod's `residency.dev/size`
 //!   annotation, to mimic a model loading into VRAM. No container runs; no
@@ -27,7 +37,9 @@
 //!   for it ([`super::model_server`]) on a loopback address of the pod's own
 //!   (its `status.podIP`) and the first container's first `containerPort`
 //!   (8080 if none), and stops it when it finishes the pod's deletion. So
-//!   traffic to a model pod is real HTTP; what answers is not a model. An
+//!   traffic to a model pod is real HTTP; what answers is not a model (a
+//!   GPU holder pod, `residency.dev/gpu-holder`, gets none: it serves
+//!   nothing). An
 //!   address another process holds is skipped for the next one; a pod whose
 //!   server cannot listen at all is marked `Failed`, never Ready.
 //! - **Finishing deletions.** A bound pod whose `deletionTimestamp` is set is
@@ -38,7 +50,7 @@
 
 use super::model_server::{FakeModelServer, Identity, next_pod_ip};
 use crate::quantity::parse_bytes;
-use crate::residency::labels::{MODEL_LABEL, SIZE_ANNOTATION};
+use crate::residency::labels::{GPU_HOLDER_LABEL, MODEL_LABEL, SIZE_ANNOTATION};
 use futures::TryStreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
@@ -65,6 +77,70 @@ const ACTION_RETRY: Duration = Duration::from_millis(500);
 pub struct FakeNode {
     pub name: String,
     pub gpus: u32,
+    /// Each GPU's memory, in bytes (its ResourceSlice capacity).
+    pub gpu_memory: u64,
+}
+
+/// The memory of a stand-in GPU unless said otherwise: an H100's 80 GiB.
+pub const DEFAULT_GPU_MEMORY: u64 = 80 << 30;
+
+/// The product name the stand-in's GPUs publish.
+pub const FAKE_PRODUCT: &str = "NVIDIA H100 80GB HBM3 (kubelet stand-in)";
+
+/// The uuid attribute of GPU `index` of fake node `node`: a `GPU-` UUID
+/// made from both, the same in every run.
+pub fn fake_gpu_uuid(node: &str, index: u32) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in node.bytes().chain(index.to_le_bytes()) {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    let l = h.rotate_left(29) ^ 0x9e37_79b9_7f4a_7c15;
+    format!(
+        "GPU-{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
+        h >> 32,
+        (h >> 16) & 0xffff,
+        h & 0xffff,
+        l >> 48,
+        l & 0xffff_ffff_ffff
+    )
+}
+
+impl std::str::FromStr for FakeNode {
+    type Err = String;
+
+    /// `NODE=COUNTxMEMORY` (`node-a=2x80Gi`), or `NODE=COUNT` for GPUs of
+    /// the default memory.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("{s:?} is not NODE=COUNTxMEMORY (node-a=2x80Gi)");
+        let (name, gpus) = s.split_once('=').ok_or_else(bad)?;
+        if !crate::residency::labels::is_dns_subdomain(name) {
+            return Err(format!("{name:?} is not a node name"));
+        }
+        let (count, memory) = match gpus.split_once('x') {
+            Some((c, m)) => (c, parse_bytes(m).map_err(|e| format!("{s:?}: {e}"))?),
+            None => (gpus, DEFAULT_GPU_MEMORY),
+        };
+        let gpus: u32 = count.parse().map_err(|_| bad())?;
+        if gpus == 0 || gpus > 128 || memory == 0 {
+            return Err(format!("{s:?}: 1 to 128 GPUs of more than 0 bytes"));
+        }
+        Ok(FakeNode {
+            name: name.to_owned(),
+            gpus,
+            gpu_memory: memory,
+        })
+    }
+}
+
+impl FakeNode {
+    /// A node with `gpus` GPUs of the default memory.
+    pub fn new(name: &str, gpus: u32) -> Self {
+        FakeNode {
+            name: name.to_owned(),
+            gpus,
+            gpu_memory: DEFAULT_GPU_MEMORY,
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -84,13 +160,7 @@ impl KubeletConfig {
     /// Nodes with one GPU each, pods ready at once.
     pub fn instant(nodes: &[&str]) -> Self {
         KubeletConfig {
-            nodes: nodes
-                .iter()
-                .map(|n| FakeNode {
-                    name: (*n).to_owned(),
-                    gpus: 1,
-                })
-                .collect(),
+            nodes: nodes.iter().map(|n| FakeNode::new(n, 1)).collect(),
             load_delay: Duration::ZERO,
             delay_per_gib: Duration::ZERO,
             terminating_delay: Duration::ZERO,
@@ -114,8 +184,10 @@ impl FakeKubelet {
     /// Registers the nodes and starts playing their kubelet.
     pub async fn start(client: kube::Client, config: KubeletConfig) -> Result<Self, kube::Error> {
         let nodes: Api<Node> = Api::all(client.clone());
+        install_device_class(&client).await?;
         for node in &config.nodes {
             register_node(&nodes, node).await?;
+            publish_gpus(&client, node).await?;
         }
         let config = Arc::new(config);
         let task = tokio::spawn(run(client, config));
@@ -169,6 +241,103 @@ async fn register_node(nodes: &Api<Node>, node: &FakeNode) -> Result<(), kube::E
     Ok(())
 }
 
+/// The DeviceClass of the NVIDIA DRA driver's chart, when it is missing
+/// (left alone when present: a test may share the control plane).
+async fn install_device_class(client: &kube::Client) -> Result<(), kube::Error> {
+    use k8s_openapi::api::resource::v1::DeviceClass;
+    let classes: Api<DeviceClass> = Api::all(client.clone());
+    let class: DeviceClass = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+        "metadata": {"name": GPU_DRIVER},
+        "spec": {"selectors": [{"cel": {"expression":
+            "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'"}}]},
+    }))
+    .expect("a DeviceClass");
+    match classes
+        .create(&kube::api::PostParams::default(), &class)
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// The driver the stand-in plays.
+pub const GPU_DRIVER: &str = "gpu.nvidia.com";
+
+/// The name of fake node `node`'s ResourceSlice.
+pub fn slice_name(node: &str) -> String {
+    format!("{node}-{GPU_DRIVER}")
+}
+
+/// Publishes the node's GPUs as the NVIDIA DRA driver does.
+async fn publish_gpus(client: &kube::Client, node: &FakeNode) -> Result<(), kube::Error> {
+    use k8s_openapi::api::resource::v1::ResourceSlice;
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let devices: Vec<_> = (0..node.gpus)
+        .map(|i| {
+            json!({
+                "name": format!("gpu-{i}"),
+                "attributes": {
+                    "type": {"string": "gpu"},
+                    "index": {"int": i},
+                    "minor": {"int": i},
+                    "uuid": {"string": fake_gpu_uuid(&node.name, i)},
+                    "productName": {"string": FAKE_PRODUCT},
+                },
+                "capacity": {"memory": {"value": node.gpu_memory.to_string()}},
+            })
+        })
+        .collect();
+    let body = json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+        "metadata": {"name": slice_name(&node.name)},
+        "spec": {
+            "driver": GPU_DRIVER, "nodeName": node.name,
+            "pool": {"name": node.name, "generation": 1, "resourceSliceCount": 1},
+            "devices": devices,
+        },
+    });
+    let pp = PatchParams::apply(MANAGER).force();
+    slices
+        .patch(&slice_name(&node.name), &pp, &Patch::Apply(&body))
+        .await?;
+    Ok(())
+}
+
+/// Whether every claim `pod` references is allocated and reserved for it;
+/// `Err` names the first that is not.
+async fn claims_ready(client: &kube::Client, pod: &Pod) -> Result<(), String> {
+    use k8s_openapi::api::resource::v1::ResourceClaim;
+    let ns = pod.metadata.namespace.as_deref().unwrap_or_default();
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), ns);
+    let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+    let referenced = pod
+        .spec
+        .iter()
+        .flat_map(|s| s.resource_claims.iter().flatten())
+        .filter_map(|c| c.resource_claim_name.as_deref());
+    for name in referenced {
+        let claim = claims.get_opt(name).await.map_err(|e| e.to_string())?;
+        let status = claim.as_ref().and_then(|c| c.status.as_ref());
+        let allocated = status.is_some_and(|s| s.allocation.is_some());
+        let reserved = status
+            .and_then(|s| s.reserved_for.as_ref())
+            .is_some_and(|r| r.iter().any(|c| c.uid == uid));
+        if !(allocated && reserved) {
+            return Err(format!(
+                "claim {name} is not allocated and reserved for the pod"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// How long the stand-in waits for a bound pod's claims (the scheduler
+/// reserves them before it binds, so this is only the watch's lag).
+const CLAIM_WAIT: Duration = Duration::from_secs(30);
+
 /// The taint a new node carries until it is Ready.
 const NOT_READY_TAINT: &str = "node.kubernetes.io/not-ready";
 
@@ -220,6 +389,7 @@ async fn run(client: kube::Client, config: Arc<KubeletConfig>) {
             continue;
         }
         let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+        let client = client.clone();
         let busy = busy.clone();
         let config = config.clone();
         let servers = servers.clone();
@@ -228,6 +398,17 @@ async fn run(client: kube::Client, config: Arc<KubeletConfig>) {
                 tokio::time::sleep(config.terminating_delay).await;
                 servers.lock().expect("servers lock").remove(&uid);
             } else {
+                // As the kubelet: no container starts before its claims
+                // are allocated and reserved for the pod.
+                let waited = tokio::time::Instant::now();
+                while let Err(why) = claims_ready(&client, &pod).await {
+                    if waited.elapsed() > CLAIM_WAIT {
+                        tracing::warn!(pod = %name, "kubelet stand-in: {why}; not started");
+                        busy.lock().expect("busy lock").remove(&key);
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
                 tokio::time::sleep(load_time(&config, &pod)).await;
             }
             // A kubelet keeps at it: an action the API server did not take
@@ -315,8 +496,15 @@ async fn start_pod(
         .and_then(|a| a.get(FAIL_ANNOTATION))
         .cloned();
     let fail = fail.or_else(|| missing_host_dir(&current));
+    let holder = current
+        .metadata
+        .labels
+        .as_ref()
+        .is_some_and(|l| l.contains_key(GPU_HOLDER_LABEL));
     match fail {
         Some(message) => set_failed(api, &current, &message).await,
+        // A GPU holder serves nothing; its "container" just runs.
+        None if holder => set_running(api, &current, next_pod_ip()).await,
         None => match serve(&current, servers, stream_delay).await {
             Ok(ip) => set_running(api, &current, ip).await,
             // A server that cannot listen serves nothing: the pod fails,
@@ -478,6 +666,23 @@ fn kube_time_now() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gpu_nodes_are_read_from_node_count_and_memory() {
+        let n: FakeNode = "node-a=2x40Gi".parse().unwrap();
+        assert_eq!(
+            (n.name.as_str(), n.gpus, n.gpu_memory),
+            ("node-a", 2, 40 << 30)
+        );
+        let n: FakeNode = "b=3".parse().unwrap();
+        assert_eq!((n.gpus, n.gpu_memory), (3, DEFAULT_GPU_MEMORY));
+        for bad in ["node-a", "Node=1", "a=0", "a=2xlots", "a=x80Gi"] {
+            assert!(bad.parse::<FakeNode>().is_err(), "{bad}");
+        }
+        assert_ne!(fake_gpu_uuid("a", 0), fake_gpu_uuid("a", 1));
+        assert_eq!(fake_gpu_uuid("a", 0), fake_gpu_uuid("a", 0), "stable");
+        assert!(fake_gpu_uuid("a", 0).starts_with("GPU-"));
+    }
 
     #[tokio::test]
     async fn a_server_that_cannot_listen_is_an_error_and_a_taken_address_is_skipped() {

@@ -23,6 +23,7 @@ use crate::api::{
 };
 use crate::cluster::{apply_status, reflect};
 use crate::quantity::{format_bytes, parse_bytes};
+use crate::residency::gpu::node_of;
 use crate::residency::labels::NODE_AGENT_MANAGER;
 use crate::residency::state::recorded_time;
 use k8s_openapi::api::core::v1::Pod;
@@ -104,6 +105,23 @@ struct Declared {
     requested: Option<Timestamp>,
 }
 
+/// The residencies of both watches, each once (one that names the node
+/// and was allocated there is in both).
+fn residencies_of(
+    named: &Store<ModelResidency>,
+    placed: &Store<ModelResidency>,
+) -> Vec<Arc<ModelResidency>> {
+    let mut all = named.state();
+    let uids: HashSet<Option<String>> = all.iter().map(|r| r.metadata.uid.clone()).collect();
+    all.extend(
+        placed
+            .state()
+            .into_iter()
+            .filter(|r| !uids.contains(&r.metadata.uid)),
+    );
+    all
+}
+
 /// What the residencies on `node` want on its disk, by cache key.
 fn declared(residencies: &[Arc<ModelResidency>], node: &str) -> HashMap<String, Declared> {
     let mut out: HashMap<String, Declared> = HashMap::new();
@@ -116,7 +134,7 @@ fn declared(residencies: &[Arc<ModelResidency>], node: &str) -> HashMap<String, 
             })
             .or_insert(d);
     };
-    for r in residencies.iter().filter(|r| r.spec.node_name == node) {
+    for r in residencies.iter().filter(|r| node_of(r) == Some(node)) {
         let status = r.status.as_ref();
         let state_of = |m: &str| status.and_then(|s| s.model(m));
         let mut idle = Vec::new();
@@ -169,7 +187,7 @@ fn registry_keys(
 ) -> std::collections::HashSet<String> {
     residencies
         .iter()
-        .filter(|r| r.spec.node_name == node)
+        .filter(|r| node_of(r) == Some(node))
         .flat_map(|r| r.spec.models.iter())
         .filter_map(|m| m.artifact.as_ref().map(|a| a.cache_key(&m.name)))
         .collect()
@@ -677,14 +695,24 @@ pub async fn run(
     let changed = Arc::new(Notify::new());
     let (store, writer): (Store<ModelResidency>, _) = reflector::store();
     // Only this node's residencies, selected by the API server (the CRD
-    // declares spec.nodeName selectable): a node agent on each of a
-    // thousand nodes no longer holds and re-lists every residency.
+    // declares spec.nodeName and status.gpu.node selectable): a node agent
+    // on each of a thousand nodes no longer holds and re-lists every
+    // residency. Two watches: those that name the node, and those (claim
+    // mode, no spec.nodeName) whose claim the scheduler allocated here.
     let watch = tokio::spawn(reflect(
         writer,
         Api::<ModelResidency>::all(client.clone()),
         watcher::Config::default().fields(&format!("spec.nodeName={}", config.node)),
         changed.clone(),
         "node agent's residency watch",
+    ));
+    let (placed, writer): (Store<ModelResidency>, _) = reflector::store();
+    let placed_watch = tokio::spawn(reflect(
+        writer,
+        Api::<ModelResidency>::all(client.clone()),
+        watcher::Config::default().fields(&format!("status.gpu.node={}", config.node)),
+        changed.clone(),
+        "node agent's allocated-residency watch",
     ));
     // The model pods on this node: what they mount stays on the disk.
     let (pods, writer): (Store<Pod>, _) = reflector::store();
@@ -698,11 +726,12 @@ pub async fn run(
         "node agent's pod watch",
     ));
     let _ = store.wait_until_ready().await;
+    let _ = placed.wait_until_ready().await;
     let _ = pods.wait_until_ready().await;
     let mut last = None;
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        agent.step(&store.state(), &pods.state());
+        agent.step(&residencies_of(&store, &placed), &pods.state());
         let used = agent.used();
         let status = agent.status(used);
         metrics.observe(config.budget, used, &status);
@@ -723,6 +752,7 @@ pub async fn run(
         }
     }
     watch.abort();
+    placed_watch.abort();
     pod_watch.abort();
     Ok(())
 }

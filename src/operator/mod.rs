@@ -70,11 +70,15 @@ pub async fn run(
     );
     let pod_events = pod_events(&ctx, pods);
     let cache_events = node_cache_events(ctx.clone(), store.clone()).await;
+    let gpu_events = gpu_events(ctx.clone(), namespace.as_deref(), store.clone()).await;
     let sync = tokio::spawn(mark_synced(store.clone(), ctx.clone(), synced));
     controller
         .reconcile_on(futures::stream::select(
             futures::stream::select(pod_events, claim_rx),
-            futures::stream::select(cache_events, handed_back_rx),
+            futures::stream::select(
+                futures::stream::select(cache_events, handed_back_rx),
+                gpu_events,
+            ),
         ))
         .graceful_shutdown_on(shutdown)
         .run(
@@ -246,12 +250,106 @@ async fn node_cache_events(
             let touched: Vec<ObjectRef<ModelResidency>> = residencies
                 .state()
                 .iter()
-                .filter(|r| nodes.contains(&r.spec.node_name))
+                .filter(|r| {
+                    crate::residency::gpu::node_of(r).is_some_and(|n| nodes.iter().any(|x| x == n))
+                })
                 .map(|r| ObjectRef::from_obj(&**r))
                 .collect();
             futures::stream::iter(touched)
         })
         .boxed()
+}
+
+/// Claim mode's watches, when the cluster serves resource.k8s.io/v1: the
+/// ResourceClaims (each change wakes the residency whose claim it is, by
+/// label, or that names it in spec.gpu.existingClaim) and the
+/// ResourceSlices (the devices, for status.gpu and the budget; a change
+/// wakes the claim-mode residencies, which read their device again).
+async fn gpu_events(
+    ctx: Arc<Context>,
+    namespace: Option<&str>,
+    residencies: reflector::Store<ModelResidency>,
+) -> futures::stream::BoxStream<'static, ObjectRef<ModelResidency>> {
+    use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+    let claims: Api<ResourceClaim> = crate::cluster::api_in(&ctx.client, namespace);
+    let served = claims
+        .list_metadata(&kube::api::ListParams::default().limit(1))
+        .await;
+    match &served {
+        Ok(_) => ctx.gpus.set_served(true),
+        Err(e) => {
+            tracing::info!(error = %e, "ResourceClaims (resource.k8s.io/v1) are not served or not readable: residencies in claim mode wait with Ready=False");
+            let why = match e {
+                kube::Error::Api(s) if s.code == 404 => {
+                    "this cluster serves no resource.k8s.io/v1 ResourceClaims (Kubernetes 1.34 or later with DRA): set spec.gpu.mode to devicePlugin or env".to_owned()
+                }
+                kube::Error::Api(s) if s.code == 403 => format!(
+                    "the operator may not list resourceclaims.resource.k8s.io ({}): its ClusterRole needs the claim rules of the chart's (docs/gpu.md); restart it after",
+                    s.message
+                ),
+                e => format!("the operator could not list ResourceClaims at start ({e}); restart it"),
+            };
+            ctx.gpus.set_unserved(why);
+            return futures::stream::empty().boxed();
+        }
+    }
+    let slices: Api<ResourceSlice> = Api::all(ctx.client.clone());
+    let slice_ctx = ctx.clone();
+    let slice_store = residencies.clone();
+    let slice_events = watcher(slices, watcher::Config::default())
+        .default_backoff()
+        .flat_map(move |event| {
+            let touched = match &event {
+                Ok(ev) => {
+                    slice_ctx.gpus.record_slice(ev);
+                    match ev {
+                        watcher::Event::Apply(_) | watcher::Event::Delete(_) => slice_store
+                            .state()
+                            .iter()
+                            .filter(|r| r.spec.gpu.mode == crate::api::GpuMode::Claim)
+                            .map(|r| ObjectRef::from_obj(&**r))
+                            .collect(),
+                        _ => Vec::new(),
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "ResourceSlice watch");
+                    Vec::new()
+                }
+            };
+            futures::stream::iter(touched)
+        });
+    let claim_events = watcher(claims, watcher::Config::default())
+        .default_backoff()
+        .flat_map(move |event| {
+            let touched: Vec<ObjectRef<ModelResidency>> = match &event {
+                Ok(ev) => ctx
+                    .gpus
+                    .record_claim(ev)
+                    .into_iter()
+                    .flat_map(|(ns, claim, label)| match label {
+                        // A claim the operator made names its residency.
+                        Some(name) => vec![ObjectRef::new(&name).within(&ns)],
+                        // Someone else's: the residencies that name it.
+                        None => residencies
+                            .state()
+                            .iter()
+                            .filter(|r| r.metadata.namespace.as_deref() == Some(ns.as_str()))
+                            .filter(|r| {
+                                r.spec.gpu.existing_claim.as_deref() == Some(claim.as_str())
+                            })
+                            .map(|r| ObjectRef::from_obj(&**r))
+                            .collect(),
+                    })
+                    .collect(),
+                Err(e) => {
+                    tracing::debug!(error = %e, "ResourceClaim watch");
+                    Vec::new()
+                }
+            };
+            futures::stream::iter(touched)
+        });
+    futures::stream::select(slice_events, claim_events).boxed()
 }
 
 /// Sets `synced` once the residency store and the pod cache hold their

@@ -9,6 +9,8 @@ use k8s_openapi::jiff::Timestamp;
 pub const READY: &str = "Ready";
 pub const REFUSED: &str = "Refused";
 pub const DEGRADED: &str = "Degraded";
+/// True while spec.budget is cut to the device's memory (claim mode).
+pub const BUDGET_EXCEEDS_DEVICE: &str = "BudgetExceedsDevice";
 
 /// Builds conditions against the previous ones, keeping each one's
 /// `lastTransitionTime` unless its status flips.
@@ -63,15 +65,15 @@ impl<'a> ConditionSet<'a> {
 /// Ready, Refused and Degraded for a set of model states.
 ///
 /// Ready says the residency is healthy and converging: a model loading is
-/// normal (the count of loading models is in status), so only a GPU held by
-/// another residency makes it False here (an invalid spec is decided
-/// elsewhere). Degraded stays True from a failed load until a load of that
+/// normal (the count of loading models is in status), so only a GPU that is
+/// not this residency's (`withheld`: the reason and message) makes it False
+/// here (an invalid spec is decided elsewhere). Degraded stays True from a failed load until a load of that
 /// model succeeds or it is no longer wanted, and while a template is
 /// invalid.
 pub fn model_conditions(
     set: &mut ConditionSet<'_>,
     models: &[ModelStatus],
-    conflict: Option<&str>,
+    withheld: Option<(&str, &str)>,
 ) {
     let resident: Vec<&ModelStatus> = models.iter().filter(|m| m.is_resident()).collect();
     let loaded = resident
@@ -83,8 +85,8 @@ pub fn model_conditions(
         .filter(|m| matches!(m.state, ModelState::Loading | ModelState::Fetching))
         .map(|m| &*m.name)
         .collect();
-    match conflict {
-        Some(message) => set.set(READY, false, "GpuConflict", message.to_owned()),
+    match withheld {
+        Some((reason, message)) => set.set(READY, false, reason, message.to_owned()),
         None if loading.is_empty() => {
             let message = match loaded {
                 0 => "no models resident".to_owned(),

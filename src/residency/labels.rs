@@ -38,6 +38,17 @@ pub const DEVICE_ANNOTATION: &str = "residency.dev/device";
 /// Annotation on a model pod: the node it is kept to (by node affinity),
 /// so a pod the scheduler has not bound yet is known to be for that node.
 pub const NODE_ANNOTATION: &str = "residency.dev/node";
+/// Annotation on a model pod: how it was given the GPU (`env`,
+/// `devicePlugin:<resource>`, `claim:<claim>`), so a pod made for another
+/// way is replaced.
+pub const GPU_ACCESS_ANNOTATION: &str = "residency.dev/gpu-access";
+/// Label on a GPU holder pod (claim mode): the residency whose claim it
+/// keeps allocated. Not the residency label: it is no model pod.
+pub const GPU_HOLDER_LABEL: &str = "residency.dev/gpu-holder";
+/// Annotation on a claim the operator made: spec.device and the
+/// DeviceClass it selects, so a changed spec replaces the claim (a claim's
+/// spec cannot change).
+pub const CLAIM_DEVICE_ANNOTATION: &str = "residency.dev/claim-device";
 /// Annotation on a model pod: a hash of the template it was built from, so
 /// a changed template is seen and rolled out.
 pub const TEMPLATE_HASH_ANNOTATION: &str = "residency.dev/template-hash";

@@ -51,6 +51,20 @@ pub enum Reason {
     Idle,
     /// Unloaded (or not loaded) because another residency holds the GPU.
     GpuConflict,
+    /// claim mode: the claim is being made, replaced or allocated.
+    GpuPending,
+    /// claim mode: the scheduler cannot allocate the claim (another claim
+    /// holds the device, say); its reason is in the message.
+    GpuUnavailable,
+    /// claim mode: the claim's DeviceClass does not exist.
+    DeviceClassMissing,
+    /// claim mode: the node publishes no devices of the class's driver.
+    NoGpuDriver,
+    /// claim mode: no published device has the index or uuid of spec.device.
+    NoSuchGpu,
+    /// claim mode: spec.gpu.existingClaim names no claim, or the claim the
+    /// operator would make is someone else's.
+    ClaimMissing,
     /// Refused: larger than the whole budget.
     LargerThanBudget,
     /// Refused: fits only by evicting pinned models.
@@ -83,6 +97,12 @@ impl Reason {
             Reason::RemovedFromRegistry => "RemovedFromRegistry",
             Reason::Idle => "Idle",
             Reason::GpuConflict => "GpuConflict",
+            Reason::GpuPending => "GpuPending",
+            Reason::GpuUnavailable => "GpuUnavailable",
+            Reason::DeviceClassMissing => "DeviceClassMissing",
+            Reason::NoGpuDriver => "NoGpuDriver",
+            Reason::NoSuchGpu => "NoSuchGpu",
+            Reason::ClaimMissing => "ClaimMissing",
             Reason::LargerThanBudget => "LargerThanBudget",
             Reason::NoEvictableRoom => "NoEvictableRoom",
             Reason::UnknownModel => "UnknownModel",

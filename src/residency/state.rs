@@ -25,6 +25,8 @@ pub enum InvalidSpec {
     Budget(QuantityError),
     #[error("spec.budget: must be positive")]
     ZeroBudget,
+    #[error("spec.budget is omitted and the device's memory is not known yet")]
+    NoBudget,
     #[error("spec.models: {0:?} is listed twice")]
     DuplicateModel(String),
     #[error("spec.models[{model}].size: {problem}")]
@@ -91,8 +93,38 @@ pub struct Valid<'a> {
     pub demand: Vec<Request<'a>>,
 }
 
-/// Checks a residency's spec and converts its quantities and times.
+/// Checks a residency's spec and converts its quantities and times, with
+/// the budget its status was last computed against (the spec's when the
+/// status has none): what a reader of the object (the router, the CLI)
+/// works with.
 pub fn validate(r: &ModelResidency) -> Result<Valid<'_>, InvalidSpec> {
+    let declared = declared_budget(r)?;
+    let recorded = r
+        .status
+        .as_ref()
+        .and_then(|s| s.budget.as_deref())
+        .and_then(|b| parse_bytes(b).ok())
+        .filter(|&b| b > 0);
+    let budget = recorded.or(declared).ok_or(InvalidSpec::NoBudget)?;
+    validate_with_budget(r, budget)
+}
+
+/// spec.budget in bytes; `None` when omitted (claim mode may leave it to
+/// the device).
+pub fn declared_budget(r: &ModelResidency) -> Result<Option<Bytes>, InvalidSpec> {
+    let Some(budget) = &r.spec.budget else {
+        return Ok(None);
+    };
+    let budget = parse_bytes(&budget.0).map_err(InvalidSpec::Budget)?;
+    if budget == 0 {
+        return Err(InvalidSpec::ZeroBudget);
+    }
+    Ok(Some(budget))
+}
+
+/// [`validate`] with the budget decided elsewhere (the reconciler's, from
+/// the spec and the device).
+pub fn validate_with_budget(r: &ModelResidency, budget: Bytes) -> Result<Valid<'_>, InvalidSpec> {
     let name = r.metadata.name.as_deref().unwrap_or_default();
     if !fits_label_value(name) {
         return Err(InvalidSpec::NameTooLong(name.to_owned()));
@@ -100,12 +132,10 @@ pub fn validate(r: &ModelResidency) -> Result<Valid<'_>, InvalidSpec> {
     let spec = &r.spec;
     // The schema says so too; an object stored before it did gets this
     // rather than a pod the API server rejects for every model.
-    if !is_dns_subdomain(&spec.node_name) {
-        return Err(InvalidSpec::NodeName(spec.node_name.clone()));
-    }
-    let budget = parse_bytes(&spec.budget.0).map_err(InvalidSpec::Budget)?;
-    if budget == 0 {
-        return Err(InvalidSpec::ZeroBudget);
+    if let Some(node) = &spec.node_name
+        && !is_dns_subdomain(node)
+    {
+        return Err(InvalidSpec::NodeName(node.clone()));
     }
     let keep_alive = |field: String, value: &Option<String>| match value {
         None => Ok(None),
@@ -290,7 +320,7 @@ mod tests {
             assert!(!is_dns_subdomain(bad), "{bad}");
         }
         let mut r = residency(&[("a", "1Gi")]);
-        r.spec.node_name = "Node_A".into();
+        r.spec.node_name = Some("Node_A".into());
         assert_eq!(
             validate(&r).unwrap_err().to_string(),
             "spec.nodeName: \"Node_A\" is not a node name (lowercase letters, digits, '-' and '.')"
@@ -301,9 +331,11 @@ mod tests {
         let mut r = ModelResidency::new(
             "gpu",
             ModelResidencySpec {
-                node_name: "n".into(),
+                node_name: Some("n".into()),
                 device: "0".into(),
-                budget: ByteQuantity("10Gi".into()),
+                gpu: Default::default(),
+                budget: Some(ByteQuantity("10Gi".into())),
+                budget_fraction: None,
                 models: models
                     .iter()
                     .map(|(n, s)| ModelSpec {

@@ -4,14 +4,17 @@
 //! Among the residencies whose registry has the model (its *homes*):
 //! 1. never one that would refuse it (larger than its budget, or room only
 //!    by evicting pinned models), one whose spec is invalid, or one that
-//!    lost its GPU to another residency (`GpuConflict`);
+//!    lost its GPU to another residency (`GpuConflict`) or whose claim is
+//!    not allocated to it (`GpuUnavailable` and the other claim reasons);
 //! 2. one where it fits without evicting anything, the most free VRAM
 //!    first;
 //! 3. else the one whose evictions hurt least: the most recently used of
 //!    the models it would evict was used longest ago;
 //! 4. else one where it would be queued behind models still loading (a
 //!    loading model is never evicted), the least loading VRAM first;
-//! 5. ties by namespace/name.
+//! 5. else one whose GPU claim is still being made or allocated (claim
+//!    mode): the request waits for it;
+//! 6. ties by namespace/name.
 //!
 //! Loads the caller has requested and the residency has not processed yet
 //! (`pending`) count as admitted, loading, on their home: requests that
@@ -36,6 +39,10 @@ enum Cost {
     Evicts(Option<Timestamp>),
     /// Waits for models still loading, holding this much VRAM.
     Queued(Bytes),
+    /// Waits for its GPU: its claim is being made or allocated (claim
+    /// mode), so nothing is known of its room yet; the loads already sent
+    /// there, fewest first (a burst spreads over such GPUs).
+    Pending(usize),
 }
 
 /// The placement of a load.
@@ -48,14 +55,55 @@ pub enum Placement {
     Nowhere { why: String, refusing: Vec<usize> },
 }
 
-/// Why a residency is no place for any load right now, if it is not.
+/// Why a residency is no place for any load right now, if it is not:
+/// another residency holds its GPU, or (claim mode) its claim is not
+/// allocated to it.
 fn unusable(r: &ModelResidency) -> Option<&'static str> {
-    let conflict = r.status.as_ref().is_some_and(|s| {
-        s.conditions
-            .iter()
-            .any(|c| c.type_ == "Ready" && c.reason == "GpuConflict")
+    use crate::residency::reasons::Reason;
+    let ready = r
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready" && c.status == "False")?;
+    if ready.reason == Reason::GpuConflict.as_str() {
+        return Some("another residency holds its GPU");
+    }
+    let withheld = [
+        Reason::GpuUnavailable,
+        Reason::DeviceClassMissing,
+        Reason::NoGpuDriver,
+        Reason::NoSuchGpu,
+        Reason::ClaimMissing,
+    ];
+    withheld
+        .iter()
+        .any(|w| w.as_str() == ready.reason)
+        .then_some("its GPU claim is not allocated to it (see its Ready condition)")
+}
+
+/// Whether a residency waits for its GPU (claim mode): its claim is being
+/// made, replaced or allocated, or no status says where it is yet. A
+/// request may wait for it (the operator applies its demand once the claim
+/// is allocated), after every home that can take the load now.
+fn waits_for_its_gpu(r: &ModelResidency) -> bool {
+    use crate::api::GpuMode;
+    if r.spec.gpu.mode != GpuMode::Claim {
+        return false;
+    }
+    let Some(status) = &r.status else {
+        return true;
+    };
+    let placed = status
+        .gpu
+        .as_ref()
+        .is_some_and(|g| g.node.is_some() && g.device.is_some());
+    let pending = status.conditions.iter().any(|c| {
+        c.type_ == "Ready"
+            && c.status == "False"
+            && c.reason == crate::residency::reasons::Reason::GpuPending.as_str()
     });
-    conflict.then_some("another residency holds its GPU")
+    pending || !placed
 }
 
 /// Chooses where to load `model` among `homes` (residencies whose registry
@@ -71,6 +119,15 @@ pub fn place(model: &str, homes: &[&ModelResidency], pending: &[(usize, &str)]) 
         let key = format!("{}/{}", r.namespace().unwrap_or_default(), r.name_any());
         if let Some(why) = unusable(r) {
             refusals.push(format!("{key}: {why}"));
+            continue;
+        }
+        if waits_for_its_gpu(r) {
+            let cost = Cost::Pending(pending.iter().filter(|(j, _)| *j == i).count());
+            if r.spec.models.iter().any(|m| m.name == model)
+                && best.as_ref().is_none_or(|(c, k, _)| (cost, &key) < (*c, k))
+            {
+                best = Some((cost, key, i));
+            }
             continue;
         }
         let valid = match validate(r) {
@@ -151,8 +208,14 @@ mod tests {
                      "models": models.iter().map(|(n, s, p)| json!({"name": n, "size": s, "pinned": p})).collect::<Vec<_>>()},
         }))
         .unwrap();
+        // Its claim allocated, as the operator says once it is.
         let mut status = ModelResidencyStatus {
             budget: Some(budget.into()),
+            gpu: Some(crate::api::GpuStatus {
+                node: Some("n".into()),
+                device: Some("gpu-0".into()),
+                ..Default::default()
+            }),
             ..Default::default()
         };
         for (m, used) in resident {
@@ -167,6 +230,40 @@ mod tests {
         }
         r.status = Some(status);
         r
+    }
+
+    #[test]
+    fn a_gpu_whose_claim_is_being_allocated_is_waited_for_last() {
+        let models = [("a", "4Gi", false), ("b", "4Gi", false)];
+        let full = residency("full", "4Gi", &models, &[("b", T1)]);
+        let mut fresh = residency("fresh", "8Gi", &models, &[]);
+        fresh.status = None;
+        // Evicting on an allocated GPU beats waiting for a claim.
+        assert_eq!(place("a", &[&fresh, &full], &[]), Placement::On(1));
+        // Alone, it is waited for (not refused).
+        assert_eq!(place("a", &[&fresh], &[]), Placement::On(0));
+        // Two such GPUs: loads already sent to one go to the other.
+        let mut other = residency("other", "8Gi", &models, &[]);
+        other.status = None;
+        assert_eq!(place("b", &[&fresh, &other], &[(0, "a")]), Placement::On(1));
+        // A claim it can never have is no place at all.
+        let mut lost = residency("lost", "8Gi", &models, &[]);
+        lost.status.as_mut().unwrap().conditions.push(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+                type_: "Ready".into(),
+                status: "False".into(),
+                reason: "NoSuchGpu".into(),
+                message: "no device".into(),
+                observed_generation: None,
+                last_transition_time: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                    k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+                ),
+            },
+        );
+        assert!(matches!(
+            place("a", &[&lost], &[]),
+            Placement::Nowhere { .. }
+        ));
     }
 
     const T1: &str = "2026-11-30T10:00:00Z";

@@ -271,6 +271,11 @@ fn the_demo_runs_end_to_end() {
     for want in [
         // It says which Kubernetes it runs on (1.34-1.37).
         "   Kubernetes v1.3",
+        // Its GPU through a claim, allocated and reserved for the holder;
+        // `gpus` shows it held and the node's other GPU free.
+        "seed-gpu-gpu   gpu-0    node-a   seed-gpu-gpu-holder",
+        "$ model-residency gpus",
+        "models/seed-gpu",
         "answer: \"zimage on seed-gpu-zimage-",
         "HTTP 503",
         "\"code\":\"model_refused\"",

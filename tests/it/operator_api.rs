@@ -59,9 +59,19 @@ async fn crd_and_examples_apply_and_print_columns() {
     ] {
         assert!(header.contains(col), "missing column {col} in:\n{table}");
     }
+    // Node, device and budget are what the operator found (status.gpu,
+    // status.budget): in claim mode the node and the device are the
+    // scheduler's. No operator runs here, so they are empty.
+    assert!(table.contains("seed-gpu"), "{table}");
+    let out = env.kubectl(&["get", "mres", "-o", "wide"]);
     assert!(
-        table.contains("seed-gpu") && table.contains("16000Mi"),
-        "{table}"
+        text(&out)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .contains("UUID"),
+        "{}",
+        text(&out)
     );
     // Every field is documented.
     let out = env.kubectl(&["explain", "mres.spec.models.pinned"]);
@@ -114,7 +124,7 @@ async fn invalid_objects_are_rejected_at_admission() {
         ("uppercase name", with_model("{name: Zimage, size: \"1\"}"), "spec.models[0].name: Invalid value: ", "'Zimage' is not a model name"),
         ("name with dot", with_model("{name: a.b, size: \"1\"}"), "spec.models[0].name: Invalid value: ", "'a.b' is not a model name"),
         ("model name too long", with_model(&format!("{{name: {}, size: \"1\"}}", "a".repeat(64))), "spec.models[0].name: Too long", "may not be more than 63 bytes"),
-        ("missing budget", valid.replace("  budget: \"1Gi\"\n", ""), "spec.budget: Required value", ""),
+        ("missing budget outside claim mode", valid.replace("  budget: \"1Gi\"\n", "  gpu: {mode: env}\n"), "spec: Invalid value: ", "spec.budget is required unless spec.gpu.mode is claim"),
         ("missing models", "apiVersion: residency.dev/v1alpha1\nkind: ModelResidency\nmetadata: {name: gpu}\nspec: {nodeName: n, device: \"0\", budget: 1Gi}\n".into(), "spec.models: Required value", ""),
         ("more than 1000 models", valid.replace("  - {name: b, size: 1Gi}\n", &many), "spec.models: Too many: 1002", "must have at most 1000 items"),
         ("unknown field", valid.replace("  device: \"0\"", "  device: \"0\"\n  budgte: 5Gi"), "unknown field \"spec.budgte\"", ""),
@@ -123,7 +133,11 @@ async fn invalid_objects_are_rejected_at_admission() {
         ("device all", valid.replace("device: \"0\"", "device: all"), "spec.device: Invalid value: ", "'all' is not one GPU"),
         ("demand as a list (the old shape)", object("16Gi", "1Gi") + "  demand:\n  - {model: a, lastRequested: \"2026-11-30T03:00:00Z\"}\n", "unknown field \"spec.demand[0].model\"", ""),
         ("demand key not a model name", object("16Gi", "1Gi") + "  demand:\n    a: \"2026-11-30T03:00:00Z\"\n    Bad Key: \"2026-11-30T03:00:00Z\"\n", "spec.demand: Invalid value: ", "keys are model names (lowercase letters, digits and '-', at most 63), and 'Bad Key' is not one"),
-        ("missing nodeName", valid.replace("  nodeName: node-a\n", ""), "spec.nodeName: Required value", ""),
+        ("missing nodeName outside claim mode", valid.replace("  nodeName: node-a\n", "  gpu: {mode: devicePlugin}\n"), "spec: Invalid value: ", "spec.nodeName is required unless spec.gpu.mode is claim"),
+        ("unknown gpu mode", valid.replace("  nodeName: node-a\n", "  nodeName: node-a\n  gpu: {mode: mps}\n"), "spec.gpu.mode: Unsupported value: \"mps\"", "supported values: \"claim\", \"devicePlugin\", \"env\""),
+        ("existingClaim outside claim mode", valid.replace("  nodeName: node-a\n", "  nodeName: node-a\n  gpu: {mode: env, existingClaim: team-gpu}\n"), "spec: Invalid value: ", "spec.gpu.existingClaim is for spec.gpu.mode claim only"),
+        ("resourceName outside devicePlugin mode", valid.replace("  nodeName: node-a\n", "  nodeName: node-a\n  gpu: {resourceName: nvidia.com/gpu}\n"), "spec: Invalid value: ", "spec.gpu.resourceName is for spec.gpu.mode devicePlugin only"),
+        ("budgetFraction above 1", valid.replace("  nodeName: node-a\n", "  nodeName: node-a\n  budgetFraction: 1.5\n"), "spec.budgetFraction: Invalid value: 1.5", "should be less than or equal to 1"),
         ("empty nodeName", valid.replace("nodeName: node-a", "nodeName: \"\""), "spec.nodeName: Invalid value: \"\"", ""),
         ("nodeName not a node name", valid.replace("nodeName: node-a", "nodeName: Node_A"), "spec.nodeName: Invalid value: ", "'Node_A' is not a node name"),
         ("pinned not a bool", with_model("{name: a, size: \"1\", pinned: maybe}"), "spec.models[0].pinned: Invalid value: \"string\"", "must be of type boolean"),

@@ -23,12 +23,14 @@ use super::artifacts::NodeArtifacts;
 use super::events::{EventReason, ModelEvent};
 use super::pods::{ModelPod, build_pod};
 use crate::api::{ModelResidency, ModelResidencyStatus, ModelState, ModelStatus};
-use crate::engine::{Engine, ModelId, RefuseReason, Resize};
+use crate::engine::{Bytes, Engine, ModelId, RefuseReason, Resize};
 use crate::quantity::{format_bytes, format_bytes_rounded, parse_bytes};
 use crate::residency::conditions::{ConditionSet, DEGRADED, READY, REFUSED};
+use crate::residency::gpu::{Budget, GpuView, Placement, assumed};
 use crate::residency::reasons::{Reason, refusal_message};
 use crate::residency::state::{
-    InvalidSpec, Restored, Usage, Valid, ValidModel, later, recorded_time, restore, validate,
+    InvalidSpec, Restored, Usage, Valid, ValidModel, declared_budget, later, recorded_time,
+    restore, validate_with_budget,
 };
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -49,8 +51,11 @@ pub struct Observed<'a> {
     /// as written; a later one is taken as `now`.
     pub max_skew: Duration,
     /// The residency (`namespace/name`) that holds this one's GPU, when it
-    /// is another.
+    /// is another (devicePlugin and env mode).
     pub gpu_holder: Option<&'a str>,
+    /// The GPU: where the pods go and how they get it, or why it is not
+    /// this residency's (yet).
+    pub gpu: GpuView,
     /// Models whose pod the API server rejected (a server-side dry run),
     /// with its message.
     pub rejected_templates: &'a BTreeMap<String, String>,
@@ -69,8 +74,9 @@ pub const DEFAULT_MAX_SKEW: Duration = Duration::from_secs(60);
 pub const LOADING_PROTECTION: Duration = Duration::from_secs(600);
 
 impl<'a> Observed<'a> {
-    /// What a reconcile observes in the common case: no GPU conflict, no
-    /// rejected template, the default clock skew allowance.
+    /// What a reconcile observes in the common case: the GPU where the
+    /// spec says ([`assumed`]), no GPU conflict, no rejected template, the
+    /// default clock skew allowance.
     pub fn new(
         residency: &'a ModelResidency,
         owner: OwnerReference,
@@ -85,6 +91,7 @@ impl<'a> Observed<'a> {
             now,
             max_skew: DEFAULT_MAX_SKEW,
             gpu_holder: None,
+            gpu: GpuView::Placed(assumed(residency)),
             rejected_templates: &NONE,
             artifacts: None,
         }
@@ -159,8 +166,28 @@ impl Decision {
 pub fn decide(input: &Observed<'_>) -> Decision {
     let empty = ModelResidencyStatus::default();
     let previous = input.residency.status.as_ref().unwrap_or(&empty);
-    match validate(input.residency) {
-        Ok(valid) => Decider::new(input, previous, valid).run(),
+    let r = input.residency;
+    let declared = match declared_budget(r) {
+        Ok(d) => d,
+        Err(problem) => return invalid(input, previous, &problem),
+    };
+    let fraction = r
+        .spec
+        .budget_fraction
+        .unwrap_or(crate::api::DEFAULT_BUDGET_FRACTION);
+    let budget = match &input.gpu {
+        GpuView::Placed(p) => crate::residency::gpu::budget(declared, p.memory, fraction),
+        GpuView::Withheld(_) => crate::residency::gpu::budget(declared, None, fraction),
+    };
+    let bytes = match (&budget, &input.gpu) {
+        (Some(b), _) => b.bytes,
+        // Nothing loads while the GPU is withheld; the budget only rebuilds
+        // the recorded state (restore prefers the recorded budget).
+        (None, GpuView::Withheld(_)) => Bytes::MAX,
+        (None, GpuView::Placed(_)) => return invalid(input, previous, &InvalidSpec::NoBudget),
+    };
+    match validate_with_budget(r, bytes) {
+        Ok(valid) => Decider::new(input, previous, valid, budget).run(),
         Err(problem) => invalid(input, previous, &problem),
     }
 }
@@ -222,6 +249,9 @@ struct Decider<'a> {
     previous: &'a ModelResidencyStatus,
     prev_models: HashMap<&'a str, &'a ModelStatus>,
     valid: Valid<'a>,
+    /// The budget and its source; `None` while the GPU is withheld and no
+    /// budget is declared.
+    budget: Option<Budget>,
     engine: Engine,
     /// Resident models that left the registry, still to be unloaded.
     removed: Vec<String>,
@@ -238,7 +268,12 @@ struct Decider<'a> {
 }
 
 impl<'a> Decider<'a> {
-    fn new(input: &'a Observed<'a>, previous: &'a ModelResidencyStatus, valid: Valid<'a>) -> Self {
+    fn new(
+        input: &'a Observed<'a>,
+        previous: &'a ModelResidencyStatus,
+        valid: Valid<'a>,
+        budget: Option<Budget>,
+    ) -> Self {
         let prev_models = previous.models.iter().map(|m| (&*m.name, m)).collect();
         let Restored {
             engine,
@@ -255,6 +290,7 @@ impl<'a> Decider<'a> {
             previous,
             prev_models,
             valid,
+            budget,
             engine,
             removed,
             by_name,
@@ -329,8 +365,8 @@ impl<'a> Decider<'a> {
 
     fn run(mut self) -> Decision {
         self.unload_removed();
-        if let Some(holder) = self.input.gpu_holder {
-            self.yield_gpu(holder);
+        if let Some((reason, message)) = self.withheld() {
+            self.yield_gpu(reason, message);
         } else {
             self.readmit_resized();
             self.apply_budget();
@@ -345,28 +381,55 @@ impl<'a> Decider<'a> {
         self.events.push(ModelEvent::about(model, reason, message));
     }
 
-    /// The message of a GPU conflict, naming the holder.
-    fn conflict_message(&self, holder: &str) -> String {
-        let spec = &self.input.residency.spec;
-        format!(
-            "node {} GPU {} is held by the older residency {holder}; this one loads nothing until it is released",
-            spec.node_name, spec.device
-        )
+    /// The GPU the pods are for, when it is this residency's.
+    fn placement(&self) -> Option<&'a Placement> {
+        match &self.input.gpu {
+            GpuView::Placed(p) => Some(p),
+            GpuView::Withheld(_) => None,
+        }
     }
 
-    /// Another residency holds the GPU: unload every resident model and
-    /// leave requests for when the claim is released.
-    fn yield_gpu(&mut self, holder: &str) {
-        let message = self.conflict_message(holder);
-        let was_conflict = self
+    /// Where the models are, for messages: "node a GPU 0".
+    fn where_(&self) -> String {
+        match self.placement() {
+            Some(p) => format!("node {} GPU {}", p.node, p.device),
+            None => format!("GPU {}", self.input.residency.spec.device),
+        }
+    }
+
+    /// Why this residency may not use the GPU now, if it may not: another
+    /// residency holds it (devicePlugin and env mode), or in claim mode the
+    /// claim is not (yet) allocated to it.
+    fn withheld(&self) -> Option<(Reason, String)> {
+        if let Some(holder) = self.input.gpu_holder {
+            let message = format!(
+                "{} is held by the older residency {holder}; this one loads nothing until it is released",
+                self.where_()
+            );
+            return Some((Reason::GpuConflict, message));
+        }
+        match &self.input.gpu {
+            GpuView::Withheld(w) => Some((w.reason, w.message.clone())),
+            GpuView::Placed(_) => None,
+        }
+    }
+
+    /// The GPU is not this residency's: unload every resident model and
+    /// leave requests for when it is.
+    fn yield_gpu(&mut self, reason: Reason, message: String) {
+        let same = self
             .previous
             .conditions
             .iter()
-            .any(|c| c.reason == Reason::GpuConflict.as_str());
-        if !was_conflict {
+            .any(|c| c.reason == reason.as_str() && c.message == message);
+        if !same {
             self.events.push(ModelEvent {
                 model: None,
-                reason: EventReason::GpuConflict,
+                reason: if reason == Reason::GpuConflict {
+                    EventReason::GpuConflict
+                } else {
+                    EventReason::GpuUnavailable
+                },
                 message: message.clone(),
             });
         }
@@ -375,7 +438,7 @@ impl<'a> Decider<'a> {
             self.engine.unload(id);
             let why = format!("{name} unloaded: {message}");
             self.event(&name, EventReason::Unloaded, why.clone());
-            self.outcome(&name, ModelState::Unloaded, Reason::GpuConflict, why);
+            self.outcome(&name, ModelState::Unloaded, reason, why);
         }
     }
 
@@ -481,10 +544,18 @@ impl<'a> Decider<'a> {
         // registry may repeat one template thousands of times.
         let text = m.spec.template.as_ref().map_or("", |t| t.json());
         let mut checked = self.template_checks.borrow_mut();
+        let fallback;
+        let gpu = match self.placement() {
+            Some(p) => p,
+            None => {
+                fallback = assumed(self.input.residency);
+                &fallback
+            }
+        };
         checked
             .entry(text)
             .or_insert_with(|| {
-                build_pod(self.input.residency, &self.input.owner, m.spec, m.size).err()
+                build_pod(self.input.residency, &self.input.owner, m.spec, m.size, gpu).err()
             })
             .clone()
     }

@@ -8,7 +8,8 @@ use crate::controller::events::{EventReason, transition_events};
 use crate::controller::pods::{ModelPod, PodPhase, build_pod, pod_name, template_hash};
 use crate::engine::{Bytes, Engine};
 use crate::quantity::{format_bytes, format_bytes_rounded};
-use crate::residency::conditions::{ConditionSet, model_conditions};
+use crate::residency::conditions::{BUDGET_EXCEEDS_DEVICE, ConditionSet, model_conditions};
+use crate::residency::gpu::GpuView;
 use crate::residency::reasons::Reason;
 use crate::residency::state::{Usage, ValidModel, recorded_time};
 use k8s_openapi::api::core::v1::Pod;
@@ -204,7 +205,6 @@ impl<'a> Decider<'a> {
     /// new template is known to make a pod). Pods from before an annotation
     /// existed are taken as matching it.
     fn stale_pod(&self, m: ValidModel<'_>, p: &ModelPod, size: Bytes) -> Option<(Reason, String)> {
-        let spec = &self.input.residency.spec;
         if p.size.is_some_and(|s| s != size) {
             let why = format!(
                 "{} is restarting with its new size {}",
@@ -213,18 +213,28 @@ impl<'a> Decider<'a> {
             );
             return Some((Reason::Resized, why));
         }
-        let moved_node = p.node.as_deref().is_some_and(|n| n != spec.node_name);
-        let moved_gpu = p.device.as_deref().is_some_and(|d| d != spec.device);
-        if moved_node || moved_gpu {
-            let why = format!(
-                "{} moves to node {} GPU {}: its pod on node {} GPU {} is replaced",
-                m.name(),
-                spec.node_name,
-                spec.device,
-                p.node.as_deref().unwrap_or("?"),
-                p.device.as_deref().unwrap_or("?")
-            );
-            return Some((Reason::Moved, why));
+        if let Some(gpu) = self.placement() {
+            let moved_node = p.node.as_deref().is_some_and(|n| n != gpu.node);
+            let moved_gpu = p.device.as_deref().is_some_and(|d| d != gpu.device);
+            if moved_node || moved_gpu {
+                let why = format!(
+                    "{} moves to {}: its pod on node {} GPU {} is replaced",
+                    m.name(),
+                    self.where_(),
+                    p.node.as_deref().unwrap_or("?"),
+                    p.device.as_deref().unwrap_or("?")
+                );
+                return Some((Reason::Moved, why));
+            }
+            let access = gpu.access.key();
+            if p.access.as_deref().is_some_and(|a| a != access) {
+                let why = format!(
+                    "{} gets its GPU another way ({access}, was {}): its pod is replaced",
+                    m.name(),
+                    p.access.as_deref().unwrap_or("?")
+                );
+                return Some((Reason::Moved, why));
+            }
         }
         let current = m.spec.template.as_ref().map(|t| template_hash(t.json()));
         let changed = p.template_hash.is_some() && p.template_hash != current;
@@ -410,7 +420,11 @@ impl<'a> Decider<'a> {
     ) -> ModelStatus {
         let r = self.input.residency;
         let budget = self.valid.budget;
-        let mut pod = match build_pod(r, &self.input.owner, m.spec, size) {
+        // Only a placed GPU has residents (a withheld one unloads them all).
+        let Some(gpu) = self.placement() else {
+            return st;
+        };
+        let mut pod = match build_pod(r, &self.input.owner, m.spec, size, gpu) {
             Ok(pod) => pod,
             Err(problem) => {
                 st.state = ModelState::Failed;
@@ -422,7 +436,7 @@ impl<'a> Decider<'a> {
         };
         // A model with an artifact starts only once the node holds it.
         if let Some(artifact) = &m.spec.artifact {
-            match artifact_gate(self.input.artifacts, artifact, m.name(), &r.spec.node_name) {
+            match artifact_gate(self.input.artifacts, artifact, m.name(), &gpu.node) {
                 ArtifactGate::Mount { host_dir } => {
                     mount_artifact(&mut pod, &host_dir, &artifact.mount_path_for(m.name()));
                 }
@@ -558,16 +572,27 @@ impl<'a> Decider<'a> {
     /// The residency's status around the model statuses, and the decision.
     fn assemble(mut self, models: Vec<ModelStatus>, mut plan: PodPlan) -> Decision {
         let r = self.input.residency;
+        let where_ = self.where_();
         self.events
-            .extend(transition_events(&self.prev_models, &models, r));
+            .extend(transition_events(&self.prev_models, &models, &where_));
         let generation = r.metadata.generation;
         let mut set = ConditionSet::new(&self.previous.conditions, generation, self.input.now);
-        let conflict = self.input.gpu_holder.map(|h| self.conflict_message(h));
-        model_conditions(&mut set, &models, conflict.as_deref());
+        let withheld = self.withheld();
+        let withheld_view = withheld.as_ref().map(|(r, m)| (r.as_str(), m.as_str()));
+        model_conditions(&mut set, &models, withheld_view);
+        if let Some(exceeds) = self.budget.as_ref().and_then(|b| b.exceeds.clone()) {
+            set.set(BUDGET_EXCEEDS_DEVICE, true, BUDGET_EXCEEDS_DEVICE, exceeds);
+        }
+        let mut gpu = match &self.input.gpu {
+            GpuView::Placed(p) => p.status.clone(),
+            GpuView::Withheld(w) => w.status.clone(),
+        };
+        gpu.budget_source = self.budget.as_ref().map(|b| b.source.to_owned());
         let (used, peak) = (self.engine.used(), self.engine.peak());
         let mut status = ModelResidencyStatus {
             observed_generation: generation,
-            budget: Some(format_bytes(self.valid.budget)),
+            budget: self.budget.as_ref().map(|b| format_bytes(b.bytes)),
+            gpu: Some(gpu),
             used: Some(format_bytes_rounded(used)),
             peak: Some(format_bytes_rounded(peak)),
             models,
@@ -581,7 +606,7 @@ impl<'a> Decider<'a> {
             used,
             peak,
             resident: status.resident,
-            gpu_conflict: conflict.is_some(),
+            gpu_conflict: withheld.is_some(),
         };
         plan.delete.sort();
         plan.delete.dedup();

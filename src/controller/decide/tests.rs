@@ -23,9 +23,15 @@ fn residency(
     let mut r = ModelResidency::new(
         "gpu",
         ModelResidencySpec {
-            node_name: "node-a".into(),
+            node_name: Some("node-a".into()),
             device: "0".into(),
-            budget: ByteQuantity(budget.into()),
+            // The declared mode: the GPU is where the spec says.
+            gpu: crate::api::GpuSpec {
+                mode: crate::api::GpuMode::Env,
+                ..Default::default()
+            },
+            budget: Some(ByteQuantity(budget.into())),
+            budget_fraction: None,
             models: models
                 .iter()
                 .map(|(n, s, p)| ModelSpec {
@@ -75,6 +81,7 @@ fn live(model: &str, size: u64, ready: bool, deleting: bool) -> ModelPod {
         created: None,
         node: Some("node-a".into()),
         device: Some("0".into()),
+        access: None,
         template_hash: None,
         waiting: None,
         reported: true,
@@ -172,7 +179,7 @@ fn nothing_new_means_the_same_status_and_no_actions() {
 #[test]
 fn an_invalid_spec_touches_no_pods() {
     let mut r = residency("10Gi", &[("a", "6Gi", false)], &[("a", 1)]);
-    r.spec.budget = ByteQuantity("ten gigs".into());
+    r.spec.budget = Some(ByteQuantity("ten gigs".into()));
     let d = run(&r, &[live("a", 6 * GI, true, false)], 2);
     assert!(d.create.is_empty() && d.delete.is_empty());
     let ready = d
@@ -678,4 +685,118 @@ fn a_loading_model_is_protected_only_for_a_while_and_a_queued_model_no_longer_wa
     let d = run(&r, std::slice::from_ref(&b), late + 2);
     assert_eq!(state(&d, "c"), ModelState::Unloaded);
     assert_eq!(events(&d, EventReason::Unloaded), 0);
+}
+
+/// Residency `r` in claim mode, its claim allocated on node-a with a
+/// device of `memory` bytes.
+fn claimed(r: &mut ModelResidency, memory: Option<u64>) -> GpuView {
+    r.spec.gpu = crate::api::GpuSpec::default();
+    let mut p = crate::residency::gpu::assumed(r);
+    p.memory = memory;
+    GpuView::Placed(p)
+}
+
+#[test]
+fn a_claim_that_is_not_allocated_unloads_everything_and_waits() {
+    let mut r = residency("10Gi", &[("a", "6Gi", false)], &[("a", 1)]);
+    let placed = claimed(&mut r, Some(80 * GI));
+    let mut input = Observed::new(&r, r.controller_owner_ref(&()).unwrap(), &[], at(2));
+    input.gpu = placed.clone();
+    let d = decide(&input);
+    assert_eq!(state(&d, "a"), ModelState::Loading);
+    let pod = &d.create[0];
+    let claims = pod.spec.as_ref().unwrap().resource_claims.as_ref().unwrap();
+    assert_eq!(claims[0].resource_claim_name.as_deref(), Some("gpu-gpu"));
+    r.status = Some(d.status);
+    let pods = [live("a", 6 * GI, true, false)];
+    let mut input = Observed::new(&r, r.controller_owner_ref(&()).unwrap(), &pods, at(3));
+    let message =
+        "ResourceClaim gpu-gpu cannot be allocated: the scheduler says: 0/1 nodes are available"
+            .to_owned();
+    input.gpu = GpuView::Withheld(crate::residency::gpu::Withheld {
+        reason: Reason::GpuUnavailable,
+        message: message.clone(),
+        status: Default::default(),
+    });
+    let d = decide(&input);
+    assert_eq!(state(&d, "a"), ModelState::Unloaded);
+    assert_eq!(d.delete.len(), 1, "the pod loses its GPU");
+    assert_eq!(condition(&d, "Ready"), ("False", "GpuUnavailable"));
+    assert!(
+        d.events
+            .iter()
+            .any(|e| e.reason == EventReason::GpuUnavailable && e.message == message)
+    );
+    // Allocated again: the pending request loads.
+    r.status = Some(d.status);
+    r.spec.demand.insert("a".into(), at(4).to_string());
+    let mut input = Observed::new(&r, r.controller_owner_ref(&()).unwrap(), &[], at(5));
+    input.gpu = placed;
+    let d = decide(&input);
+    assert_eq!(state(&d, "a"), ModelState::Loading);
+    assert_eq!(condition(&d, "Ready").0, "True");
+}
+
+#[test]
+fn without_a_budget_the_device_sets_it_and_a_larger_one_is_cut() {
+    let mut r = residency("10Gi", &[("a", "6Gi", false)], &[("a", 1)]);
+    r.spec.budget = None;
+    let mut input_gpu = claimed(&mut r, Some(80 * GI));
+    let mut input = Observed::new(&r, r.controller_owner_ref(&()).unwrap(), &[], at(2));
+    input.gpu = input_gpu.clone();
+    let d = decide(&input);
+    assert_eq!(
+        d.status.budget.as_deref(),
+        Some("72Gi"),
+        "0.9 of the device"
+    );
+    assert_eq!(
+        d.status.gpu.as_ref().unwrap().budget_source.as_deref(),
+        Some("device")
+    );
+    r.spec.budget_fraction = Some(0.5);
+    let mut input = Observed::new(&r, r.controller_owner_ref(&()).unwrap(), &[], at(2));
+    input.gpu = input_gpu.clone();
+    assert_eq!(decide(&input).status.budget.as_deref(), Some("40Gi"));
+    // Declared larger than the device: cut, and said.
+    r.spec.budget_fraction = None;
+    r.spec.budget = Some(ByteQuantity("100Gi".into()));
+    let mut input = Observed::new(&r, r.controller_owner_ref(&()).unwrap(), &[], at(2));
+    input.gpu = input_gpu.clone();
+    let d = decide(&input);
+    assert_eq!(d.status.budget.as_deref(), Some("80Gi"));
+    assert_eq!(condition(&d, "BudgetExceedsDevice").0, "True");
+    // No budget and no device memory known: nothing is decided on a guess.
+    r.spec.budget = None;
+    if let GpuView::Placed(p) = &mut input_gpu {
+        p.memory = None;
+    }
+    let mut input = Observed::new(&r, r.controller_owner_ref(&()).unwrap(), &[], at(2));
+    input.gpu = input_gpu;
+    let d = decide(&input);
+    assert_eq!(condition(&d, "Ready"), ("False", "InvalidSpec"));
+    assert!(d.create.is_empty());
+}
+
+#[test]
+fn a_pod_given_its_gpu_another_way_is_replaced() {
+    let mut r = residency("10Gi", &[("a", "6Gi", false)], &[("a", 1)]);
+    let d = run(&r, &[], 2);
+    r.status = Some(d.status);
+    let mut pod = live("a", 6 * GI, true, false);
+    pod.access = Some("env".into());
+    let d = run(&r, std::slice::from_ref(&pod), 3);
+    assert!(d.delete.is_empty(), "same access");
+    r.status = Some(d.status);
+    let placed = claimed(&mut r, Some(80 * GI));
+    let mut input = Observed::new(
+        &r,
+        r.controller_owner_ref(&()).unwrap(),
+        std::slice::from_ref(&pod),
+        at(4),
+    );
+    input.gpu = placed;
+    let d = decide(&input);
+    assert_eq!(d.delete.len(), 1, "the env pod goes for a claim pod");
+    assert_eq!(events(&d, EventReason::Moved), 1);
 }

@@ -63,7 +63,10 @@ async fn live_pods(h: &Harness, residency: &str) -> Vec<Pod> {
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn two_residencies_on_one_gpu_share_one_budget() {
-    let h = Harness::start("bb-gpu-twice").await;
+    let mut h = Harness::start("bb-gpu-twice").await;
+    // The declared modes' check (claim mode leaves it to the scheduler:
+    // gpu_claims.rs).
+    h.gpu_mode = Some("env");
     let ns = h.env.namespace.clone();
     h.create_on("older", "16Gi", &[("a", "10Gi", false)], "0")
         .await;
@@ -179,7 +182,7 @@ async fn a_template_the_api_server_rejects_evicts_nothing_and_is_reported() {
     let fresh: ModelResidency = serde_json::from_value(json!({
         "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
         "metadata": {"name": "fresh"},
-        "spec": {"nodeName": h.node, "device": "77", "budget": "10Gi", "models": [
+        "spec": {"nodeName": h.node, "device": "15", "budget": "10Gi", "models": [
             {"name": "x", "size": "1Gi", "template": {"spec": {"containers": [{"name": "s"}]}}}
         ], "demand": {"x": "2026-11-30T00:00:00Z"}},
     }))
@@ -218,7 +221,10 @@ async fn pod_quota(h: &Harness, pods: u32) {
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn a_pod_one_residency_may_not_create_fails_no_other_and_loads_once_it_may() {
-    let h = Harness::start("bb-quota").await;
+    let mut h = Harness::start("bb-quota").await;
+    // Env mode: in claim mode each residency's GPU holder pod counts
+    // against the pod quota too (docs/concepts.md).
+    h.gpu_mode = Some("env");
     pod_quota(&h, 1).await;
     // Three GPUs with one registry: the same template for x on each.
     for gpu in ["gpu-a", "gpu-b"] {
@@ -276,7 +282,10 @@ async fn pod_names_never_collide_and_pods_of_others_are_never_touched() {
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn a_moved_residency_and_a_new_template_replace_the_pods() {
-    let h = Harness::start("bb-move").await;
+    let mut h = Harness::start("bb-move").await;
+    // A move keeps the models in env mode (a claim-mode move replaces the
+    // claim: gpu_claims.rs).
+    h.gpu_mode = Some("env");
     h.create_on(
         "gpu",
         "10Gi",
@@ -541,7 +550,10 @@ async fn sixteen_blind_writers_and_a_hundred_models_lose_nothing() {
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn the_scheduler_places_model_pods_and_a_node_that_is_not_there_is_said() {
-    let h = Harness::start("scheduled").await;
+    let mut h = Harness::start("scheduled").await;
+    // A model pod's own unschedulable reason (claim mode names a missing
+    // node's devices before any model pod is made: gpu_claims.rs).
+    h.gpu_mode = Some("env");
     h.create("gpu", "10Gi", &[("a", "2Gi", false)]).await;
     // The real node first: kube-scheduler binds the pod there (the
     // operator set no nodeName, only the affinity).

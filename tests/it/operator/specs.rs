@@ -64,10 +64,14 @@ async fn pinned_models_that_exceed_the_budget_are_refused() {
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn a_node_that_does_not_exist_leaves_the_model_loading_and_counted() {
     let h = Harness::start("bad-node").await;
-    let mut r = h.create("gpu", "10Gi", &[("a", "1Gi", false)]).await;
-    r.spec.node_name = "no-such-node".into();
-    h.patch_spec("gpu", json!({"nodeName": "no-such-node"}))
-        .await;
+    h.create("gpu", "10Gi", &[("a", "1Gi", false)]).await;
+    // In env mode nothing but the scheduler can tell (claim mode names the
+    // missing node's devices: gpu_claims.rs).
+    h.patch_spec(
+        "gpu",
+        json!({"nodeName": "no-such-node", "gpu": {"mode": "env"}}),
+    )
+    .await;
     h.request_nowait("gpu", "a").await;
     let r = h.until_state("gpu", "a", ModelState::Loading, 30).await;
     // Loading is normal, not a reason to be unready; it is counted, and the

@@ -26,6 +26,9 @@ pub struct Harness {
     pub pods: Api<Pod>,
     pub ctx: Arc<Context>,
     pub node: String,
+    /// spec.gpu.mode of the residencies `create` makes (default: the
+    /// spec's default, claim).
+    pub gpu_mode: Option<&'static str>,
     last_time: Mutex<Timestamp>,
     next_device: std::sync::atomic::AtomicU32,
     _kubelet: FakeKubelet,
@@ -63,6 +66,8 @@ impl Harness {
         env.install_crds();
         let node = env.node("gpu");
         let mut config = KubeletConfig::instant(&[&node]);
+        // A GPU per residency a test makes (each on a device of its own).
+        config.nodes[0].gpus = 16;
         configure(&mut config);
         let kubelet = FakeKubelet::start(env.client.clone(), config)
             .await
@@ -74,6 +79,7 @@ impl Harness {
             ctx,
             node,
             env,
+            gpu_mode: None,
             last_time: Mutex::new(Timestamp::UNIX_EPOCH),
             next_device: Default::default(),
             _kubelet: kubelet,
@@ -93,6 +99,7 @@ impl Harness {
             self.ctx.metrics.clone(),
             self.ctx.max_skew,
             self.ctx.initial_list,
+            self.ctx.gpu_holder_image.clone(),
         );
         self.ctx = ctx.clone();
         self.task = Some(tokio::spawn(async move {
@@ -146,13 +153,34 @@ impl Harness {
                 }}})
             })
             .collect();
+        let mut spec =
+            json!({"nodeName": self.node, "device": device, "budget": budget, "models": models});
+        if let Some(mode) = self.gpu_mode {
+            spec["gpu"] = json!({"mode": mode});
+        }
         let r: ModelResidency = serde_json::from_value(json!({
             "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
             "metadata": {"name": name},
-            "spec": {"nodeName": self.node, "device": device, "budget": budget, "models": models},
+            "spec": spec,
         }))
         .unwrap();
-        self.api.create(&PostParams::default(), &r).await.unwrap()
+        let created = self.api.create(&PostParams::default(), &r).await.unwrap();
+        if matches!(self.gpu_mode, None | Some("claim")) {
+            self.placed(name).await;
+        }
+        created
+    }
+
+    /// Waits until residency `name`'s status says where its GPU is (claim
+    /// mode: its claim allocated), as a residency is once it is set up:
+    /// requests sent before that wait for the claim (gpu_claims.rs).
+    pub async fn placed(&self, name: &str) -> ModelResidency {
+        eventually(30, &format!("{name}'s GPU to be placed"), || async {
+            let r = self.api.get(name).await.ok()?;
+            let gpu = r.status.as_ref()?.gpu.as_ref()?;
+            (gpu.node.is_some() && gpu.device.is_some()).then_some(r.clone())
+        })
+        .await
     }
 
     /// Merge-patches residency `name`'s spec with `spec`, as an admin's

@@ -1,0 +1,339 @@
+//! What the operator knows of the cluster's DRA objects, kept from two
+//! watches: the ResourceClaims in its namespaces (summaries, not whole
+//! claims) and the devices every ResourceSlice publishes. A reconcile reads
+//! these instead of asking the API server, so a claim that is allocated
+//! costs no request per load.
+
+use crate::engine::Bytes;
+use crate::quantity::parse_bytes;
+use crate::residency::labels::{CLAIM_DEVICE_ANNOTATION, RESIDENCY_LABEL};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use kube::runtime::watcher;
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// The attribute domain of the NVIDIA DRA driver (its driver name).
+pub const NVIDIA_DRIVER: &str = "gpu.nvidia.com";
+
+/// Where the scheduler allocated a claim.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Allocation {
+    /// From the allocation's node selector (`metadata.name In [node]`).
+    pub node: Option<String>,
+    pub driver: String,
+    pub pool: String,
+    pub device: String,
+}
+
+/// A ResourceClaim, as far as a reconcile needs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClaimState {
+    pub uid: String,
+    /// Uid of the ModelResidency that controls it, if one does.
+    pub controller: Option<String>,
+    /// The residency label (claims the operator made).
+    pub residency: Option<String>,
+    pub deleting: bool,
+    /// What the operator asked for when it made it (annotation).
+    pub wants: Option<String>,
+    pub allocation: Option<Allocation>,
+    /// Names of the pods it is reserved for.
+    pub reserved_for: Vec<String>,
+}
+
+impl ClaimState {
+    pub fn of(c: &ResourceClaim) -> Self {
+        let meta = &c.metadata;
+        let status = c.status.as_ref();
+        let allocation = status.and_then(|s| s.allocation.as_ref()).and_then(|a| {
+            let result = a.devices.as_ref()?.results.as_ref()?.first()?;
+            let node = a
+                .node_selector
+                .iter()
+                .flat_map(|s| s.node_selector_terms.iter())
+                .flat_map(|t| t.match_fields.iter().flatten())
+                .find(|f| f.key == "metadata.name" && f.operator == "In")
+                .and_then(|f| f.values.as_ref()?.first().cloned());
+            Some(Allocation {
+                node,
+                driver: result.driver.clone(),
+                pool: result.pool.clone(),
+                device: result.device.clone(),
+            })
+        });
+        ClaimState {
+            uid: meta.uid.clone().unwrap_or_default(),
+            controller: meta
+                .owner_references
+                .iter()
+                .flatten()
+                .find(|o| o.controller == Some(true) && o.kind == "ModelResidency")
+                .map(|o| o.uid.clone()),
+            residency: meta
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(RESIDENCY_LABEL))
+                .cloned(),
+            deleting: meta.deletion_timestamp.is_some(),
+            wants: meta
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(CLAIM_DEVICE_ANNOTATION))
+                .cloned(),
+            allocation,
+            reserved_for: status
+                .and_then(|s| s.reserved_for.as_ref())
+                .into_iter()
+                .flatten()
+                .filter(|r| r.resource == "pods")
+                .map(|r| r.name.clone())
+                .collect(),
+        }
+    }
+}
+
+/// A published device.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Device {
+    pub driver: String,
+    pub pool: String,
+    pub name: String,
+    pub node: Option<String>,
+    pub uuid: Option<String>,
+    pub index: Option<i64>,
+    pub product: Option<String>,
+    pub memory: Option<Bytes>,
+}
+
+impl Device {
+    /// Whether this is the device spec.device names (its index or uuid).
+    pub fn is(&self, device: &str) -> bool {
+        match device.parse::<i64>() {
+            Ok(i) => self.index == Some(i),
+            Err(_) => self.uuid.as_deref() == Some(device),
+        }
+    }
+}
+
+/// The devices one ResourceSlice publishes.
+pub fn devices_of(slice: &ResourceSlice) -> Vec<Device> {
+    let spec = &slice.spec;
+    spec.devices
+        .iter()
+        .flatten()
+        .map(|d| {
+            let attr = |name: &str| {
+                let attrs = d.attributes.as_ref()?;
+                // Attributes may be written with or without their domain.
+                attrs
+                    .get(name)
+                    .or_else(|| attrs.get(&format!("{}/{name}", spec.driver)))
+            };
+            Device {
+                driver: spec.driver.clone(),
+                pool: spec.pool.name.clone(),
+                name: d.name.clone(),
+                node: spec.node_name.clone().or_else(|| d.node_name.clone()),
+                uuid: attr("uuid").and_then(|a| a.string.clone()),
+                index: attr("index").and_then(|a| a.int),
+                product: attr("productName").and_then(|a| a.string.clone()),
+                memory: d
+                    .capacity
+                    .as_ref()
+                    .and_then(|c| c.get("memory"))
+                    .and_then(|c| parse_bytes(&c.value.0).ok()),
+            }
+        })
+        .collect()
+}
+
+type Key = (String, String);
+
+#[derive(Default)]
+struct Inner {
+    /// (namespace, name) -> claim.
+    claims: HashMap<Key, ClaimState>,
+    /// Slice name -> its devices.
+    slices: HashMap<String, Vec<Device>>,
+}
+
+/// The claims and devices, as the watches last reported them.
+#[derive(Default)]
+pub struct GpuInventory {
+    inner: Mutex<Inner>,
+    /// Whether the operator can read resource.k8s.io/v1 claims (set at
+    /// start), and if not why.
+    served: std::sync::atomic::AtomicBool,
+    unserved: Mutex<Option<String>>,
+}
+
+impl GpuInventory {
+    pub fn set_served(&self, served: bool) {
+        self.served
+            .store(served, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The claims cannot be read: `why`, for the residencies' condition.
+    pub fn set_unserved(&self, why: String) {
+        self.set_served(false);
+        *self.unserved.lock().expect("gpu inventory lock") = Some(why);
+    }
+
+    /// Why claims cannot be read, when that was found at start.
+    pub fn unserved(&self) -> Option<String> {
+        self.unserved.lock().expect("gpu inventory lock").clone()
+    }
+
+    pub fn served(&self) -> bool {
+        self.served.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Records a claim watch event; returns the claim it was about
+    /// (namespace, name, residency label) to wake whoever uses it.
+    pub fn record_claim(
+        &self,
+        event: &watcher::Event<ResourceClaim>,
+    ) -> Vec<(String, String, Option<String>)> {
+        let mut inner = self.inner.lock().expect("gpu inventory lock");
+        let key = |c: &ResourceClaim| {
+            (
+                c.metadata.namespace.clone().unwrap_or_default(),
+                c.metadata.name.clone().unwrap_or_default(),
+            )
+        };
+        match event {
+            watcher::Event::Apply(c) | watcher::Event::InitApply(c) => {
+                let (ns, name) = key(c);
+                let state = ClaimState::of(c);
+                let label = state.residency.clone();
+                inner.claims.insert((ns.clone(), name.clone()), state);
+                vec![(ns, name, label)]
+            }
+            watcher::Event::Delete(c) => {
+                let (ns, name) = key(c);
+                let label = inner
+                    .claims
+                    .remove(&(ns.clone(), name.clone()))
+                    .and_then(|s| s.residency);
+                vec![(ns, name, label)]
+            }
+            // A relist re-applies every claim; stale ones are few and are
+            // found again as missing when their residency next asks.
+            watcher::Event::Init | watcher::Event::InitDone => Vec::new(),
+        }
+    }
+
+    /// Records a slice watch event.
+    pub fn record_slice(&self, event: &watcher::Event<ResourceSlice>) {
+        let mut inner = self.inner.lock().expect("gpu inventory lock");
+        match event {
+            watcher::Event::Apply(s) | watcher::Event::InitApply(s) => {
+                let name = s.metadata.name.clone().unwrap_or_default();
+                inner.slices.insert(name, devices_of(s));
+            }
+            watcher::Event::Delete(s) => {
+                inner
+                    .slices
+                    .remove(s.metadata.name.as_deref().unwrap_or_default());
+            }
+            watcher::Event::Init | watcher::Event::InitDone => {}
+        }
+    }
+
+    pub fn claim(&self, namespace: &str, name: &str) -> Option<ClaimState> {
+        let inner = self.inner.lock().expect("gpu inventory lock");
+        inner
+            .claims
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .cloned()
+    }
+
+    /// The claim as the API server answered a write (the watch may lag).
+    pub fn wrote_claim(&self, c: &ResourceClaim) {
+        let mut inner = self.inner.lock().expect("gpu inventory lock");
+        let key = (
+            c.metadata.namespace.clone().unwrap_or_default(),
+            c.metadata.name.clone().unwrap_or_default(),
+        );
+        inner.claims.insert(key, ClaimState::of(c));
+    }
+
+    /// The allocated device.
+    pub fn device(&self, a: &Allocation) -> Option<Device> {
+        self.devices()
+            .into_iter()
+            .find(|d| d.driver == a.driver && d.pool == a.pool && d.name == a.device)
+    }
+
+    /// Every published device, in slice order.
+    pub fn devices(&self) -> Vec<Device> {
+        let inner = self.inner.lock().expect("gpu inventory lock");
+        let mut all: Vec<Device> = inner.slices.values().flatten().cloned().collect();
+        all.sort_by(|a, b| (&a.node, &a.name).cmp(&(&b.node, &b.name)));
+        all
+    }
+
+    /// Every claim with its allocation: (namespace, name, state).
+    pub fn claims(&self) -> Vec<(String, String, ClaimState)> {
+        let inner = self.inner.lock().expect("gpu inventory lock");
+        inner
+            .claims
+            .iter()
+            .map(|((ns, n), s)| (ns.clone(), n.clone(), s.clone()))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_claim_summary_reads_the_allocation_and_its_consumers() {
+        let c: ResourceClaim = serde_json::from_value(json!({
+            "metadata": {"name": "gpu-gpu", "namespace": "ns", "uid": "c1",
+                "labels": {RESIDENCY_LABEL: "gpu"},
+                "ownerReferences": [{"apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+                    "name": "gpu", "uid": "r1", "controller": true}]},
+            "spec": {"devices": {"requests": []}},
+            "status": {
+                "allocation": {
+                    "devices": {"results": [{"request": "gpu", "driver": "gpu.nvidia.com", "pool": "node-a", "device": "gpu-1"}]},
+                    "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                        {"key": "metadata.name", "operator": "In", "values": ["node-a"]}]}]},
+                },
+                "reservedFor": [{"resource": "pods", "name": "gpu-gpu-holder", "uid": "p1"}],
+            },
+        }))
+        .unwrap();
+        let s = ClaimState::of(&c);
+        assert_eq!(s.controller.as_deref(), Some("r1"));
+        assert_eq!(s.residency.as_deref(), Some("gpu"));
+        let a = s.allocation.unwrap();
+        assert_eq!(
+            (a.node.as_deref(), a.pool.as_str(), a.device.as_str()),
+            (Some("node-a"), "node-a", "gpu-1")
+        );
+        assert_eq!(s.reserved_for, ["gpu-gpu-holder"]);
+    }
+
+    #[test]
+    fn devices_are_read_from_slices_by_index_and_uuid() {
+        let slice: ResourceSlice = serde_json::from_value(json!({
+            "metadata": {"name": "node-a-gpu"},
+            "spec": {"driver": "gpu.nvidia.com", "nodeName": "node-a",
+                "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1},
+                "devices": [{"name": "gpu-0",
+                    "attributes": {"index": {"int": 0}, "uuid": {"string": "GPU-aa"}, "productName": {"string": "H100"}},
+                    "capacity": {"memory": {"value": "80Gi"}}}]},
+        }))
+        .unwrap();
+        let inv = GpuInventory::default();
+        inv.record_slice(&watcher::Event::Apply(slice));
+        let d = &inv.devices()[0];
+        assert_eq!(d.memory, Some(80 << 30));
+        assert!(d.is("0") && d.is("GPU-aa") && !d.is("1") && !d.is("GPU-bb"));
+        assert_eq!(d.node.as_deref(), Some("node-a"));
+    }
+}

@@ -1,0 +1,490 @@
+//! Claim mode on the real scheduler and resource claim controller: one
+//! ResourceClaim per residency, allocated when its holder pod is scheduled,
+//! shared by every model pod; what happens when the device is taken or
+//! missing; the claim's lifecycle. The kubelet stand-in publishes the
+//! node's GPUs as the NVIDIA DRA driver does.
+
+use super::*;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::PostParams;
+use model_residency::local::kubelet::fake_gpu_uuid;
+use model_residency::residency::labels::GPU_HOLDER_LABEL;
+
+/// A claim-mode residency (the default mode) from its spec's JSON.
+async fn create(h: &Harness, name: &str, spec: serde_json::Value) -> ModelResidency {
+    let r: ModelResidency = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": name}, "spec": spec,
+    }))
+    .unwrap();
+    h.api.create(&PostParams::default(), &r).await.unwrap()
+}
+
+fn models(names: &[&str]) -> serde_json::Value {
+    let all: Vec<_> = names
+        .iter()
+        .map(|n| {
+            json!({"name": n, "size": "6Gi", "template": {"spec": {
+                "containers": [{"name": "server", "image": format!("example/{n}:1")}]}}})
+        })
+        .collect();
+    json!(all)
+}
+
+fn claims(h: &Harness) -> Api<ResourceClaim> {
+    Api::namespaced(h.env.client.clone(), &h.env.namespace)
+}
+
+/// Waits until residency `name` says Ready=`status` with `reason`.
+async fn until_ready(h: &Harness, name: &str, status: &str, reason: &str) -> ModelResidency {
+    eventually(60, &format!("{name} Ready={status} {reason}"), || async {
+        let r = h.api.get(name).await.ok()?;
+        let c = r
+            .status
+            .as_ref()?
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Ready")?;
+        (c.status == status && c.reason == reason).then_some(r.clone())
+    })
+    .await
+}
+
+fn gpu(r: &ModelResidency) -> &model_residency::api::GpuStatus {
+    r.status
+        .as_ref()
+        .and_then(|s| s.gpu.as_ref())
+        .expect("status.gpu")
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn one_claim_is_allocated_shared_by_every_model_pod_and_goes_after_them() {
+    let h = Harness::start("claim-shared").await;
+    create(
+        &h,
+        "gpu",
+        json!({"nodeName": h.node, "device": "2", "budget": "20Gi", "models": models(&["a", "b"])}),
+    )
+    .await;
+    h.request("gpu", "a").await;
+    let r = h.request("gpu", "b").await;
+    assert_eq!(model(&r, "a").state, ModelState::Loaded);
+    let g = gpu(&r);
+    assert_eq!(g.node.as_deref(), Some(h.node.as_str()));
+    assert_eq!(g.device.as_deref(), Some("gpu-2"));
+    assert_eq!(g.uuid.as_deref(), Some(fake_gpu_uuid(&h.node, 2).as_str()));
+    assert_eq!(g.memory.as_deref(), Some("80Gi"));
+    assert_eq!(g.claim.as_deref(), Some("gpu-gpu"));
+    assert_eq!(g.budget_source.as_deref(), Some("spec"));
+    // One claim, for exactly that device, reserved for the holder and both
+    // model pods.
+    let claim = claims(&h).get("gpu-gpu").await.unwrap();
+    let status = claim.status.unwrap();
+    let result = &status.allocation.unwrap().devices.unwrap().results.unwrap()[0];
+    assert_eq!(
+        (result.pool.as_str(), result.device.as_str()),
+        (h.node.as_str(), "gpu-2")
+    );
+    let mut reserved: Vec<String> = status
+        .reserved_for
+        .unwrap()
+        .into_iter()
+        .map(|c| c.name)
+        .collect();
+    reserved.sort();
+    let mut want = vec![
+        pod_name("gpu", "a"),
+        pod_name("gpu", "b"),
+        "gpu-gpu-holder".to_owned(),
+    ];
+    want.sort();
+    assert_eq!(reserved, want);
+    for m in ["a", "b"] {
+        let pod = h.pods.get(&pod_name("gpu", m)).await.unwrap();
+        let spec = pod.spec.unwrap();
+        assert_eq!(
+            spec.node_name.as_deref(),
+            Some(h.node.as_str()),
+            "bound by the scheduler"
+        );
+        let refs = spec.resource_claims.unwrap();
+        assert_eq!(refs[0].resource_claim_name.as_deref(), Some("gpu-gpu"));
+        let c = &spec.containers[0];
+        assert!(
+            c.env
+                .iter()
+                .flatten()
+                .all(|e| e.name != "NVIDIA_VISIBLE_DEVICES"),
+            "{:?}",
+            c.env
+        );
+        assert_eq!(
+            c.resources.as_ref().unwrap().claims.as_ref().unwrap()[0].name,
+            "gpu"
+        );
+    }
+    // kubectl shows where the GPU is.
+    let out = h.env.kubectl(&["get", "mres", "gpu", "-o", "wide"]);
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains("gpu-2") && table.contains(&fake_gpu_uuid(&h.node, 2)),
+        "{table}"
+    );
+    // Deleted: the pods go, then the claim (the scheduler's finalizer holds
+    // it while a pod still uses it).
+    h.api.delete("gpu", &DeleteParams::default()).await.unwrap();
+    let order = eventually(60, "the claim to go", || async {
+        let claim = claims(&h).get_opt("gpu-gpu").await.unwrap();
+        let pods = h
+            .pods
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .len();
+        match claim {
+            None => Some(pods),
+            Some(_) => None,
+        }
+    })
+    .await;
+    assert_eq!(order, 0, "the claim went while pods still used it");
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn without_a_node_or_a_budget_the_scheduler_and_the_device_decide() {
+    let h = Harness::start("claim-anywhere").await;
+    // Its uuid names one GPU of one node in the whole cluster.
+    let uuid = fake_gpu_uuid(&h.node, 5);
+    create(&h, "gpu", json!({"device": uuid, "models": models(&["a"])})).await;
+    let r = h.request("gpu", "a").await;
+    assert_eq!(model(&r, "a").state, ModelState::Loaded);
+    let s = r.status.as_ref().unwrap();
+    assert_eq!(
+        s.budget.as_deref(),
+        Some("72Gi"),
+        "0.9 of the device's 80Gi"
+    );
+    let g = gpu(&r);
+    assert_eq!(g.node.as_deref(), Some(h.node.as_str()));
+    assert_eq!(g.device.as_deref(), Some("gpu-5"));
+    assert_eq!(g.budget_source.as_deref(), Some("device"));
+    // A budget larger than the device is cut to it, and said.
+    h.patch_spec("gpu", json!({"budget": "100Gi"})).await;
+    let r = eventually(30, "the budget to be cut", || async {
+        let r = h.api.get("gpu").await.unwrap();
+        (r.status.as_ref()?.budget.as_deref() == Some("80Gi")).then_some(r)
+    })
+    .await;
+    let c = condition(&r, "BudgetExceedsDevice");
+    assert_eq!(c.status, "True");
+    assert!(
+        c.message
+            .contains("100Gi is more than the device's memory 80Gi"),
+        "{}",
+        c.message
+    );
+    assert_eq!(gpu(&r).budget_source.as_deref(), Some("deviceLimit"));
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn two_claims_for_one_device_the_scheduler_gives_it_to_one_and_the_other_waits() {
+    let h = Harness::start("claim-taken").await;
+    let spec = |m: &str| json!({"nodeName": h.node, "device": "1", "budget": "20Gi", "models": models(&[m])});
+    create(&h, "first", spec("a")).await;
+    h.request("first", "a").await;
+    create(&h, "second", spec("b")).await;
+    h.request_nowait("second", "b").await;
+    let r = until_ready(&h, "second", "False", "GpuUnavailable").await;
+    let ready = condition(&r, "Ready");
+    assert!(
+        ready.message.contains("the scheduler says"),
+        "{}",
+        ready.message
+    );
+    assert!(
+        ready.message.contains("cannot allocate all claims"),
+        "{}",
+        ready.message
+    );
+    assert_eq!(
+        h.pods_of("second").await.0,
+        BTreeSet::new(),
+        "loads nothing"
+    );
+    assert_eq!(model(&r, "b").state, ModelState::Unloaded);
+    // The GPU is freed: the second takes it and loads on the next request.
+    h.api
+        .delete("first", &DeleteParams::default())
+        .await
+        .unwrap();
+    until_ready(&h, "second", "True", "AllResidentModelsReady").await;
+    let r = h.request("second", "b").await;
+    assert_eq!(model(&r, "b").state, ModelState::Loaded);
+    assert_eq!(gpu(&r).device.as_deref(), Some("gpu-1"));
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_claim_deleted_by_hand_is_made_again_and_its_pods_go_first() {
+    let h = Harness::start("claim-deleted").await;
+    create(
+        &h,
+        "gpu",
+        json!({"nodeName": h.node, "device": "0", "budget": "20Gi", "models": models(&["a"])}),
+    )
+    .await;
+    h.request("gpu", "a").await;
+    let old = claims(&h).get("gpu-gpu").await.unwrap().metadata.uid;
+    claims(&h)
+        .delete("gpu-gpu", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(60, "a new claim", || async {
+        let c = claims(&h).get_opt("gpu-gpu").await.unwrap()?;
+        (c.metadata.uid != old && c.metadata.deletion_timestamp.is_none()).then_some(())
+    })
+    .await;
+    let r = until_ready(&h, "gpu", "True", "AllResidentModelsReady").await;
+    assert_eq!(
+        model(&r, "a").state,
+        ModelState::Unloaded,
+        "its pod lost the GPU"
+    );
+    let r = h.request("gpu", "a").await;
+    assert_eq!(model(&r, "a").state, ModelState::Loaded);
+    let events = events_for(&h, "gpu").await;
+    assert!(
+        events.iter().any(|(reason, _)| reason == "GpuUnavailable"),
+        "{events:?}"
+    );
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_claim_that_cannot_be_allocated_names_what_is_missing_and_makes_no_model_pod() {
+    let h = Harness::start("claim-missing").await;
+    let cases = [
+        (
+            "no-class",
+            json!({"nodeName": h.node, "device": "0", "gpu": {"deviceClassName": "no-such-class"}}),
+            "DeviceClassMissing",
+            "DeviceClass no-such-class does not exist",
+        ),
+        (
+            "no-device",
+            json!({"nodeName": h.node, "device": "99"}),
+            "NoSuchGpu",
+            "has index or uuid 99",
+        ),
+        (
+            "no-driver",
+            json!({"nodeName": "no-such-node", "device": "0"}),
+            "NoGpuDriver",
+            "node no-such-node publishes no gpu.nvidia.com devices",
+        ),
+        (
+            "taken-name",
+            json!({"nodeName": h.node, "device": "3"}),
+            "ClaimMissing",
+            "is not this residency's",
+        ),
+        (
+            "no-existing",
+            json!({"nodeName": h.node, "device": "3", "gpu": {"existingClaim": "nowhere"}}),
+            "ClaimMissing",
+            "no such ResourceClaim",
+        ),
+    ];
+    // Someone else's claim has the name the operator would give.
+    let squatter: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "taken-name-gpu"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}]}},
+    }))
+    .unwrap();
+    claims(&h)
+        .create(&PostParams::default(), &squatter)
+        .await
+        .unwrap();
+    for (name, mut spec, _, _) in cases.clone() {
+        spec["budget"] = json!("10Gi");
+        spec["models"] = models(&["a"]);
+        create(&h, name, spec).await;
+        h.request_nowait(name, "a").await;
+    }
+    for (name, _, reason, words) in cases {
+        let r = until_ready(&h, name, "False", reason).await;
+        let ready = condition(&r, "Ready");
+        assert!(ready.message.contains(words), "{name}: {}", ready.message);
+        assert_eq!(h.pods_of(name).await.0, BTreeSet::new(), "{name}");
+    }
+    // The squatter's claim is not the operator's to touch.
+    assert!(
+        claims(&h)
+            .get_opt("taken-name-gpu")
+            .await
+            .unwrap()
+            .is_some()
+    );
+    let all = h
+        .pods
+        .list(&ListParams::default().labels(RESIDENCY_LABEL_SELECTOR))
+        .await
+        .unwrap();
+    assert!(
+        all.items.is_empty(),
+        "a model pod was made: {:?}",
+        all.items
+            .iter()
+            .map(|p| &p.metadata.name)
+            .collect::<Vec<_>>()
+    );
+}
+
+const RESIDENCY_LABEL_SELECTOR: &str = "residency.dev/model";
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn an_existing_claim_is_shared_and_left_alone() {
+    let h = Harness::start("claim-existing").await;
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "team-gpu"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "gpu.nvidia.com",
+            "selectors": [{"cel": {"expression": format!("device.attributes['gpu.nvidia.com'].uuid == '{}'", fake_gpu_uuid(&h.node, 4))}}],
+        }}]}},
+    }))
+    .unwrap();
+    claims(&h)
+        .create(&PostParams::default(), &claim)
+        .await
+        .unwrap();
+    create(&h, "gpu", json!({"device": "4", "budget": "20Gi", "gpu": {"existingClaim": "team-gpu"}, "models": models(&["a"])})).await;
+    let r = h.request("gpu", "a").await;
+    assert_eq!(model(&r, "a").state, ModelState::Loaded);
+    assert_eq!(gpu(&r).claim.as_deref(), Some("team-gpu"));
+    assert_eq!(gpu(&r).device.as_deref(), Some("gpu-4"));
+    h.api.delete("gpu", &DeleteParams::default()).await.unwrap();
+    eventually(60, "the residency's pods to go", || async {
+        let pods = h.pods.list(&ListParams::default()).await.unwrap();
+        pods.items.is_empty().then_some(())
+    })
+    .await;
+    let c = claims(&h).get("team-gpu").await.unwrap();
+    assert!(
+        c.metadata.deletion_timestamp.is_none(),
+        "someone else's claim was deleted"
+    );
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn device_plugin_mode_requests_the_resource_from_the_scheduler() {
+    let h = Harness::start("device-plugin").await;
+    create(&h, "gpu", json!({"nodeName": h.node, "device": "0", "budget": "20Gi", "gpu": {"mode": "devicePlugin"}, "models": models(&["a"])})).await;
+    let r = h.request("gpu", "a").await;
+    assert_eq!(model(&r, "a").state, ModelState::Loaded);
+    let pod = h.pods.get(&pod_name("gpu", "a")).await.unwrap();
+    let c = &pod.spec.as_ref().unwrap().containers[0];
+    let limits = c.resources.as_ref().unwrap().limits.as_ref().unwrap();
+    assert_eq!(limits["nvidia.com/gpu"].0, "1");
+    assert!(pod.spec.as_ref().unwrap().resource_claims.is_none());
+    assert!(
+        claims(&h)
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
+    // The same spec in env mode: the pod is replaced by one with only the
+    // variable.
+    h.patch_spec("gpu", json!({"gpu": {"mode": "env"}})).await;
+    h.request("gpu", "a").await;
+    let pod = h.pods.get(&pod_name("gpu", "a")).await.unwrap();
+    let c = &pod.spec.as_ref().unwrap().containers[0];
+    assert!(
+        c.resources
+            .as_ref()
+            .and_then(|r| r.limits.as_ref())
+            .is_none()
+    );
+    let env = c.env.as_ref().unwrap();
+    assert!(
+        env.iter()
+            .any(|e| e.name == "NVIDIA_VISIBLE_DEVICES" && e.value.as_deref() == Some("0"))
+    );
+}
+
+/// Measured on the real resource claim controller: a claim that no pod
+/// references any more is deallocated, so the device is free for another
+/// claim between two loads. This is why each residency keeps a holder pod.
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_claim_without_consumers_is_deallocated_so_a_holder_keeps_it() {
+    let h = Harness::start("claim-measure").await;
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "bare"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "gpu.nvidia.com",
+            "selectors": [{"cel": {"expression": format!("device.attributes['gpu.nvidia.com'].uuid == '{}'", fake_gpu_uuid(&h.node, 7))}}],
+        }}]}},
+    }))
+    .unwrap();
+    claims(&h)
+        .create(&PostParams::default(), &claim)
+        .await
+        .unwrap();
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "user"},
+        "spec": {"containers": [{"name": "c", "image": "i"}],
+                 "resourceClaims": [{"name": "gpu", "resourceClaimName": "bare"}]},
+    }))
+    .unwrap();
+    h.pods.create(&PostParams::default(), &pod).await.unwrap();
+    eventually(30, "the claim to be allocated", || async {
+        let c = claims(&h).get("bare").await.unwrap();
+        c.status?.allocation.map(|_| ())
+    })
+    .await;
+    let started = std::time::Instant::now();
+    h.pods
+        .delete("user", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(60, "the claim to be deallocated", || async {
+        let c = claims(&h).get("bare").await.unwrap();
+        c.status
+            .is_none_or(|s| s.allocation.is_none())
+            .then_some(())
+    })
+    .await;
+    eprintln!(
+        "a claim with no consumer was deallocated {:?} after its last pod was deleted",
+        started.elapsed()
+    );
+    // With the operator: between loads (no model resident) the holder keeps
+    // the claim allocated and reserved.
+    create(
+        &h,
+        "gpu",
+        json!({"nodeName": h.node, "device": "6", "budget": "20Gi", "models": models(&["a"])}),
+    )
+    .await;
+    until_ready(&h, "gpu", "True", "AllResidentModelsReady").await;
+    let c = claims(&h).get("gpu-gpu").await.unwrap();
+    let status = c.status.unwrap();
+    assert!(status.allocation.is_some());
+    let reserved: Vec<String> = status
+        .reserved_for
+        .unwrap()
+        .into_iter()
+        .map(|r| r.name)
+        .collect();
+    assert_eq!(reserved, ["gpu-gpu-holder"]);
+    let holder = h.pods.get("gpu-gpu-holder").await.unwrap();
+    assert_eq!(holder.metadata.labels.unwrap()[GPU_HOLDER_LABEL], "gpu");
+}
