@@ -190,22 +190,40 @@ async fn delete_claim(
     state: &ClaimState,
     ctx: &Context,
 ) -> Result<()> {
+    let uid = Some(state.uid.clone());
+    delete_gone_ok(claims, name, uid, ctx, "resourceclaims")
+        .await
+        .map_err(|source| Error::Claim {
+            claim: name.to_owned(),
+            source,
+        })
+}
+
+/// Deletes `name` (only while it has `uid`, when given); already gone, or
+/// replaced by a newer object of that name, is done too.
+async fn delete_gone_ok<K>(
+    api: &Api<K>,
+    name: &str,
+    uid: Option<String>,
+    ctx: &Context,
+    resource: &'static str,
+) -> std::result::Result<(), kube::Error>
+where
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
     let dp = DeleteParams {
-        preconditions: Some(Preconditions {
-            uid: Some(state.uid.clone()),
+        preconditions: uid.map(|uid| Preconditions {
+            uid: Some(uid),
             resource_version: None,
         }),
         ..DeleteParams::default()
     };
-    let result = claims.delete(name, &dp).await;
-    ctx.metrics.api_request("delete", "resourceclaims");
+    let result = api.delete(name, &dp).await;
+    ctx.metrics.api_request("delete", resource);
     match result {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(()),
-        Err(source) => Err(Error::Claim {
-            claim: name.to_owned(),
-            source,
-        }),
+        Err(e) => Err(e),
     }
 }
 
@@ -251,23 +269,12 @@ async fn delete_holder(
     uid: Option<String>,
     ctx: &Context,
 ) -> Result<()> {
-    let dp = DeleteParams {
-        preconditions: uid.map(|uid| Preconditions {
-            uid: Some(uid),
-            resource_version: None,
-        }),
-        ..DeleteParams::default()
-    };
-    let result = pods.delete(name, &dp).await;
-    ctx.metrics.api_request("delete", "pods");
-    match result {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(()),
-        Err(source) => Err(Error::HolderPod {
+    delete_gone_ok(pods, name, uid, ctx, "pods")
+        .await
+        .map_err(|source| Error::HolderPod {
             pod: name.to_owned(),
             source,
-        }),
-    }
+        })
 }
 
 /// Why the claim is not allocated, naming what is missing: the

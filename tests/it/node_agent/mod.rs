@@ -643,3 +643,45 @@ async fn an_artifact_a_terminating_pod_mounts_stays_until_the_pod_is_gone() {
     assert_eq!(artifact_state(&h, "a").await, Some(ArtifactState::Evicted));
     assert_eq!(requests.load(Ordering::Relaxed), 2);
 }
+
+/// Claim mode without spec.nodeName: the scheduler picks the node, the
+/// operator writes it into status.gpu.node, and the agent on that node
+/// finds the residency by its second watch (status.gpu.node is a
+/// selectable field) and fetches the artifact there.
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_residency_the_scheduler_placed_gets_its_artifact_from_that_nodes_agent() {
+    let h = Harness::start("agent-placed").await;
+    let (addr, requests) = serve().await;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let _agent = start_agent(&h, &cache, "10Mi", &format!("http://{addr}/"));
+    let uuid = model_residency::local::kubelet::fake_gpu_uuid(&h.node, 3);
+    let r: ModelResidency = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": "gpu"},
+        "spec": {"device": uuid, "budget": "2Gi",
+                 "models": [model("qwen", "1Gi", Some(weights_artifact(addr)))]},
+    }))
+    .unwrap();
+    h.api.create(&PostParams::default(), &r).await.unwrap();
+    let placed = h.placed("gpu").await;
+    let gpu = placed.status.as_ref().unwrap().gpu.as_ref().unwrap();
+    assert_eq!(gpu.node.as_deref(), Some(h.node.as_str()));
+    h.request_nowait("gpu", "qwen").await;
+    let r = h.until_state("gpu", "qwen", ModelState::Loaded, 60).await;
+    let pod: Pod = h
+        .pods
+        .get(&status_of(&r, "qwen").pod.clone().unwrap())
+        .await
+        .unwrap();
+    let host = pod.spec.unwrap().volumes.unwrap()[0]
+        .host_path
+        .clone()
+        .unwrap();
+    assert_eq!(
+        std::fs::read(Path::new(&host.path).join("weights.bin")).unwrap(),
+        weights()
+    );
+    assert_eq!(requests.load(Ordering::Relaxed), 1);
+}

@@ -346,22 +346,32 @@ async fn a_claim_that_cannot_be_allocated_names_what_is_missing_and_makes_no_mod
 
 const RESIDENCY_LABEL_SELECTOR: &str = "residency.dev/model";
 
+/// Makes, as someone else would, claim `name` for GPU `index` of the test's
+/// node (by its uuid).
+async fn claim_for_gpu(h: &Harness, name: &str, index: u32) {
+    let selector = format!(
+        "device.attributes['gpu.nvidia.com'].uuid == '{}'",
+        fake_gpu_uuid(&h.node, index)
+    );
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "gpu.nvidia.com",
+            "selectors": [{"cel": {"expression": selector}}],
+        }}]}},
+    }))
+    .unwrap();
+    claims(h)
+        .create(&PostParams::default(), &claim)
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn an_existing_claim_is_shared_and_left_alone() {
     let h = Harness::start("claim-existing").await;
-    let claim: ResourceClaim = serde_json::from_value(json!({
-        "metadata": {"name": "team-gpu"},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-            "deviceClassName": "gpu.nvidia.com",
-            "selectors": [{"cel": {"expression": format!("device.attributes['gpu.nvidia.com'].uuid == '{}'", fake_gpu_uuid(&h.node, 4))}}],
-        }}]}},
-    }))
-    .unwrap();
-    claims(&h)
-        .create(&PostParams::default(), &claim)
-        .await
-        .unwrap();
+    claim_for_gpu(&h, "team-gpu", 4).await;
     create(&h, "gpu", json!({"device": "4", "budget": "20Gi", "gpu": {"existingClaim": "team-gpu"}, "models": models(&["a"])})).await;
     let r = h.request("gpu", "a").await;
     assert_eq!(model(&r, "a").state, ModelState::Loaded);
@@ -426,18 +436,7 @@ async fn device_plugin_mode_requests_the_resource_from_the_scheduler() {
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn a_claim_without_consumers_is_deallocated_so_a_holder_keeps_it() {
     let h = Harness::start("claim-measure").await;
-    let claim: ResourceClaim = serde_json::from_value(json!({
-        "metadata": {"name": "bare"},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-            "deviceClassName": "gpu.nvidia.com",
-            "selectors": [{"cel": {"expression": format!("device.attributes['gpu.nvidia.com'].uuid == '{}'", fake_gpu_uuid(&h.node, 7))}}],
-        }}]}},
-    }))
-    .unwrap();
-    claims(&h)
-        .create(&PostParams::default(), &claim)
-        .await
-        .unwrap();
+    claim_for_gpu(&h, "bare", 7).await;
     let pod: Pod = serde_json::from_value(json!({
         "metadata": {"name": "user"},
         "spec": {"containers": [{"name": "c", "image": "i"}],
