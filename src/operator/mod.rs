@@ -303,12 +303,21 @@ async fn gpu_events(
                 Ok(ev) => {
                     slice_ctx.gpus.record_slice(ev);
                     match ev {
-                        watcher::Event::Apply(_) | watcher::Event::Delete(_) => slice_store
-                            .state()
-                            .iter()
-                            .filter(|r| r.spec.gpu.mode == crate::api::GpuMode::Claim)
-                            .map(|r| ObjectRef::from_obj(&**r))
-                            .collect(),
+                        // The claim-mode residencies on the slice's node,
+                        // and those not placed yet (a device may have come).
+                        watcher::Event::Apply(slice) | watcher::Event::Delete(slice) => {
+                            let node = slice.spec.node_name.as_deref();
+                            slice_store
+                                .state()
+                                .iter()
+                                .filter(|r| r.spec.gpu.mode == crate::api::GpuMode::Claim)
+                                .filter(|r| {
+                                    let placed = crate::residency::gpu::node_of(r);
+                                    placed.is_none() || node.is_none() || placed == node
+                                })
+                                .map(|r| ObjectRef::from_obj(&**r))
+                                .collect()
+                        }
                         _ => Vec::new(),
                     }
                 }

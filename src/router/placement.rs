@@ -123,9 +123,7 @@ pub fn place(model: &str, homes: &[&ModelResidency], pending: &[(usize, &str)]) 
         }
         if waits_for_its_gpu(r) {
             let cost = Cost::Pending(pending.iter().filter(|(j, _)| *j == i).count());
-            if r.spec.models.iter().any(|m| m.name == model)
-                && best.as_ref().is_none_or(|(c, k, _)| (cost, &key) < (*c, k))
-            {
+            if best.as_ref().is_none_or(|(c, k, _)| (cost, &key) < (*c, k)) {
                 best = Some((cost, key, i));
             }
             continue;

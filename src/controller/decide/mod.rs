@@ -175,10 +175,11 @@ pub fn decide(input: &Observed<'_>) -> Decision {
         .spec
         .budget_fraction
         .unwrap_or(crate::api::DEFAULT_BUDGET_FRACTION);
-    let budget = match &input.gpu {
-        GpuView::Placed(p) => crate::residency::gpu::budget(declared, p.memory, fraction),
-        GpuView::Withheld(_) => crate::residency::gpu::budget(declared, None, fraction),
+    let memory = match &input.gpu {
+        GpuView::Placed(p) => p.memory,
+        GpuView::Withheld(_) => None,
     };
+    let budget = crate::residency::gpu::budget(declared, memory, fraction);
     let bytes = match (&budget, &input.gpu) {
         (Some(b), _) => b.bytes,
         // Nothing loads while the GPU is withheld; the budget only rebuilds

@@ -258,29 +258,24 @@ impl GpuInventory {
         inner.claims.insert(key, ClaimState::of(c));
     }
 
-    /// The allocated device.
+    /// The allocated device: a lookup that copies no other device (every
+    /// reconcile of an allocated claim reads it).
     pub fn device(&self, a: &Allocation) -> Option<Device> {
-        self.devices()
-            .into_iter()
+        let inner = self.inner.lock().expect("gpu inventory lock");
+        inner
+            .slices
+            .values()
+            .flatten()
             .find(|d| d.driver == a.driver && d.pool == a.pool && d.name == a.device)
+            .cloned()
     }
 
-    /// Every published device, in slice order.
+    /// Every published device, by node and name.
     pub fn devices(&self) -> Vec<Device> {
         let inner = self.inner.lock().expect("gpu inventory lock");
         let mut all: Vec<Device> = inner.slices.values().flatten().cloned().collect();
         all.sort_by(|a, b| (&a.node, &a.name).cmp(&(&b.node, &b.name)));
         all
-    }
-
-    /// Every claim with its allocation: (namespace, name, state).
-    pub fn claims(&self) -> Vec<(String, String, ClaimState)> {
-        let inner = self.inner.lock().expect("gpu inventory lock");
-        inner
-            .claims
-            .iter()
-            .map(|((ns, n), s)| (ns.clone(), n.clone(), s.clone()))
-            .collect()
     }
 }
 
