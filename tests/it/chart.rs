@@ -595,9 +595,17 @@ async fn a_standby_takes_over_within_the_lease_and_never_writes_alongside() {
         .create(&PostParams::default(), &spec("first"))
         .await
         .unwrap();
-    eventually(20, "the leader to write status", || async {
-        admin.get("first").await.unwrap().status.map(|_| ())
-    })
+    // Until its GPU is placed (claim mode: claim made, holder scheduled,
+    // claim allocated), the leader is still at work, and a request of its
+    // in flight when it is killed would be counted after the count below.
+    eventually(
+        20,
+        "the leader to write status with the GPU placed",
+        || async {
+            let status = admin.get("first").await.unwrap().status?;
+            status.gpu?.node.map(|_| ())
+        },
+    )
     .await;
     assert!(replicas[leader].ctx.metrics.sum(API_REQUESTS) > 0);
     assert_eq!(
