@@ -59,15 +59,26 @@ K8S_VERSION=$(resolve_version)
 ASSETS=${MODEL_RESIDENCY_ASSETS:-$CACHE_ROOT/control-plane/$K8S_VERSION-$BUILD_REV}
 ETCD_DIR=$CACHE_ROOT/control-plane/etcd-$ETCD_VERSION-$BUILD_REV
 
+# Whether a command's output has the line. The output is read whole first:
+# `cmd | grep -q` under pipefail fails now and then, when grep exits at the
+# first line and the command's next write (kubectl's Kustomize line) gets
+# SIGPIPE; that made good caches look broken and rebuilt them.
+prints_line() {
+  local line=$1 out
+  shift
+  out=$("$@" 2>/dev/null) || return 1
+  grep -qxF -- "$line" <<<"$out"
+}
+
 assets_ok() {
   local dir=$1 b
   for b in "${BINARIES[@]}"; do
     [ -x "$dir/$b" ] && [ -s "$dir/$b" ] || return 1
   done
   for b in kube-apiserver kube-controller-manager kube-scheduler; do
-    "$dir/$b" --version 2>/dev/null | grep -qx "Kubernetes $K8S_VERSION" || return 1
+    prints_line "Kubernetes $K8S_VERSION" "$dir/$b" --version || return 1
   done
-  "$dir/kubectl" version --client 2>/dev/null | grep -qx "Client Version: $K8S_VERSION" || return 1
+  prints_line "Client Version: $K8S_VERSION" "$dir/kubectl" version --client || return 1
   "$dir/etcd" --version >/dev/null 2>&1 || return 1
 }
 
@@ -84,7 +95,7 @@ go_env() {
 }
 
 build_etcd() {
-  [ -x "$ETCD_DIR/etcd" ] && "$ETCD_DIR/etcd" --version 2>/dev/null | grep -q "etcd Version: ${ETCD_VERSION#v}" && return 0
+  [ -x "$ETCD_DIR/etcd" ] && prints_line "etcd Version: ${ETCD_VERSION#v}" "$ETCD_DIR/etcd" --version && return 0
   local t0=$SECONDS work
   work=$(mktemp -d "$CACHE_ROOT/build.XXXXXX")
   log "go build etcd $ETCD_VERSION (about 2 minutes on 2 cores)"
