@@ -1,19 +1,60 @@
 //! Model registry files for `simulate --registry`: either a YAML list of
 //! `{name, size, pinned}` models, or a whole `ModelResidency` manifest whose
 //! `spec.models` is that list (so one file serves `kubectl apply` and the
-//! simulator; templates are accepted and ignored here).
+//! simulator; templates are accepted and ignored here). A model's
+//! `loadTime` and `sleep` give the simulator its costs and its warm tier.
 
-use crate::engine::{Bytes, Engine, RegistryError};
+use crate::api::SleepSpec;
+use crate::engine::{Bytes, Costs, Engine, RegistryError, Sleep};
 use crate::quantity::{QuantityError, parse_bytes};
+use crate::residency::warm::{declared_costs, sleep_figures};
 use serde::Deserialize;
 use std::path::Path;
 
 /// One registry entry, sizes resolved to bytes.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct RegistryModel {
     pub name: String,
     pub size: Bytes,
     pub pinned: bool,
+    /// Seconds a load and a wake take, as declared (loadTime,
+    /// sleep.wakeTime).
+    pub load_seconds: Option<f64>,
+    pub wake_seconds: Option<f64>,
+    /// How it sleeps, if it can.
+    pub sleep: Option<Sleep>,
+}
+
+/// Load and wake seconds for the models that declare none.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DefaultCosts {
+    pub load: Option<f64>,
+    pub wake: Option<f64>,
+}
+
+impl RegistryModel {
+    /// A model that cannot sleep, at the default costs.
+    pub fn plain(name: &str, size: Bytes, pinned: bool) -> Self {
+        RegistryModel {
+            name: name.into(),
+            size,
+            pinned,
+            load_seconds: None,
+            wake_seconds: None,
+            sleep: None,
+        }
+    }
+
+    /// Its costs: declared, else the defaults given, else the project's.
+    pub fn costs(&self, defaults: DefaultCosts) -> Costs {
+        let load = self.load_seconds.or(defaults.load);
+        let wake = self.wake_seconds.or(defaults.wake);
+        let mut costs = declared_costs(None, None, load, None);
+        if let Some(wake) = wake {
+            costs.wake = wake;
+        }
+        costs
+    }
 }
 
 #[derive(Deserialize)]
@@ -23,9 +64,20 @@ struct Entry {
     size: SizeValue,
     #[serde(default)]
     pinned: bool,
+    #[serde(default, rename = "loadTime")]
+    load_time: Option<String>,
     #[serde(default)]
-    #[allow(dead_code)] // accepted so CRD model lists load unchanged
+    sleep: Option<SleepSpec>,
+    // Accepted so CRD model lists load unchanged.
+    #[serde(default)]
+    #[allow(dead_code)]
     template: Option<serde_json::Value>,
+    #[serde(default, rename = "keepAlive")]
+    #[allow(dead_code)]
+    keep_alive: Option<String>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    artifact: Option<serde_json::Value>,
 }
 
 /// A `ModelResidency` manifest; only `spec.models` matters here.
@@ -69,6 +121,8 @@ pub enum RegistryFileError {
     },
     #[error("{path}: {source}")]
     Registry { path: String, source: RegistryError },
+    #[error("{path}: {problem}")]
+    Warm { path: String, problem: String },
 }
 
 /// Reads and validates a registry file.
@@ -113,10 +167,41 @@ pub fn parse(text: &str, origin: &str) -> Result<Vec<RegistryModel>, RegistryFil
             name: e.name.clone(),
             source,
         })?;
+        if let Some(t) = &e.load_time
+            && crate::residency::warm::seconds(t).is_none()
+        {
+            return Err(RegistryFileError::Warm {
+                path: origin.to_owned(),
+                problem: format!(
+                    "model {:?}: loadTime: {t:?} is not a duration like 45s",
+                    e.name
+                ),
+            });
+        }
+        let sleep = match &e.sleep {
+            Some(spec) => Some(sleep_figures(&e.name, spec, size).map_err(|problem| {
+                RegistryFileError::Warm {
+                    path: origin.to_owned(),
+                    problem,
+                }
+            })?),
+            None => None,
+        };
+        let wake_seconds = e
+            .sleep
+            .as_ref()
+            .and_then(|s| s.wake_time.as_deref())
+            .and_then(crate::residency::warm::seconds);
         models.push(RegistryModel {
+            load_seconds: e
+                .load_time
+                .as_deref()
+                .and_then(crate::residency::warm::seconds),
+            wake_seconds,
             name: e.name,
             size,
             pinned: e.pinned,
+            sleep,
         });
     }
     // Validate names and sizes the way the engine will use them.
@@ -129,9 +214,20 @@ pub fn parse(text: &str, origin: &str) -> Result<Vec<RegistryModel>, RegistryFil
 
 /// An engine with `budget` and every model registered (none resident).
 pub fn build_engine(budget: Bytes, models: &[RegistryModel]) -> Result<Engine, RegistryError> {
+    build_engine_with(budget, models, DefaultCosts::default())
+}
+
+/// [`build_engine`], with the costs of models that declare none.
+pub fn build_engine_with(
+    budget: Bytes,
+    models: &[RegistryModel],
+    defaults: DefaultCosts,
+) -> Result<Engine, RegistryError> {
     let mut engine = Engine::new(budget);
     for m in models {
-        engine.register(&m.name, m.size, m.pinned)?;
+        let id = engine.register(&m.name, m.size, m.pinned)?;
+        engine.set_sleep(id, m.sleep)?;
+        engine.set_costs(id, m.costs(defaults));
     }
     Ok(engine)
 }
@@ -150,21 +246,9 @@ mod tests {
         assert_eq!(
             models,
             vec![
-                RegistryModel {
-                    name: "a".into(),
-                    size: 10 << 20,
-                    pinned: false
-                },
-                RegistryModel {
-                    name: "b".into(),
-                    size: 2048,
-                    pinned: true
-                },
-                RegistryModel {
-                    name: "c".into(),
-                    size: 1 << 30,
-                    pinned: false
-                },
+                RegistryModel::plain("a", 10 << 20, false),
+                RegistryModel::plain("b", 2048, true),
+                RegistryModel::plain("c", 1 << 30, false),
             ]
         );
     }
@@ -173,14 +257,7 @@ mod tests {
     fn reads_the_models_of_a_modelresidency_manifest() {
         let text = "# a GPU\napiVersion: residency.dev/v1alpha1\nkind: ModelResidency\nmetadata: {name: g}\nspec:\n  nodeName: n\n  budget: 1Gi\n  models:\n  - {name: a, size: 1Mi, pinned: true}\n";
         let models = parse(text, "m.yaml").unwrap();
-        assert_eq!(
-            models,
-            vec![RegistryModel {
-                name: "a".into(),
-                size: 1 << 20,
-                pinned: true
-            }]
-        );
+        assert_eq!(models, vec![RegistryModel::plain("a", 1 << 20, true)]);
     }
 
     #[test]

@@ -69,6 +69,8 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
             1 => Some(json!({"spec": {"containers": []}}).into()),
             _ => Some(json!({"spec": {"containers": [{"name": "s", "image": "i"}]}}).into()),
         },
+        load_time: None,
+        sleep: None,
     });
     let demand = (name(), time());
     let prev_model = (
@@ -108,6 +110,7 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
                 evictions: c[2].into(),
                 refusals: c[3].into(),
                 unloads: c[4].into(),
+                ..Counters::default()
             },
             ..ModelResidencyStatus::default()
         });
@@ -141,6 +144,8 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
                     budget_fraction: None,
                     models,
                     prefetch: 0,
+                    warm: None,
+                    eviction: Default::default(),
                     keep_alive: Some("5m".into()),
                     demand: demand.into(),
                 },

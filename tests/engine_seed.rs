@@ -38,6 +38,8 @@ fn counters(hits: u64, loads: u64, evictions: u64, refusals: u64) -> Counters {
         evictions,
         refusals,
         unloads: 0,
+        sleeps: 0,
+        wakes: 0,
     }
 }
 

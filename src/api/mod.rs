@@ -7,6 +7,7 @@ mod demand_map;
 mod gpu;
 mod model_demand;
 pub mod rules;
+mod warm;
 
 pub use artifact::{
     ArtifactFile, ArtifactSpec, ArtifactState, CachedArtifact, NodeModelCache, NodeModelCacheSpec,
@@ -18,6 +19,7 @@ pub use gpu::{
     GpuStatus, MIG_DEVICE_CLASS,
 };
 pub use model_demand::{ModelDemand, ModelDemandSpec, ModelDemandStatus};
+pub use warm::{EvictionPolicy, PodRequest, SleepPreset, SleepSpec, WarmSpec};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::CustomResource;
@@ -115,6 +117,18 @@ pub struct ModelResidencySpec {
     #[serde(default, skip_serializing_if = "is_zero_u32")]
     #[schemars(range(min = 0, max = 64))]
     pub prefetch: u32,
+    /// The warm tier: host memory for the models that sleep instead of
+    /// being deleted (models with sleep). Unset: no host memory, so only
+    /// level-2 sleeps (which keep none) are possible.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm: Option<WarmSpec>,
+    /// Which resident makes room: lru (default) or cost.
+    #[serde(default, skip_serializing_if = "is_default_eviction")]
+    pub eviction: EvictionPolicy,
+}
+
+fn is_default_eviction(e: &EvictionPolicy) -> bool {
+    *e == EvictionPolicy::Lru
 }
 
 fn is_default_gpu(g: &GpuSpec) -> bool {
@@ -161,6 +175,17 @@ pub struct ModelSpec {
     // model 64 bytes larger.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub artifact: Option<Box<ArtifactSpec>>,
+    /// How long a cold load takes (pod creation to Ready), as a duration
+    /// (45s, 2m), until one is measured: what spec.eviction cost weighs.
+    /// Default 60s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 32))]
+    pub load_time: Option<String>,
+    /// The model's server can sleep: when room must be made it is put to
+    /// sleep (keeping sleepingSize of VRAM) rather than deleted, and its
+    /// next request wakes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sleep: Option<Box<SleepSpec>>,
 }
 
 /// A model's pod template, kept as its compact JSON text.
@@ -235,6 +260,16 @@ pub struct ModelResidencyStatus {
     /// Number of models whose last request was refused.
     #[serde(default)]
     pub refused: u32,
+    /// Number of resident models that sleep.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub sleeping: u32,
+    /// Host memory the sleeping models hold (of spec.warm.hostBudget).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_used: Option<String>,
+    /// spec.eviction cost's inflation (its L: the value of the last model
+    /// made room of), carried from one decision to the next.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inflation: Option<f64>,
     /// One entry per registry model, plus one per demanded unknown model.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
@@ -283,6 +318,27 @@ pub struct ModelStatus {
     /// A human-readable explanation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<Box<str>>,
+    /// Measured seconds from pod creation to Ready, a moving average of
+    /// its loads (the last weighs 0.3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_seconds: Option<f64>,
+    /// Measured seconds of a wake, a moving average like loadSeconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wake_seconds: Option<f64>,
+    /// While Sleeping: when its sleep was decided (FallingAsleep) or
+    /// confirmed (Asleep).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slept_at: Option<Box<str>>,
+    /// spec.eviction cost: requests served since it became resident, and
+    /// the inflation at its last use (its value's base).
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub uses: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value_base: Option<f64>,
+}
+
+fn is_zero_u64(n: &u64) -> bool {
+    *n == 0
 }
 
 impl ModelResidencyStatus {
@@ -304,6 +360,7 @@ impl ModelResidencyStatus {
         self.loading = count(|m| m.state == ModelState::Loading);
         self.fetching = count(|m| m.state == ModelState::Fetching);
         self.refused = count(|m| m.state == ModelState::Refused);
+        self.sleeping = count(|m| m.state == ModelState::Sleeping);
     }
 }
 
@@ -344,6 +401,10 @@ pub enum ModelState {
     Evicted,
     /// Its last request was refused (see reason).
     Refused,
+    /// Resident, its server asleep (it holds its sleepingSize of VRAM
+    /// once the sleep is confirmed, reason Asleep; its full size while
+    /// reason is FallingAsleep). A request wakes it.
+    Sleeping,
     /// Never loaded, or unloaded by demand removal.
     #[default]
     Unloaded,
@@ -358,7 +419,11 @@ impl ModelState {
     pub fn is_resident(self) -> bool {
         matches!(
             self,
-            ModelState::Loaded | ModelState::Loading | ModelState::Fetching | ModelState::Failed
+            ModelState::Loaded
+                | ModelState::Loading
+                | ModelState::Fetching
+                | ModelState::Failed
+                | ModelState::Sleeping
         )
     }
 }

@@ -35,9 +35,31 @@ pub struct Args {
     /// counts what reached the residency. Needs --trace.
     #[arg(long, requires = "trace", value_name = "TIME")]
     recency_resolution: Option<f64>,
+    /// Host memory the sleeping models may hold (the operator's
+    /// spec.warm.hostBudget): models whose registry entry has `sleep` are
+    /// put to sleep instead of evicted while it has room.
+    #[arg(long, value_name = "QUANTITY")]
+    warm_budget: Option<String>,
+    /// Which resident makes room: lru (the seed's) or cost
+    /// (GreedyDual-Size-Frequency over load and wake seconds).
+    #[arg(long, value_enum, default_value_t = EvictionArg::Lru)]
+    eviction: EvictionArg,
+    /// Load seconds of models whose registry entry has no loadTime.
+    #[arg(long, value_name = "SECONDS")]
+    load_seconds: Option<f64>,
+    /// Wake seconds of sleeping models whose entry has no sleep.wakeTime
+    /// (default: a twentieth of the load).
+    #[arg(long, value_name = "SECONDS")]
+    wake_seconds: Option<f64>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Output::Text)]
     output: Output,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum EvictionArg {
+    Lru,
+    Cost,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -53,7 +75,30 @@ pub fn run(args: Args) -> Result<(), Failure> {
         Some(path) => registry::load(path).map_err(Failure::bad_input)?,
         None => Vec::new(),
     };
-    let mut engine = registry::build_engine(budget, &models).map_err(Failure::bad_input)?;
+    for (flag, value) in [
+        ("--load-seconds", args.load_seconds),
+        ("--wake-seconds", args.wake_seconds),
+    ] {
+        if value.is_some_and(|v| !(v.is_finite() && v >= 0.0)) {
+            return Err(Failure::bad_input(format!(
+                "{flag} must be zero or a positive number"
+            )));
+        }
+    }
+    let defaults = registry::DefaultCosts {
+        load: args.load_seconds,
+        wake: args.wake_seconds,
+    };
+    let mut engine =
+        registry::build_engine_with(budget, &models, defaults).map_err(Failure::bad_input)?;
+    engine.set_eviction(match args.eviction {
+        EvictionArg::Lru => model_residency::engine::Eviction::Lru,
+        EvictionArg::Cost => model_residency::engine::Eviction::Cost,
+    });
+    if let Some(q) = &args.warm_budget {
+        let host = parse_bytes(q).map_err(|e| Failure::bad_input(format!("--warm-budget: {e}")))?;
+        engine.set_host_budget(host);
+    }
     let report = match &args.trace {
         Some(path) => {
             let mut trace = TraceReader::open(path).map_err(Failure::bad_input)?;

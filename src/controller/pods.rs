@@ -371,6 +371,8 @@ mod tests {
                 budget_fraction: None,
                 models: vec![],
                 prefetch: 0,
+                warm: None,
+                eviction: Default::default(),
                 keep_alive: None,
                 demand: Default::default(),
             },
@@ -387,6 +389,8 @@ mod tests {
             artifact: None,
             keep_alive: None,
             template: Some(template.into()),
+            load_time: None,
+            sleep: None,
         }
     }
 

@@ -26,9 +26,11 @@
 //! victim O(1) plus the loading models skipped on the way.
 
 mod recency;
+mod warm;
 
 use recency::{Linked, Links, RecencyList};
 use rustc_hash::FxHashMap;
+pub use warm::{Costs, Eviction, Sleep};
 
 /// VRAM sizes are whole bytes.
 pub type Bytes = u64;
@@ -75,8 +77,12 @@ impl RefuseReason {
 pub enum Admission<'a> {
     /// Already resident; now the most recently used.
     Hit,
-    /// Loaded, after evicting these models (least recently used first).
+    /// Loaded, after evicting these models (least recently used first, or
+    /// least valuable first under [`Eviction::Cost`]); the models put to
+    /// sleep to make room are [`Engine::last_slept`].
     Loaded { evicted: &'a [ModelId] },
+    /// Was sleeping; woken, after making room as a load does.
+    Woken { evicted: &'a [ModelId] },
     /// Fits, but only by evicting models that are still loading: nothing
     /// changed and nothing was counted; ask again when one is ready.
     /// `loading` is the VRAM those models hold.
@@ -105,6 +111,8 @@ pub enum RegistryError {
     ZeroSize(String),
     #[error("model names must not be empty")]
     EmptyName,
+    #[error("model {0:?}: its sleeping size must be smaller than its size")]
+    SleepingSize(String),
 }
 
 /// Running totals since the engine was created. The same type is the
@@ -132,9 +140,15 @@ pub struct Counters {
     pub refusals: u64,
     /// Models unloaded by demand or registry removal (not evictions).
     pub unloads: u64,
+    /// Awake models put to sleep to make room (not evictions).
+    #[serde(default)]
+    pub sleeps: u64,
+    /// Requests for a sleeping model, which woke it.
+    #[serde(default)]
+    pub wakes: u64,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Slot {
     name: Box<str>,
     size: Bytes,
@@ -142,13 +156,46 @@ struct Slot {
     resident: bool,
     /// Resident and still loading: no request evicts it.
     loading: bool,
+    /// How it sleeps, if it can.
+    sleep: Option<Sleep>,
+    /// Resident and sleeping: it holds its sleeping size, not its size.
+    asleep: bool,
+    costs: Costs,
+    /// Requests served since it became resident (GDSF's frequency).
+    uses: u64,
+    /// The inflation at its last use (GDSF's `L` in its value).
+    base: f64,
     registered: bool,
     /// Engine clock at the model's last request (0: never).
     last_used: u64,
     links: Links,
 }
 
-#[derive(Debug, Default)]
+impl Slot {
+    /// The VRAM it holds while resident.
+    fn footprint(&self) -> Bytes {
+        match self.sleep {
+            Some(s) if self.asleep => s.sleeping_size,
+            _ => self.size,
+        }
+    }
+
+    /// Host memory it holds while resident.
+    fn host(&self) -> Bytes {
+        match self.sleep {
+            Some(s) if self.asleep => s.host_memory,
+            _ => 0,
+        }
+    }
+
+    /// Its value under [`Eviction::Cost`] as it is now.
+    fn value(&self) -> f64 {
+        let (cost, room) = warm::cost_and_room(self.size, self.sleep, self.asleep, self.costs);
+        warm::value(self.base, self.uses, cost, room)
+    }
+}
+
+#[derive(Clone, Debug, Default)]
 struct Slots(Vec<Slot>);
 
 impl Linked for Slots {
@@ -161,10 +208,20 @@ impl Linked for Slots {
 }
 
 /// One GPU's residency state: a registry of models and the resident subset.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Engine {
     budget: Bytes,
+    /// VRAM held: awake sizes plus sleeping sizes.
     used: Bytes,
+    /// Host memory the sleeping models may hold together, and hold.
+    host_budget: Bytes,
+    host_used: Bytes,
+    eviction: Eviction,
+    /// GDSF's `L`: the value of the last victim.
+    inflation: f64,
+    /// Registered models that can sleep: with none, and LRU, room is made
+    /// by the seed's loop.
+    sleepers: usize,
     /// VRAM held by resident pinned models: what no eviction can free.
     pinned_used: Bytes,
     /// VRAM held by resident unpinned models that are still loading: what
@@ -180,6 +237,10 @@ pub struct Engine {
     /// Scratch for the victims of the current operation, reused to keep the
     /// hot path allocation-free.
     evicted: Vec<ModelId>,
+    /// The models the current operation put to sleep.
+    slept: Vec<ModelId>,
+    /// Scratch for the candidates of a warm or cost-aware room-making.
+    order: Vec<u32>,
 }
 
 impl Engine {
@@ -188,6 +249,11 @@ impl Engine {
         Engine {
             budget,
             used: 0,
+            host_budget: 0,
+            host_used: 0,
+            eviction: Eviction::Lru,
+            inflation: 0.0,
+            sleepers: 0,
             pinned_used: 0,
             loading_used: 0,
             peak: 0,
@@ -198,7 +264,77 @@ impl Engine {
             evictable: RecencyList::default(),
             pinned: RecencyList::default(),
             evicted: Vec::new(),
+            slept: Vec::new(),
+            order: Vec::new(),
         }
+    }
+
+    /// Chooses victims by `eviction` from now on.
+    pub fn set_eviction(&mut self, eviction: Eviction) {
+        self.eviction = eviction;
+    }
+
+    /// Sets the host memory sleeping models may hold. A shrink drops
+    /// sleeping models (least valuable first, pinned ones last) until they
+    /// fit; returns them.
+    pub fn set_host_budget(&mut self, budget: Bytes) -> &[ModelId] {
+        self.host_budget = budget;
+        self.evicted.clear();
+        if self.host_used > budget {
+            // Pinned sleeping models last: the budget outranks pinning, as
+            // in a VRAM budget shrink.
+            let pinned: Vec<u32> = self
+                .pinned
+                .iter(&self.slots)
+                .filter(|&v| self.slots.0[v as usize].asleep)
+                .collect();
+            let mut order = self.sleeping_candidates(None).chain(pinned);
+            while self.host_used > self.host_budget {
+                let v = order
+                    .next()
+                    .expect("host memory is held by sleeping models");
+                self.evict(ModelId(v));
+            }
+        }
+        &self.evicted
+    }
+
+    /// Says how a model sleeps (`None`: it cannot). A sleeping model that
+    /// can no longer sleep is unloaded.
+    pub fn set_sleep(&mut self, id: ModelId, sleep: Option<Sleep>) -> Result<(), RegistryError> {
+        let slot = &self.slots.0[id.index()];
+        if sleep.is_some_and(|s| s.sleeping_size >= slot.size) {
+            return Err(RegistryError::SleepingSize(slot.name.to_string()));
+        }
+        if sleep.is_none() && slot.resident && slot.asleep {
+            self.unload(id);
+        }
+        let slot = &mut self.slots.0[id.index()];
+        match (slot.sleep.is_some(), sleep.is_some()) {
+            (false, true) => self.sleepers += 1,
+            (true, false) => self.sleepers -= 1,
+            _ => {}
+        }
+        if slot.asleep {
+            // Same state, other figures: account the difference.
+            let (old_vram, old_host) = (slot.footprint(), slot.host());
+            slot.sleep = sleep;
+            let (vram, host) = (slot.footprint(), slot.host());
+            let pinned = slot.pinned;
+            self.used = self.used - old_vram + vram;
+            self.host_used = self.host_used - old_host + host;
+            if pinned {
+                self.pinned_used = self.pinned_used - old_vram + vram;
+            }
+        } else {
+            slot.sleep = sleep;
+        }
+        Ok(())
+    }
+
+    /// What bringing a model back costs (used by [`Eviction::Cost`]).
+    pub fn set_costs(&mut self, id: ModelId, costs: Costs) {
+        self.slots.0[id.index()].costs = costs;
     }
 
     // ---- registry -------------------------------------------------------
@@ -226,6 +362,11 @@ impl Engine {
             pinned,
             resident: false,
             loading: false,
+            sleep: None,
+            asleep: false,
+            costs: Costs::default(),
+            uses: 0,
+            base: 0.0,
             registered: true,
             last_used: 0,
             links: Links::default(),
@@ -240,6 +381,9 @@ impl Engine {
         let was_resident = self.unload(id);
         let slot = &mut self.slots.0[id.index()];
         slot.registered = false;
+        if slot.sleep.take().is_some() {
+            self.sleepers -= 1;
+        }
         let name = std::mem::take(&mut slot.name);
         self.names.remove(&name);
         was_resident
@@ -255,6 +399,17 @@ impl Engine {
             return Err(RegistryError::ZeroSize(slot.name.to_string()));
         }
         let (old, pinned) = (slot.size, slot.pinned);
+        if slot.sleep.is_some_and(|s| s.sleeping_size >= size) {
+            // It could not sleep at this size: it no longer sleeps.
+            self.set_sleep(id, None)
+                .expect("clearing is always allowed");
+        }
+        let slot = &self.slots.0[id.index()];
+        if slot.asleep {
+            // Its sleeping server is of the old size: it goes.
+            self.unload(id);
+        }
+        let slot = &self.slots.0[id.index()];
         if !slot.resident {
             self.slots.0[id.index()].size = size;
             return Ok(Resize::NotResident);
@@ -316,7 +471,7 @@ impl Engine {
         if slot.pinned == pinned {
             return;
         }
-        let (resident, size, last_used) = (slot.resident, slot.size, slot.last_used);
+        let (resident, size, last_used) = (slot.resident, slot.footprint(), slot.last_used);
         if resident {
             let (list, slots) = self.list_of(id);
             list.unlink(slots, id.0);
@@ -384,38 +539,54 @@ impl Engine {
         }
     }
 
-    /// A request for a registered model: hit, load (with evictions) or refuse.
+    /// A request for a registered model: hit, wake or load (making room),
+    /// queue, or refuse.
     pub fn request(&mut self, id: ModelId) -> Admission<'_> {
         self.clock += 1;
-        let slot = &mut self.slots.0[id.index()];
+        self.evicted.clear();
+        self.slept.clear();
+        let slot = &self.slots.0[id.index()];
         debug_assert!(slot.registered, "request for a deregistered model");
-        let size = slot.size;
-        if slot.resident {
-            slot.last_used = self.clock;
+        let (size, resident, asleep) = (slot.size, slot.resident, slot.asleep);
+        if resident && !asleep {
             self.counters.hits += 1;
-            let (list, slots) = self.list_of(id);
-            list.touch(slots, id.0);
+            self.used_now(id);
             return Admission::Hit;
         }
-        if let Err(reason) = self.check_fit(size) {
+        if let Err(reason) = self.check_fit(id, size) {
             self.counters.refusals += 1;
             return Admission::Refused(reason);
         }
-        if self.must_queue(size) {
+        // What it adds: all of it, or what waking adds to its sleeping size.
+        let need = size - if asleep { slot.footprint() } else { 0 };
+        if self.must_queue(id, need) {
             return Admission::Queued {
                 loading: self.loading_used,
             };
         }
-        self.evicted.clear();
-        while self.used + size > self.budget {
-            let victim = self.ready_residents().next().expect("room checked");
-            self.evict(ModelId(victim));
+        self.make_room(need, Some(id));
+        if asleep {
+            self.wake(id);
+            self.counters.wakes += 1;
+            self.used_now(id);
+            return Admission::Woken {
+                evicted: &self.evicted,
+            };
         }
         self.make_resident(id);
         self.counters.loads += 1;
+        let slot = &mut self.slots.0[id.index()];
+        slot.uses = 1;
+        slot.base = self.inflation;
         Admission::Loaded {
             evicted: &self.evicted,
         }
+    }
+
+    /// The models the last request put to sleep to make room (they stay
+    /// resident, sleeping).
+    pub fn last_slept(&self) -> &[ModelId] {
+        &self.slept
     }
 
     /// Marks a resident model as loading (its server is not ready yet: no
@@ -423,7 +594,7 @@ impl Engine {
     /// that is not resident is left as it is; leaving residency clears it.
     pub fn set_loading(&mut self, id: ModelId, loading: bool) {
         let slot = &mut self.slots.0[id.index()];
-        if !slot.resident || slot.loading == loading {
+        if !slot.resident || slot.asleep || slot.loading == loading {
             return;
         }
         slot.loading = loading;
@@ -468,16 +639,68 @@ impl Engine {
         Ok(())
     }
 
+    /// [`Engine::restore`] for a model that is sleeping. Fails, changing
+    /// nothing, when it cannot sleep or would break either budget.
+    pub fn restore_asleep(&mut self, id: ModelId) -> Result<(), RefuseReason> {
+        let slot = &self.slots.0[id.index()];
+        let Some(sleep) = slot.sleep else {
+            return self.restore(id);
+        };
+        if slot.resident {
+            return Ok(());
+        }
+        let over_vram = self.used + sleep.sleeping_size > self.budget;
+        if over_vram || self.host_used + sleep.host_memory > self.host_budget {
+            return Err(RefuseReason::NoEvictableRoom {
+                size: sleep.sleeping_size,
+                budget: self.budget,
+                pinned: self.pinned_used,
+            });
+        }
+        self.clock += 1;
+        self.slots.0[id.index()].asleep = true;
+        self.make_resident(id);
+        self.host_used += sleep.host_memory;
+        Ok(())
+    }
+
+    /// Carries a resident model's use count and its value's base over from
+    /// an earlier run ([`Eviction::Cost`]'s state), and the inflation.
+    pub fn resume_value(&mut self, id: ModelId, uses: u64, base: f64) {
+        let slot = &mut self.slots.0[id.index()];
+        slot.uses = uses;
+        slot.base = if base.is_finite() { base } else { 0.0 };
+    }
+
+    /// Carries the inflation over (see [`Engine::resume_value`]).
+    pub fn resume_inflation(&mut self, inflation: f64) {
+        if inflation.is_finite() {
+            self.inflation = self.inflation.max(inflation);
+        }
+    }
+
     /// What a request for `id` would do, without doing it: the models it
     /// would evict (`Ok(empty)` for a hit or a load that fits), `Ok(None)`
     /// when it would be queued behind loading models, or the refusal.
     pub fn plan_load(&self, id: ModelId) -> Result<Option<Vec<ModelId>>, RefuseReason> {
         let slot = &self.slots.0[id.index()];
-        if slot.resident {
+        if slot.resident && !slot.asleep {
             return Ok(Some(Vec::new()));
         }
-        self.check_fit(slot.size)?;
-        if self.must_queue(slot.size) {
+        if slot.asleep || self.sleepers > 0 || self.eviction != Eviction::Lru {
+            // The rule is the request's; run it on a copy.
+            let mut copy = self.clone();
+            return match copy.request(id) {
+                Admission::Hit => Ok(Some(Vec::new())),
+                Admission::Loaded { evicted } | Admission::Woken { evicted } => {
+                    Ok(Some(evicted.to_vec()))
+                }
+                Admission::Queued { .. } => Ok(None),
+                Admission::Refused(reason) => Err(reason),
+            };
+        }
+        self.check_fit(id, slot.size)?;
+        if self.must_queue(id, slot.size) {
             return Ok(None);
         }
         let mut freed = self.budget - self.used;
@@ -512,6 +735,39 @@ impl Engine {
     pub fn is_loading(&self, id: ModelId) -> bool {
         let slot = &self.slots.0[id.index()];
         slot.resident && slot.loading
+    }
+    /// Resident and sleeping.
+    pub fn is_asleep(&self, id: ModelId) -> bool {
+        let slot = &self.slots.0[id.index()];
+        slot.resident && slot.asleep
+    }
+    pub fn sleep_of(&self, id: ModelId) -> Option<Sleep> {
+        self.slots.0[id.index()].sleep
+    }
+    pub fn costs(&self, id: ModelId) -> Costs {
+        self.slots.0[id.index()].costs
+    }
+    /// Requests served since it became resident, and its value's base.
+    pub fn value_state(&self, id: ModelId) -> (u64, f64) {
+        let slot = &self.slots.0[id.index()];
+        (slot.uses, slot.base)
+    }
+    /// Its value under [`Eviction::Cost`] now (module docs of `warm`).
+    pub fn value(&self, id: ModelId) -> f64 {
+        self.slots.0[id.index()].value()
+    }
+    pub fn inflation(&self) -> f64 {
+        self.inflation
+    }
+    pub fn eviction(&self) -> Eviction {
+        self.eviction
+    }
+    pub fn host_budget(&self) -> Bytes {
+        self.host_budget
+    }
+    /// Host memory the sleeping models hold.
+    pub fn host_used(&self) -> Bytes {
+        self.host_used
     }
     /// The engine clock of the model's last request or restore (0: never).
     pub fn last_used(&self, id: ModelId) -> u64 {
@@ -563,27 +819,209 @@ impl Engine {
 
     // ---- internals ------------------------------------------------------
 
-    fn check_fit(&self, size: Bytes) -> Result<(), RefuseReason> {
+    /// Whether `id` at `size` can fit at all: alone, and beside the pinned
+    /// models other than itself.
+    fn check_fit(&self, id: ModelId, size: Bytes) -> Result<(), RefuseReason> {
         if size > self.budget {
             return Err(RefuseReason::LargerThanBudget {
                 size,
                 budget: self.budget,
             });
         }
-        if self.pinned_used + size > self.budget {
+        let slot = &self.slots.0[id.index()];
+        let own = if slot.resident && slot.pinned {
+            slot.footprint()
+        } else {
+            0
+        };
+        let pinned = self.pinned_used - own;
+        if pinned + size > self.budget {
             return Err(RefuseReason::NoEvictableRoom {
                 size,
                 budget: self.budget,
-                pinned: self.pinned_used,
+                pinned,
             });
         }
         Ok(())
     }
 
-    /// Whether a load of `size` could only fit by evicting pinned or
-    /// loading models, neither of which a request evicts.
-    fn must_queue(&self, size: Bytes) -> bool {
-        self.pinned_used + self.loading_used + size > self.budget
+    /// Whether `need` more bytes for `id` could only be found by evicting
+    /// pinned or loading models (or `id` itself), none of which a request
+    /// evicts.
+    fn must_queue(&self, id: ModelId, need: Bytes) -> bool {
+        let slot = &self.slots.0[id.index()];
+        let own = if slot.resident && !slot.pinned {
+            slot.footprint()
+        } else {
+            0
+        };
+        self.pinned_used + self.loading_used + own + need > self.budget
+    }
+
+    /// A request's use of a resident model: most recently used, one use
+    /// more, its value's base the inflation now.
+    fn used_now(&mut self, id: ModelId) {
+        let slot = &mut self.slots.0[id.index()];
+        slot.last_used = self.clock;
+        slot.uses += 1;
+        slot.base = self.inflation;
+        let (list, slots) = self.list_of(id);
+        list.touch(slots, id.0);
+    }
+
+    /// Frees `need` bytes beyond what is free, from the ready unpinned
+    /// residents other than `keep`, in the policy's order: an awake victim
+    /// that can sleep sleeps (if the host budget has or can be given room),
+    /// any other is evicted. If sleeping them was not enough, the models
+    /// slept here are evicted too, in the same order. The caller checked
+    /// that the room can be made.
+    fn make_room(&mut self, need: Bytes, keep: Option<ModelId>) {
+        if self.used + need <= self.budget {
+            return;
+        }
+        if self.sleepers == 0 && self.eviction == Eviction::Lru {
+            // The seed's loop, allocation-free.
+            while self.used + need > self.budget {
+                let victim = self
+                    .ready_residents()
+                    .find(|&v| Some(ModelId(v)) != keep)
+                    .expect("room checked");
+                self.evict(ModelId(victim));
+            }
+            return;
+        }
+        let mut order = std::mem::take(&mut self.order);
+        order.clear();
+        order.extend(self.ready_residents().filter(|&v| Some(ModelId(v)) != keep));
+        if self.eviction == Eviction::Cost {
+            self.sort_by_value(&mut order);
+        }
+        for &v in &order {
+            if self.used + need <= self.budget {
+                break;
+            }
+            let v = ModelId(v);
+            if !self.slots.0[v.index()].resident {
+                continue; // dropped to give another sleeper host room
+            }
+            self.note_victim(v);
+            if !self.slots.0[v.index()].asleep && self.try_sleep(v, keep) {
+                self.slept.push(v);
+                continue;
+            }
+            self.evict(v);
+        }
+        // Some slept here may have been dropped since, for another's host room.
+        let slots = &self.slots.0;
+        self.slept.retain(|v| slots[v.index()].asleep);
+        let mut slept = 0;
+        while self.used + need > self.budget {
+            let v = *self.slept.get(slept).expect("room checked");
+            slept += 1;
+            self.evict(v);
+        }
+        self.slept.drain(..slept);
+        self.counters.sleeps += self.slept.len() as u64;
+        self.order = order;
+    }
+
+    /// Lowest value first; ties least recently used first.
+    fn sort_by_value(&self, order: &mut [u32]) {
+        let slots = &self.slots.0;
+        order.sort_by(|&a, &b| {
+            let (a, b) = (&slots[a as usize], &slots[b as usize]);
+            a.value()
+                .total_cmp(&b.value())
+                .then(a.last_used.cmp(&b.last_used))
+        });
+    }
+
+    /// GDSF's inflation rises to each victim's value.
+    fn note_victim(&mut self, v: ModelId) {
+        if self.eviction == Eviction::Cost {
+            self.inflation = self.inflation.max(self.slots.0[v.index()].value());
+        }
+    }
+
+    /// Sleeping unpinned models other than `keep`, least valuable first.
+    fn sleeping_candidates(&self, keep: Option<ModelId>) -> std::vec::IntoIter<u32> {
+        let mut sleeping: Vec<u32> = self
+            .evictable
+            .iter(&self.slots)
+            .filter(|&v| self.slots.0[v as usize].asleep && Some(ModelId(v)) != keep)
+            .collect();
+        if self.eviction == Eviction::Cost {
+            self.sort_by_value(&mut sleeping);
+        }
+        sleeping.into_iter()
+    }
+
+    /// Puts the awake `v` to sleep if it can sleep and the host budget has
+    /// room for it, making that room by evicting sleeping models (least
+    /// valuable first, never `keep`) when that is enough.
+    fn try_sleep(&mut self, v: ModelId, keep: Option<ModelId>) -> bool {
+        let Some(sleep) = self.slots.0[v.index()].sleep else {
+            return false;
+        };
+        let host = sleep.host_memory;
+        if host > self.host_budget {
+            return false;
+        }
+        if self.host_used + host > self.host_budget {
+            let sleeping: Vec<u32> = self.sleeping_candidates(keep).collect();
+            let droppable: Bytes = sleeping
+                .iter()
+                .map(|&d| self.slots.0[d as usize].host())
+                .sum();
+            if self.host_used - droppable + host > self.host_budget {
+                return false;
+            }
+            for d in sleeping {
+                if self.host_used + host <= self.host_budget {
+                    break;
+                }
+                self.note_victim(ModelId(d));
+                self.evict(ModelId(d));
+            }
+        }
+        self.put_to_sleep(v);
+        true
+    }
+
+    /// A resident awake model sleeps: it holds its sleeping size, and its
+    /// host memory.
+    fn put_to_sleep(&mut self, id: ModelId) {
+        let slot = &mut self.slots.0[id.index()];
+        debug_assert!(slot.resident && !slot.asleep && slot.sleep.is_some());
+        let before = slot.footprint();
+        if slot.loading {
+            slot.loading = false;
+            if !slot.pinned {
+                self.loading_used -= slot.size;
+            }
+        }
+        slot.asleep = true;
+        let (after, host, pinned) = (slot.footprint(), slot.host(), slot.pinned);
+        self.used = self.used - before + after;
+        self.host_used += host;
+        if pinned {
+            self.pinned_used = self.pinned_used - before + after;
+        }
+    }
+
+    /// A resident sleeping model wakes: it holds its size again.
+    fn wake(&mut self, id: ModelId) {
+        let slot = &mut self.slots.0[id.index()];
+        debug_assert!(slot.resident && slot.asleep);
+        let (before, host) = (slot.footprint(), slot.host());
+        slot.asleep = false;
+        let (after, pinned) = (slot.footprint(), slot.pinned);
+        self.used = self.used - before + after;
+        self.host_used -= host;
+        if pinned {
+            self.pinned_used = self.pinned_used - before + after;
+        }
+        self.note_peak();
     }
 
     /// Unpinned residents that are not loading (a request's victims), least
@@ -608,7 +1046,7 @@ impl Engine {
         let slot = &mut self.slots.0[id.index()];
         slot.resident = true;
         slot.last_used = self.clock;
-        let (size, pinned) = (slot.size, slot.pinned);
+        let (size, pinned) = (slot.footprint(), slot.pinned);
         self.used += size;
         if pinned {
             self.pinned_used += size;
@@ -623,16 +1061,21 @@ impl Engine {
         list.unlink(slots, id.0);
         let slot = &mut self.slots.0[id.index()];
         slot.resident = false;
-        self.used -= slot.size;
+        let held = slot.footprint();
+        self.used -= held;
+        self.host_used -= slot.host();
         if slot.pinned {
-            self.pinned_used -= slot.size;
+            self.pinned_used -= held;
         } else if slot.loading {
             self.loading_used -= slot.size;
         }
         slot.loading = false;
+        slot.asleep = false;
+        slot.uses = 0;
     }
 
     fn evict(&mut self, id: ModelId) {
+        debug_assert!(self.slots.0[id.index()].resident, "evicting a non-resident");
         self.remove_resident(id);
         self.counters.evictions += 1;
         self.evicted.push(id);

@@ -258,3 +258,225 @@ fn a_loading_model_is_never_a_victim_and_a_load_that_needs_one_is_queued() {
     assert_eq!(e.loading_used(), 0);
     assert!(!e.is_loading(m[3]));
 }
+
+// ---- the warm tier and cost-aware eviction --------------------------------
+
+/// `a` and `b` of 6, `c` of 4, budget 10; `a` sleeps at 1 (host 6).
+fn warm(host_budget: Bytes, sleeping: Bytes) -> (Engine, Vec<ModelId>) {
+    let (mut e, m) = engine(10, &[("a", 6, false), ("b", 6, false), ("c", 4, false)]);
+    let sleep = Sleep {
+        sleeping_size: sleeping,
+        host_memory: 6,
+    };
+    e.set_sleep(m[0], Some(sleep)).unwrap();
+    e.set_host_budget(host_budget);
+    (e, m)
+}
+
+#[test]
+fn an_evicted_model_that_can_sleep_sleeps_and_its_next_request_is_a_wake() {
+    let (mut e, m) = warm(8, 1);
+    e.request(m[0]);
+    assert_eq!(e.request(m[1]), Admission::Loaded { evicted: &[] });
+    assert_eq!(e.last_slept(), [m[0]]);
+    assert!(e.is_asleep(m[0]) && e.is_resident(m[0]));
+    assert_eq!((e.used(), e.host_used()), (7, 6));
+    // Waking adds 5: b goes (it cannot sleep).
+    assert_eq!(e.request(m[0]), Admission::Woken { evicted: &[m[1]] });
+    assert_eq!((e.used(), e.host_used()), (6, 0));
+    let c = e.counters();
+    assert_eq!(
+        (c.loads, c.sleeps, c.wakes, c.evictions, c.hits),
+        (2, 1, 1, 1, 0)
+    );
+    assert_eq!(e.request(m[0]), Admission::Hit);
+}
+
+#[test]
+fn a_host_budget_without_room_deletes_the_victim_instead() {
+    let (mut e, m) = warm(4, 1);
+    e.request(m[0]);
+    assert_eq!(e.request(m[1]), Admission::Loaded { evicted: &[m[0]] });
+    assert!(e.last_slept().is_empty());
+    assert_eq!((e.used(), e.host_used(), e.counters().sleeps), (6, 0, 0));
+}
+
+#[test]
+fn a_sleeping_models_vram_blocks_a_load_that_would_otherwise_fit() {
+    let (mut e, m) = warm(8, 3);
+    e.request(m[0]);
+    e.request(m[1]); // a sleeps at 3: 9 of 10 used
+    assert_eq!(e.used(), 9);
+    // b (6) + c (4) fit the budget, but not beside a's 3: a goes.
+    assert_eq!(e.request(m[2]), Admission::Loaded { evicted: &[m[0]] });
+    assert_eq!((e.used(), e.host_used()), (10, 0));
+}
+
+#[test]
+fn host_room_is_made_by_dropping_sleeping_models_least_valuable_first() {
+    let (mut e, m) = engine(
+        12,
+        &[
+            ("a", 4, false),
+            ("b", 4, false),
+            ("c", 4, false),
+            ("d", 4, false),
+        ],
+    );
+    for &id in &m[..3] {
+        let sleep = Sleep {
+            sleeping_size: 1,
+            host_memory: 4,
+        };
+        e.set_sleep(id, Some(sleep)).unwrap();
+    }
+    e.set_host_budget(4);
+    for &id in &m[..3] {
+        e.request(id);
+    }
+    // d needs 4: a (LRU) sleeps, freeing 3 and filling the host budget;
+    // 1 more is needed: b sleeps too, and its host room is made by
+    // dropping a's sleeping copy (older, so less valuable under LRU).
+    assert_eq!(e.request(m[3]), Admission::Loaded { evicted: &[m[0]] });
+    assert_eq!(e.last_slept(), [m[1]]);
+    assert_eq!((e.used(), e.host_used()), (9, 4));
+    let c = e.counters();
+    assert_eq!((c.sleeps, c.evictions), (1, 1));
+}
+
+#[test]
+fn set_host_budget_drops_sleeping_models_until_they_fit() {
+    let (mut e, m) = warm(8, 1);
+    e.request(m[0]);
+    e.request(m[1]);
+    assert_eq!(e.set_host_budget(2), [m[0]]);
+    assert_eq!((e.host_used(), e.used()), (0, 6));
+    assert_eq!(e.counters().evictions, 1);
+}
+
+#[test]
+fn a_sleeping_size_must_be_smaller_than_the_size() {
+    let (mut e, m) = engine(10, &[("a", 4, false)]);
+    let sleep = Sleep {
+        sleeping_size: 4,
+        host_memory: 0,
+    };
+    assert!(matches!(
+        e.set_sleep(m[0], Some(sleep)),
+        Err(RegistryError::SleepingSize(_))
+    ));
+}
+
+#[test]
+fn cost_eviction_keeps_the_model_that_is_expensive_to_bring_back() {
+    // a is cheap to reload, b expensive; a is used more recently.
+    let (mut e, m) = engine(10, &[("a", 5, false), ("b", 5, false), ("c", 5, false)]);
+    e.set_eviction(Eviction::Cost);
+    e.set_costs(
+        m[0],
+        Costs {
+            load: 5.0,
+            wake: 1.0,
+        },
+    );
+    e.set_costs(
+        m[1],
+        Costs {
+            load: 90.0,
+            wake: 1.0,
+        },
+    );
+    e.set_costs(
+        m[2],
+        Costs {
+            load: 30.0,
+            wake: 1.0,
+        },
+    );
+    e.request(m[1]);
+    e.request(m[0]);
+    // LRU would evict b; cost evicts a (5 s to bring back against 90 s).
+    assert_eq!(e.request(m[2]), Admission::Loaded { evicted: &[m[0]] });
+    assert!(e.inflation() > 0.0);
+    // Under LRU the same requests evict b.
+    let (mut l, m) = engine(10, &[("a", 5, false), ("b", 5, false), ("c", 5, false)]);
+    l.request(m[1]);
+    l.request(m[0]);
+    assert_eq!(l.request(m[2]), Admission::Loaded { evicted: &[m[1]] });
+}
+
+#[test]
+fn cost_eviction_ages_what_is_not_used() {
+    // b is expensive but, once the inflation passes its value, goes.
+    let (mut e, m) = engine(10, &[("a", 5, false), ("b", 5, false), ("c", 5, false)]);
+    e.set_eviction(Eviction::Cost);
+    e.set_costs(
+        m[1],
+        Costs {
+            load: 20.0,
+            wake: 1.0,
+        },
+    );
+    for &id in &m {
+        e.set_costs(
+            id,
+            Costs {
+                load: 10.0,
+                ..e.costs(id)
+            },
+        );
+    }
+    e.set_costs(
+        m[1],
+        Costs {
+            load: 20.0,
+            wake: 1.0,
+        },
+    );
+    e.request(m[1]);
+    let mut evicted_b = false;
+    for _ in 0..10 {
+        for &id in &[m[0], m[2]] {
+            if let Admission::Loaded { evicted } = e.request(id) {
+                evicted_b |= evicted.contains(&m[1]);
+            }
+        }
+    }
+    assert!(
+        evicted_b,
+        "an unused model is evicted once the others' values pass it"
+    );
+}
+
+#[test]
+fn plan_load_tells_what_a_wake_or_a_warm_load_would_do() {
+    let (mut e, m) = warm(8, 1);
+    e.request(m[0]);
+    e.request(m[1]);
+    assert_eq!(e.plan_load(m[0]), Ok(Some(vec![m[1]])));
+    assert_eq!(e.plan_load(m[1]), Ok(Some(vec![])));
+    // Planning changed nothing.
+    assert!(e.is_asleep(m[0]));
+    assert_eq!(e.counters().wakes, 0);
+}
+
+#[test]
+fn restore_asleep_rebuilds_a_sleeping_model_within_both_budgets() {
+    let (mut e, m) = warm(8, 1);
+    e.restore(m[1]).unwrap();
+    e.restore_asleep(m[0]).unwrap();
+    assert_eq!((e.used(), e.host_used(), e.peak()), (7, 6, 7));
+    let (mut e, m) = warm(4, 1);
+    assert!(e.restore_asleep(m[0]).is_err(), "host budget");
+    assert_eq!((e.used(), e.host_used()), (0, 0));
+}
+
+#[test]
+fn resizing_a_sleeping_model_unloads_it() {
+    let (mut e, m) = warm(8, 1);
+    e.request(m[0]);
+    e.request(m[1]);
+    assert_eq!(e.resize(m[0], 5).unwrap(), Resize::NotResident);
+    assert!(!e.is_resident(m[0]));
+    assert_eq!((e.used(), e.host_used(), e.counters().unloads), (6, 0, 1));
+}

@@ -11,3 +11,4 @@ pub mod gpu;
 pub mod labels;
 pub mod reasons;
 pub mod state;
+pub mod warm;

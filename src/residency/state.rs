@@ -345,9 +345,13 @@ mod tests {
                         artifact: None,
                         keep_alive: None,
                         template: None,
+                        load_time: None,
+                        sleep: None,
                     })
                     .collect(),
                 prefetch: 0,
+                warm: None,
+                eviction: Default::default(),
                 keep_alive: None,
                 demand: [("b", "2026-11-30T03:00:02Z"), ("a", "2026-11-30T03:00:01Z")]
                     .map(|(m, t)| (m.to_owned(), t.to_owned()))

@@ -11,7 +11,7 @@ use std::collections::{BinaryHeap, HashMap, HashSet};
 use trace::{TraceError, TraceReader};
 
 /// The outcome of a replay. Field names are the `--output json` keys.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Report {
     pub requests: u64,
     pub hits: u64,
@@ -28,6 +28,16 @@ pub struct Report {
     /// without a recency resolution; fewer with one, whose `hits` then
     /// count requests that found their model resident.
     pub demand_writes: u64,
+    /// Awake models put to sleep to make room (the warm tier).
+    pub sleeps: u64,
+    /// Requests that woke a sleeping model.
+    pub wakes: u64,
+    /// Seconds requests would wait: each load's load time plus each
+    /// wake's wake time (the model's costs), as if nothing overlapped.
+    pub wait_seconds: f64,
+    /// Host memory for sleeping models, and the most they held at once.
+    pub host_budget_bytes: Bytes,
+    pub host_peak_bytes: Bytes,
 }
 
 impl Report {
@@ -53,6 +63,11 @@ impl Report {
             ("hit ratio", format!("{:.2}%", 100.0 * self.hit_ratio())),
             ("over-budget steps", self.over_budget_steps.to_string()),
             ("demand writes", self.demand_writes.to_string()),
+            ("sleeps", self.sleeps.to_string()),
+            ("wakes", self.wakes.to_string()),
+            ("waiting", format!("{:.1}s", self.wait_seconds)),
+            ("host budget", format_bytes(self.host_budget_bytes)),
+            ("host peak", format_bytes(self.host_peak_bytes)),
         ];
         rows.iter().map(|(k, v)| format!("{k:<18} {v}\n")).collect()
     }
@@ -63,6 +78,8 @@ impl Report {
 struct Replay {
     requests: u64,
     over_budget_steps: u64,
+    wait_seconds: f64,
+    host_peak: Bytes,
     /// With a recency resolution: requests that found their model
     /// resident, and the writes made.
     resolved: Option<(u64, u64)>,
@@ -71,9 +88,22 @@ struct Replay {
 impl Replay {
     fn step(&mut self, engine: &Engine) {
         self.requests += 1;
-        if engine.used() > engine.budget() {
+        if engine.used() > engine.budget() || engine.host_used() > engine.host_budget() {
             self.over_budget_steps += 1;
         }
+        self.host_peak = self.host_peak.max(engine.host_used());
+    }
+
+    /// A request for `id`, and the wait it costs.
+    fn request(&mut self, engine: &mut Engine, id: ModelId) -> bool {
+        let costs = engine.costs(id);
+        match engine.request(id) {
+            Admission::Loaded { .. } => self.wait_seconds += costs.load,
+            Admission::Woken { .. } => self.wait_seconds += costs.wake,
+            Admission::Refused(_) => return false,
+            Admission::Hit | Admission::Queued { .. } => {}
+        }
+        true
     }
 
     fn report(&self, engine: &Engine) -> Report {
@@ -90,6 +120,11 @@ impl Replay {
             peak_bytes: engine.peak(),
             budget_bytes: engine.budget(),
             over_budget_steps: self.over_budget_steps,
+            sleeps: c.sleeps,
+            wakes: c.wakes,
+            wait_seconds: self.wait_seconds,
+            host_budget_bytes: engine.host_budget(),
+            host_peak_bytes: self.host_peak,
         }
     }
 }
@@ -115,7 +150,7 @@ pub fn replay_names<S: AsRef<str>>(
             model: m.as_ref().to_owned(),
             position: i + 1,
         })?;
-        engine.request(id);
+        replay.request(engine, id);
         replay.step(engine);
     }
     Ok(replay.report(engine))
@@ -192,8 +227,9 @@ impl Resolution {
             }
             self.due.pop();
             self.deferred.remove(&id);
-            // An evicted model is not refreshed: that would load it back.
-            if engine.is_resident(id) {
+            // An evicted or sleeping model is not refreshed: that would
+            // load or wake it.
+            if engine.is_resident(id) && !engine.is_asleep(id) {
                 engine.request(id);
                 self.writes += 1;
                 self.last_write.insert(id, at);
@@ -206,7 +242,7 @@ impl Resolution {
 
     /// A request for `id` at `now`: whether it is written now.
     fn request(&mut self, engine: &Engine, id: ModelId, now: f64) -> bool {
-        if !engine.is_resident(id) {
+        if !engine.is_resident(id) || engine.is_asleep(id) {
             return true;
         }
         self.hits += 1;
@@ -282,7 +318,7 @@ pub fn replay_trace(
             .as_mut()
             .is_none_or(|r| r.request(engine, id, time));
         if written {
-            let used = !matches!(engine.request(id), Admission::Refused(_));
+            let used = replay.request(engine, id);
             if let (Some(idle), true) = (&mut idle, used) {
                 idle.last_use.insert(id, time);
             }
@@ -303,6 +339,103 @@ pub fn replay_trace(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::{Costs, Eviction, Sleep};
+
+    /// The warm-tier trace of docs/performance.md, smaller: 20 models of
+    /// 14-18 GiB under a 64 GiB budget, Zipf(1) popularity, loads of
+    /// 30-90 s and wakes of 0.5-6 s (or 60 s and 3 s for all with
+    /// `same_costs`), sleeping at 1-2 GiB with their size in host memory.
+    type WarmModel = (String, Bytes, Costs, Sleep);
+
+    fn warm_trace(same_costs: bool) -> (Vec<WarmModel>, Vec<String>) {
+        let mut state = 0x5eed_u64;
+        let mut next = move || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let models: Vec<_> = (0..20)
+            .map(|i| {
+                let size = (14 + (next() * 5.0) as u64) << 30;
+                let costs = if same_costs {
+                    Costs {
+                        load: 60.0,
+                        wake: 3.0,
+                    }
+                } else {
+                    Costs {
+                        load: 30.0 + 60.0 * next(),
+                        wake: 0.5 + 5.5 * next(),
+                    }
+                };
+                let sleep = Sleep {
+                    sleeping_size: (1 + (next() * 2.0) as u64) << 30,
+                    host_memory: size,
+                };
+                (format!("m{i}"), size, costs, sleep)
+            })
+            .collect();
+        let total: f64 = (1..=20).map(|r| 1.0 / r as f64).sum();
+        let requests = (0..30_000)
+            .map(|_| {
+                let mut u = next() * total;
+                let mut rank = 0;
+                while rank < 19 && u > 1.0 / (rank + 1) as f64 {
+                    u -= 1.0 / (rank + 1) as f64;
+                    rank += 1;
+                }
+                format!("m{}", (rank * 7) % 20)
+            })
+            .collect();
+        (models, requests)
+    }
+
+    fn waiting(same_costs: bool, host_budget: Option<Bytes>, eviction: Eviction) -> Report {
+        let (models, requests) = warm_trace(same_costs);
+        let mut engine = Engine::new(64 << 30);
+        engine.set_eviction(eviction);
+        for (name, size, costs, sleep) in models {
+            let id = engine.register(&name, size, false).unwrap();
+            engine.set_costs(id, costs);
+            if host_budget.is_some() {
+                engine.set_sleep(id, Some(sleep)).unwrap();
+            }
+        }
+        engine.set_host_budget(host_budget.unwrap_or(0));
+        replay_names(&mut engine, &requests).unwrap()
+    }
+
+    #[test]
+    fn the_warm_tier_with_cost_waits_five_times_less_than_the_seeds_lru() {
+        for same_costs in [false, true] {
+            let lru = waiting(same_costs, None, Eviction::Lru);
+            let cost = waiting(same_costs, None, Eviction::Cost);
+            let warm_lru = waiting(same_costs, Some(256 << 30), Eviction::Lru);
+            let warm_cost = waiting(same_costs, Some(256 << 30), Eviction::Cost);
+            let ratio = |r: &Report| lru.wait_seconds / r.wait_seconds;
+            eprintln!(
+                "same costs {same_costs}: lru {:.0}s, cost {:.2}x, warm lru {:.2}x, warm cost {:.2}x",
+                lru.wait_seconds,
+                ratio(&cost),
+                ratio(&warm_lru),
+                ratio(&warm_cost)
+            );
+            assert_eq!((lru.sleeps, lru.wakes), (0, 0));
+            assert_eq!(lru.over_budget_steps + warm_cost.over_budget_steps, 0);
+            assert!(
+                ratio(&cost) >= 1.0,
+                "cost waits longer than lru without the warm tier"
+            );
+            assert!(ratio(&warm_lru) > 1.0, "the warm tier does not help lru");
+            assert!(
+                ratio(&warm_cost) >= 5.0,
+                "warm cost: {:.2}x",
+                ratio(&warm_cost)
+            );
+        }
+    }
 
     #[test]
     fn keep_alive_unloads_idle_models_before_the_next_request() {

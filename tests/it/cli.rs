@@ -66,6 +66,11 @@ fn simulate_json_has_the_documented_keys() {
         "budget_bytes",
         "over_budget_steps",
         "demand_writes",
+        "sleeps",
+        "wakes",
+        "wait_seconds",
+        "host_budget_bytes",
+        "host_peak_bytes",
     ];
     want.sort();
     let mut got = keys.clone();

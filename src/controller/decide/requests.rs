@@ -153,6 +153,17 @@ impl<'a> Decider<'a> {
                 );
                 true
             }
+            Admission::Woken { evicted } => {
+                let evicted = evicted.to_vec();
+                self.engine.set_loading(id, true);
+                self.outcomes.remove(model);
+                self.evicted(
+                    &evicted,
+                    Reason::MadeRoom,
+                    &format!("to make room for {model}"),
+                );
+                true
+            }
             Admission::Queued { loading } => {
                 let message = format!(
                     "{model} ({}) waits for a model to finish loading: the room it needs is held by models still loading ({}), and a loading model is never evicted",

@@ -43,9 +43,13 @@ fn residency(
                     template: Some(
                         json!({"spec": {"containers": [{"name": "s", "image": "i"}]}}).into(),
                     ),
+                    load_time: None,
+                    sleep: None,
                 })
                 .collect(),
             prefetch: 0,
+            warm: None,
+            eviction: Default::default(),
             keep_alive: None,
             demand: demand
                 .iter()
@@ -321,6 +325,8 @@ fn demand_written_before_its_registry_entry_loads_once_the_model_is_added() {
         artifact: None,
         keep_alive: None,
         template: r.spec.models[0].template.clone(),
+        load_time: None,
+        sleep: None,
     });
     let d = run(&r, &[], 3);
     assert_eq!(state(&d, "new"), ModelState::Loading);

@@ -1,0 +1,161 @@
+//! The warm tier's figures from the spec: what a sleeping model keeps
+//! (bytes) and what bringing a model back costs (seconds, measured once
+//! known, declared until then).
+
+use crate::api::{ModelSpec, SleepSpec};
+use crate::engine::{Bytes, Costs, Sleep};
+use crate::quantity::parse_bytes;
+use crate::residency::state::parse_keep_alive;
+
+/// A load's cost when neither loadTime nor a measurement says it.
+pub const DEFAULT_LOAD_SECONDS: f64 = 60.0;
+/// A wake's cost, as a share of the load's, when nothing says it.
+pub const DEFAULT_WAKE_SHARE: f64 = 1.0 / 20.0;
+
+/// Seconds in a duration like 45s, 2m or 500ms.
+pub fn seconds(s: &str) -> Option<f64> {
+    parse_keep_alive(s).map(|d| d.as_secs_f64())
+}
+
+/// How `model` (of `size` bytes) sleeps, checked: a sleepingSize smaller
+/// than its size, level 1 or 2, and at level 1 its host memory (its size
+/// unless hostMemory says).
+pub fn sleep_figures(model: &str, spec: &SleepSpec, size: Bytes) -> Result<Sleep, String> {
+    let field = format!("spec.models[{model}].sleep");
+    let sleeping_size =
+        parse_bytes(&spec.sleeping_size.0).map_err(|e| format!("{field}.sleepingSize: {e}"))?;
+    if sleeping_size >= size {
+        return Err(format!(
+            "{field}.sleepingSize: {} is not smaller than the model's size {}",
+            spec.sleeping_size.0,
+            crate::quantity::format_bytes(size)
+        ));
+    }
+    let host_memory = match spec.level.unwrap_or(1) {
+        1 => match &spec.host_memory {
+            Some(q) => parse_bytes(&q.0).map_err(|e| format!("{field}.hostMemory: {e}"))?,
+            None => size,
+        },
+        2 => 0,
+        other => return Err(format!("{field}.level: {other} is not 1 or 2")),
+    };
+    if let Some(t) = &spec.wake_time
+        && seconds(t).is_none()
+    {
+        return Err(format!(
+            "{field}.wakeTime: {t:?} is not a duration like 2s or 500ms"
+        ));
+    }
+    Ok(Sleep {
+        sleeping_size,
+        host_memory,
+    })
+}
+
+/// What bringing `m` back costs: the measured load and wake times when
+/// there are, else the declared ones, else the defaults.
+pub fn costs(m: &ModelSpec, measured_load: Option<f64>, measured_wake: Option<f64>) -> Costs {
+    declared_costs(
+        m.load_time.as_deref(),
+        m.sleep.as_deref(),
+        measured_load,
+        measured_wake,
+    )
+}
+
+/// [`costs`] from the two fields that declare them.
+pub fn declared_costs(
+    load_time: Option<&str>,
+    sleep: Option<&SleepSpec>,
+    measured_load: Option<f64>,
+    measured_wake: Option<f64>,
+) -> Costs {
+    let valid = |s: f64| s.is_finite() && s >= 0.0;
+    let declared_load = load_time.and_then(seconds);
+    let load = measured_load
+        .filter(|&s| valid(s))
+        .or(declared_load)
+        .unwrap_or(DEFAULT_LOAD_SECONDS);
+    let declared_wake = sleep.and_then(|s| s.wake_time.as_deref()).and_then(seconds);
+    let wake = measured_wake
+        .filter(|&s| valid(s))
+        .or(declared_wake)
+        .unwrap_or(load * DEFAULT_WAKE_SHARE);
+    Costs { load, wake }
+}
+
+/// A measured time folded into its moving average (the newest weighs 0.3).
+pub fn moving_average(previous: Option<f64>, measured: f64) -> f64 {
+    match previous.filter(|p| p.is_finite()) {
+        Some(p) => 0.7 * p + 0.3 * measured,
+        None => measured,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::ByteQuantity;
+
+    fn spec(sleeping: &str, level: Option<u8>, host: Option<&str>) -> SleepSpec {
+        SleepSpec {
+            preset: None,
+            level,
+            sleeping_size: ByteQuantity(sleeping.into()),
+            host_memory: host.map(|h| ByteQuantity(h.into())),
+            wake_time: None,
+            sleep: None,
+            wake: None,
+            status: None,
+        }
+    }
+
+    #[test]
+    fn sleep_figures_check_the_sizes_and_the_level() {
+        let s = sleep_figures("a", &spec("1Gi", None, None), 10 << 30).unwrap();
+        assert_eq!((s.sleeping_size, s.host_memory), (1 << 30, 10 << 30));
+        let s = sleep_figures("a", &spec("1Gi", Some(2), Some("5Gi")), 10 << 30).unwrap();
+        assert_eq!(s.host_memory, 0, "level 2 keeps nothing in host memory");
+        let err = sleep_figures("a", &spec("10Gi", None, None), 10 << 30).unwrap_err();
+        assert!(
+            err.contains("spec.models[a].sleep.sleepingSize: 10Gi is not smaller"),
+            "{err}"
+        );
+        let err = sleep_figures("a", &spec("1Gi", Some(3), None), 10 << 30).unwrap_err();
+        assert!(err.contains("level: 3"), "{err}");
+    }
+
+    #[test]
+    fn costs_prefer_the_measured_then_the_declared_then_the_defaults() {
+        let mut m: ModelSpec = serde_json::from_value(serde_json::json!({
+            "name": "a", "size": "1Gi", "loadTime": "45s",
+            "sleep": {"sleepingSize": "100Mi", "wakeTime": "2s"}
+        }))
+        .unwrap();
+        assert_eq!(
+            costs(&m, None, None),
+            Costs {
+                load: 45.0,
+                wake: 2.0
+            }
+        );
+        assert_eq!(
+            costs(&m, Some(30.0), Some(f64::NAN)),
+            Costs {
+                load: 30.0,
+                wake: 2.0
+            }
+        );
+        m.load_time = None;
+        m.sleep = None;
+        assert_eq!(
+            costs(&m, None, None),
+            Costs {
+                load: 60.0,
+                wake: 3.0
+            }
+        );
+        assert_eq!(moving_average(Some(10.0), 20.0), 13.0);
+        assert_eq!(moving_average(None, 20.0), 20.0);
+    }
+}
