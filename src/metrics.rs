@@ -82,7 +82,7 @@ const GAUGES: [(&str, &str, Field); 5] = [
     ),
 ];
 
-const COUNTERS: [(&str, &str, Field); 5] = [
+const COUNTERS: [(&str, &str, Field); 7] = [
     ("hits", "Requests for an already resident model", |s| {
         s.totals.hits
     }),
@@ -98,6 +98,14 @@ const COUNTERS: [(&str, &str, Field); 5] = [
         "Models unloaded by demand removal or registry removal",
         |s| s.totals.unloads,
     ),
+    (
+        "sleeps",
+        "Models put to sleep to make room (the warm tier)",
+        |s| s.totals.sleeps,
+    ),
+    ("wakes", "Requests that woke a sleeping model", |s| {
+        s.totals.wakes
+    }),
 ];
 
 impl Collector for PerResidency {
@@ -129,6 +137,8 @@ pub struct Metrics {
     reconciles: Counter,
     api_requests: Family<RequestLabels, Counter>,
     load_duration: Histogram,
+    wake_duration: Histogram,
+    sleep_duration: Histogram,
 }
 
 impl Default for Metrics {
@@ -147,6 +157,8 @@ impl Metrics {
             reconciles: Counter::default(),
             api_requests: Family::default(),
             load_duration: Histogram::new(exponential_buckets(0.1, 2.0, 14)),
+            wake_duration: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
+            sleep_duration: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
             registry: Registry::default(),
         };
         registry.register_collector(Box::new(m.residencies.clone()));
@@ -171,6 +183,16 @@ impl Metrics {
             "Time from a model pod's creation to Ready",
             m.load_duration.clone(),
         );
+        registry.register(
+            "model_wake_duration_seconds",
+            "Time from a wake request to its confirmation",
+            m.wake_duration.clone(),
+        );
+        registry.register(
+            "model_sleep_duration_seconds",
+            "Time from a sleep request to its confirmation",
+            m.sleep_duration.clone(),
+        );
         Metrics { registry, ..m }
     }
 
@@ -194,6 +216,8 @@ impl Metrics {
             (&mut totals.evictions, c.evictions, &mut last.evictions),
             (&mut totals.refusals, c.refusals, &mut last.refusals),
             (&mut totals.unloads, c.unloads, &mut last.unloads),
+            (&mut totals.sleeps, c.sleeps, &mut last.sleeps),
+            (&mut totals.wakes, c.wakes, &mut last.wakes),
         ] {
             // A lower value means the object was recreated: count on.
             *total += now.checked_sub(*before).unwrap_or(now);
@@ -245,6 +269,15 @@ impl Metrics {
 
     pub fn model_loaded(&self, seconds: f64) {
         self.load_duration.observe(seconds);
+    }
+
+    /// A confirmed wake (`true`) or sleep, and how long it took.
+    pub fn model_woke_or_slept(&self, wake: bool, seconds: f64) {
+        if wake {
+            self.wake_duration.observe(seconds);
+        } else {
+            self.sleep_duration.observe(seconds);
+        }
     }
 
     /// A guard that records the reconcile's duration when dropped.

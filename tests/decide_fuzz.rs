@@ -188,6 +188,7 @@ fn pods() -> impl Strategy<Value = Vec<ModelPod>> {
             template_hash: None,
             waiting: None,
             reported: true,
+            addr: None,
         });
     prop::collection::vec(pod, 0..6)
 }

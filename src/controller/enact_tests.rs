@@ -58,6 +58,7 @@ fn decision() -> Decision {
         )],
         requeue_after: None,
         load_seconds: Vec::new(),
+        calls: Vec::new(),
         usage: None,
     }
 }

@@ -29,6 +29,12 @@ pub enum EventReason {
     /// why (the status's Ready reason names it).
     GpuUnavailable,
     ClockSkew,
+    /// The warm tier: a model's server confirmed its sleep, or its wake;
+    /// or one of them failed (its pod is deleted).
+    Slept,
+    Woken,
+    SleepFailed,
+    WakeFailed,
 }
 
 impl EventReason {
@@ -48,6 +54,10 @@ impl EventReason {
             EventReason::GpuConflict => "GpuConflict",
             EventReason::GpuUnavailable => "GpuUnavailable",
             EventReason::ClockSkew => "ClockSkew",
+            EventReason::Slept => "Slept",
+            EventReason::Woken => "Woken",
+            EventReason::SleepFailed => "SleepFailed",
+            EventReason::WakeFailed => "WakeFailed",
         }
     }
 
@@ -62,6 +72,8 @@ impl EventReason {
             EventReason::Refused | EventReason::ClockSkew | EventReason::Queued => "Admit",
             EventReason::Resized | EventReason::Moved | EventReason::TemplateChanged => "Replace",
             EventReason::InvalidSpec => "Validate",
+            EventReason::Slept | EventReason::SleepFailed => "Sleep",
+            EventReason::Woken | EventReason::WakeFailed => "Wake",
         }
     }
 
@@ -75,6 +87,8 @@ impl EventReason {
                 | EventReason::GpuConflict
                 | EventReason::GpuUnavailable
                 | EventReason::ClockSkew
+                | EventReason::SleepFailed
+                | EventReason::WakeFailed
         )
     }
 }

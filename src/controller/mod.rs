@@ -13,6 +13,7 @@ pub mod events;
 pub mod fast_lane;
 pub mod gpu;
 pub mod pod_cache;
+pub mod pod_calls;
 pub mod pods;
 pub mod relist;
 pub mod templates;
@@ -325,6 +326,7 @@ async fn enact(r: &ModelResidency, ns: &str, d: &mut Decision, ctx: &Context) ->
                 .rejected_create(ns, &name, t.json(), message.clone());
         }
     }
+    sleep_and_wake(&pods, ns, &name, d, ctx).await?;
     write_status(&residencies, r, d, ctx).await?;
     if let Some(usage) = &d.usage {
         ctx.metrics.observe(ns, &name, usage, d.status.counters);
@@ -337,6 +339,36 @@ async fn enact(r: &ModelResidency, ns: &str, d: &mut Decision, ctx: &Context) ->
         Some(e) => Err(e),
         None => Ok(outcome.retry_soon),
     }
+}
+
+/// Asks the decided sleeps and wakes of their pods, together, and records
+/// what each came to; a pod whose sleep or wake failed is deleted.
+async fn sleep_and_wake(
+    api: &Api<Pod>,
+    ns: &str,
+    residency: &str,
+    d: &mut Decision,
+    ctx: &Context,
+) -> Result<()> {
+    if d.calls.is_empty() {
+        return Ok(());
+    }
+    let calls = std::mem::take(&mut d.calls);
+    let results = futures::future::join_all(calls.iter().map(pod_calls::ask)).await;
+    let now = Timestamp::now();
+    let mut failed = Vec::new();
+    for (call, (result, seconds)) in calls.iter().zip(results) {
+        if result.is_ok() {
+            ctx.metrics.model_woke_or_slept(call.wake, seconds);
+        }
+        failed.extend(d.call_done(call, result, seconds, now));
+    }
+    let doomed = Decision {
+        delete: failed,
+        ..Decision::nothing()
+    };
+    enact_pods(api, (ns, residency), &doomed, ctx).await?;
+    Ok(())
 }
 
 /// Reconciles one residency; a panic in it is this residency's failed

@@ -84,6 +84,9 @@ pub struct ModelPod {
     pub waiting: Option<Box<str>>,
     /// Whether anything has reported a status for it yet.
     pub reported: bool,
+    /// Where it serves (its IP and serving port), once it has an IP: where
+    /// sleep and wake requests go.
+    pub addr: Option<std::net::SocketAddr>,
 }
 
 impl ModelPod {
@@ -147,6 +150,12 @@ impl ModelPod {
                 waiting_reason(pod).map(Into::into)
             },
             reported: status.is_some_and(|s| s.phase.is_some()),
+            addr: status
+                .and_then(|s| s.pod_ip.as_deref())
+                .and_then(|ip| ip.parse::<std::net::IpAddr>().ok())
+                .map(|ip| {
+                    std::net::SocketAddr::new(ip, crate::residency::labels::serving_port(pod))
+                }),
         })
     }
 }

@@ -48,7 +48,9 @@
 //!
 //! Pods on other nodes, and unbound pods, are never touched.
 
-use super::model_server::{FakeModelServer, Identity, next_pod_ip};
+use super::model_server::{
+    FakeModelServer, Identity, SLEEP_ANNOTATION, SleepBehaviour, next_pod_ip,
+};
 use crate::quantity::parse_bytes;
 use crate::residency::labels::{GPU_HOLDER_LABEL, MODEL_LABEL, SIZE_ANNOTATION};
 use futures::TryStreamExt;
@@ -535,8 +537,14 @@ async fn serve(pod: &Pod, servers: &Servers, stream_delay: Duration) -> Result<I
         model,
         pod: pod_name,
     };
+    let sleep = meta
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(SLEEP_ANNOTATION))
+        .map(|t| SleepBehaviour::parse(t))
+        .unwrap_or_default();
     let candidates = std::iter::repeat_with(next_pod_ip).take(BIND_TRIES);
-    match listen_on_one_of(candidates, port, identity, stream_delay).await {
+    match listen_on_one_of(candidates, port, identity, stream_delay, sleep).await {
         Ok(server) => {
             let ip = match server.addr.ip() {
                 std::net::IpAddr::V4(ip) => ip,
@@ -560,11 +568,12 @@ async fn listen_on_one_of(
     port: u16,
     identity: Identity,
     stream_delay: Duration,
+    sleep: SleepBehaviour,
 ) -> Result<FakeModelServer, String> {
     let mut last = String::from("no address to try");
     for ip in candidates {
         let addr = SocketAddr::from((ip, port));
-        match FakeModelServer::start(addr, identity.clone(), stream_delay).await {
+        match FakeModelServer::start(addr, identity.clone(), stream_delay, sleep).await {
             Ok(server) => return Ok(server),
             Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
                 last = format!("the model server cannot listen on {addr}: {e}");
@@ -693,11 +702,11 @@ mod tests {
             pod: "p".into(),
         };
         let ip = |n: u8| Ipv4Addr::new(127, 3, 0, n);
-        let e = listen_on_one_of([ip(1)].into_iter(), port, id.clone(), Duration::ZERO)
+        let e = listen_on_one_of([ip(1)].into_iter(), port, id.clone(), Duration::ZERO, Default::default())
             .await
             .unwrap_err();
         assert!(e.contains("cannot listen on 127.3.0.1"), "{e}");
-        let server = listen_on_one_of([ip(1), ip(2)].into_iter(), port, id, Duration::ZERO)
+        let server = listen_on_one_of([ip(1), ip(2)].into_iter(), port, id, Duration::ZERO, Default::default())
             .await
             .unwrap();
         assert_eq!(server.addr, SocketAddr::from((ip(2), port)));

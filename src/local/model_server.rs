@@ -17,6 +17,19 @@
 //!   server-sent-event chunks of the same kind `stream_delay` apart, then
 //!   `data: [DONE]`;
 //! - `GET /v1/models`: the one model; `GET /healthz`: ok.
+//! - vLLM's sleep mode endpoints: `POST /sleep?level=N` (answers after
+//!   the pod's declared sleep delay, then sleeps), `POST /wake_up` (after
+//!   its wake delay), `GET /is_sleeping` (`{"is_sleeping": bool}`). While
+//!   it sleeps every inference request gets a 503 with an OpenAI-style
+//!   error saying the model sleeps (what a vLLM server without its
+//!   weights answers is not reproduced here; the router never sends one
+//!   there). The pod annotation `kubelet-standin.residency.dev/sleep`
+//!   declares the delays and faults: `sleep=200ms,wake=50ms`, and
+//!   `mode=missing` (no sleep endpoints: 404), `mode=lies` (answers 200 and
+//!   does not sleep) or `mode=slow` (the sleep never answers).
+//! - `GET /fake/stats`: `{"asleep", "sleeps", "wakes",
+//!   "inference_while_asleep"}`, for tests to check that nothing was sent
+//!   to a sleeping server.
 //!
 //! Every response carries `x-model-pod: <pod>`. No inference happens, and
 //! nothing else a model server does (batching, limits, GPU memory) is
@@ -34,7 +47,7 @@ use serde_json::{Value, json};
 use std::convert::Infallible;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -60,6 +73,72 @@ pub struct Identity {
     pub pod: String,
 }
 
+/// Pod annotation declaring the fake server's sleep delays and faults
+/// (module docs).
+pub const SLEEP_ANNOTATION: &str = "kubelet-standin.residency.dev/sleep";
+
+/// How a fake server sleeps and wakes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SleepBehaviour {
+    pub sleep_delay: Duration,
+    pub wake_delay: Duration,
+    pub mode: SleepMode,
+}
+
+impl Default for SleepBehaviour {
+    fn default() -> Self {
+        SleepBehaviour {
+            sleep_delay: Duration::from_millis(20),
+            wake_delay: Duration::from_millis(20),
+            mode: SleepMode::Honest,
+        }
+    }
+}
+
+/// The faults a fake server's sleep endpoints can have.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SleepMode {
+    Honest,
+    /// No sleep endpoints (404).
+    Missing,
+    /// Answers 200 to a sleep and does not sleep.
+    Lies,
+    /// A sleep never answers.
+    Slow,
+}
+
+impl SleepBehaviour {
+    /// Reads the annotation's `key=value` list; unknown keys or values are
+    /// ignored (a stand-in, not an API).
+    pub fn parse(text: &str) -> Self {
+        let mut b = SleepBehaviour::default();
+        for part in text.split(',') {
+            let Some((key, value)) = part.split_once('=') else {
+                continue;
+            };
+            let delay = crate::residency::state::parse_keep_alive(value.trim());
+            match (key.trim(), value.trim()) {
+                ("sleep", _) => b.sleep_delay = delay.unwrap_or(b.sleep_delay),
+                ("wake", _) => b.wake_delay = delay.unwrap_or(b.wake_delay),
+                ("mode", "missing") => b.mode = SleepMode::Missing,
+                ("mode", "lies") => b.mode = SleepMode::Lies,
+                ("mode", "slow") => b.mode = SleepMode::Slow,
+                _ => {}
+            }
+        }
+        b
+    }
+}
+
+/// A fake server's sleep state and what it counted.
+#[derive(Debug, Default)]
+struct SleepState {
+    asleep: AtomicBool,
+    sleeps: AtomicU64,
+    wakes: AtomicU64,
+    inference_while_asleep: AtomicU64,
+}
+
 /// A running fake model server; stops when dropped.
 #[derive(Debug)]
 pub struct FakeModelServer {
@@ -79,10 +158,11 @@ impl FakeModelServer {
         addr: SocketAddr,
         identity: Identity,
         stream_delay: Duration,
+        sleep: SleepBehaviour,
     ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
-        let identity = Arc::new(identity);
+        let identity = Arc::new((identity, sleep, SleepState::default()));
         let task = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
@@ -93,7 +173,14 @@ impl FakeModelServer {
                 tokio::spawn(async move {
                     let service = service_fn(move |req| {
                         let identity = identity.clone();
-                        async move { Ok::<_, Infallible>(answer(req, &identity, stream_delay).await) }
+                        async move {
+                            let (id, sleep, state) = &*identity;
+                            let answer = match sleep_endpoint(&req, id, *sleep, state).await {
+                                Some(a) => a,
+                                None => answer(req, id, stream_delay, state).await,
+                            };
+                            Ok::<_, Infallible>(answer)
+                        }
                     });
                     let _ = http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service)
@@ -130,10 +217,80 @@ fn respond(
     response
 }
 
-async fn answer(req: Request<Incoming>, id: &Identity, stream_delay: Duration) -> Response<Body> {
-    const JSON: &str = "application/json";
+const JSON: &str = "application/json";
+
+/// vLLM's sleep endpoints and the stand-in's stats; `None` for any other
+/// request.
+async fn sleep_endpoint(
+    req: &Request<Incoming>,
+    id: &Identity,
+    b: SleepBehaviour,
+    state: &SleepState,
+) -> Option<Response<Body>> {
+    let ok = |body: Value| respond(StatusCode::OK, JSON, full(body.to_string()), &id.pod);
+    let path = req.uri().path();
+    let sleep_path = matches!(path, "/sleep" | "/wake_up" | "/is_sleeping");
+    if sleep_path && b.mode == SleepMode::Missing {
+        let error = json!({"error": {"message": format!("no route for {path}")}});
+        return Some(respond(
+            StatusCode::NOT_FOUND,
+            JSON,
+            full(error.to_string()),
+            &id.pod,
+        ));
+    }
+    match (req.method(), path) {
+        (&Method::POST, "/sleep") => {
+            if b.mode == SleepMode::Slow {
+                std::future::pending::<()>().await;
+            }
+            tokio::time::sleep(b.sleep_delay).await;
+            if b.mode != SleepMode::Lies {
+                state.asleep.store(true, Ordering::SeqCst);
+                state.sleeps.fetch_add(1, Ordering::SeqCst);
+            }
+            Some(ok(json!({})))
+        }
+        (&Method::POST, "/wake_up") => {
+            tokio::time::sleep(b.wake_delay).await;
+            if state.asleep.swap(false, Ordering::SeqCst) {
+                state.wakes.fetch_add(1, Ordering::SeqCst);
+            }
+            Some(ok(json!({})))
+        }
+        (&Method::GET, "/is_sleeping") => Some(ok(
+            json!({"is_sleeping": state.asleep.load(Ordering::SeqCst)}),
+        )),
+        (&Method::GET, "/fake/stats") => Some(ok(json!({
+            "asleep": state.asleep.load(Ordering::SeqCst),
+            "sleeps": state.sleeps.load(Ordering::SeqCst),
+            "wakes": state.wakes.load(Ordering::SeqCst),
+            "inference_while_asleep": state.inference_while_asleep.load(Ordering::SeqCst),
+        }))),
+        _ => None,
+    }
+}
+
+async fn answer(
+    req: Request<Incoming>,
+    id: &Identity,
+    stream_delay: Duration,
+    state: &SleepState,
+) -> Response<Body> {
     let (method, path) = (req.method().clone(), req.uri().path().to_owned());
     let inference = path.starts_with("/v1/") || path.starts_with("/v2/models/");
+    if inference && state.asleep.load(Ordering::SeqCst) {
+        state.inference_while_asleep.fetch_add(1, Ordering::SeqCst);
+        let error = json!({"error": {
+            "message": format!("{} is sleeping: wake it up first", id.model),
+            "type": "ServiceUnavailableError", "code": 503}});
+        return respond(
+            StatusCode::SERVICE_UNAVAILABLE,
+            JSON,
+            full(error.to_string()),
+            &id.pod,
+        );
+    }
     match (method, path.as_str()) {
         (Method::GET, "/healthz") => respond(StatusCode::OK, "text/plain", full("ok\n"), &id.pod),
         (Method::GET, "/v1/models") => {

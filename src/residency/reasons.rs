@@ -65,6 +65,20 @@ pub enum Reason {
     /// claim mode: spec.gpu.existingClaim names no claim, or the claim the
     /// operator would make is someone else's.
     ClaimMissing,
+    /// Sleeping: put to sleep to make room; its sleep request is sent
+    /// shortly (it holds its full size until the sleep is confirmed).
+    FallingAsleep,
+    /// Sleeping, confirmed by its server: it holds its sleeping size.
+    Asleep,
+    /// Requested while asleep: its wake request is sent once the room is
+    /// free (it holds its sleeping size until then).
+    Waking,
+    /// Its sleep request failed or was not confirmed: its pod was deleted.
+    SleepFailed,
+    /// Its wake request failed: its pod was deleted and it loads cold.
+    WakeFailed,
+    /// It slept, and its pod went away or restarted: it is not resident.
+    SleepingPodLost,
     /// Refused: larger than the whole budget.
     LargerThanBudget,
     /// Refused: fits only by evicting pinned models.
@@ -103,6 +117,12 @@ impl Reason {
             Reason::NoGpuDriver => "NoGpuDriver",
             Reason::NoSuchGpu => "NoSuchGpu",
             Reason::ClaimMissing => "ClaimMissing",
+            Reason::FallingAsleep => "FallingAsleep",
+            Reason::Asleep => "Asleep",
+            Reason::Waking => "Waking",
+            Reason::SleepFailed => "SleepFailed",
+            Reason::WakeFailed => "WakeFailed",
+            Reason::SleepingPodLost => "SleepingPodLost",
             Reason::LargerThanBudget => "LargerThanBudget",
             Reason::NoEvictableRoom => "NoEvictableRoom",
             Reason::UnknownModel => "UnknownModel",

@@ -6,7 +6,7 @@
 //! CLI's `status` view) works on the typed values.
 
 use crate::api::{ModelResidency, ModelResidencyStatus, ModelSpec, ModelState, ModelStatus};
-use crate::engine::{Bytes, Engine};
+use crate::engine::{Bytes, Engine, Eviction, Sleep};
 use crate::quantity::{QuantityError, parse_bytes};
 use crate::residency::labels::{fits_label_value, is_dns_subdomain};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
@@ -38,6 +38,8 @@ pub enum InvalidSpec {
     ZeroSize(String),
     #[error("{field}: {value:?} is not a duration like 90s, 10m or 1h30m")]
     KeepAlive { field: String, value: String },
+    #[error("{0}")]
+    Warm(String),
     #[error("spec.demand.{model}: {value:?} is not an RFC 3339 time: {problem}")]
     RequestTime {
         model: String,
@@ -68,6 +70,8 @@ pub struct ValidModel<'a> {
     /// else the residency's); `None`: until evicted. Zero means never
     /// unloaded for idleness.
     pub keep_alive: Option<Duration>,
+    /// How it sleeps, if it can (spec.models[].sleep, checked).
+    pub sleep: Option<Sleep>,
 }
 
 impl ValidModel<'_> {
@@ -91,6 +95,9 @@ pub struct Valid<'a> {
     pub models: Vec<ValidModel<'a>>,
     /// Oldest first (ties by model name): the order requests are applied in.
     pub demand: Vec<Request<'a>>,
+    /// spec.warm.hostBudget in bytes (0 when unset).
+    pub host_budget: Bytes,
+    pub eviction: Eviction,
 }
 
 /// Checks a residency's spec and converts its quantities and times, with
@@ -161,10 +168,26 @@ pub fn validate_with_budget(r: &ModelResidency, budget: Bytes) -> Result<Valid<'
             return Err(InvalidSpec::ZeroSize(m.name.clone()));
         }
         let own = keep_alive(format!("spec.models[{}].keepAlive", m.name), &m.keep_alive)?;
+        if let Some(t) = &m.load_time
+            && crate::residency::warm::seconds(t).is_none()
+        {
+            return Err(InvalidSpec::KeepAlive {
+                field: format!("spec.models[{}].loadTime", m.name),
+                value: t.clone(),
+            });
+        }
+        let sleep = match &m.sleep {
+            Some(s) => Some(
+                crate::residency::warm::sleep_figures(&m.name, s, size)
+                    .map_err(InvalidSpec::Warm)?,
+            ),
+            None => None,
+        };
         models.push(ValidModel {
             spec: m,
             size,
             keep_alive: own.or(default_keep_alive),
+            sleep,
         });
     }
     let mut demand = Vec::with_capacity(spec.demand.len());
@@ -182,10 +205,17 @@ pub fn validate_with_budget(r: &ModelResidency, budget: Bytes) -> Result<Valid<'
         });
     }
     demand.sort();
+    let host_budget = match &spec.warm {
+        Some(w) => parse_bytes(&w.host_budget.0)
+            .map_err(|e| InvalidSpec::Warm(format!("spec.warm.hostBudget: {e}")))?,
+        None => 0,
+    };
     Ok(Valid {
         budget,
         models,
         demand,
+        host_budget,
+        eviction: spec.eviction.into(),
     })
 }
 
@@ -249,11 +279,23 @@ pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
         .and_then(|b| parse_bytes(b).ok())
         .unwrap_or(valid.budget);
     let mut engine = Engine::new(budget);
+    engine.set_eviction(valid.eviction);
+    engine.set_host_budget(valid.host_budget);
     for m in &valid.models {
         let size = resident_size(m.name()).unwrap_or(m.size);
-        engine
+        let id = engine
             .register(m.name(), size, m.spec.pinned)
             .expect("validated: unique names, positive sizes");
+        // At a recorded size its sleeping size does not fit under, it does
+        // not sleep until it is re-admitted at the new one.
+        let _ = engine.set_sleep(id, m.sleep);
+        let prev = recorded.get(m.name());
+        let costs = crate::residency::warm::costs(
+            m.spec,
+            prev.and_then(|p| p.load_seconds),
+            prev.and_then(|p| p.wake_seconds),
+        );
+        engine.set_costs(id, costs);
     }
     let mut removed = Vec::new();
     let mut residents: Vec<&ModelStatus> = Vec::new();
@@ -277,11 +319,22 @@ pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
     let mut overflow = Vec::new();
     for m in residents {
         let id = engine.id(&m.name).expect("registered above");
-        if engine.restore(id).is_err() {
+        let restored = if m.state == ModelState::Sleeping {
+            engine.restore_asleep(id)
+        } else {
+            engine.restore(id)
+        };
+        if restored.is_err() {
             overflow.push(m.name.to_string());
         } else if matches!(m.state, ModelState::Loading | ModelState::Fetching) {
             engine.set_loading(id, true);
         }
+        if restored.is_ok() {
+            engine.resume_value(id, m.uses, m.value_base.unwrap_or(0.0));
+        }
+    }
+    if let Some(inflation) = status.inflation {
+        engine.resume_inflation(inflation);
     }
     let peak = status
         .peak

@@ -2,10 +2,11 @@
 //! (bytes) and what bringing a model back costs (seconds, measured once
 //! known, declared until then).
 
-use crate::api::{ModelSpec, SleepSpec};
+use crate::api::{ModelSpec, PodRequest, SleepPreset, SleepSpec};
 use crate::engine::{Bytes, Costs, Sleep};
 use crate::quantity::parse_bytes;
 use crate::residency::state::parse_keep_alive;
+use std::time::Duration;
 
 /// A load's cost when neither loadTime nor a measurement says it.
 pub const DEFAULT_LOAD_SECONDS: f64 = 60.0;
@@ -92,6 +93,91 @@ pub fn moving_average(previous: Option<f64>, measured: f64) -> f64 {
     }
 }
 
+/// One request to a model's pod, resolved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Call {
+    pub method: String,
+    pub path: String,
+    /// The status code that means it worked (`None`: any 2xx).
+    pub expect_status: Option<u16>,
+    pub timeout: Duration,
+}
+
+impl Call {
+    /// Whether an answer with `status` means it worked.
+    pub fn worked(&self, status: u16) -> bool {
+        match self.expect_status {
+            Some(s) => s == status,
+            None => (200..300).contains(&status),
+        }
+    }
+}
+
+/// How a model's server is put to sleep, woken, and asked which it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Protocol {
+    pub sleep: Call,
+    pub wake: Call,
+    /// The status request and the JSON field that is true while it
+    /// sleeps; `None` (sglang) when the calls' answers are the confirmation.
+    pub status: Option<(Call, String)>,
+}
+
+/// How long a sleep, wake or status request may take by default.
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The requests a model's sleep spec means: its preset's (vllm when none
+/// is named), each replaced by one given explicitly.
+pub fn protocol(spec: &SleepSpec) -> Protocol {
+    let level = spec.level.unwrap_or(1);
+    let call = |method: &str, path: String| Call {
+        method: method.into(),
+        path,
+        expect_status: None,
+        timeout: DEFAULT_CALL_TIMEOUT,
+    };
+    let (sleep, wake, status) = match spec.preset.unwrap_or(SleepPreset::Vllm) {
+        SleepPreset::Vllm => (
+            call("POST", format!("/sleep?level={level}")),
+            call("POST", "/wake_up".into()),
+            Some((call("GET", "/is_sleeping".into()), "is_sleeping".to_owned())),
+        ),
+        SleepPreset::Sglang => (
+            call("POST", "/release_memory_occupation".into()),
+            call("POST", "/resume_memory_occupation".into()),
+            None,
+        ),
+    };
+    let given = |r: &PodRequest, default_method: &str| Call {
+        method: r.method.clone().unwrap_or_else(|| default_method.into()),
+        path: r.path.clone(),
+        expect_status: r.expect_status,
+        timeout: r
+            .timeout
+            .as_deref()
+            .and_then(parse_keep_alive)
+            .unwrap_or(DEFAULT_CALL_TIMEOUT),
+    };
+    Protocol {
+        sleep: spec.sleep.as_ref().map_or(sleep, |r| given(r, "POST")),
+        wake: spec.wake.as_ref().map_or(wake, |r| given(r, "POST")),
+        status: match &spec.status {
+            Some(r) => Some((
+                given(r, "GET"),
+                r.field.clone().unwrap_or_else(|| "is_sleeping".into()),
+            )),
+            None => status,
+        },
+    }
+}
+
+/// Whether a status answer's body says the server sleeps (`None`: it says
+/// nothing readable).
+pub fn says_asleep(body: &str, field: &str) -> Option<bool> {
+    let v: serde_json::Value = serde_json::from_str(body).ok()?;
+    v.get(field)?.as_bool()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,6 +209,37 @@ mod tests {
         );
         let err = sleep_figures("a", &spec("1Gi", Some(3), None), 10 << 30).unwrap_err();
         assert!(err.contains("level: 3"), "{err}");
+    }
+
+    #[test]
+    fn presets_give_the_servers_endpoints_and_given_requests_replace_them() {
+        let mut s = spec("1Gi", Some(2), None);
+        let p = protocol(&s);
+        assert_eq!(p.sleep.path, "/sleep?level=2");
+        assert_eq!(
+            (p.wake.method.as_str(), p.wake.path.as_str()),
+            ("POST", "/wake_up")
+        );
+        assert_eq!(p.status.as_ref().unwrap().0.path, "/is_sleeping");
+        s.preset = Some(SleepPreset::Sglang);
+        s.wake = Some(PodRequest {
+            method: None,
+            path: "/up".into(),
+            expect_status: Some(204),
+            field: None,
+            timeout: Some("2s".into()),
+        });
+        let p = protocol(&s);
+        assert_eq!(p.sleep.path, "/release_memory_occupation");
+        assert!(p.status.is_none());
+        assert_eq!(p.wake.timeout, Duration::from_secs(2));
+        assert!(p.wake.worked(204) && !p.wake.worked(200));
+        assert!(p.sleep.worked(200));
+        assert_eq!(
+            says_asleep(r#"{"is_sleeping": true}"#, "is_sleeping"),
+            Some(true)
+        );
+        assert_eq!(says_asleep("nope", "is_sleeping"), None);
     }
 
     #[test]

@@ -7,6 +7,7 @@
 use super::recency::Key;
 use crate::api::{ModelResidency, ModelState, ModelStatus};
 use crate::residency::labels::{MODEL_LABEL, RESIDENCY_LABEL, serving_port};
+use crate::residency::reasons::Reason;
 use http::HeaderValue;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
@@ -142,10 +143,25 @@ impl Snapshot {
     }
 }
 
+/// Whether the residency's status has `model` sleeping, going to sleep or
+/// waking: its pod stays Ready, and answers nothing but its wake.
+fn asleep(r: &ModelResidency, model: &str) -> bool {
+    r.status
+        .as_ref()
+        .and_then(|s| s.model(model))
+        .is_some_and(|m| {
+            m.state == ModelState::Sleeping
+                || (m.state == ModelState::Loading
+                    && m.reason.as_deref().is_some_and(|r| {
+                        r == Reason::Waking.as_str() || r == Reason::WakeFailed.as_str()
+                    }))
+        })
+}
+
 /// A pod that serves traffic: a model pod of a watched residency (owned by
 /// it: labels alone can be forged by anyone who may create pods), Ready,
-/// not terminating, with an IP. Its port is its first container's first
-/// `containerPort`.
+/// not terminating, not asleep, with an IP. Its port is its first
+/// container's first `containerPort`.
 fn endpoint<'p>(
     pod: &'p Pod,
     by_uid: &HashMap<String, usize>,
@@ -170,7 +186,7 @@ fn endpoint<'p>(
         .iter()
         .flatten()
         .any(|c| c.type_ == "Ready" && c.status == "True");
-    if !ready {
+    if !ready || asleep(&residencies[i], model) {
         return None;
     }
     let ip: IpAddr = status.pod_ip.as_deref()?.parse().ok()?;

@@ -21,7 +21,7 @@
 
 use super::artifacts::NodeArtifacts;
 use super::events::{EventReason, ModelEvent};
-use super::pods::{ModelPod, build_pod};
+use super::pods::{ModelPod, PodPhase, build_pod};
 use crate::api::{ModelResidency, ModelResidencyStatus, ModelState, ModelStatus};
 use crate::engine::{Bytes, Engine, ModelId, RefuseReason, Resize};
 use crate::quantity::{format_bytes, format_bytes_rounded, parse_bytes};
@@ -115,6 +115,17 @@ impl From<&ModelPod> for PodRef {
     }
 }
 
+/// A sleep or a wake to ask of a model's pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodCall {
+    pub model: String,
+    pub pod: PodRef,
+    /// Where the pod serves (`None`: it has no IP, so the call fails).
+    pub addr: Option<std::net::SocketAddr>,
+    pub wake: bool,
+    pub protocol: crate::residency::warm::Protocol,
+}
+
 /// What to do.
 #[derive(Debug)]
 pub struct Decision {
@@ -126,6 +137,9 @@ pub struct Decision {
     pub requeue_after: Option<Duration>,
     /// Seconds from pod creation to Ready of the models that became Loaded.
     pub load_seconds: Vec<f64>,
+    /// Sleeps and wakes to ask of pods, after the pod deletes and creates
+    /// and before the status is written (their outcome changes it).
+    pub calls: Vec<PodCall>,
     /// `None` when the spec is invalid and nothing was decided.
     pub usage: Option<Usage>,
 }
@@ -159,6 +173,82 @@ impl Decision {
             usage.resident = self.status.resident;
             self.status.used = Some(format_bytes_rounded(usage.used));
         }
+    }
+}
+
+impl Decision {
+    /// A decision to do nothing (the base for a follow-up of pod deletes).
+    pub fn nothing() -> Self {
+        Decision {
+            status: ModelResidencyStatus::default(),
+            create: Vec::new(),
+            delete: Vec::new(),
+            events: Vec::new(),
+            requeue_after: None,
+            load_seconds: Vec::new(),
+            calls: Vec::new(),
+            usage: None,
+        }
+    }
+
+    /// What a sleep or wake request came to (`seconds`: how long it took;
+    /// `at`: now), in the status and events. A failed one deletes the pod
+    /// (the caller does) and is returned for that.
+    pub fn call_done(
+        &mut self,
+        call: &PodCall,
+        result: Result<(), String>,
+        seconds: f64,
+        at: Timestamp,
+    ) -> Option<PodRef> {
+        let model = call.model.as_str();
+        let st = self.status.model_mut(model)?;
+        let (reason, message, failed) = match (call.wake, result) {
+            (false, Ok(())) => {
+                st.reason = Some(Reason::Asleep.into());
+                st.slept_at = Some(at.to_string().into());
+                let m = format!("{model} sleeps (its server confirmed, {seconds:.2}s)");
+                st.message = Some(m.clone().into());
+                (EventReason::Slept, m, false)
+            }
+            (true, Ok(())) => {
+                st.state = ModelState::Loaded;
+                st.reason = None;
+                st.message = None;
+                st.loaded_at = Some(at.to_string().into());
+                st.wake_seconds = Some(crate::residency::warm::moving_average(
+                    st.wake_seconds,
+                    seconds,
+                ));
+                let m = format!("{model} is awake ({seconds:.2}s)");
+                (EventReason::Woken, m, false)
+            }
+            (false, Err(why)) => {
+                let m = format!("{model} could not sleep ({why}): its pod is deleted instead");
+                st.state = ModelState::Evicted;
+                st.reason = Some(Reason::SleepFailed.into());
+                st.message = Some(m.clone().into());
+                st.pod = None;
+                st.slept_at = None;
+                st.uses = 0;
+                st.value_base = None;
+                self.status.counters.sleeps = self.status.counters.sleeps.saturating_sub(1);
+                self.status.counters.evictions += 1;
+                (EventReason::SleepFailed, m, true)
+            }
+            (true, Err(why)) => {
+                let m =
+                    format!("{model} could not wake ({why}): its pod is deleted and it loads cold");
+                st.state = ModelState::Loading;
+                st.reason = Some(Reason::WakeFailed.into());
+                st.message = Some(m.clone().into());
+                st.pod = None;
+                (EventReason::WakeFailed, m, true)
+            }
+        };
+        self.events.push(ModelEvent::about(model, reason, message));
+        self.status.recount();
+        failed.then(|| call.pod.clone())
     }
 }
 
@@ -225,6 +315,7 @@ fn invalid(
         events: changed.then_some(event).into_iter().collect(),
         requeue_after: None,
         load_seconds: Vec::new(),
+        calls: Vec::new(),
         usage: None,
     }
 }
@@ -302,6 +393,7 @@ impl<'a> Decider<'a> {
             events: Vec::new(),
         };
         decider.end_old_protections();
+        decider.drop_lost_sleepers();
         for name in overflow {
             let message =
                 format!("{name} did not fit the recorded budget when the state was rebuilt");
@@ -329,6 +421,44 @@ impl<'a> Decider<'a> {
             .filter_map(|p| recorded_time(p.created.as_deref()))
             .max();
         used.max(created)
+    }
+
+    /// A sleeping model whose pod is gone, finished, terminating, or Ready
+    /// again since its sleep (it restarted awake) is not resident.
+    fn drop_lost_sleepers(&mut self) {
+        for id in self.engine.residents() {
+            if !self.engine.is_asleep(id) {
+                continue;
+            }
+            let name = self.engine.name(id).to_owned();
+            let slept_at = self
+                .prev_models
+                .get(name.as_str())
+                .and_then(|p| recorded_time(p.slept_at.as_deref()));
+            let pod = self
+                .input
+                .pods
+                .iter()
+                .find(|p| *p.model == *name && p.phase == PodPhase::Live && !p.deleting);
+            let kept = pod.is_some_and(|p| {
+                let ready = recorded_time(p.ready_since.as_deref());
+                ready.is_some() && (slept_at.is_none() || ready <= slept_at)
+            });
+            if kept {
+                continue;
+            }
+            self.engine.unload(id);
+            let message = format!(
+                "{name} was sleeping and its pod went away or restarted; it loads cold at its next request"
+            );
+            self.event(&name, EventReason::Unloaded, message.clone());
+            self.outcome(
+                &name,
+                ModelState::Unloaded,
+                Reason::SleepingPodLost,
+                message,
+            );
+        }
     }
 
     /// Loading models admitted longer than [`LOADING_PROTECTION`] ago (or

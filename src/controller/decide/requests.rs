@@ -145,6 +145,7 @@ impl<'a> Decider<'a> {
                     Reason::MadeRoom,
                     &format!("to make room for {model}"),
                 );
+                self.slept(model);
                 let size = format_bytes(self.engine.size(id));
                 self.event(
                     model,
@@ -155,6 +156,7 @@ impl<'a> Decider<'a> {
             }
             Admission::Woken { evicted } => {
                 let evicted = evicted.to_vec();
+                // Its pod is not awake yet: no later request evicts it.
                 self.engine.set_loading(id, true);
                 self.outcomes.remove(model);
                 self.evicted(
@@ -162,6 +164,7 @@ impl<'a> Decider<'a> {
                     Reason::MadeRoom,
                     &format!("to make room for {model}"),
                 );
+                self.slept(model);
                 true
             }
             Admission::Queued { loading } => {
@@ -182,6 +185,15 @@ impl<'a> Decider<'a> {
         if used {
             let times = self.requested.entry(model.to_owned()).or_default();
             times.last_used = Some(at.to_string().into());
+        }
+    }
+
+    /// The models the last request put to sleep to make room for `model`.
+    fn slept(&mut self, model: &str) {
+        for v in self.engine.last_slept().to_vec() {
+            let name = self.engine.name(v).to_owned();
+            let message = format!("{name} goes to sleep to make room for {model}");
+            self.outcome(&name, ModelState::Sleeping, Reason::FallingAsleep, message);
         }
     }
 

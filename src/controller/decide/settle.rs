@@ -1,7 +1,7 @@
 //! Settling pods with the engine's resident set: each registry model's
 //! status and pod action, then the residency's status around them.
 
-use super::{Decider, Decision, PodRef};
+use super::{Decider, Decision, PodCall, PodRef};
 use crate::api::{ModelResidencyStatus, ModelState, ModelStatus};
 use crate::controller::artifacts::{ArtifactGate, artifact_gate, mount_artifact};
 use crate::controller::events::{EventReason, transition_events};
@@ -16,6 +16,11 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::SignedDuration;
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
+
+/// How long after a model is chosen to sleep its sleep request is sent:
+/// time for the routers to see it is no longer Loaded (they stop sending it
+/// requests) before its server stops answering them.
+pub(super) const SLEEP_DRAIN: Duration = Duration::from_secs(1);
 
 /// How long a pod may go without any status before its model's message
 /// says that no kubelet reports on it.
@@ -41,12 +46,18 @@ struct PodInventory<'p> {
 }
 
 impl<'p> PodInventory<'p> {
-    fn new(pods: &'p [ModelPod], engine: &Engine) -> Self {
+    /// `asleep`: the pods whose sleep was confirmed (and not woken since),
+    /// with the VRAM each keeps asleep.
+    fn new(pods: &'p [ModelPod], engine: &Engine, asleep: &HashMap<&str, Bytes>) -> Self {
         let mut by_model: BTreeMap<&str, Vec<&ModelPod>> = BTreeMap::new();
         let mut live_declared = 0;
         for p in pods {
             by_model.entry(&*p.model).or_default().push(p);
             if p.phase == PodPhase::Live {
+                if let Some(&kept) = asleep.get(&*p.name).filter(|_| !p.deleting) {
+                    live_declared += kept;
+                    continue;
+                }
                 // A pod without its size annotation counts at the model's
                 // current size.
                 let registered = || engine.id(&p.model).map_or(0, |id| engine.size(id));
@@ -83,6 +94,7 @@ struct PodPlan {
     delete: Vec<PodRef>,
     requeue: Option<Duration>,
     load_seconds: Vec<f64>,
+    calls: Vec<PodCall>,
 }
 
 impl PodPlan {
@@ -98,7 +110,8 @@ impl PodPlan {
 impl<'a> Decider<'a> {
     /// Reconciles pods with the engine's resident set and builds the status.
     pub(super) fn settle(mut self) -> Decision {
-        let mut pods = PodInventory::new(self.input.pods, &self.engine);
+        let asleep = self.confirmed_asleep();
+        let mut pods = PodInventory::new(self.input.pods, &self.engine, &asleep);
         let mut plan = PodPlan::default();
         if let Some(after) = self.idle_requeue {
             plan.look_again_within(after);
@@ -135,6 +148,133 @@ impl<'a> Decider<'a> {
         self.assemble(models, plan)
     }
 
+    /// The pods whose server sleeps by the previous status (confirmed
+    /// asleep, or asleep and waiting to be woken), with what each keeps.
+    fn confirmed_asleep(&self) -> HashMap<&'a str, Bytes> {
+        let mut asleep = HashMap::new();
+        for (&name, &prev) in &self.prev_models {
+            let sleeping = prev.state == ModelState::Sleeping
+                && prev.reason.as_deref() == Some(Reason::Asleep.as_str());
+            let waking = prev.state == ModelState::Loading
+                && prev.reason.as_deref() == Some(Reason::Waking.as_str());
+            let kept = self
+                .engine
+                .id(name)
+                .and_then(|id| self.engine.sleep_of(id))
+                .map(|s| s.sleeping_size);
+            if let (true, Some(pod), Some(kept)) = (sleeping || waking, prev.pod.as_deref(), kept) {
+                asleep.insert(pod, kept);
+            }
+        }
+        asleep
+    }
+
+    /// Whether the previous status had `name`'s server asleep (confirmed,
+    /// or waiting to be woken).
+    fn was_asleep(&self, name: &str) -> bool {
+        self.prev_models.get(name).is_some_and(|p| {
+            let reason = p.reason.as_deref();
+            (p.state == ModelState::Sleeping && reason == Some(Reason::Asleep.as_str()))
+                || (p.state == ModelState::Loading && reason == Some(Reason::Waking.as_str()))
+        })
+    }
+
+    /// A resident model that sleeps: chosen now or before, its sleep asked
+    /// once the drain is over; confirmed, it keeps its sleeping size.
+    fn asleep_status(
+        &self,
+        mut st: ModelStatus,
+        pods: &PodInventory<'_>,
+        plan: &mut PodPlan,
+    ) -> ModelStatus {
+        let prev = self.prev_models.get(&*st.name).copied();
+        st.state = ModelState::Sleeping;
+        st.failures = self.previous_failures(&st.name);
+        let Some(pod) = pods.live(&st.name) else {
+            // Dropped before the decision when its pod is gone.
+            return st;
+        };
+        st.pod = Some(pod.name.clone());
+        if self.was_asleep(&st.name) {
+            st.reason = Some(Reason::Asleep.into());
+            st.slept_at = prev.and_then(|p| p.slept_at.clone());
+            st.message = prev.and_then(|p| p.message.clone());
+            return st;
+        }
+        let since = prev
+            .filter(|p| p.state == ModelState::Sleeping)
+            .and_then(|p| recorded_time(p.slept_at.as_deref()))
+            .unwrap_or(self.input.now);
+        st.reason = Some(Reason::FallingAsleep.into());
+        st.slept_at = Some(since.to_string().into());
+        st.message = Some(
+            self.outcomes
+                .get(&*st.name)
+                .map(|o| o.message.clone())
+                .or_else(|| prev.and_then(|p| p.message.as_deref().map(str::to_owned)))
+                .unwrap_or_else(|| format!("{} goes to sleep", st.name))
+                .into(),
+        );
+        let waited = since.duration_until(self.input.now).unsigned_abs();
+        if waited < SLEEP_DRAIN {
+            plan.look_again_within(SLEEP_DRAIN - waited);
+            return st;
+        }
+        if let Some(call) = self.call(&st.name, pod, false) {
+            plan.calls.push(call);
+        }
+        st
+    }
+
+    /// A model woken by a request whose pod still sleeps: its wake is asked
+    /// once the room its full size needs is free.
+    fn waking_status(
+        &self,
+        mut st: ModelStatus,
+        pod: &ModelPod,
+        size: Bytes,
+        pods: &mut PodInventory<'_>,
+        plan: &mut PodPlan,
+    ) -> ModelStatus {
+        let id = self.engine.id(&st.name).expect("registered");
+        let kept = self.engine.sleep_of(id).map_or(0, |s| s.sleeping_size);
+        st.state = ModelState::Loading;
+        st.reason = Some(Reason::Waking.into());
+        st.pod = Some(pod.name.clone());
+        st.failures = self.previous_failures(&st.name);
+        let budget = self.valid.budget;
+        if pods.live_declared - kept.min(pods.live_declared) + size > budget {
+            st.message = Some(
+                format!(
+                    "{} waits for evicted pods to release VRAM before it wakes ({} held by live pods, needs {} more)",
+                    st.name,
+                    format_bytes(pods.live_declared),
+                    format_bytes(size - kept.min(size))
+                )
+                .into(),
+            );
+            return st;
+        }
+        pods.live_declared = pods.live_declared - kept.min(pods.live_declared) + size;
+        st.message = Some(format!("{} wakes", st.name).into());
+        if let Some(call) = self.call(&st.name, pod, true) {
+            plan.calls.push(call);
+        }
+        st
+    }
+
+    /// The sleep or wake request for `model`'s pod.
+    fn call(&self, model: &str, pod: &ModelPod, wake: bool) -> Option<PodCall> {
+        let spec = self.by_name.get(model)?.spec.sleep.as_deref()?;
+        Some(PodCall {
+            model: model.to_owned(),
+            pod: pod.into(),
+            addr: pod.addr,
+            wake,
+            protocol: crate::residency::warm::protocol(spec),
+        })
+    }
+
     /// Residents first, least recently used first, so older models get
     /// their pods first when room opens up; then the rest in registry order.
     fn settle_order(&self) -> Vec<ValidModel<'a>> {
@@ -164,6 +304,8 @@ impl<'a> Decider<'a> {
             last_used: times
                 .last_used
                 .or_else(|| prev.and_then(|p| p.last_used.clone())),
+            load_seconds: prev.and_then(|p| p.load_seconds),
+            wake_seconds: prev.and_then(|p| p.wake_seconds),
             ..ModelStatus::default()
         }
     }
@@ -187,6 +329,15 @@ impl<'a> Decider<'a> {
     ) -> ModelStatus {
         let size = self.registered_size(m.name());
         let mut st = self.base_status(m.name(), Some(size));
+        let id = self.engine.id(m.name()).expect("registered");
+        if self.engine.is_asleep(id) {
+            return self.asleep_status(st, pods, plan);
+        }
+        if let Some(p) = pods.live(m.name())
+            && self.was_asleep(m.name())
+        {
+            return self.waking_status(st, p, size, pods, plan);
+        }
         if let Some(p) = pods.live(m.name()) {
             self.with_live_pod(st, m, p, size, plan)
         } else if let Some(p) = pods.failed(m.name()) {
@@ -301,6 +452,10 @@ impl<'a> Decider<'a> {
         {
             let seconds = created.duration_until(ready).as_secs_f64();
             plan.load_seconds.push(seconds);
+            st.load_seconds = Some(crate::residency::warm::moving_average(
+                st.load_seconds,
+                seconds,
+            ));
         }
         st
     }
@@ -589,6 +744,22 @@ impl<'a> Decider<'a> {
         };
         gpu.budget_source = self.budget.as_ref().map(|b| b.source.to_owned());
         let (used, peak) = (self.engine.used(), self.engine.peak());
+        let cost = self.engine.eviction() == crate::engine::Eviction::Cost;
+        let mut models = models;
+        if cost {
+            for m in &mut models {
+                if let Some(id) = self
+                    .engine
+                    .id(&m.name)
+                    .filter(|&id| self.engine.is_resident(id))
+                {
+                    let (uses, base) = self.engine.value_state(id);
+                    m.uses = uses;
+                    m.value_base = Some(base);
+                }
+            }
+        }
+        let host_used = self.engine.host_used();
         let mut status = ModelResidencyStatus {
             observed_generation: generation,
             budget: self.budget.as_ref().map(|b| format_bytes(b.bytes)),
@@ -598,6 +769,9 @@ impl<'a> Decider<'a> {
             models,
             counters: self.engine.counters(),
             conditions: set.finish(),
+            host_used: (self.valid.host_budget > 0 || host_used > 0)
+                .then(|| format_bytes_rounded(host_used)),
+            inflation: cost.then(|| self.engine.inflation()),
             ..ModelResidencyStatus::default()
         };
         status.recount();
@@ -617,6 +791,7 @@ impl<'a> Decider<'a> {
             events: self.events,
             requeue_after: plan.requeue,
             load_seconds: plan.load_seconds,
+            calls: plan.calls,
             usage: Some(usage),
         }
     }

@@ -89,6 +89,7 @@ fn live(model: &str, size: u64, ready: bool, deleting: bool) -> ModelPod {
         template_hash: None,
         waiting: None,
         reported: true,
+        addr: None,
     }
 }
 
@@ -805,4 +806,174 @@ fn a_pod_given_its_gpu_another_way_is_replaced() {
     let d = decide(&input);
     assert_eq!(d.delete.len(), 1, "the env pod goes for a claim pod");
     assert_eq!(events(&d, EventReason::Moved), 1);
+}
+
+// ---- the warm tier ---------------------------------------------------------
+
+/// a (6Gi, sleeps at 1Gi) and b (6Gi) on 10Gi, with a host budget.
+fn warm_residency(host_budget: &str) -> ModelResidency {
+    let mut r = residency(
+        "10Gi",
+        &[("a", "6Gi", false), ("b", "6Gi", false)],
+        &[("a", 1)],
+    );
+    r.spec.models[0].sleep = Some(Box::new(
+        serde_json::from_value(json!({"preset": "vllm", "sleepingSize": "1Gi"})).unwrap(),
+    ));
+    r.spec.warm = Some(crate::api::WarmSpec {
+        host_budget: ByteQuantity(host_budget.into()),
+    });
+    r
+}
+
+fn done(d: &mut Decision, ok: Result<(), String>, now: i64) -> Option<PodRef> {
+    let call = d.calls.pop().expect("a call");
+    assert!(d.calls.is_empty());
+    d.call_done(&call, ok, 0.05, at(now))
+}
+
+#[test]
+fn an_evicted_model_sleeps_after_the_drain_and_its_request_wakes_it() {
+    let mut r = warm_residency("8Gi");
+    let d = run(&r, &[], 2);
+    r.status = Some(d.status);
+    let a_pod = live("a", 6 * GI, true, false);
+    let d = run(&r, std::slice::from_ref(&a_pod), 3);
+    assert_eq!(state(&d, "a"), ModelState::Loaded);
+    r.status = Some(d.status);
+    // b is requested: a goes to sleep rather than away.
+    r.spec.demand.insert("b".into(), at(3).to_string());
+    let d = run(&r, std::slice::from_ref(&a_pod), 4);
+    assert!(d.delete.is_empty(), "a sleeping pod is kept");
+    assert!(d.calls.is_empty(), "the sleep waits for the routers to see it");
+    assert_eq!(state(&d, "a"), ModelState::Sleeping);
+    assert_eq!(d.status.model("a").unwrap().reason.as_deref(), Some("FallingAsleep"));
+    assert!(d.create.is_empty(), "b created while a still holds its full size");
+    assert_eq!(d.requeue_after, Some(super::settle::SLEEP_DRAIN));
+    assert_eq!((d.status.counters.sleeps, d.status.counters.evictions), (1, 0));
+    r.status = Some(d.status);
+    // After the drain the sleep is asked; confirmed, a keeps 1Gi.
+    let mut d = run(&r, std::slice::from_ref(&a_pod), 6);
+    assert!(!d.calls[0].wake);
+    assert!(d.create.is_empty(), "b waits for the confirmation");
+    assert_eq!(done(&mut d, Ok(()), 6), None);
+    assert_eq!(d.status.model("a").unwrap().reason.as_deref(), Some("Asleep"));
+    assert_eq!(d.events.last().unwrap().reason, EventReason::Slept);
+    r.status = Some(d.status);
+    let d = run(&r, std::slice::from_ref(&a_pod), 7);
+    assert_eq!(d.create.len(), 1, "1Gi + 6Gi fit 10Gi once the sleep is confirmed");
+    assert_eq!(d.create[0].metadata.name, Some(pod_name("gpu", "b")));
+    assert_eq!(d.status.host_used.as_deref(), Some("6Gi"));
+    assert_eq!(d.status.sleeping, 1);
+    r.status = Some(d.status);
+    let pods = [a_pod.clone(), live("b", 6 * GI, true, false)];
+    let d = run(&r, &pods, 8);
+    r.status = Some(d.status);
+    // a is requested again: a wake, which evicts b; the wake is asked once
+    // b's pod is gone.
+    r.spec.demand.insert("a".into(), at(8).to_string());
+    let d = run(&r, &pods, 9);
+    assert_eq!(d.status.counters.wakes, 1);
+    assert_eq!(d.status.counters.loads, 2, "a wake is not a load");
+    assert_eq!(state(&d, "b"), ModelState::Evicted);
+    assert_eq!(d.status.model("a").unwrap().reason.as_deref(), Some("Waking"));
+    assert!(d.calls.is_empty(), "b's pod still holds its 6Gi");
+    r.status = Some(d.status);
+    let mut d = run(&r, std::slice::from_ref(&a_pod), 10);
+    assert!(d.calls[0].wake);
+    assert_eq!(done(&mut d, Ok(()), 10), None);
+    assert_eq!(state(&d, "a"), ModelState::Loaded);
+    assert_eq!(d.events.last().unwrap().reason, EventReason::Woken);
+    assert!(d.status.model("a").unwrap().wake_seconds.is_some());
+}
+
+#[test]
+fn a_failed_sleep_deletes_the_pod_and_a_failed_wake_loads_cold() {
+    let mut r = warm_residency("8Gi");
+    let a_pod = live("a", 6 * GI, true, false);
+    for now in [2, 3] {
+        let d = run(&r, std::slice::from_ref(&a_pod), now);
+        r.status = Some(d.status);
+    }
+    r.spec.demand.insert("b".into(), at(3).to_string());
+    let d = run(&r, std::slice::from_ref(&a_pod), 4);
+    r.status = Some(d.status);
+    let mut d = run(&r, std::slice::from_ref(&a_pod), 6);
+    let doomed = done(&mut d, Err("POST /sleep?level=1 answered 404".into()), 6);
+    assert_eq!(doomed.map(|p| p.name), Some("gpu-a".into()));
+    assert_eq!(state(&d, "a"), ModelState::Evicted);
+    assert_eq!(d.status.model("a").unwrap().reason.as_deref(), Some("SleepFailed"));
+    assert_eq!((d.status.counters.sleeps, d.status.counters.evictions), (0, 1));
+    assert_eq!(d.events.last().unwrap().reason, EventReason::SleepFailed);
+    // A wake that fails: the pod goes and the model starts a new one.
+    let mut r = warm_residency("8Gi");
+    for now in [2, 3] {
+        let d = run(&r, std::slice::from_ref(&a_pod), now);
+        r.status = Some(d.status);
+    }
+    r.spec.demand.insert("b".into(), at(3).to_string());
+    for now in [4, 6] {
+        let mut d = run(&r, std::slice::from_ref(&a_pod), now);
+        if !d.calls.is_empty() {
+            done(&mut d, Ok(()), now);
+        }
+        r.status = Some(d.status);
+    }
+    r.spec.demand.remove("b");
+    r.spec.demand.insert("a".into(), at(7).to_string());
+    let mut d = run(&r, std::slice::from_ref(&a_pod), 8);
+    let doomed = done(&mut d, Err("POST /wake_up did not answer within 30s".into()), 8);
+    assert_eq!(doomed.map(|p| p.name), Some("gpu-a".into()));
+    assert_eq!(state(&d, "a"), ModelState::Loading);
+    r.status = Some(d.status);
+    let d = run(&r, &[], 9);
+    assert_eq!(d.create.len(), 1, "a loads cold");
+}
+
+#[test]
+fn a_sleeping_pod_that_restarted_or_went_is_not_resident() {
+    let mut r = warm_residency("8Gi");
+    let a_pod = live("a", 6 * GI, true, false);
+    for now in [2, 3] {
+        let d = run(&r, std::slice::from_ref(&a_pod), now);
+        r.status = Some(d.status);
+    }
+    r.spec.demand.insert("b".into(), at(3).to_string());
+    for now in [4, 6] {
+        let mut d = run(&r, std::slice::from_ref(&a_pod), now);
+        if !d.calls.is_empty() {
+            done(&mut d, Ok(()), now);
+        }
+        r.status = Some(d.status);
+    }
+    // Ready again after its sleep: it restarted, awake, outside the budget.
+    let mut restarted = a_pod.clone();
+    restarted.ready_since = Some(at(20).to_string().into());
+    let d = run(&r, &[restarted], 21);
+    assert_eq!(state(&d, "a"), ModelState::Unloaded);
+    assert_eq!(d.status.model("a").unwrap().reason.as_deref(), Some("SleepingPodLost"));
+    assert_eq!(d.delete.len(), 1, "its pod goes");
+}
+
+#[test]
+fn without_a_sleep_spec_nothing_sleeps_and_the_counters_are_the_seeds() {
+    let mut r = residency(
+        "10Gi",
+        &[("a", "6Gi", false), ("b", "6Gi", false)],
+        &[("a", 1)],
+    );
+    r.spec.warm = Some(crate::api::WarmSpec {
+        host_budget: ByteQuantity("64Gi".into()),
+    });
+    let a_pod = live("a", 6 * GI, true, false);
+    for now in [2, 3] {
+        let d = run(&r, std::slice::from_ref(&a_pod), now);
+        r.status = Some(d.status);
+    }
+    r.spec.demand.insert("b".into(), at(3).to_string());
+    let d = run(&r, std::slice::from_ref(&a_pod), 4);
+    assert_eq!(state(&d, "a"), ModelState::Evicted);
+    assert_eq!(d.delete.len(), 1);
+    let c = d.status.counters;
+    assert_eq!((c.loads, c.evictions, c.sleeps, c.wakes), (2, 1, 0, 0));
 }
