@@ -665,9 +665,11 @@ async fn patch_status(
 }
 
 /// Now as an RFC 3339 timestamp, second precision (as the kubelet writes).
+/// Now, in whole seconds, cut as the API server's times are (never
+/// rounded up into the future).
 fn kube_time_now() -> String {
-    k8s_openapi::jiff::Timestamp::now()
-        .round(k8s_openapi::jiff::Unit::Second)
+    let now = k8s_openapi::jiff::Timestamp::now();
+    k8s_openapi::jiff::Timestamp::from_second(now.as_second())
         .map(|t| t.to_string())
         .unwrap_or_default()
 }
@@ -702,13 +704,25 @@ mod tests {
             pod: "p".into(),
         };
         let ip = |n: u8| Ipv4Addr::new(127, 3, 0, n);
-        let e = listen_on_one_of([ip(1)].into_iter(), port, id.clone(), Duration::ZERO, Default::default())
-            .await
-            .unwrap_err();
+        let e = listen_on_one_of(
+            [ip(1)].into_iter(),
+            port,
+            id.clone(),
+            Duration::ZERO,
+            Default::default(),
+        )
+        .await
+        .unwrap_err();
         assert!(e.contains("cannot listen on 127.3.0.1"), "{e}");
-        let server = listen_on_one_of([ip(1), ip(2)].into_iter(), port, id, Duration::ZERO, Default::default())
-            .await
-            .unwrap();
+        let server = listen_on_one_of(
+            [ip(1), ip(2)].into_iter(),
+            port,
+            id,
+            Duration::ZERO,
+            Default::default(),
+        )
+        .await
+        .unwrap();
         assert_eq!(server.addr, SocketAddr::from((ip(2), port)));
     }
 }

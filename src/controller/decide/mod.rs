@@ -440,9 +440,13 @@ impl<'a> Decider<'a> {
                 .pods
                 .iter()
                 .find(|p| *p.model == *name && p.phase == PodPhase::Live && !p.deleting);
+            // Pod times are whole seconds: Ready more than a second after
+            // the sleep is a restart.
+            let restarted = |ready: Timestamp| {
+                slept_at.is_some_and(|s| ready > later(s, Duration::from_secs(1)))
+            };
             let kept = pod.is_some_and(|p| {
-                let ready = recorded_time(p.ready_since.as_deref());
-                ready.is_some() && (slept_at.is_none() || ready <= slept_at)
+                recorded_time(p.ready_since.as_deref()).is_some_and(|ready| !restarted(ready))
             });
             if kept {
                 continue;

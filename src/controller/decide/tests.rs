@@ -845,23 +845,42 @@ fn an_evicted_model_sleeps_after_the_drain_and_its_request_wakes_it() {
     r.spec.demand.insert("b".into(), at(3).to_string());
     let d = run(&r, std::slice::from_ref(&a_pod), 4);
     assert!(d.delete.is_empty(), "a sleeping pod is kept");
-    assert!(d.calls.is_empty(), "the sleep waits for the routers to see it");
+    assert!(
+        d.calls.is_empty(),
+        "the sleep waits for the routers to see it"
+    );
     assert_eq!(state(&d, "a"), ModelState::Sleeping);
-    assert_eq!(d.status.model("a").unwrap().reason.as_deref(), Some("FallingAsleep"));
-    assert!(d.create.is_empty(), "b created while a still holds its full size");
+    assert_eq!(
+        d.status.model("a").unwrap().reason.as_deref(),
+        Some("FallingAsleep")
+    );
+    assert!(
+        d.create.is_empty(),
+        "b created while a still holds its full size"
+    );
     assert_eq!(d.requeue_after, Some(super::settle::SLEEP_DRAIN));
-    assert_eq!((d.status.counters.sleeps, d.status.counters.evictions), (1, 0));
+    assert_eq!(
+        (d.status.counters.sleeps, d.status.counters.evictions),
+        (1, 0)
+    );
     r.status = Some(d.status);
     // After the drain the sleep is asked; confirmed, a keeps 1Gi.
     let mut d = run(&r, std::slice::from_ref(&a_pod), 6);
     assert!(!d.calls[0].wake);
     assert!(d.create.is_empty(), "b waits for the confirmation");
     assert_eq!(done(&mut d, Ok(()), 6), None);
-    assert_eq!(d.status.model("a").unwrap().reason.as_deref(), Some("Asleep"));
+    assert_eq!(
+        d.status.model("a").unwrap().reason.as_deref(),
+        Some("Asleep")
+    );
     assert_eq!(d.events.last().unwrap().reason, EventReason::Slept);
     r.status = Some(d.status);
     let d = run(&r, std::slice::from_ref(&a_pod), 7);
-    assert_eq!(d.create.len(), 1, "1Gi + 6Gi fit 10Gi once the sleep is confirmed");
+    assert_eq!(
+        d.create.len(),
+        1,
+        "1Gi + 6Gi fit 10Gi once the sleep is confirmed"
+    );
     assert_eq!(d.create[0].metadata.name, Some(pod_name("gpu", "b")));
     assert_eq!(d.status.host_used.as_deref(), Some("6Gi"));
     assert_eq!(d.status.sleeping, 1);
@@ -876,7 +895,10 @@ fn an_evicted_model_sleeps_after_the_drain_and_its_request_wakes_it() {
     assert_eq!(d.status.counters.wakes, 1);
     assert_eq!(d.status.counters.loads, 2, "a wake is not a load");
     assert_eq!(state(&d, "b"), ModelState::Evicted);
-    assert_eq!(d.status.model("a").unwrap().reason.as_deref(), Some("Waking"));
+    assert_eq!(
+        d.status.model("a").unwrap().reason.as_deref(),
+        Some("Waking")
+    );
     assert!(d.calls.is_empty(), "b's pod still holds its 6Gi");
     r.status = Some(d.status);
     let mut d = run(&r, std::slice::from_ref(&a_pod), 10);
@@ -902,8 +924,14 @@ fn a_failed_sleep_deletes_the_pod_and_a_failed_wake_loads_cold() {
     let doomed = done(&mut d, Err("POST /sleep?level=1 answered 404".into()), 6);
     assert_eq!(doomed.map(|p| p.name), Some("gpu-a".into()));
     assert_eq!(state(&d, "a"), ModelState::Evicted);
-    assert_eq!(d.status.model("a").unwrap().reason.as_deref(), Some("SleepFailed"));
-    assert_eq!((d.status.counters.sleeps, d.status.counters.evictions), (0, 1));
+    assert_eq!(
+        d.status.model("a").unwrap().reason.as_deref(),
+        Some("SleepFailed")
+    );
+    assert_eq!(
+        (d.status.counters.sleeps, d.status.counters.evictions),
+        (0, 1)
+    );
     assert_eq!(d.events.last().unwrap().reason, EventReason::SleepFailed);
     // A wake that fails: the pod goes and the model starts a new one.
     let mut r = warm_residency("8Gi");
@@ -922,7 +950,11 @@ fn a_failed_sleep_deletes_the_pod_and_a_failed_wake_loads_cold() {
     r.spec.demand.remove("b");
     r.spec.demand.insert("a".into(), at(7).to_string());
     let mut d = run(&r, std::slice::from_ref(&a_pod), 8);
-    let doomed = done(&mut d, Err("POST /wake_up did not answer within 30s".into()), 8);
+    let doomed = done(
+        &mut d,
+        Err("POST /wake_up did not answer within 30s".into()),
+        8,
+    );
     assert_eq!(doomed.map(|p| p.name), Some("gpu-a".into()));
     assert_eq!(state(&d, "a"), ModelState::Loading);
     r.status = Some(d.status);
@@ -951,7 +983,10 @@ fn a_sleeping_pod_that_restarted_or_went_is_not_resident() {
     restarted.ready_since = Some(at(20).to_string().into());
     let d = run(&r, &[restarted], 21);
     assert_eq!(state(&d, "a"), ModelState::Unloaded);
-    assert_eq!(d.status.model("a").unwrap().reason.as_deref(), Some("SleepingPodLost"));
+    assert_eq!(
+        d.status.model("a").unwrap().reason.as_deref(),
+        Some("SleepingPodLost")
+    );
     assert_eq!(d.delete.len(), 1, "its pod goes");
 }
 

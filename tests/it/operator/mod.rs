@@ -6,6 +6,7 @@ mod faults;
 mod gpu_claims;
 mod gpus_pods_and_events;
 mod specs;
+mod warm;
 
 use crate::support::cluster::eventually;
 use crate::support::operator::{Harness, Model};

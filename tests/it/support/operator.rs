@@ -253,8 +253,8 @@ impl Harness {
     }
 
     /// Waits until the status reflects the current spec, every resident
-    /// model is Loaded (or Failed), and the live pods are exactly the
-    /// resident models' pods.
+    /// model is Loaded, Failed or asleep (confirmed), and the live pods are
+    /// exactly the Loaded and Sleeping models' pods.
     pub async fn converged(&self, name: &str) -> ModelResidency {
         let last = Mutex::new(String::new());
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
@@ -286,10 +286,18 @@ impl Harness {
             if status.models.iter().any(|m| m.state == ModelState::Loading) {
                 return None;
             }
+            // A sleeping model keeps its pod, once its sleep is confirmed.
+            let falling_asleep = status
+                .models
+                .iter()
+                .any(|m| m.state == ModelState::Sleeping && m.reason.as_deref() != Some("Asleep"));
+            if falling_asleep {
+                return None;
+            }
             let loaded: BTreeSet<String> = status
                 .models
                 .iter()
-                .filter(|m| m.state == ModelState::Loaded)
+                .filter(|m| matches!(m.state, ModelState::Loaded | ModelState::Sleeping))
                 .map(|m| m.name.to_string())
                 .collect();
             (terminating == 0 && live == loaded).then_some(r)
