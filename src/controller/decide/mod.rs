@@ -357,6 +357,9 @@ struct Decider<'a> {
     /// When the next resident model goes idle.
     idle_requeue: Option<Duration>,
     events: Vec<ModelEvent>,
+    /// Models chosen to sleep and requested again before their sleep was
+    /// sent (counted by the engine as a sleep and a wake).
+    cancelled_sleeps: u64,
 }
 
 impl<'a> Decider<'a> {
@@ -391,6 +394,7 @@ impl<'a> Decider<'a> {
             requested: HashMap::new(),
             idle_requeue: None,
             events: Vec::new(),
+            cancelled_sleeps: 0,
         };
         decider.end_old_protections();
         decider.drop_lost_sleepers();

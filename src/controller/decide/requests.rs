@@ -156,6 +156,9 @@ impl<'a> Decider<'a> {
             }
             Admission::Woken { evicted } => {
                 let evicted = evicted.to_vec();
+                if !self.was_asleep(model) {
+                    self.cancelled_sleeps += 1;
+                }
                 // Its pod is not awake yet: no later request evicts it.
                 self.engine.set_loading(id, true);
                 self.outcomes.remove(model);

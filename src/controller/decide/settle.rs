@@ -43,6 +43,11 @@ struct PodInventory<'p> {
     /// included (they still hold VRAM), plus the pods created so far in
     /// this reconcile.
     live_declared: Bytes,
+    /// Host memory the pods may hold asleep: the confirmed sleepers', and
+    /// every terminating pod's of a model that can sleep (it may have been
+    /// asleep when it was deleted, and holds it until it is gone), plus the
+    /// sleeps asked so far in this reconcile.
+    host_held: Bytes,
 }
 
 impl<'p> PodInventory<'p> {
@@ -51,9 +56,14 @@ impl<'p> PodInventory<'p> {
     fn new(pods: &'p [ModelPod], engine: &Engine, asleep: &HashMap<&str, Bytes>) -> Self {
         let mut by_model: BTreeMap<&str, Vec<&ModelPod>> = BTreeMap::new();
         let mut live_declared = 0;
+        let mut host_held = 0;
         for p in pods {
             by_model.entry(&*p.model).or_default().push(p);
             if p.phase == PodPhase::Live {
+                let sleep = engine.id(&p.model).and_then(|id| engine.sleep_of(id));
+                if asleep.contains_key(&*p.name) || p.deleting {
+                    host_held += sleep.map_or(0, |s| s.host_memory);
+                }
                 if let Some(&kept) = asleep.get(&*p.name).filter(|_| !p.deleting) {
                     live_declared += kept;
                     continue;
@@ -67,6 +77,7 @@ impl<'p> PodInventory<'p> {
         PodInventory {
             by_model,
             live_declared,
+            host_held,
         }
     }
 
@@ -171,7 +182,7 @@ impl<'a> Decider<'a> {
 
     /// Whether the previous status had `name`'s server asleep (confirmed,
     /// or waiting to be woken).
-    fn was_asleep(&self, name: &str) -> bool {
+    pub(super) fn was_asleep(&self, name: &str) -> bool {
         self.prev_models.get(name).is_some_and(|p| {
             let reason = p.reason.as_deref();
             (p.state == ModelState::Sleeping && reason == Some(Reason::Asleep.as_str()))
@@ -184,7 +195,7 @@ impl<'a> Decider<'a> {
     fn asleep_status(
         &self,
         mut st: ModelStatus,
-        pods: &PodInventory<'_>,
+        pods: &mut PodInventory<'_>,
         plan: &mut PodPlan,
     ) -> ModelStatus {
         let prev = self.prev_models.get(&*st.name).copied();
@@ -220,6 +231,24 @@ impl<'a> Decider<'a> {
             plan.look_again_within(SLEEP_DRAIN - waited);
             return st;
         }
+        let id = self.engine.id(&st.name).expect("registered");
+        let host = self.engine.sleep_of(id).map_or(0, |s| s.host_memory);
+        if pods.host_held + host > self.valid.host_budget {
+            // Sleeping pods being deleted still hold theirs.
+            st.message = Some(
+                format!(
+                    "{} waits for deleted sleeping pods to release host memory before it sleeps ({} held, needs {}, host budget {})",
+                    st.name,
+                    format_bytes(pods.host_held),
+                    format_bytes(host),
+                    format_bytes(self.valid.host_budget)
+                )
+                .into(),
+            );
+            plan.look_again_within(Duration::from_millis(500));
+            return st;
+        }
+        pods.host_held += host;
         if let Some(call) = self.call(&st.name, pod, false) {
             plan.calls.push(call);
         }
@@ -767,7 +796,15 @@ impl<'a> Decider<'a> {
             used: Some(format_bytes_rounded(used)),
             peak: Some(format_bytes_rounded(peak)),
             models,
-            counters: self.engine.counters(),
+            counters: {
+                // A sleep cancelled by a request before it was sent was no
+                // sleep, and that request no wake: it found its model awake.
+                let mut c = self.engine.counters();
+                c.sleeps -= self.cancelled_sleeps;
+                c.wakes -= self.cancelled_sleeps;
+                c.hits += self.cancelled_sleeps;
+                c
+            },
             conditions: set.finish(),
             host_used: (self.valid.host_budget > 0 || host_used > 0)
                 .then(|| format_bytes_rounded(host_used)),

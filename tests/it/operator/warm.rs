@@ -5,7 +5,7 @@
 
 use super::{events_for, model};
 use crate::support::cluster::eventually;
-use crate::support::operator::Harness;
+use crate::support::operator::{Harness, WarmBudgetWatcher};
 use crate::support::router::{RouterUnderTest, assert_served_by};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::PostParams;
@@ -80,7 +80,12 @@ async fn an_evicted_model_sleeps_keeps_its_pod_and_wakes_instead_of_loading() {
     let (_, first) = addr_of(&h, "gpu", "a").await;
     // b needs room: a sleeps (confirmed by its server) and keeps its pod.
     let r = h.request("gpu", "b").await;
-    assert_eq!(model(&r, "a").state, ModelState::Sleeping, "{:?}", model(&r, "a"));
+    assert_eq!(
+        model(&r, "a").state,
+        ModelState::Sleeping,
+        "{:?}",
+        model(&r, "a")
+    );
     assert_eq!(reason(&r, "a"), "Asleep");
     assert_eq!(model(&r, "b").state, ModelState::Loaded);
     let status = r.status.as_ref().unwrap();
@@ -224,4 +229,101 @@ async fn the_router_holds_a_request_through_the_wake_and_never_sends_to_a_sleepi
         s["inference_while_asleep"], 0,
         "the router sent a request to a sleeping server: {s}"
     );
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_storm_with_sleeps_and_wakes_never_exceeds_the_vram_or_the_host_budget() {
+    let h = Harness::start("warm-storm").await;
+    let sleep = |kept: &str, host: &str| json!({"preset": "vllm", "sleepingSize": kept, "hostMemory": host});
+    let template = json!({"metadata": {"annotations": {SLEEP_ANNOTATION: "sleep=30ms,wake=30ms"}},
+                          "spec": {"containers": [{"name": "server", "image": "example/m:1"}]}});
+    let models = [
+        ("m1", "3Gi", Some(sleep("512Mi", "3Gi"))),
+        ("m2", "5Gi", Some(sleep("1Gi", "5Gi"))),
+        ("m3", "2Gi", None),
+        ("m4", "7Gi", Some(sleep("1Gi", "7Gi"))),
+        ("m5", "4Gi", Some(sleep("1Gi", "4Gi"))),
+        (
+            "m6",
+            "1Gi",
+            Some(json!({"preset": "vllm", "level": 2, "sleepingSize": "256Mi"})),
+        ),
+    ];
+    let registry: Vec<Value> = models
+        .iter()
+        .map(|(n, size, sleep)| {
+            let mut m = json!({"name": n, "size": size, "template": template});
+            if let Some(s) = sleep {
+                m["sleep"] = s.clone();
+            }
+            m
+        })
+        .collect();
+    let r: ModelResidency = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": "gpu"},
+        "spec": {"nodeName": h.node, "device": "0", "gpu": {"mode": "env"}, "budget": "12Gi",
+                 "warm": {"hostBudget": "9Gi"}, "eviction": "cost", "models": registry},
+    }))
+    .unwrap();
+    h.api.create(&PostParams::default(), &r).await.unwrap();
+    let watcher = WarmBudgetWatcher::start(h.pods.clone(), h.api.clone());
+    let mut state = 0x5eedu64;
+    let mut next = move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    // Gaps around the 1 s drain: some sleeps are sent and confirmed, some
+    // are cancelled by the next request first.
+    for _ in 0..40 {
+        let m = models[(next() % models.len() as u64) as usize].0;
+        if next().is_multiple_of(7) {
+            model_residency::residency::demand::unload(&h.api, "gpu", m)
+                .await
+                .unwrap();
+        } else {
+            h.request_nowait("gpu", m).await;
+        }
+        tokio::time::sleep(Duration::from_millis(next() % 1200)).await;
+    }
+    let r = h.converged("gpu").await;
+    let s = r.status.as_ref().unwrap();
+    assert!(
+        s.counters.sleeps >= 3 && s.counters.wakes >= 3,
+        "{:?}",
+        s.counters
+    );
+    assert!(s.inflation.is_some(), "eviction cost keeps its inflation");
+    // Let the watcher see the last events.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for m in &s.models {
+        eprintln!(
+            "{} {:?} {:?} {:?} {:?}",
+            m.name, m.state, m.reason, m.pod, m.message
+        );
+    }
+    assert_eq!(
+        watcher.violations.lock().unwrap().clone(),
+        Vec::<String>::new()
+    );
+    let (events, most_asleep) = *watcher.events.lock().unwrap();
+    assert!(
+        events > 50 && most_asleep >= 1,
+        "the watcher saw too little: {events}, {most_asleep}"
+    );
+    // Every pod the status says sleeps does, by its own server.
+    for m in &s.models {
+        if m.state == ModelState::Sleeping {
+            assert_eq!(
+                stats(&h, "gpu", &m.name).await["asleep"],
+                true,
+                "{}",
+                m.name
+            );
+        }
+    }
 }

@@ -402,3 +402,252 @@ impl BudgetWatcher {
         }
     }
 }
+
+/// The budget watcher for residencies with a warm tier: besides the pods,
+/// it watches the residencies, and counts a pod at its model's
+/// `sleepingSize` (and its `hostMemory` against `spec.warm.hostBudget`)
+/// from the status saying its sleep is confirmed (`Sleeping`/`Asleep`, or
+/// `Loading`/`Waking`: still asleep) until it names the pod awake (a
+/// sleeping pod that is deleted holds its sleeping size while it
+/// terminates); at its full size otherwise, going to sleep included. The two watches may deliver out of order, so
+/// a breach seen on a pod event is recorded once the residency watch has
+/// caught up with that event (its resourceVersion), or 2 s later.
+pub struct WarmBudgetWatcher {
+    pub violations: Arc<Mutex<Vec<String>>>,
+    /// Events seen, and the most pods counted asleep at once.
+    pub events: Arc<Mutex<(u64, usize)>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for WarmBudgetWatcher {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A residency's VRAM budget, host budget, and the pods it says are
+/// asleep with what each keeps (VRAM, host memory).
+type WarmBudgets = (u64, u64, BTreeMap<String, (u64, u64)>);
+
+#[derive(Default)]
+struct WarmView {
+    /// Live pod -> (residency, declared size).
+    pods: BTreeMap<String, (String, u64)>,
+    /// Residency -> (VRAM budget, host budget, pod -> (sleeping, host)
+    /// of the pods it says are asleep).
+    residencies: BTreeMap<String, WarmBudgets>,
+    /// The newest resourceVersion the residency watch delivered.
+    residency_rv: u64,
+    /// What the statuses say, for the messages.
+    said: BTreeMap<String, String>,
+}
+
+impl WarmView {
+    fn residency(&mut self, r: &ModelResidency) {
+        let name = r.metadata.name.clone().unwrap_or_default();
+        self.residency_rv = self.residency_rv.max(rv(&r.metadata));
+        let bytes = |q: Option<&str>| q.and_then(|q| parse_bytes(q).ok());
+        let budget = bytes(r.spec.budget.as_ref().map(|b| b.0.as_str())).unwrap_or(u64::MAX);
+        let host_budget =
+            bytes(r.spec.warm.as_ref().map(|w| w.host_budget.0.as_str())).unwrap_or(0);
+        // A pod's last known state: asleep once the status says so, until
+        // it says the pod is awake. A sleeping pod that is deleted stays
+        // asleep while it terminates (the status then names it no more).
+        let mut asleep = self
+            .residencies
+            .remove(&name)
+            .map(|r| r.2)
+            .unwrap_or_default();
+        for m in r.status.iter().flat_map(|s| s.models.iter()) {
+            let reason = m.reason.as_deref();
+            let sleeping = (m.state == ModelState::Sleeping && reason == Some("Asleep"))
+                || (m.state == ModelState::Loading && reason == Some("Waking"));
+            let spec = r.spec.models.iter().find(|s| *s.name == *m.name);
+            if let (Some(pod), false) = (m.pod.as_deref(), sleeping) {
+                // Named by a state that is not asleep: awake (or going to
+                // sleep, still at its full size).
+                asleep.remove(pod);
+            }
+            let (Some(pod), Some(spec), true) = (m.pod.as_deref(), spec, sleeping) else {
+                continue;
+            };
+            let Some(sleep) = spec.sleep.as_deref() else {
+                continue;
+            };
+            let size = bytes(Some(&spec.size.0)).unwrap_or(0);
+            let kept = bytes(Some(&sleep.sleeping_size.0)).unwrap_or(size);
+            let host = match sleep.level {
+                Some(2) => 0,
+                _ => bytes(sleep.host_memory.as_ref().map(|h| h.0.as_str())).unwrap_or(size),
+            };
+            asleep.insert(pod.to_owned(), (kept, host));
+        }
+        let said: Vec<String> = r
+            .status
+            .iter()
+            .flat_map(|s| s.models.iter())
+            .filter(|m| m.is_resident())
+            .map(|m| {
+                format!(
+                    "{} {:?}/{}",
+                    m.name,
+                    m.state,
+                    m.reason.as_deref().unwrap_or("-")
+                )
+            })
+            .collect();
+        self.said.insert(name.clone(), said.join(", "));
+        self.residencies.insert(name, (budget, host_budget, asleep));
+    }
+
+    /// The breaches now, and how many pods count asleep.
+    fn breaches(&self) -> (Vec<String>, usize) {
+        let mut vram: BTreeMap<&str, u64> = BTreeMap::new();
+        let mut host: BTreeMap<&str, u64> = BTreeMap::new();
+        let mut sleeping = 0;
+        for (pod, (res, size)) in &self.pods {
+            let asleep = self.residencies.get(res).and_then(|r| r.2.get(pod));
+            let (v, h) = match asleep {
+                Some(&(kept, h)) => {
+                    sleeping += 1;
+                    (kept, h)
+                }
+                None => (*size, 0),
+            };
+            *vram.entry(res).or_default() += v;
+            *host.entry(res).or_default() += h;
+        }
+        let mut out = Vec::new();
+        for (res, (budget, host_budget, _)) in &self.residencies {
+            let (v, h) = (vram.get(res.as_str()), host.get(res.as_str()));
+            if let Some(&v) = v.filter(|&&v| v > *budget) {
+                let pods: Vec<String> = self
+                    .pods
+                    .iter()
+                    .filter(|(_, (r, _))| r == res)
+                    .map(|(p, (_, size))| {
+                        let asleep = self.residencies[res].2.contains_key(p);
+                        format!(
+                            "{p} {}Mi{}",
+                            size >> 20,
+                            if asleep { " asleep" } else { "" }
+                        )
+                    })
+                    .collect();
+                out.push(format!(
+                    "{res}: pods hold {v} bytes of VRAM, budget {budget} ({pods:?}; residency rv {}: {})",
+                    self.residency_rv,
+                    self.said.get(res).map_or("", String::as_str)
+                ));
+            }
+            if let Some(&h) = h.filter(|&&h| h > *host_budget) {
+                out.push(format!(
+                    "{res}: sleeping pods hold {h} bytes of host memory, budget {host_budget}"
+                ));
+            }
+        }
+        (out, sleeping)
+    }
+}
+
+fn rv(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> u64 {
+    meta.resource_version
+        .as_deref()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+impl WarmBudgetWatcher {
+    pub fn start(pods: Api<Pod>, residencies: Api<ModelResidency>) -> Self {
+        let violations: Arc<Mutex<Vec<String>>> = Arc::default();
+        let events: Arc<Mutex<(u64, usize)>> = Arc::default();
+        let (v, e) = (violations.clone(), events.clone());
+        let task = tokio::spawn(async move {
+            let cfg = watcher::Config::default().labels(RESIDENCY_LABEL);
+            let mut pod_events = std::pin::pin!(watcher(pods, cfg).default_backoff());
+            let mut res_events =
+                std::pin::pin!(watcher(residencies, watcher::Config::default()).default_backoff());
+            let mut view = WarmView::default();
+            // A breach seen at a pod event: (its resourceVersion, deadline).
+            let mut pending: Vec<(u64, tokio::time::Instant, Vec<String>)> = Vec::new();
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            loop {
+                let mut pod_rv = None;
+                tokio::select! {
+                    event = pod_events.try_next() => {
+                        let Ok(Some(event)) = event else { break };
+                        match &event {
+                            watcher::Event::Apply(p) | watcher::Event::InitApply(p) => {
+                                let name = p.metadata.name.clone().unwrap_or_default();
+                                let finished = matches!(
+                                    p.status.as_ref().and_then(|s| s.phase.as_deref()),
+                                    Some("Failed" | "Succeeded")
+                                );
+                                if finished {
+                                    view.pods.remove(&name);
+                                } else {
+                                    let labels = p.metadata.labels.clone().unwrap_or_default();
+                                    let size = p.metadata.annotations.as_ref()
+                                        .and_then(|a| a.get(SIZE_ANNOTATION))
+                                        .and_then(|s| parse_bytes(s).ok())
+                                        .unwrap_or(u64::MAX / 4);
+                                    view.pods.insert(name, (labels[RESIDENCY_LABEL].clone(), size));
+                                }
+                                pod_rv = Some(rv(&p.metadata));
+                            }
+                            watcher::Event::Delete(p) => {
+                                view.pods.remove(p.metadata.name.as_deref().unwrap_or_default());
+                            }
+                            watcher::Event::Init => view.pods.clear(),
+                            watcher::Event::InitDone => {}
+                        }
+                    }
+                    event = res_events.try_next() => {
+                        let Ok(Some(event)) = event else { break };
+                        match &event {
+                            watcher::Event::Apply(r) | watcher::Event::InitApply(r) => view.residency(r),
+                            watcher::Event::Delete(r) => {
+                                view.residencies.remove(r.metadata.name.as_deref().unwrap_or_default());
+                            }
+                            _ => {}
+                        }
+                    }
+                    _ = tick.tick() => {}
+                }
+                let (breaches, sleeping) = view.breaches();
+                {
+                    let mut e = e.lock().unwrap();
+                    e.0 += 1;
+                    e.1 = e.1.max(sleeping);
+                }
+                if !breaches.is_empty() {
+                    let at = pod_rv.unwrap_or(view.residency_rv);
+                    pending.push((
+                        at,
+                        tokio::time::Instant::now() + Duration::from_secs(2),
+                        breaches,
+                    ));
+                }
+                let now = tokio::time::Instant::now();
+                let still = view.breaches().0;
+                pending.retain(|(at, deadline, seen)| {
+                    let due = view.residency_rv >= *at || now >= *deadline;
+                    if !due {
+                        return true;
+                    }
+                    if !still.is_empty() {
+                        v.lock()
+                            .unwrap()
+                            .push(format!("{seen:?}, still: {still:?}"));
+                    }
+                    false
+                });
+            }
+        });
+        WarmBudgetWatcher {
+            violations,
+            events,
+            task,
+        }
+    }
+}
