@@ -119,7 +119,9 @@ fn model(snap: &Snapshot, name: &str) -> Value {
         .collect();
     let rank = |s: ModelState| match s {
         ModelState::Loaded => Some(0),
-        ModelState::Loading | ModelState::Fetching | ModelState::Queued => Some(1),
+        ModelState::Loading | ModelState::Fetching | ModelState::Queued | ModelState::Sleeping => {
+            Some(1)
+        }
         ModelState::Failed => Some(2),
         _ => None,
     };

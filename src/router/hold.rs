@@ -16,6 +16,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
+/// Whether one of `model`'s homes has it sleeping (its request is a wake).
+fn sleeps_somewhere(snap: &Snapshot, model: &str) -> bool {
+    snap.models.get(model).is_some_and(|view| {
+        view.homes
+            .iter()
+            .any(|&i| snap.state(i, model) == ModelState::Sleeping)
+    })
+}
+
 impl Router {
     /// Holds a request until its model has a Ready pod, requesting the load
     /// where the placement rule says, bounded by `--load-timeout` and
@@ -36,10 +45,17 @@ impl Router {
         let start = Instant::now();
         let deadline = tokio::time::Instant::now() + self.config.load_timeout;
         let mut held = Held::default();
+        let kind = if sleeps_somewhere(&rx.borrow(), model) {
+            "warm"
+        } else {
+            "cold"
+        };
         loop {
             let snap = rx.borrow_and_update().clone();
             if let Some(endpoint) = self.step(&snap, model, avoid, &mut held).await? {
-                self.metrics.hold.observe(start.elapsed().as_secs_f64());
+                let labels = super::metrics::HoldLabels { kind };
+                let waited = start.elapsed().as_secs_f64();
+                self.metrics.hold.get_or_create(&labels).observe(waited);
                 return Ok(endpoint);
             }
             tokio::select! {

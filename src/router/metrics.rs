@@ -27,11 +27,26 @@ pub struct WriteLabels {
     pub kind: &'static str,
 }
 
+/// What a held request waited for.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HoldLabels {
+    /// `cold` (a load) or `warm` (a wake: the model slept on one of its
+    /// GPUs when the request came).
+    pub kind: &'static str,
+}
+
+type HoldHistograms = Family<HoldLabels, Histogram, fn() -> Histogram>;
+
+fn hold_histogram() -> Histogram {
+    // 10 ms .. ~20 min: model loads are slow.
+    Histogram::new(exponential_buckets(0.01, 2.0, 17))
+}
+
 pub struct RouterMetrics {
     registry: Registry,
     pub requests: Family<CodeLabels, Counter>,
     pub duration: Histogram,
-    pub hold: Histogram,
+    pub hold: HoldHistograms,
     pub cold_starts: Family<ModelLabels, Counter>,
     pub pending: Family<ModelLabels, Gauge>,
     pub upstream_errors: Family<ModelLabels, Counter>,
@@ -47,8 +62,7 @@ impl Default for RouterMetrics {
             // 1 ms .. ~16 s for proxied answers (a stream lasts as long as
             // it streams); loads are in `hold`.
             duration: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
-            // 10 ms .. ~20 min: model loads are slow.
-            hold: Histogram::new(exponential_buckets(0.01, 2.0, 17)),
+            hold: Family::new_with_constructor(hold_histogram),
             cold_starts: Family::default(),
             pending: Family::default(),
             upstream_errors: Family::default(),
@@ -68,7 +82,7 @@ impl Default for RouterMetrics {
         );
         registry.register(
             "hold_seconds",
-            "Time a request waited for its model to load",
+            "Time a request waited for its model to load (kind=cold) or wake (kind=warm)",
             m.hold.clone(),
         );
         registry.register(

@@ -6,15 +6,17 @@
 //!    by evicting pinned models), one whose spec is invalid, or one that
 //!    lost its GPU to another residency (`GpuConflict`) or whose claim is
 //!    not allocated to it (`GpuUnavailable` and the other claim reasons);
-//! 2. one where it fits without evicting anything, the most free VRAM
+//! 2. one that holds a sleeping copy of it (the warm tier: a wake, seconds,
+//!    where anywhere else is a load), whose evictions hurt least as in 4;
+//! 3. one where it fits without evicting anything, the most free VRAM
 //!    first;
-//! 3. else the one whose evictions hurt least: the most recently used of
+//! 4. else the one whose evictions hurt least: the most recently used of
 //!    the models it would evict was used longest ago;
-//! 4. else one where it would be queued behind models still loading (a
+//! 5. else one where it would be queued behind models still loading (a
 //!    loading model is never evicted), the least loading VRAM first;
-//! 5. else one whose GPU claim is still being made or allocated (claim
+//! 6. else one whose GPU claim is still being made or allocated (claim
 //!    mode): the request waits for it;
-//! 6. ties by namespace/name.
+//! 7. ties by namespace/name.
 //!
 //! Loads the caller has requested and the residency has not processed yet
 //! (`pending`) count as admitted, loading, on their home: requests that
@@ -33,6 +35,9 @@ use kube::ResourceExt;
 /// What loading the model would cost on one home.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Cost {
+    /// Sleeps there: a wake, not a load (what it would evict, as for a
+    /// load, breaks ties).
+    Wakes(Option<Timestamp>),
     /// Fits as is; `Reverse` so more free VRAM sorts first.
     Fits(std::cmp::Reverse<Bytes>),
     /// Evicts models; the newest last use among them (sooner is cheaper).
@@ -106,6 +111,21 @@ fn waits_for_its_gpu(r: &ModelResidency) -> bool {
     pending || !placed
 }
 
+/// The newest last use among `victims`, as `status` records them.
+fn newest_use(
+    engine: &crate::engine::Engine,
+    status: &ModelResidencyStatus,
+    victims: &[crate::engine::ModelId],
+) -> Option<Timestamp> {
+    victims
+        .iter()
+        .filter_map(|&v| {
+            let m = status.model(engine.name(v))?;
+            recorded_time(m.last_used.as_deref())
+        })
+        .max()
+}
+
 /// Chooses where to load `model` among `homes` (residencies whose registry
 /// lists it); `pending` are the loads requested (in request order), as
 /// `(i, m)`: model `m` on
@@ -148,21 +168,14 @@ pub fn place(model: &str, homes: &[&ModelResidency], pending: &[(usize, &str)]) 
                 engine.set_loading(m, true);
             }
         }
+        let asleep = engine.is_asleep(id);
         let cost = match engine.plan_load(id) {
+            Ok(Some(victims)) if asleep => Cost::Wakes(newest_use(&engine, status, &victims)),
             Ok(None) => Cost::Queued(engine.loading_used()),
             Ok(Some(victims)) if victims.is_empty() => Cost::Fits(std::cmp::Reverse(
                 engine.budget().saturating_sub(engine.used()),
             )),
-            Ok(Some(victims)) => Cost::Evicts(
-                victims
-                    .iter()
-                    .filter_map(|&v| {
-                        let name = engine.name(v);
-                        let m = status.model(name)?;
-                        recorded_time(m.last_used.as_deref())
-                    })
-                    .max(),
-            ),
+            Ok(Some(victims)) => Cost::Evicts(newest_use(&engine, status, &victims)),
             Err(reason) => {
                 refusals.push(format!("{key}: {}", refusal_message(model, &reason)));
                 refusing.push(i);
@@ -266,6 +279,27 @@ mod tests {
 
     const T1: &str = "2026-11-30T10:00:00Z";
     const T2: &str = "2026-11-30T11:00:00Z";
+
+    #[test]
+    fn a_gpu_that_holds_a_sleeping_copy_wins_over_free_room_elsewhere() {
+        let models = [("a", "4Gi", false), ("b", "4Gi", false)];
+        let mut warm = residency("warm", "8Gi", &models, &[("a", T1), ("b", T2)]);
+        warm.spec.models[0].sleep = Some(Box::new(
+            serde_json::from_value(json!({"sleepingSize": "1Gi"})).unwrap(),
+        ));
+        warm.spec.warm = Some(crate::api::WarmSpec {
+            host_budget: crate::api::ByteQuantity("8Gi".into()),
+        });
+        let st = warm.status.as_mut().unwrap();
+        st.models[0].state = ModelState::Sleeping;
+        st.models[0].reason = Some("Asleep".into());
+        let empty = residency("empty", "16Gi", &models, &[]);
+        assert_eq!(place("a", &[&empty, &warm], &[]), Placement::On(1));
+        // Awake there, it is no wake: the most free VRAM wins, as before.
+        warm.status.as_mut().unwrap().models[0].state = ModelState::Loaded;
+        warm.status.as_mut().unwrap().models.remove(0);
+        assert_eq!(place("a", &[&empty, &warm], &[]), Placement::On(0));
+    }
 
     #[test]
     fn fitting_without_evictions_wins_then_the_most_free_vram() {

@@ -221,6 +221,18 @@ async fn the_router_holds_a_request_through_the_wake_and_never_sends_to_a_sleepi
         now.metadata.uid, first.metadata.uid,
         "a was never loaded again"
     );
+    let warm = router.metric(
+        "model_residency_router_hold_seconds_count",
+        r#"kind="warm""#,
+    );
+    let cold = router.metric(
+        "model_residency_router_hold_seconds_count",
+        r#"kind="cold""#,
+    );
+    assert!(
+        warm >= 2 && cold >= 1,
+        "holds by kind: warm {warm}, cold {cold}"
+    );
     let s = eventually(10, "a's server to be reachable", || async {
         Some(stats(&h, "gpu", "a").await)
     })
