@@ -46,6 +46,7 @@ use serde::{Deserialize, Deserializer, Serialize};
     printcolumn = r#"{"name":"Resident","type":"integer","jsonPath":".status.resident"}"#,
     printcolumn = r#"{"name":"Loading","type":"integer","jsonPath":".status.loading"}"#,
     printcolumn = r#"{"name":"Fetching","type":"integer","jsonPath":".status.fetching","priority":1}"#,
+    printcolumn = r#"{"name":"Sleeping","type":"integer","jsonPath":".status.sleeping","priority":1}"#,
     printcolumn = r#"{"name":"Refused","type":"integer","jsonPath":".status.refused"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
@@ -97,9 +98,10 @@ pub struct ModelResidencySpec {
     #[schemars(length(max = 1000), extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub models: Vec<ModelSpec>,
     /// Unload a resident model that has not been requested for this long
-    /// (a duration: 90s, 10m, 1h30m). Unset: keep it until it is evicted
-    /// or unloaded. Pinned models are never unloaded for idleness. A
-    /// model's own keepAlive overrides it.
+    /// (a duration: 90s, 10m, 1h30m), a sleeping one too (its pod is
+    /// deleted and its host memory freed). Unset: keep it until it is
+    /// evicted or unloaded. Pinned models are never unloaded for idleness.
+    /// A model's own keepAlive overrides it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 32))]
     pub keep_alive: Option<String>,
@@ -238,8 +240,9 @@ pub struct ModelResidencyStatus {
     /// the allocated device is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu: Option<GpuStatus>,
-    /// VRAM declared by the resident models (rounded down to two decimals
-    /// when no unit says it exactly).
+    /// VRAM declared by the resident models, a sleeping one at its
+    /// sleepingSize (rounded down to two decimals when no unit says it
+    /// exactly).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub used: Option<String>,
     /// The most VRAM ever declared at once by resident models (rounded down
@@ -289,7 +292,8 @@ pub struct ModelResidencyStatus {
 pub struct ModelStatus {
     /// Model name.
     pub name: Box<str>,
-    /// Loaded, Loading, Fetching, Evicted, Refused, Unloaded or Failed.
+    /// Loaded, Loading, Fetching, Sleeping, Queued, Evicted, Refused,
+    /// Unloaded or Failed.
     pub state: ModelState,
     /// Declared size the state was computed with.
     #[serde(default, skip_serializing_if = "Option::is_none")]

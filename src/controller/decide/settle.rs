@@ -800,8 +800,9 @@ impl<'a> Decider<'a> {
                 // A sleep cancelled by a request before it was sent was no
                 // sleep, and that request no wake: it found its model awake.
                 let mut c = self.engine.counters();
-                c.sleeps -= self.cancelled_sleeps;
-                c.wakes -= self.cancelled_sleeps;
+                // Saturating: a status edited by hand may count fewer.
+                c.sleeps = c.sleeps.saturating_sub(self.cancelled_sleeps);
+                c.wakes = c.wakes.saturating_sub(self.cancelled_sleeps);
                 c.hits += self.cancelled_sleeps;
                 c
             },
