@@ -261,6 +261,65 @@ mod tests {
     }
 
     #[test]
+    fn reads_load_times_and_how_models_sleep() {
+        let text = "- {name: a, size: 10Gi, loadTime: 45s, sleep: {preset: vllm, sleepingSize: 1Gi, hostMemory: 8Gi, wakeTime: 1500ms}}\n- {name: b, size: 4Gi, sleep: {level: 2, sleepingSize: 512Mi}}\n- {name: c, size: 2Gi}\n";
+        let models = parse(text, "w.yaml").unwrap();
+        let a = &models[0];
+        assert_eq!((a.load_seconds, a.wake_seconds), (Some(45.0), Some(1.5)));
+        assert_eq!(
+            a.sleep,
+            Some(Sleep {
+                sleeping_size: 1 << 30,
+                host_memory: 8 << 30
+            })
+        );
+        assert_eq!(models[1].sleep.map(|s| s.host_memory), Some(0), "level 2");
+        let defaults = DefaultCosts {
+            load: Some(30.0),
+            wake: None,
+        };
+        assert_eq!(
+            models[2].costs(defaults),
+            Costs {
+                load: 30.0,
+                wake: 1.5
+            }
+        );
+        assert_eq!(
+            a.costs(defaults),
+            Costs {
+                load: 45.0,
+                wake: 1.5
+            }
+        );
+        let engine = build_engine_with(16 << 30, &models, defaults).unwrap();
+        let id = engine.id("a").unwrap();
+        assert_eq!(engine.costs(id).load, 45.0);
+        assert!(engine.sleep_of(id).is_some());
+        for (yaml, want) in [
+            (
+                "- {name: a, size: 1Gi, sleep: {sleepingSize: 2Gi}}\n",
+                "not smaller than the model's size",
+            ),
+            (
+                "- {name: a, size: 1Gi, loadTime: soon}\n",
+                "loadTime: \"soon\" is not a duration",
+            ),
+            (
+                "- {name: a, size: 1Gi, sleep: {sleepingSize: 1Mi, wakeTime: x}}\n",
+                "wakeTime",
+            ),
+            (
+                "- {name: a, size: 1Gi, sleep: {}}\n",
+                "missing field `sleepingSize`",
+            ),
+        ] {
+            let err = parse(yaml, "w.yaml").unwrap_err().to_string();
+            assert!(err.contains(want), "{yaml:?}: {err:?} lacks {want:?}");
+        }
+    }
+
+    #[test]
     fn bad_files_name_the_file_and_the_problem() {
         let cases = [
             (

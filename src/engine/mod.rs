@@ -216,6 +216,8 @@ pub struct Engine {
     /// Host memory the sleeping models may hold together, and hold.
     host_budget: Bytes,
     host_used: Bytes,
+    /// The most host memory sleeping models ever held at once.
+    host_peak: Bytes,
     eviction: Eviction,
     /// GDSF's `L`: the value of the last victim.
     inflation: f64,
@@ -251,6 +253,7 @@ impl Engine {
             used: 0,
             host_budget: 0,
             host_used: 0,
+            host_peak: 0,
             eviction: Eviction::Lru,
             inflation: 0.0,
             sleepers: 0,
@@ -661,6 +664,7 @@ impl Engine {
         self.slots.0[id.index()].asleep = true;
         self.make_resident(id);
         self.host_used += sleep.host_memory;
+        self.host_peak = self.host_peak.max(self.host_used);
         Ok(())
     }
 
@@ -768,6 +772,11 @@ impl Engine {
     /// Host memory the sleeping models hold.
     pub fn host_used(&self) -> Bytes {
         self.host_used
+    }
+    /// The most host memory sleeping models ever held at once (within a
+    /// step too: a victim sleeps before the model it made room for wakes).
+    pub fn host_peak(&self) -> Bytes {
+        self.host_peak
     }
     /// The engine clock of the model's last request or restore (0: never).
     pub fn last_used(&self, id: ModelId) -> u64 {
@@ -1004,6 +1013,7 @@ impl Engine {
         let (after, host, pinned) = (slot.footprint(), slot.host(), slot.pinned);
         self.used = self.used - before + after;
         self.host_used += host;
+        self.host_peak = self.host_peak.max(self.host_used);
         if pinned {
             self.pinned_used = self.pinned_used - before + after;
         }

@@ -79,7 +79,6 @@ struct Replay {
     requests: u64,
     over_budget_steps: u64,
     wait_seconds: f64,
-    host_peak: Bytes,
     /// With a recency resolution: requests that found their model
     /// resident, and the writes made.
     resolved: Option<(u64, u64)>,
@@ -91,7 +90,6 @@ impl Replay {
         if engine.used() > engine.budget() || engine.host_used() > engine.host_budget() {
             self.over_budget_steps += 1;
         }
-        self.host_peak = self.host_peak.max(engine.host_used());
     }
 
     /// A request for `id`, and the wait it costs.
@@ -124,7 +122,7 @@ impl Replay {
             wakes: c.wakes,
             wait_seconds: self.wait_seconds,
             host_budget_bytes: engine.host_budget(),
-            host_peak_bytes: self.host_peak,
+            host_peak_bytes: engine.host_peak(),
         }
     }
 }

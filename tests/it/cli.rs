@@ -99,6 +99,79 @@ fn bad_input_exits_2_with_file_line_and_problem() {
     let out = run(&["simulate", "--budget", "9000MB", "a"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown unit"));
+
+    // The warm tier's flags.
+    let registry = ["--registry", "examples/warm-gpu.yaml", "llama-8b"];
+    for (flags, want) in [
+        (
+            &["--warm-budget", "5MB"][..],
+            "--warm-budget: \"5MB\" has an unknown unit",
+        ),
+        (&["--eviction", "fifo"][..], "fifo"),
+        (
+            &["--load-seconds=-1"][..],
+            "--load-seconds must be zero or a positive number",
+        ),
+        (
+            &["--wake-seconds", "NaN"][..],
+            "--wake-seconds must be zero or a positive number",
+        ),
+    ] {
+        let mut args = vec!["simulate", "--budget", "40Gi"];
+        args.extend_from_slice(flags);
+        args.extend_from_slice(&registry);
+        let out = run(&args);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{flags:?}: {err}");
+    }
+}
+
+#[test]
+fn simulate_reports_sleeps_wakes_and_waiting_with_the_warm_tier() {
+    let args = |extra: &[&'static str]| {
+        let mut a = vec![
+            "simulate",
+            "--budget",
+            "40Gi",
+            "--registry",
+            "examples/warm-gpu.yaml",
+            "--output",
+            "json",
+        ];
+        a.extend_from_slice(extra);
+        a.extend_from_slice(&["llama-8b", "qwen-7b", "mistral-7b", "llama-8b"]);
+        a
+    };
+    let json = |a: Vec<&str>| -> serde_json::Value {
+        let out = run(&a);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_str(&stdout(&out)).unwrap()
+    };
+    let cold = json(args(&[]));
+    assert_eq!(
+        (cold["loads"].as_u64(), cold["sleeps"].as_u64()),
+        (Some(4), Some(0))
+    );
+    // 45 + 40 + 35 + 45 seconds of loads.
+    assert_eq!(cold["wait_seconds"].as_f64(), Some(165.0));
+    let warm = json(args(&["--warm-budget", "64Gi", "--eviction", "cost"]));
+    assert_eq!(
+        (
+            warm["loads"].as_u64(),
+            warm["sleeps"].as_u64(),
+            warm["wakes"].as_u64()
+        ),
+        (Some(3), Some(2), Some(1))
+    );
+    // llama-8b wakes in its declared 2 s instead of loading in 45 s.
+    assert_eq!(warm["wait_seconds"].as_f64(), Some(122.0));
+    assert_eq!(warm["host_peak_bytes"].as_u64(), Some(31 << 30));
+    assert_eq!(warm["over_budget_steps"].as_u64(), Some(0));
 }
 
 #[test]
