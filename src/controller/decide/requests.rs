@@ -137,15 +137,7 @@ impl<'a> Decider<'a> {
             Admission::Hit => true,
             Admission::Loaded { evicted } => {
                 let evicted = evicted.to_vec();
-                // Its pod is not ready yet: no later request evicts it.
-                self.engine.set_loading(id, true);
-                self.outcomes.remove(model);
-                self.evicted(
-                    &evicted,
-                    Reason::MadeRoom,
-                    &format!("to make room for {model}"),
-                );
-                self.slept(model);
+                self.admitted(id, &evicted);
                 let size = format_bytes(self.engine.size(id));
                 self.event(
                     model,
@@ -159,15 +151,7 @@ impl<'a> Decider<'a> {
                 if !self.was_asleep(model) {
                     self.cancelled_sleeps += 1;
                 }
-                // Its pod is not awake yet: no later request evicts it.
-                self.engine.set_loading(id, true);
-                self.outcomes.remove(model);
-                self.evicted(
-                    &evicted,
-                    Reason::MadeRoom,
-                    &format!("to make room for {model}"),
-                );
-                self.slept(model);
+                self.admitted(id, &evicted);
                 true
             }
             Admission::Queued { loading } => {
@@ -189,6 +173,18 @@ impl<'a> Decider<'a> {
             let times = self.requested.entry(model.to_owned()).or_default();
             times.last_used = Some(at.to_string().into());
         }
+    }
+
+    /// A load or a wake of `id` admitted, after evicting `evicted` (and
+    /// putting the engine's last slept models to sleep).
+    fn admitted(&mut self, id: crate::engine::ModelId, evicted: &[crate::engine::ModelId]) {
+        let model = self.engine.name(id).to_owned();
+        // Its pod is not ready (or awake) yet: no later request evicts it.
+        self.engine.set_loading(id, true);
+        self.outcomes.remove(&model);
+        let why = format!("to make room for {model}");
+        self.evicted(evicted, Reason::MadeRoom, &why);
+        self.slept(&model);
     }
 
     /// The models the last request put to sleep to make room for `model`.

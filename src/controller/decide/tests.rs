@@ -826,6 +826,25 @@ fn warm_residency(host_budget: &str) -> ModelResidency {
     r
 }
 
+/// [`warm_residency`] with a loaded (in `a_pod`), then put to sleep by a
+/// request for b at 3 s, its sleep confirmed at 6 s.
+fn a_asleep(a_pod: &ModelPod) -> ModelResidency {
+    let mut r = warm_residency("8Gi");
+    for now in [2, 3] {
+        let d = run(&r, std::slice::from_ref(a_pod), now);
+        r.status = Some(d.status);
+    }
+    r.spec.demand.insert("b".into(), at(3).to_string());
+    for now in [4, 6] {
+        let mut d = run(&r, std::slice::from_ref(a_pod), now);
+        if !d.calls.is_empty() {
+            done(&mut d, Ok(()), now);
+        }
+        r.status = Some(d.status);
+    }
+    r
+}
+
 fn done(d: &mut Decision, ok: Result<(), String>, now: i64) -> Option<PodRef> {
     let call = d.calls.pop().expect("a call");
     assert!(d.calls.is_empty());
@@ -934,19 +953,7 @@ fn a_failed_sleep_deletes_the_pod_and_a_failed_wake_loads_cold() {
     );
     assert_eq!(d.events.last().unwrap().reason, EventReason::SleepFailed);
     // A wake that fails: the pod goes and the model starts a new one.
-    let mut r = warm_residency("8Gi");
-    for now in [2, 3] {
-        let d = run(&r, std::slice::from_ref(&a_pod), now);
-        r.status = Some(d.status);
-    }
-    r.spec.demand.insert("b".into(), at(3).to_string());
-    for now in [4, 6] {
-        let mut d = run(&r, std::slice::from_ref(&a_pod), now);
-        if !d.calls.is_empty() {
-            done(&mut d, Ok(()), now);
-        }
-        r.status = Some(d.status);
-    }
+    let mut r = a_asleep(&a_pod);
     r.spec.demand.remove("b");
     r.spec.demand.insert("a".into(), at(7).to_string());
     let mut d = run(&r, std::slice::from_ref(&a_pod), 8);
@@ -964,20 +971,8 @@ fn a_failed_sleep_deletes_the_pod_and_a_failed_wake_loads_cold() {
 
 #[test]
 fn a_sleeping_pod_that_restarted_or_went_is_not_resident() {
-    let mut r = warm_residency("8Gi");
     let a_pod = live("a", 6 * GI, true, false);
-    for now in [2, 3] {
-        let d = run(&r, std::slice::from_ref(&a_pod), now);
-        r.status = Some(d.status);
-    }
-    r.spec.demand.insert("b".into(), at(3).to_string());
-    for now in [4, 6] {
-        let mut d = run(&r, std::slice::from_ref(&a_pod), now);
-        if !d.calls.is_empty() {
-            done(&mut d, Ok(()), now);
-        }
-        r.status = Some(d.status);
-    }
+    let r = a_asleep(&a_pod);
     // Ready again after its sleep: it restarted, awake, outside the budget.
     let mut restarted = a_pod.clone();
     restarted.ready_since = Some(at(20).to_string().into());

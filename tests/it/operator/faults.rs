@@ -3,6 +3,7 @@
 //! runs its own control plane (the API server restart needs one of its own),
 //! an independent budget watcher, and checks that nothing was lost.
 
+use crate::support::rng;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use model_residency::api::{ModelResidency, ModelState};
@@ -81,18 +82,6 @@ async fn rig(plane: &ControlPlane) -> Rig {
 
 fn start_operator(client: kube::Client) -> (Arc<Context>, tokio::task::JoinHandle<()>) {
     model_residency::operator::spawn_for_namespace(client, NS)
-}
-
-/// splitmix64, so a failing storm replays the same way.
-fn rng(seed: u64) -> impl FnMut() -> u64 {
-    let mut state = seed;
-    move || {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
 }
 
 /// Random loads and unloads until `stop`; errors (an API server that is

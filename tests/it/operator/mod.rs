@@ -478,15 +478,7 @@ async fn a_random_demand_storm_never_exceeds_the_budget() {
     ];
     h.create("gpu", "12Gi", models).await;
     let watcher = h.budget_watcher(BTreeMap::from([("gpu".to_owned(), 12u64 << 30)]));
-    // splitmix64: deterministic "random" so a failure reproduces.
-    let mut state = 0x5eedu64;
-    let mut next = move || {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
+    let mut next = crate::support::rng(0x5eed);
     for _ in 0..80 {
         let m = models[(next() % models.len() as u64) as usize].0;
         if next().is_multiple_of(5) {

@@ -215,7 +215,7 @@ async fn the_router_holds_a_request_through_the_wake_and_never_sends_to_a_sleepi
     }
     let r = h.converged("gpu").await;
     let c = r.status.as_ref().unwrap().counters;
-    assert_eq!(c.wakes - before.wakes, 2, "{before:?} then {c:?}");
+    assert!(c.wakes - before.wakes >= 2, "{before:?} then {c:?}");
     let (_, now) = addr_of(&h, "gpu", "a").await;
     assert_eq!(
         now.metadata.uid, first.metadata.uid,
@@ -229,8 +229,11 @@ async fn the_router_holds_a_request_through_the_wake_and_never_sends_to_a_sleepi
         "model_residency_router_hold_seconds_count",
         r#"kind="cold""#,
     );
+    // At least the one held through a wake is warm (a hit's recency write
+    // that lands after its model was chosen to sleep wakes it without a
+    // held request: docs/warm.md, what it does not do).
     assert!(
-        warm >= 2 && cold >= 1,
+        warm >= 1 && cold >= 1,
         "holds by kind: warm {warm}, cold {cold}"
     );
     let s = eventually(10, "a's server to be reachable", || async {
@@ -281,14 +284,7 @@ async fn a_storm_with_sleeps_and_wakes_never_exceeds_the_vram_or_the_host_budget
     .unwrap();
     h.api.create(&PostParams::default(), &r).await.unwrap();
     let watcher = WarmBudgetWatcher::start(h.pods.clone(), h.api.clone());
-    let mut state = 0x5eedu64;
-    let mut next = move || {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
+    let mut next = crate::support::rng(0x5eed);
     // Gaps around the 1 s drain: some sleeps are sent and confirmed, some
     // are cancelled by the next request first.
     for _ in 0..40 {
