@@ -826,15 +826,20 @@ fn warm_residency(host_budget: &str) -> ModelResidency {
     r
 }
 
+/// a loaded (in `a_pod`) at 2-3 s, then b requested at 3 s.
+fn a_loaded_then_b_requested(r: &mut ModelResidency, a_pod: &ModelPod) {
+    for now in [2, 3] {
+        let d = run(r, std::slice::from_ref(a_pod), now);
+        r.status = Some(d.status);
+    }
+    r.spec.demand.insert("b".into(), at(3).to_string());
+}
+
 /// [`warm_residency`] with a loaded (in `a_pod`), then put to sleep by a
 /// request for b at 3 s, its sleep confirmed at 6 s.
 fn a_asleep(a_pod: &ModelPod) -> ModelResidency {
     let mut r = warm_residency("8Gi");
-    for now in [2, 3] {
-        let d = run(&r, std::slice::from_ref(a_pod), now);
-        r.status = Some(d.status);
-    }
-    r.spec.demand.insert("b".into(), at(3).to_string());
+    a_loaded_then_b_requested(&mut r, a_pod);
     for now in [4, 6] {
         let mut d = run(&r, std::slice::from_ref(a_pod), now);
         if !d.calls.is_empty() {
@@ -932,11 +937,7 @@ fn an_evicted_model_sleeps_after_the_drain_and_its_request_wakes_it() {
 fn a_failed_sleep_deletes_the_pod_and_a_failed_wake_loads_cold() {
     let mut r = warm_residency("8Gi");
     let a_pod = live("a", 6 * GI, true, false);
-    for now in [2, 3] {
-        let d = run(&r, std::slice::from_ref(&a_pod), now);
-        r.status = Some(d.status);
-    }
-    r.spec.demand.insert("b".into(), at(3).to_string());
+    a_loaded_then_b_requested(&mut r, &a_pod);
     let d = run(&r, std::slice::from_ref(&a_pod), 4);
     r.status = Some(d.status);
     let mut d = run(&r, std::slice::from_ref(&a_pod), 6);
@@ -996,11 +997,7 @@ fn without_a_sleep_spec_nothing_sleeps_and_the_counters_are_the_seeds() {
         host_budget: ByteQuantity("64Gi".into()),
     });
     let a_pod = live("a", 6 * GI, true, false);
-    for now in [2, 3] {
-        let d = run(&r, std::slice::from_ref(&a_pod), now);
-        r.status = Some(d.status);
-    }
-    r.spec.demand.insert("b".into(), at(3).to_string());
+    a_loaded_then_b_requested(&mut r, &a_pod);
     let d = run(&r, std::slice::from_ref(&a_pod), 4);
     assert_eq!(state(&d, "a"), ModelState::Evicted);
     assert_eq!(d.delete.len(), 1);
