@@ -24,7 +24,7 @@ use crate::metrics::Metrics;
 use crate::residency::gpu::{GpuView, assumed};
 use crate::residency::labels::{MANAGER, MODEL_LABEL, fits_label_value};
 use claims::GpuClaims;
-use decide::{DEFAULT_MAX_SKEW, Decision, Observed, decide};
+use decide::{DEFAULT_MAX_SKEW, Decision, Observed, PodRef, decide};
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, PostParams, Preconditions};
@@ -192,16 +192,15 @@ struct PodOutcome {
     failed: Option<Error>,
 }
 
-/// Deletes first (they free VRAM), then creates what fits. `ns` and
-/// `residency` name the residency whose pods these are. A create the API
-/// server rejects is reported back (the status must say so), not an error.
-async fn enact_pods(
+/// Deletes `pods` of `residency` (each only while it has its UID); one
+/// already gone, or replaced by another pod of that name, is done too.
+async fn delete_pods(
     api: &Api<Pod>,
     (ns, residency): (&str, &str),
-    d: &Decision,
+    pods: &[PodRef],
     ctx: &Context,
-) -> Result<PodOutcome> {
-    for pod in &d.delete {
+) -> Result<()> {
+    for pod in pods {
         let dp = DeleteParams {
             preconditions: Some(Preconditions {
                 uid: Some(pod.uid.clone()),
@@ -221,6 +220,19 @@ async fn enact_pods(
             }
         }
     }
+    Ok(())
+}
+
+/// Deletes first (they free VRAM), then creates what fits. `ns` and
+/// `residency` name the residency whose pods these are. A create the API
+/// server rejects is reported back (the status must say so), not an error.
+async fn enact_pods(
+    api: &Api<Pod>,
+    (ns, residency): (&str, &str),
+    d: &Decision,
+    ctx: &Context,
+) -> Result<PodOutcome> {
+    delete_pods(api, (ns, residency), &d.delete, ctx).await?;
     let mut outcome = PodOutcome::default();
     for pod in &d.create {
         let result = api.create(&PostParams::default(), pod).await;
@@ -363,12 +375,7 @@ async fn sleep_and_wake(
         }
         failed.extend(d.call_done(call, result, seconds, now));
     }
-    let doomed = Decision {
-        delete: failed,
-        ..Decision::nothing()
-    };
-    enact_pods(api, (ns, residency), &doomed, ctx).await?;
-    Ok(())
+    delete_pods(api, (ns, residency), &failed, ctx).await
 }
 
 /// Reconciles one residency; a panic in it is this residency's failed

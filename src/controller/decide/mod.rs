@@ -177,20 +177,6 @@ impl Decision {
 }
 
 impl Decision {
-    /// A decision to do nothing (the base for a follow-up of pod deletes).
-    pub fn nothing() -> Self {
-        Decision {
-            status: ModelResidencyStatus::default(),
-            create: Vec::new(),
-            delete: Vec::new(),
-            events: Vec::new(),
-            requeue_after: None,
-            load_seconds: Vec::new(),
-            calls: Vec::new(),
-            usage: None,
-        }
-    }
-
     /// What a sleep or wake request came to (`seconds`: how long it took;
     /// `at`: now), in the status and events. A failed one deletes the pod
     /// (the caller does) and is returned for that.

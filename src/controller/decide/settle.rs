@@ -22,6 +22,15 @@ use std::time::Duration;
 /// requests) before its server stops answering them.
 pub(super) const SLEEP_DRAIN: Duration = Duration::from_secs(1);
 
+/// Whether a model's status says its server sleeps: its sleep confirmed
+/// (`Sleeping`/`Asleep`), or requested and not woken yet (`Loading`/
+/// `Waking`). Not while it falls asleep: it still holds its full size.
+fn server_asleep(m: &ModelStatus) -> bool {
+    let reason = m.reason.as_deref();
+    (m.state == ModelState::Sleeping && reason == Some(Reason::Asleep.as_str()))
+        || (m.state == ModelState::Loading && reason == Some(Reason::Waking.as_str()))
+}
+
 /// How long a pod may go without any status before its model's message
 /// says that no kubelet reports on it.
 const UNREPORTED_AFTER: Duration = Duration::from_secs(30);
@@ -164,16 +173,13 @@ impl<'a> Decider<'a> {
     fn confirmed_asleep(&self) -> HashMap<&'a str, Bytes> {
         let mut asleep = HashMap::new();
         for (&name, &prev) in &self.prev_models {
-            let sleeping = prev.state == ModelState::Sleeping
-                && prev.reason.as_deref() == Some(Reason::Asleep.as_str());
-            let waking = prev.state == ModelState::Loading
-                && prev.reason.as_deref() == Some(Reason::Waking.as_str());
             let kept = self
                 .engine
                 .id(name)
                 .and_then(|id| self.engine.sleep_of(id))
                 .map(|s| s.sleeping_size);
-            if let (true, Some(pod), Some(kept)) = (sleeping || waking, prev.pod.as_deref(), kept) {
+            if let (true, Some(pod), Some(kept)) = (server_asleep(prev), prev.pod.as_deref(), kept)
+            {
                 asleep.insert(pod, kept);
             }
         }
@@ -183,11 +189,7 @@ impl<'a> Decider<'a> {
     /// Whether the previous status had `name`'s server asleep (confirmed,
     /// or waiting to be woken).
     pub(super) fn was_asleep(&self, name: &str) -> bool {
-        self.prev_models.get(name).is_some_and(|p| {
-            let reason = p.reason.as_deref();
-            (p.state == ModelState::Sleeping && reason == Some(Reason::Asleep.as_str()))
-                || (p.state == ModelState::Loading && reason == Some(Reason::Waking.as_str()))
-        })
+        self.prev_models.get(name).is_some_and(|p| server_asleep(p))
     }
 
     /// A resident model that sleeps: chosen now or before, its sleep asked
@@ -272,19 +274,20 @@ impl<'a> Decider<'a> {
         st.pod = Some(pod.name.clone());
         st.failures = self.previous_failures(&st.name);
         let budget = self.valid.budget;
-        if pods.live_declared - kept.min(pods.live_declared) + size > budget {
+        let awake = pods.live_declared.saturating_sub(kept) + size;
+        if awake > budget {
             st.message = Some(
                 format!(
                     "{} waits for evicted pods to release VRAM before it wakes ({} held by live pods, needs {} more)",
                     st.name,
                     format_bytes(pods.live_declared),
-                    format_bytes(size - kept.min(size))
+                    format_bytes(size.saturating_sub(kept))
                 )
                 .into(),
             );
             return st;
         }
-        pods.live_declared = pods.live_declared - kept.min(pods.live_declared) + size;
+        pods.live_declared = awake;
         st.message = Some(format!("{} wakes", st.name).into());
         if let Some(call) = self.call(&st.name, pod, true) {
             plan.calls.push(call);
