@@ -233,17 +233,28 @@ impl Harness {
         state: ModelState,
         secs: u64,
     ) -> ModelResidency {
-        eventually(secs, &format!("{model} to be {state:?}"), || async {
+        // On a timeout, what the residency said last (a test that times
+        // out here is then readable from its output alone).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+        loop {
             let r = self.api.get(name).await.unwrap();
-            let reached = r
-                .status
-                .as_ref()?
-                .models
-                .iter()
-                .any(|m| &*m.name == model && m.state == state);
-            reached.then_some(r)
-        })
-        .await
+            let reached = r.status.as_ref().is_some_and(|s| {
+                s.models
+                    .iter()
+                    .any(|m| &*m.name == model && m.state == state)
+            });
+            if reached {
+                return r;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                let (live, terminating) = self.pods_of(name).await;
+                panic!(
+                    "timed out after {secs} s waiting for {model} to be {state:?}; last status:\n{}\nlive pods {live:?}, terminating {terminating}",
+                    serde_json::to_string_pretty(&r.status).unwrap()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Requests `model` without waiting.
