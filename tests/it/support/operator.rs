@@ -607,7 +607,13 @@ impl WarmBudgetWatcher {
                                 pod_rv = Some(rv(&p.metadata));
                             }
                             watcher::Event::Delete(p) => {
-                                view.pods.remove(p.metadata.name.as_deref().unwrap_or_default());
+                                let name = p.metadata.name.as_deref().unwrap_or_default();
+                                view.pods.remove(name);
+                                // Pod names repeat per model: a pod made
+                                // again under this name is a new, awake one.
+                                for r in view.residencies.values_mut() {
+                                    r.2.remove(name);
+                                }
                             }
                             watcher::Event::Init => view.pods.clear(),
                             watcher::Event::InitDone => {}
