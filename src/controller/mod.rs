@@ -259,15 +259,19 @@ async fn enact_pods(
 }
 
 /// Writes the decided status with server-side apply, unless it is what the
-/// object already has.
+/// object already has. Yields whether the spec had moved on past the one
+/// decided on by the time of the write (the object the write returned has
+/// a newer generation): that change is then reconciled soon even if its
+/// watch event is lost (one that arrived while the watch re-listed after
+/// an API server restart was, once: status stuck a generation behind).
 async fn write_status(
     api: &Api<ModelResidency>,
     r: &ModelResidency,
     d: &Decision,
     ctx: &Context,
-) -> Result<()> {
+) -> Result<bool> {
     if r.status.as_ref() == Some(&d.status) {
-        return Ok(());
+        return Ok(false);
     }
     let result = crate::cluster::apply_status(api, &r.name_any(), MANAGER, &d.status).await;
     ctx.metrics.api_request("patch", "modelresidencies/status");
@@ -275,8 +279,12 @@ async fn write_status(
     // (at once, on the fast lane): it reads this copy instead of deciding
     // again from the older status and announcing the same transitions.
     let written = result.map_err(|source| Error::PatchStatus { source })?;
+    let moved_on = written
+        .metadata
+        .generation
+        .is_some_and(|g| d.status.observed_generation.is_some_and(|o| g > o));
     ctx.written.record(written);
-    Ok(())
+    Ok(moved_on)
 }
 
 /// Publishes the decision's events (after the status, so an event never
@@ -339,7 +347,7 @@ async fn enact(r: &ModelResidency, ns: &str, d: &mut Decision, ctx: &Context) ->
         }
     }
     sleep_and_wake(&pods, ns, &name, d, ctx).await?;
-    write_status(&residencies, r, d, ctx).await?;
+    let spec_moved_on = write_status(&residencies, r, d, ctx).await?;
     if let Some(usage) = &d.usage {
         ctx.metrics.observe(ns, &name, usage, d.status.counters);
     }
@@ -349,7 +357,7 @@ async fn enact(r: &ModelResidency, ns: &str, d: &mut Decision, ctx: &Context) ->
     publish(d, r, ctx).await;
     match outcome.failed {
         Some(e) => Err(e),
-        None => Ok(outcome.retry_soon),
+        None => Ok(outcome.retry_soon || spec_moved_on),
     }
 }
 

@@ -6,6 +6,7 @@
 use super::cluster::{TestEnv, eventually, test_env};
 use futures::TryStreamExt;
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -249,8 +250,9 @@ impl Harness {
             if tokio::time::Instant::now() >= deadline {
                 let (live, terminating) = self.pods_of(name).await;
                 panic!(
-                    "timed out after {secs} s waiting for {model} to be {state:?}; last status:\n{}\nlive pods {live:?}, terminating {terminating}",
-                    serde_json::to_string_pretty(&r.status).unwrap()
+                    "timed out after {secs} s waiting for {model} to be {state:?}; last status:\n{}\nlive pods {live:?}, terminating {terminating}\nevents:\n{}",
+                    serde_json::to_string_pretty(&r.status).unwrap(),
+                    self.events_of(name).await.join("\n")
                 );
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -261,6 +263,32 @@ impl Harness {
     pub async fn request_nowait(&self, name: &str, model: &str) {
         let at = self.next_time();
         demand::load(&self.api, name, model, at).await.unwrap();
+    }
+
+    /// Waits until every demand entry of `name` has been processed (none
+    /// waits in the queue any more), then until it has converged. After a
+    /// storm, requests queued behind loading models are served oldest
+    /// first, possibly after a newer request that was a hit: which model is
+    /// resident at the end is the last one served, not the last requested.
+    pub async fn drained(&self, name: &str) -> ModelResidency {
+        eventually(
+            60,
+            &format!("{name} to serve every queued request"),
+            || async {
+                let r = self.api.get(name).await.unwrap();
+                let status = r.status.as_ref()?;
+                let served = r.spec.demand.iter().all(|(model, at)| {
+                    let seen = status
+                        .model(model)
+                        .and_then(|m| recorded(m.last_requested.as_deref()));
+                    seen.is_some_and(|seen| Some(seen) >= recorded(Some(at)))
+                });
+                let queued = status.models.iter().any(|m| m.state == ModelState::Queued);
+                (served && !queued).then_some(())
+            },
+        )
+        .await;
+        self.converged(name).await
     }
 
     /// Waits until the status reflects the current spec, every resident
@@ -294,7 +322,10 @@ impl Harness {
             if status.observed_generation != r.metadata.generation {
                 return None;
             }
-            if status.models.iter().any(|m| m.state == ModelState::Loading) {
+            let starting = |m: &&model_residency::api::ModelStatus| {
+                matches!(m.state, ModelState::Loading | ModelState::Fetching)
+            };
+            if status.models.iter().any(|m| starting(&m)) {
                 return None;
             }
             // A sleeping model keeps its pod, once its sleep is confirmed.
@@ -313,6 +344,36 @@ impl Harness {
                 .collect();
             (terminating == 0 && live == loaded).then_some(r)
         }
+    }
+
+    /// The events about residency `name`, oldest first, one line each
+    /// (what a test that timed out prints, to say how it got there).
+    pub async fn events_of(&self, name: &str) -> Vec<String> {
+        let api: Api<Event> = Api::namespaced(self.api.clone().into_client(), &self.env.namespace);
+        let Ok(list) = api.list(&kube::api::ListParams::default()).await else {
+            return vec!["(the events could not be listed)".into()];
+        };
+        let mut lines: Vec<(String, String)> = list
+            .items
+            .into_iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+            .map(|e| {
+                let at = e
+                    .event_time
+                    .as_ref()
+                    .map(|t| t.0.to_string())
+                    .unwrap_or_default();
+                let count = e.series.as_ref().map_or(1, |s| s.count);
+                let line = format!(
+                    "{at} {} x{count}: {}",
+                    e.reason.unwrap_or_default(),
+                    e.note.unwrap_or_default()
+                );
+                (at, line)
+            })
+            .collect();
+        lines.sort();
+        lines.into_iter().map(|(_, l)| l).collect()
     }
 
     /// Models of live, non-deleting pods of a residency, and the number of
@@ -667,4 +728,9 @@ impl WarmBudgetWatcher {
             task,
         }
     }
+}
+
+/// A recorded RFC 3339 time, comparable.
+fn recorded(at: Option<&str>) -> Option<Timestamp> {
+    at?.parse().ok()
 }
