@@ -163,6 +163,7 @@ async fn time_to_ready(plane: &ControlPlane, model_mib: usize) {
         budget: 10 << 30,
         allowed_sources: vec![format!("http://{addr}/")],
         max_concurrent_downloads: 2,
+        registry: Default::default(),
     };
     let agent = tokio::spawn(model_residency::node_agent::agent::run(
         client.clone(),

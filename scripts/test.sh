@@ -42,6 +42,10 @@ fi
 # cached).
 provide MODEL_RESIDENCY_OPENAI_PYTHON scripts/openai-sdk.sh "the OpenAI SDK" || true
 
+# The OCI registry for the registry-artifact tests (Debian's
+# docker-registry, with htpasswd and openssl).
+provide MODEL_RESIDENCY_REGISTRY scripts/registry.sh "the OCI registry (docker-registry)" || true
+
 bash scripts/build-tools.sh
 cargo fmt --all -- --check
 cargo clippy --locked --all-targets -- -D warnings

@@ -12,10 +12,30 @@ use serde::{Deserialize, Serialize};
 /// What a model needs on the node's disk before its pod may start.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = super::rules::artifact_source()))]
 pub struct ArtifactSpec {
-    /// The files, fetched into the model's directory on the node.
-    #[schemars(length(min = 1, max = 64))]
+    /// The files, fetched over http(s) into the model's directory on the
+    /// node. Either `files` or `source`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
     pub files: Vec<ArtifactFile>,
+    /// An OCI artifact or image in a container registry:
+    /// `oci://<registry>/<repository>@sha256:<digest>`, or `:<tag>` (the
+    /// node agent that fetches it first resolves the tag to a digest, and
+    /// that digest is what every node fetches until the spec changes).
+    /// Layers with an `org.opencontainers.image.title` annotation become
+    /// that file (ORAS artifacts); tar layers are unpacked (images, e.g.
+    /// KServe modelcars) and `path` of them is the model's directory.
+    /// Either `files` or `source`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 7, max = 1024), extend("x-kubernetes-validations" = super::rules::oci_source()))]
+    pub source: Option<String>,
+    /// With `source`: the directory inside the image's tar layers that is
+    /// the model's directory (default `/models`, the modelcar convention).
+    /// Title-annotated layers are placed at the top whatever it says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024), extend("x-kubernetes-validations" = super::rules::mount_path()))]
+    pub path: Option<String>,
     /// The artifact's declared disk footprint: a positive quantity as a
     /// string ("8Gi") or bytes. The node agent keeps artifacts within the
     /// node's disk budget by these sizes, and stops a download that goes
@@ -54,7 +74,13 @@ impl ArtifactSpec {
     /// files when they declare the same ones, and an edited artifact is a
     /// new one.
     pub fn cache_key(&self, model: &str) -> String {
-        let text = serde_json::to_string(&(&self.files, &self.size.0)).unwrap_or_default();
+        // Files-only artifacts hash as they always did (their caches on
+        // nodes keep their names across this version).
+        let text = match &self.source {
+            None => serde_json::to_string(&(&self.files, &self.size.0)),
+            Some(source) => serde_json::to_string(&(source, &self.path, &self.size.0)),
+        }
+        .unwrap_or_default();
         let digest = ring::digest::digest(&ring::digest::SHA256, text.as_bytes());
         let short: String = digest.as_ref()[..5]
             .iter()
@@ -78,6 +104,15 @@ impl ArtifactSpec {
         })
     }
 
+    /// The directory inside tar layers that is the model's (`path`,
+    /// default `/models`), without its leading `/`.
+    pub fn layer_dir(&self) -> &str {
+        self.path
+            .as_deref()
+            .unwrap_or("/models")
+            .trim_start_matches('/')
+    }
+
     /// Where the pod sees it.
     pub fn mount_path_for(&self, model: &str) -> String {
         self.mount_path
@@ -99,6 +134,8 @@ impl ArtifactSpec {
     status = "NodeModelCacheStatus",
     printcolumn = r#"{"name":"Budget","type":"string","jsonPath":".spec.budget"}"#,
     printcolumn = r#"{"name":"Used","type":"string","jsonPath":".status.used"}"#,
+    printcolumn = r#"{"name":"OnDisk","type":"string","jsonPath":".status.onDisk"}"#,
+    printcolumn = r#"{"name":"Deduplicated","type":"string","jsonPath":".status.deduplicated"}"#,
     printcolumn = r#"{"name":"Ready","type":"integer","jsonPath":".status.ready"}"#,
     printcolumn = r#"{"name":"Fetching","type":"integer","jsonPath":".status.fetching"}"#,
     printcolumn = r#"{"name":"DiskFull","type":"string","jsonPath":".status.conditions[?(@.type==\"DiskFull\")].status"}"#,
@@ -116,9 +153,19 @@ pub struct NodeModelCacheSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct NodeModelCacheStatus {
-    /// Declared sizes of the artifacts on disk and being fetched.
+    /// What counts against the budget: the artifacts on disk (each blob
+    /// once, however many share it) and the declared sizes of those being
+    /// fetched.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub used: Option<String>,
+    /// Bytes the cache directory holds on disk (each file once, however
+    /// many artifacts link it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_disk: Option<String>,
+    /// Bytes the artifacts on disk share: the sum of their sizes less what
+    /// they take on disk together.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deduplicated: Option<String>,
     #[serde(default)]
     pub ready: u32,
     #[serde(default)]
@@ -166,6 +213,9 @@ pub struct CachedArtifact {
     /// else of its manifest (`<hex>  <path>` lines, sha256sum style).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sha256: Option<String>,
+    /// For an OCI source: the manifest digest fetched (a tag resolved).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
     /// When a model last needed it (the LRU key).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_use: Option<String>,

@@ -122,6 +122,25 @@ pub fn http_uri() -> Value {
     }])
 }
 
+/// An artifact's `source`: an OCI reference pinned by digest or tag.
+pub fn oci_source() -> Value {
+    json!([{
+        "rule": "self.startsWith('oci://') && size(self) > 7",
+        "messageExpression": quoted_self("is not an oci://<registry>/<repository>[:tag|@sha256:digest] reference"),
+    }])
+}
+
+/// An artifact names its files or a registry source, not both.
+pub fn artifact_source() -> Value {
+    json!([{
+        "rule": "has(self.source) != (has(self.files) && size(self.files) > 0)",
+        "message": "an artifact has either files (http) or a source (oci://), exactly one of them",
+    }, {
+        "rule": "!has(self.path) || has(self.source)",
+        "message": "path selects a directory inside an OCI source's layers; it needs source",
+    }])
+}
+
 /// An artifact file's `sha256`.
 pub fn sha256() -> Value {
     matching(SHA256_HEX, "is not a SHA-256 (64 hexadecimal digits)")

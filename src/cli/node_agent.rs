@@ -7,7 +7,7 @@
 use super::Failure;
 use super::process::{Logging, Threads, cluster_client, fatal, preflight, termination};
 use model_residency::http::{Readiness, serve_admin};
-use model_residency::node_agent::agent::{AgentConfig, run as run_agent};
+use model_residency::node_agent::agent::{AgentConfig, RegistryConfig, run as run_agent};
 use model_residency::node_agent::fetch;
 use model_residency::node_agent::metrics::AgentMetrics;
 use model_residency::quantity::parse_bytes;
@@ -29,11 +29,27 @@ pub struct Args {
     /// Sources artifacts may be fetched from, comma-separated http(s) URIs
     /// (e.g. `https://models.example.com/,http://minio.models:9000/`): a
     /// file's URI must have a source's scheme, host and port and a path
-    /// under its path. None by
-    /// default: every source is refused, so a tenant's ModelResidency cannot
-    /// make nodes fetch arbitrary addresses.
+    /// under its path. Registries are `oci://<host>[:port]/<repository
+    /// prefix>` (e.g. `oci://registry.example.com/models`): an `oci://`
+    /// source's registry must be the same and its repository under the
+    /// prefix. None by default: every source is refused, so a tenant's
+    /// ModelResidency cannot make nodes fetch arbitrary addresses.
     #[arg(long, env = "ALLOWED_SOURCES", value_delimiter = ',')]
     allowed_sources: Vec<String>,
+    /// A `kubernetes.io/dockerconfigjson` Secret in the agent's own
+    /// namespace (--namespace) with the credentials of the registries
+    /// `oci://` artifacts come from (basic auth, or a bearer token as
+    /// `registrytoken`). Read at each resolve; nothing else of Secrets is
+    /// read.
+    #[arg(long, env = "REGISTRY_CREDENTIALS")]
+    registry_credentials: Option<String>,
+    /// The agent's namespace (the chart passes metadata.namespace).
+    #[arg(long, env = "POD_NAMESPACE")]
+    namespace: Option<String>,
+    /// PEM CA certificates to trust for registries (beside the system's),
+    /// for registries with private certificates.
+    #[arg(long, env = "REGISTRY_CA_FILE")]
+    registry_ca_file: Option<PathBuf>,
     /// Downloads at once.
     #[arg(long, env = "MAX_CONCURRENT_DOWNLOADS", default_value_t = 2)]
     max_concurrent_downloads: usize,
@@ -61,15 +77,27 @@ pub async fn run(args: Args) -> Result<(), Failure> {
     }
     // A prefix allows a scheme, host and port and a path under it; one that
     // names no host would silently allow nothing.
-    if let Some(bad) = args
-        .allowed_sources
-        .iter()
-        .find(|s| fetch::source_prefix(s).is_none())
-    {
+    if let Some(bad) = args.allowed_sources.iter().find(|s| {
+        let as_http = s
+            .strip_prefix("oci://")
+            .map(|rest| format!("https://{rest}"));
+        fetch::source_prefix(as_http.as_deref().unwrap_or(s)).is_none()
+    }) {
         return Err(Failure::bad_input(format!(
-            "--allowed-sources: {bad:?} is not an http(s) URI with a host (like https://models.example.com/)"
+            "--allowed-sources: {bad:?} is not an http(s) URI with a host (like https://models.example.com/) nor an oci:// registry (like oci://registry.example.com/models)"
         )));
     }
+    if args.registry_credentials.is_some() && args.namespace.is_none() {
+        return Err(Failure::bad_input(
+            "--registry-credentials names a Secret in the agent's namespace: give --namespace (POD_NAMESPACE)",
+        ));
+    }
+    let ca_pem = match &args.registry_ca_file {
+        Some(path) => Some(std::fs::read(path).map_err(|e| {
+            Failure::bad_input(format!("--registry-ca-file {}: {e}", path.display()))
+        })?),
+        None => None,
+    };
     let client = cluster_client().await?;
     preflight(
         &client,
@@ -96,6 +124,11 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         budget,
         allowed_sources: args.allowed_sources,
         max_concurrent_downloads: args.max_concurrent_downloads,
+        registry: RegistryConfig {
+            credentials: args.registry_credentials,
+            namespace: args.namespace,
+            ca_pem,
+        },
     };
     tracing::info!(?config, "keeping model artifacts on this node");
     let result = run_agent(client, config, ready, metrics, termination()).await;

@@ -100,7 +100,8 @@ pub fn artifact_gate(
         Some(a) if a.state == ArtifactState::Failed => ArtifactGate::Fail {
             reason: Reason::ArtifactFailed,
             message: format!(
-                "{model}'s artifact {key} failed on node {node_name}: {}{}",
+                "{model}'s artifact {key} failed on node {node_name}: {}: {}{}",
+                a.reason.as_deref().unwrap_or("Failed"),
                 a.message.as_deref().unwrap_or("no reason given"),
                 a.retry_at
                     .as_deref()

@@ -5,6 +5,7 @@
 pub mod control_plane;
 pub mod kubelet;
 pub mod model_server;
+pub mod registry;
 
 use crate::api::{ModelDemand, ModelResidency, NodeModelCache};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;

@@ -14,9 +14,11 @@
 //! change, a server-side apply of the object (its spec: budget and cache
 //! directory) and one of its status.
 
+use super::blobs::{self, STORE_DIR};
 use super::fetch::{self, FileSource, Progress};
-use super::keep::{self, Held, Want, Wanted};
+use super::keep::{self, Blob, Held, Want, Wanted, rest_blob, unique_bytes};
 use super::metrics::{AgentMetrics, ResultLabels};
+use super::oci::{self, Registry, Resolved};
 use crate::api::{
     ArtifactState, CachedArtifact, ModelResidency, NodeModelCache, NodeModelCacheSpec,
     NodeModelCacheStatus,
@@ -26,7 +28,7 @@ use crate::quantity::{format_bytes, parse_bytes};
 use crate::residency::gpu::node_of;
 use crate::residency::labels::NODE_AGENT_MANAGER;
 use crate::residency::state::recorded_time;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
@@ -45,6 +47,19 @@ pub struct AgentConfig {
     pub budget: u64,
     pub allowed_sources: Vec<String>,
     pub max_concurrent_downloads: usize,
+    pub registry: RegistryConfig,
+}
+
+/// How the agent reaches OCI registries.
+#[derive(Clone, Debug, Default)]
+pub struct RegistryConfig {
+    /// A `kubernetes.io/dockerconfigjson` Secret in the agent's own
+    /// namespace (`namespace`): the credentials, read at each resolve (an
+    /// edited Secret counts at the next try).
+    pub credentials: Option<String>,
+    pub namespace: Option<String>,
+    /// PEM CA certificates trusted beside the system's.
+    pub ca_pem: Option<Vec<u8>>,
 }
 
 /// One artifact the agent knows of.
@@ -63,6 +78,10 @@ struct Entry {
     failures: u32,
     progress: Option<Arc<Progress>>,
     sha256: Option<String>,
+    /// The blobs its directory links (Ready).
+    blobs: Vec<Blob>,
+    /// An OCI artifact's manifest digest (a tag resolved).
+    digest: Option<String>,
     /// A download of it that was cut short is on disk (in its
     /// [`fetch::partial_dir`]): the next try resumes it. It holds the
     /// artifact's size against the budget meanwhile.
@@ -83,6 +102,8 @@ impl Entry {
             failures: 0,
             progress: None,
             sha256: None,
+            blobs: Vec::new(),
+            digest: None,
             partial: false,
         }
     }
@@ -94,11 +115,22 @@ impl Entry {
     }
 }
 
+/// Where an artifact's bytes come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Origin {
+    Files(Vec<FileSource>),
+    /// `oci://...`, and the directory inside tar layers.
+    Oci {
+        source: String,
+        layer_dir: String,
+    },
+}
+
 /// An artifact some residency on the node declares.
 #[derive(Debug, Clone)]
 struct Declared {
     model: String,
-    files: Vec<FileSource>,
+    origin: Origin,
     size: u64,
     want: Want,
     pinned: bool,
@@ -149,17 +181,26 @@ fn declared(residencies: &[Arc<ModelResidency>], node: &str) -> HashMap<String, 
             let requested = st
                 .and_then(|s| recorded_time(s.last_requested.as_deref()))
                 .or_else(|| r.spec.demand.get(&m.name).and_then(|t| t.parse().ok()));
+            let origin = match &artifact.source {
+                Some(source) => Origin::Oci {
+                    source: source.clone(),
+                    layer_dir: artifact.layer_dir().to_owned(),
+                },
+                None => Origin::Files(
+                    artifact
+                        .files
+                        .iter()
+                        .map(|f| FileSource {
+                            uri: f.uri.clone(),
+                            path: f.path.clone(),
+                            sha256: f.sha256.as_ref().map(|s| s.to_lowercase()),
+                        })
+                        .collect(),
+                ),
+            };
             let d = Declared {
                 model: m.name.clone(),
-                files: artifact
-                    .files
-                    .iter()
-                    .map(|f| FileSource {
-                        uri: f.uri.clone(),
-                        path: f.path.clone(),
-                        sha256: f.sha256.as_ref().map(|s| s.to_lowercase()),
-                    })
-                    .collect(),
+                origin,
                 size,
                 want: Want::Required,
                 pinned: m.pinned,
@@ -221,13 +262,29 @@ fn retry_delay(failures: u32) -> Duration {
     )
 }
 
+/// What a task the agent started reports back.
+enum Done {
+    Fetched(String, Result<fetch::Fetched, fetch::FetchError>),
+    Resolved(String, Result<Resolved, fetch::FetchError>),
+}
+
 /// The agent's state: its artifacts and what to do next.
 struct Agent {
     config: AgentConfig,
     entries: HashMap<String, Entry>,
     downloads: Arc<Semaphore>,
-    done: mpsc::UnboundedSender<(String, Result<fetch::Fetched, fetch::FetchError>)>,
+    done: mpsc::UnboundedSender<Done>,
     client: fetch::HttpsClient,
+    registry: Registry,
+    /// Where the registry credentials are read (the agent's namespace).
+    secrets: Option<Api<Secret>>,
+    /// OCI artifacts' manifests, by key: resolved before the disk plan
+    /// counts them (it needs their layers to know what they share), once
+    /// per key (a tag resolved once keeps its digest for the agent's life,
+    /// and across restarts through the view record).
+    resolved: HashMap<String, Resolved>,
+    resolving: HashSet<String>,
+    store: blobs::Store,
     metrics: Arc<AgentMetrics>,
 }
 
@@ -239,7 +296,7 @@ impl Agent {
         for entry in std::fs::read_dir(&self.config.cache_dir)? {
             let entry = entry?;
             let name = entry.file_name().to_string_lossy().into_owned();
-            if !entry.file_type()?.is_dir() {
+            if !entry.file_type()?.is_dir() || name == STORE_DIR {
                 continue;
             }
             let bytes = fetch::disk_usage(&entry.path())?;
@@ -253,6 +310,17 @@ impl Agent {
                 .to_owned();
             let mut entry = Entry::new(model, bytes, state, None);
             entry.bytes = bytes;
+            if state == ArtifactState::Ready {
+                // What it links, as its fetch recorded it; an artifact
+                // from before the blob store is all its own.
+                match self.store.read_view(&key) {
+                    Some(record) => {
+                        entry.blobs = record.blobs;
+                        entry.digest = record.manifest;
+                    }
+                    None => entry.blobs = vec![rest_blob(&key, bytes)],
+                }
+            }
             if state == ArtifactState::Failed {
                 entry.partial = true;
                 entry.retry_at = Some(Timestamp::now());
@@ -279,10 +347,21 @@ impl Agent {
     /// node's pods mount, evict, start fetches, mark refusals and waits.
     fn step(&mut self, residencies: &[Arc<ModelResidency>], pods: &[Arc<Pod>]) {
         let now = Timestamp::now();
-        let wanted = declared(residencies, &self.config.node);
+        let all_wanted = declared(residencies, &self.config.node);
+        self.resolve_unknown(&all_wanted, now);
+        // An OCI artifact is planned once its manifest says what it holds
+        // (it stays wanted meanwhile: a failure waiting for its retry is
+        // kept).
+        let mut wanted = all_wanted.clone();
+        wanted.retain(|k, d| {
+            !matches!(d.origin, Origin::Oci { .. })
+                || self.resolved.contains_key(k)
+                || self.entries.get(k).is_some_and(|e| e.holds_room())
+        });
         let in_use = mounted(pods, &self.config.cache_dir);
         let plan = self.plan(&wanted, &in_use, now);
         self.evict(&plan.evict);
+        self.collect_garbage(&all_wanted);
         // Downloads cut short resume in the room they hold, once due.
         let resumable: Vec<&String> = wanted
             .keys()
@@ -296,7 +375,105 @@ impl Agent {
             self.start_fetch(key, &wanted[key], now);
         }
         self.mark_refused_and_waiting(&wanted, &plan);
-        self.forget_unwanted(residencies, &wanted);
+        self.forget_unwanted(residencies, &all_wanted);
+    }
+
+    /// Starts resolving the manifests of wanted OCI artifacts not resolved
+    /// yet (nor on disk, nor failed and waiting for their retry).
+    fn resolve_unknown(&mut self, wanted: &HashMap<String, Declared>, now: Timestamp) {
+        for (key, d) in wanted {
+            let Origin::Oci { source, .. } = &d.origin else {
+                continue;
+            };
+            let on_disk = self.entries.get(key).is_some_and(|e| e.holds_room());
+            let waiting = self.entries.get(key).is_some_and(|e| {
+                e.state == ArtifactState::Failed && e.retry_at.is_some_and(|at| at > now)
+            });
+            if on_disk
+                || waiting
+                || self.resolved.contains_key(key)
+                || !self.resolving.insert(key.clone())
+            {
+                continue;
+            }
+            let (registry, secrets, config, done) = (
+                self.registry.clone(),
+                self.secrets.clone(),
+                self.config.clone(),
+                self.done.clone(),
+            );
+            let (key, source) = (key.clone(), source.clone());
+            tokio::spawn(async move {
+                let result = resolve(&registry, secrets.as_ref(), &config, &source).await;
+                let _ = done.send(Done::Resolved(key, result));
+            });
+        }
+    }
+
+    /// Removes the blobs no artifact links any more (after evictions), but
+    /// those a fetch running now may link, and OCI blobs cut short that no
+    /// wanted artifact needs.
+    fn collect_garbage(&mut self, wanted: &HashMap<String, Declared>) {
+        let fetching: HashSet<String> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.state == ArtifactState::Fetching)
+            .filter_map(|(k, _)| wanted.get(k).map(|d| (k, d)))
+            .flat_map(|(k, d)| self.known_blobs(k, d).into_iter().map(|(id, _)| id))
+            .collect();
+        match self
+            .store
+            .collect_garbage(&self.config.cache_dir, &fetching)
+        {
+            Ok(0) => {}
+            Ok(freed) => tracing::info!(bytes = freed, "removed blobs no artifact links"),
+            Err(e) => tracing::warn!(error = %e, "collecting unlinked blobs failed"),
+        }
+        let needed: HashSet<String> = wanted
+            .keys()
+            .filter_map(|k| self.resolved.get(k))
+            .flat_map(|r| r.layers.iter().map(|l| l.digest.clone()))
+            .collect();
+        self.store.drop_partials(&needed);
+    }
+
+    /// The blobs of `d` known by digest (those a shared store may hold),
+    /// with the sizes they take on disk.
+    fn known_blobs(&self, key: &str, d: &Declared) -> Vec<Blob> {
+        let mut known: Vec<Blob> = Vec::new();
+        match &d.origin {
+            Origin::Files(files) => {
+                for hex in files.iter().filter_map(|f| f.sha256.as_deref()) {
+                    if let Some(size) = self.store.has_file(hex) {
+                        known.push((blobs::blob_id(hex), size));
+                    }
+                }
+            }
+            Origin::Oci { .. } => {
+                for layer in self.resolved.get(key).iter().flat_map(|r| r.layers.iter()) {
+                    let hex = layer.digest.trim_start_matches("sha256:");
+                    if layer.title.is_some() {
+                        known.push((layer.digest.clone(), layer.size));
+                    } else if let Ok(bytes) = blobs::unique_usage(&self.store.layer(hex))
+                        && bytes > 0
+                    {
+                        known.push((layer.digest.clone(), bytes));
+                    }
+                }
+            }
+        }
+        let mut seen = HashSet::new();
+        known.retain(|(id, _)| seen.insert(id.clone()));
+        known
+    }
+
+    /// What `d` takes on disk when fetched: its known blobs and the rest of
+    /// its declared size.
+    fn planned_blobs(&self, key: &str, d: &Declared) -> Vec<Blob> {
+        let mut blobs = self.known_blobs(key, d);
+        let known: u64 = blobs.iter().map(|(_, n)| n).sum();
+        blobs.push(rest_blob(key, d.size.saturating_sub(known)));
+        blobs
     }
 
     /// The pass's plan (pure, [`keep::plan`]) from what is wanted, what the
@@ -316,28 +493,38 @@ impl Agent {
                 }
             }
         }
-        let held: Vec<Held> = self
-            .entries
-            .iter()
-            .filter(|(_, e)| e.holds_room())
-            .map(|(k, e)| Held {
-                key: k.clone(),
-                size: e.size,
-                last_use: e.last_use,
-                in_use: in_use.contains(k),
-            })
-            .collect();
+        let held = self.held(wanted, in_use);
         let want: Vec<Wanted> = wanted
             .iter()
             .map(|(k, d)| Wanted {
                 key: k.clone(),
-                size: d.size,
+                blobs: self.planned_blobs(k, d),
                 want: d.want,
                 pinned: d.pinned,
                 requested: d.requested,
             })
             .collect();
         keep::plan(self.config.budget, &held, &want)
+    }
+
+    /// What holds room: a Ready artifact its blobs; one being fetched (or
+    /// cut short) its planned blobs, or its declared size if no residency
+    /// declares it any more.
+    fn held(&self, wanted: &HashMap<String, Declared>, in_use: &HashSet<String>) -> Vec<Held> {
+        self.entries
+            .iter()
+            .filter(|(_, e)| e.holds_room())
+            .map(|(k, e)| Held {
+                key: k.clone(),
+                blobs: match (e.state, wanted.get(k)) {
+                    (ArtifactState::Ready, _) if !e.blobs.is_empty() => e.blobs.clone(),
+                    (_, Some(d)) => self.planned_blobs(k, d),
+                    _ => vec![rest_blob(k, e.size)],
+                },
+                last_use: e.last_use,
+                in_use: in_use.contains(k),
+            })
+            .collect()
     }
 
     /// Removes the plan's victims from disk (never one being fetched).
@@ -357,11 +544,13 @@ impl Agent {
             let dir = self.config.cache_dir.join(key);
             match std::fs::remove_dir_all(&dir) {
                 Ok(()) => {
+                    self.store.remove_view(key);
                     tracing::info!(artifact = %key, "evicted from the disk cache");
                     self.metrics.evictions.inc();
                     if let Some(e) = self.entries.get_mut(key) {
                         e.state = ArtifactState::Evicted;
                         e.bytes = 0;
+                        e.blobs.clear();
                     }
                 }
                 Err(e) => tracing::warn!(artifact = %key, error = %e, "evicting failed"),
@@ -386,22 +575,42 @@ impl Agent {
         entry.retry_at = None;
         let progress = Arc::new(Progress::default());
         entry.progress = Some(progress.clone());
-        let (client, cache, key, files, size, allowed, permits, done, metrics) = (
+        let (client, cache, key, origin, size, allowed, permits, done, metrics) = (
             self.client.clone(),
             self.config.cache_dir.clone(),
             key.to_owned(),
-            d.files.clone(),
+            d.origin.clone(),
             d.size,
             self.config.allowed_sources.clone(),
             self.downloads.clone(),
             self.done.clone(),
             self.metrics.clone(),
         );
+        let resolved = self.resolved.get(&key).cloned();
+        let (registry, secrets, config) = (
+            self.registry.clone(),
+            self.secrets.clone(),
+            self.config.clone(),
+        );
         tokio::spawn(async move {
             let _permit = permits.acquire_owned().await;
             let started = std::time::Instant::now();
-            let result =
-                fetch::fetch(&client, &cache, &key, &files, size, &allowed, &progress).await;
+            let result = match origin {
+                Origin::Files(files) => {
+                    fetch::fetch(&client, &cache, &key, &files, size, &allowed, &progress).await
+                }
+                Origin::Oci { source, layer_dir } => {
+                    fetch_oci(
+                        &registry,
+                        secrets.as_ref(),
+                        &config,
+                        (&key, &source, &layer_dir, size),
+                        resolved,
+                        &progress,
+                    )
+                    .await
+                }
+            };
             metrics
                 .fetch_duration
                 .observe(started.elapsed().as_secs_f64());
@@ -409,7 +618,8 @@ impl Agent {
                 Ok(fetched) => {
                     metrics
                         .fetched_bytes
-                        .inc_by(fetched.bytes - fetched.resumed);
+                        .inc_by(fetched.bytes - fetched.resumed - fetched.shared);
+                    metrics.shared_bytes.inc_by(fetched.shared);
                     metrics.resumed_bytes.inc_by(fetched.resumed);
                     "Fetched"
                 }
@@ -419,7 +629,7 @@ impl Agent {
                 .fetches
                 .get_or_create(&ResultLabels { result: outcome })
                 .inc();
-            let _ = done.send((key, result));
+            let _ = done.send(Done::Fetched(key, result));
         });
     }
 
@@ -482,6 +692,43 @@ impl Agent {
         });
     }
 
+    fn done(&mut self, done: Done) {
+        match done {
+            Done::Fetched(key, result) => self.finished(&key, result),
+            Done::Resolved(key, result) => {
+                self.resolving.remove(&key);
+                match result {
+                    Ok(resolved) => {
+                        tracing::info!(artifact = %key, digest = %resolved.pinned, layers = resolved.layers.len(), "resolved");
+                        self.resolved.insert(key, resolved);
+                    }
+                    Err(err) => {
+                        let e = self.entries.entry(key.clone()).or_insert_with(|| {
+                            let model = key.rsplit_once('-').map_or(key.as_str(), |(m, _)| m);
+                            Entry::new(model.to_owned(), 0, ArtifactState::Failed, None)
+                        });
+                        if e.state == ArtifactState::Fetching {
+                            return;
+                        }
+                        e.failures += 1;
+                        let delay = retry_delay(e.failures);
+                        tracing::warn!(artifact = %key, error = %err, retry_in = ?delay, "resolving failed");
+                        e.state = ArtifactState::Failed;
+                        e.reason = Some(err.reason().into());
+                        e.message = Some(err.to_string());
+                        e.retry_at = Some(Timestamp::now() + delay);
+                        self.metrics
+                            .fetches
+                            .get_or_create(&ResultLabels {
+                                result: err.reason(),
+                            })
+                            .inc();
+                    }
+                }
+            }
+        }
+    }
+
     fn finished(&mut self, key: &str, result: Result<fetch::Fetched, fetch::FetchError>) {
         let Some(e) = self.entries.get_mut(key) else {
             return;
@@ -496,6 +743,8 @@ impl Agent {
                 e.state = ArtifactState::Ready;
                 e.bytes = fetched.bytes;
                 e.sha256 = Some(fetched.sha256);
+                e.blobs = fetched.blobs;
+                e.digest = self.resolved.get(key).map(|r| r.pinned.clone());
                 e.failures = 0;
                 e.partial = false;
             }
@@ -508,6 +757,11 @@ impl Agent {
                 e.partial = err.retryable();
                 e.bytes = if e.partial { reached } else { 0 };
                 e.sha256 = None;
+                // A manifest that changed under it (a digest mismatch, a
+                // missing blob) is asked again at the next try.
+                if !err.retryable() {
+                    self.resolved.remove(key);
+                }
                 e.reason = Some(err.reason().into());
                 e.message = Some(err.to_string());
                 e.retry_at = Some(Timestamp::now() + delay);
@@ -516,20 +770,18 @@ impl Agent {
     }
 
     fn fetching(&self) -> bool {
-        self.entries.values().any(|e| {
-            e.state == ArtifactState::Fetching
-                || (e.state == ArtifactState::Failed && e.retry_at.is_some())
-        })
+        !self.resolving.is_empty()
+            || self.entries.values().any(|e| {
+                e.state == ArtifactState::Fetching
+                    || (e.state == ArtifactState::Failed && e.retry_at.is_some())
+            })
     }
 
-    /// Declared sizes of what is on the disk or being fetched to it: what
-    /// counts against the budget.
+    /// What counts against the budget: the blobs of what is on the disk,
+    /// each once, and the declared sizes of what is being fetched to it.
     fn used(&self) -> u64 {
-        self.entries
-            .values()
-            .filter(|e| e.holds_room())
-            .map(|e| e.size)
-            .sum()
+        let held = self.held(&HashMap::new(), &HashSet::new());
+        unique_bytes(held.iter().map(|h| h.blobs.as_slice()))
     }
 
     /// What to publish; `used` is [`Self::used`].
@@ -555,6 +807,7 @@ impl Agent {
                 bytes,
                 size: Some(format_bytes(e.size)),
                 sha256: e.sha256.clone(),
+                digest: e.digest.clone(),
                 last_use: e.last_use.map(|t| t.to_string()),
                 reason: e.reason.clone(),
                 message: e.message.clone(),
@@ -562,6 +815,19 @@ impl Agent {
             });
         }
         status.used = Some(format_bytes(used));
+        let ready: Vec<&[Blob]> = self
+            .entries
+            .values()
+            .filter(|e| e.state == ArtifactState::Ready)
+            .map(|e| e.blobs.as_slice())
+            .collect();
+        let logical: u64 = ready.iter().flat_map(|b| b.iter()).map(|(_, n)| n).sum();
+        status.deduplicated = Some(format_bytes(
+            logical.saturating_sub(unique_bytes(ready.iter().copied())),
+        ));
+        status.on_disk = blobs::unique_usage(&self.config.cache_dir)
+            .ok()
+            .map(format_bytes);
         let refused: Vec<&CachedArtifact> = status
             .artifacts
             .iter()
@@ -589,6 +855,101 @@ impl Agent {
         });
         status
     }
+}
+
+/// The registry credentials for `registry`: from the agent's Secret, or
+/// none (anonymous) without one.
+async fn auth_for(
+    secrets: Option<&Api<Secret>>,
+    config: &AgentConfig,
+    registry: &str,
+) -> Result<oci_client::secrets::RegistryAuth, fetch::FetchError> {
+    let (Some(api), Some(name)) = (secrets, &config.registry.credentials) else {
+        return Ok(oci_client::secrets::RegistryAuth::Anonymous);
+    };
+    let failed = |message: String| fetch::FetchError::RegistryAuth {
+        registry: registry.to_owned(),
+        message,
+    };
+    let ns = config.registry.namespace.as_deref().unwrap_or_default();
+    let secret = match api.get_opt(name).await {
+        Ok(Some(s)) => s,
+        Ok(None) => {
+            return Err(failed(format!(
+                "the credentials Secret {ns}/{name} does not exist"
+            )));
+        }
+        Err(e) => {
+            return Err(fetch::FetchError::Registry {
+                registry: registry.to_owned(),
+                message: format!("reading the credentials Secret {ns}/{name}: {e}"),
+            });
+        }
+    };
+    let config_json = secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(".dockerconfigjson"))
+        .ok_or_else(|| {
+            failed(format!(
+                "the Secret {ns}/{name} has no .dockerconfigjson (it must be of type kubernetes.io/dockerconfigjson)"
+            ))
+        })?;
+    oci::credentials_for(&config_json.0, registry)
+        .map_err(|e| failed(format!("the Secret {ns}/{name}: {e}")))
+}
+
+/// Resolves an OCI source (after checking it is allowed).
+async fn resolve(
+    registry: &Registry,
+    secrets: Option<&Api<Secret>>,
+    config: &AgentConfig,
+    text: &str,
+) -> Result<Resolved, fetch::FetchError> {
+    let source = oci::Source::parse(text)?;
+    if !source.is_allowed(&config.allowed_sources) {
+        return Err(fetch::FetchError::NotAllowed {
+            uri: text.to_owned(),
+            allowed: config.allowed_sources.join(", "),
+        });
+    }
+    let auth = auth_for(secrets, config, source.registry()).await?;
+    registry.resolve(&source, &auth).await
+}
+
+/// Fetches an OCI artifact whose manifest was resolved (or resolves it
+/// first: a download cut short, resumed after a restart).
+async fn fetch_oci(
+    registry: &Registry,
+    secrets: Option<&Api<Secret>>,
+    config: &AgentConfig,
+    (key, text, layer_dir, size): (&str, &str, &str, u64),
+    resolved: Option<Resolved>,
+    progress: &Progress,
+) -> Result<fetch::Fetched, fetch::FetchError> {
+    let resolved = match resolved {
+        Some(r) => r,
+        None => resolve(registry, secrets, config, text).await?,
+    };
+    let source = oci::Source::parse(text)?;
+    let auth = auth_for(secrets, config, source.registry()).await?;
+    let pinned = source.reference.clone_with_digest(resolved.pinned.clone());
+    let source = oci::Source {
+        reference: pinned,
+        text: source.text,
+    };
+    oci::fetch(
+        registry,
+        &auth,
+        &config.cache_dir,
+        key,
+        &source,
+        &resolved,
+        layer_dir,
+        size,
+        progress,
+    )
+    .await
 }
 
 /// Writes the node's `NodeModelCache` when its content changed (the
@@ -665,9 +1026,18 @@ pub async fn run(
     std::fs::create_dir_all(&config.cache_dir)
         .map_err(|source| AgentError::CreateCacheDir { dir: dir(), source })?;
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+    let secrets = match (&config.registry.credentials, &config.registry.namespace) {
+        (Some(_), Some(ns)) => Some(Api::namespaced(client.clone(), ns)),
+        _ => None,
+    };
     let mut agent = Agent {
         downloads: Arc::new(Semaphore::new(config.max_concurrent_downloads.max(1))),
         client: fetch::client().map_err(AgentError::HttpClient)?,
+        registry: Registry::new(config.registry.ca_pem.clone()).map_err(AgentError::HttpClient)?,
+        secrets,
+        resolved: HashMap::new(),
+        resolving: HashSet::new(),
+        store: blobs::Store::new(&config.cache_dir),
         config: config.clone(),
         entries: HashMap::new(),
         done: done_tx,
@@ -746,7 +1116,7 @@ pub async fn run(
         };
         tokio::select! {
             _ = changed.notified() => {}
-            Some((key, result)) = done_rx.recv() => agent.finished(&key, result),
+            Some(done) = done_rx.recv() => agent.done(done),
             _ = tokio::time::sleep(tick) => {}
             _ = &mut shutdown => break,
         }

@@ -17,7 +17,13 @@
 //!   stopped (an HTTP range request; the checksum covers the whole file,
 //!   so parts that do not match are caught, and the file starts over). Any
 //!   other failure removes the directory.
+//! - every verified file goes into the node's blob store (see
+//!   [`super::blobs`]) and the artifact's directory links it; a file whose
+//!   declared `sha256` the store holds already is linked without a
+//!   download.
 
+use super::blobs::{Store, blob_id};
+use super::keep::Blob;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
@@ -26,7 +32,7 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Bytes gathered before each write to disk.
-const WRITE_CHUNK: usize = 1 << 20;
+pub(super) const WRITE_CHUNK: usize = 1 << 20;
 
 /// Prefix of temporary download directories in the cache directory.
 pub const PARTIAL_PREFIX: &str = ".partial-";
@@ -80,6 +86,32 @@ pub enum FetchError {
     TooLarge { declared: u64, got: u64 },
     #[error("writing to the cache directory: {0}")]
     Io(String),
+    #[error("{reference:?} is not an OCI reference: {why}")]
+    BadReference { reference: String, why: String },
+    #[error("registry {registry}: {message}")]
+    RegistryAuth { registry: String, message: String },
+    #[error("{reference}: no such manifest in the registry")]
+    ManifestNotFound { reference: String },
+    #[error("{reference}: the registry has no blob {digest}")]
+    BlobNotFound { reference: String, digest: String },
+    #[error("{what}: digest is {got}, expected {want}")]
+    DigestMismatch {
+        what: String,
+        want: String,
+        got: String,
+    },
+    #[error("{reference}: the manifest is {bytes} bytes, more than the {limit} allowed")]
+    ManifestTooLarge {
+        reference: String,
+        bytes: usize,
+        limit: usize,
+    },
+    #[error("{what} has media type {media_type:?}, which the node agent does not handle")]
+    UnsupportedMediaType { what: String, media_type: String },
+    #[error("layer {layer}: {message}")]
+    InvalidLayer { layer: String, message: String },
+    #[error("registry {registry}: {message}")]
+    Registry { registry: String, message: String },
 }
 
 impl FetchError {
@@ -91,11 +123,20 @@ impl FetchError {
             | FetchError::PathEscapes { .. }
             | FetchError::DuplicatePath { .. }
             | FetchError::PathsOverlap { .. }
-            | FetchError::BadChecksum { .. } => "InvalidArtifact",
+            | FetchError::BadChecksum { .. }
+            | FetchError::BadReference { .. }
+            | FetchError::InvalidLayer { .. } => "InvalidArtifact",
             FetchError::Status { .. } | FetchError::Transfer { .. } => "DownloadFailed",
             FetchError::ChecksumMismatch { .. } => "ChecksumMismatch",
             FetchError::TooLarge { .. } => "LargerThanDeclared",
             FetchError::Io(_) => "DiskError",
+            FetchError::RegistryAuth { .. } => "RegistryAuthFailed",
+            FetchError::ManifestNotFound { .. } => "ManifestNotFound",
+            FetchError::BlobNotFound { .. } => "BlobNotFound",
+            FetchError::DigestMismatch { .. } => "DigestMismatch",
+            FetchError::ManifestTooLarge { .. } => "ManifestTooLarge",
+            FetchError::UnsupportedMediaType { .. } => "UnsupportedMediaType",
+            FetchError::Registry { .. } => "RegistryUnavailable",
         }
     }
 
@@ -104,12 +145,15 @@ impl FetchError {
     pub fn retryable(&self) -> bool {
         matches!(
             self,
-            FetchError::Status { .. } | FetchError::Transfer { .. } | FetchError::Io(_)
+            FetchError::Status { .. }
+                | FetchError::Transfer { .. }
+                | FetchError::Io(_)
+                | FetchError::Registry { .. }
         )
     }
 }
 
-fn io(e: std::io::Error) -> FetchError {
+pub(super) fn io(e: std::io::Error) -> FetchError {
     FetchError::Io(e.to_string())
 }
 
@@ -211,22 +255,9 @@ fn check(files: &[FileSource], allowed: &[String]) -> Result<Vec<Checked>, Fetch
             Some(p) => p.clone(),
             None => uri.path().rsplit('/').next().unwrap_or_default().to_owned(),
         };
-        let given = PathBuf::from(&raw);
-        let inside = !raw.is_empty()
-            && given
-                .components()
-                .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
-            && given
-                .components()
-                .any(|c| matches!(c, Component::Normal(_)));
-        if !inside {
+        let Some(path) = inside_path(&raw) else {
             return Err(FetchError::PathEscapes { path: raw });
-        }
-        // `./w.bin` and `w.bin` are one file.
-        let path: PathBuf = given
-            .components()
-            .filter(|c| matches!(c, Component::Normal(_)))
-            .collect();
+        };
         if !seen.insert(path.clone()) {
             return Err(FetchError::DuplicatePath { path: raw });
         }
@@ -255,6 +286,25 @@ fn check(files: &[FileSource], allowed: &[String]) -> Result<Vec<Checked>, Fetch
         }
     }
     Ok(checked)
+}
+
+/// `raw` as a path inside an artifact's directory (`./w.bin` and `w.bin`
+/// are one file), or `None` if it is empty, absolute or has `..`.
+pub(super) fn inside_path(raw: &str) -> Option<PathBuf> {
+    let given = PathBuf::from(raw);
+    let inside = !raw.is_empty()
+        && given
+            .components()
+            .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+        && given
+            .components()
+            .any(|c| matches!(c, Component::Normal(_)));
+    inside.then(|| {
+        given
+            .components()
+            .filter(|c| matches!(c, Component::Normal(_)))
+            .collect()
+    })
 }
 
 fn decode_hex(s: &str) -> Option<Vec<u8>> {
@@ -301,6 +351,11 @@ pub struct Fetched {
     pub bytes: u64,
     /// Of those, what an earlier try had fetched (a resumed download).
     pub resumed: u64,
+    /// Of those, what the blob store had already (files another artifact
+    /// holds with the same SHA-256): linked, not downloaded.
+    pub shared: u64,
+    /// The blobs its directory links, each once.
+    pub blobs: Vec<Blob>,
     /// The SHA-256 (hex) of the file, for a one-file artifact; else of its
     /// manifest, the `sha256sum`-style lines `<hex>  <path>` of its files
     /// in order.
@@ -329,7 +384,12 @@ pub async fn fetch(
         }
     };
     tokio::fs::create_dir_all(&partial).await.map_err(io)?;
-    let result = download_all(client, &partial, &checked, declared, allowed, progress).await;
+    let store = Store::new(cache);
+    store.create().map_err(io)?;
+    let result = download_all(
+        client, &store, &partial, &checked, declared, allowed, progress,
+    )
+    .await;
     let result = match result {
         Ok(fetched) => {
             let target = cache.join(key);
@@ -459,6 +519,7 @@ async fn get_following(
 
 async fn download_all(
     client: &HttpsClient,
+    store: &Store,
     dir: &Path,
     files: &[Checked],
     declared: u64,
@@ -472,15 +533,37 @@ async fn download_all(
         progress,
     };
     let mut resumed = 0u64;
+    let mut shared = 0u64;
+    let mut blobs: Vec<Blob> = Vec::new();
     let mut manifest = String::new();
     for f in files {
-        let (digest, kept) = download_one(client, dir, f, allowed, &mut budget).await?;
-        resumed += kept;
-        manifest.push_str(&format!(
-            "{}  {}\n",
-            encode_hex(digest.as_ref()),
-            f.path.display()
-        ));
+        // A file the store holds by its declared SHA-256 is linked, not
+        // downloaded again.
+        let known = f.sha256.as_ref().map(|want| encode_hex(want));
+        let path = dir.join(&f.path);
+        let linked = match &known {
+            Some(hex) => store.link(hex, &path).map_err(io)?,
+            None => None,
+        };
+        let (hex, size) = match (known, linked) {
+            (Some(hex), Some(size)) => {
+                budget.add(size)?;
+                shared += size;
+                (hex, size)
+            }
+            _ => {
+                let (digest, kept) = download_one(client, dir, f, allowed, &mut budget).await?;
+                resumed += kept;
+                let hex = encode_hex(digest.as_ref());
+                let size = store.adopt(&path, &hex).map_err(io)?;
+                (hex, size)
+            }
+        };
+        let id = blob_id(&hex);
+        if !blobs.iter().any(|(b, _)| *b == id) {
+            blobs.push((id, size));
+        }
+        manifest.push_str(&format!("{hex}  {}\n", f.path.display()));
     }
     let sha256 = match files {
         [_one] => manifest
@@ -493,6 +576,8 @@ async fn download_all(
     Ok(Fetched {
         bytes: budget.total,
         resumed,
+        shared,
+        blobs,
         sha256,
     })
 }
@@ -631,7 +716,7 @@ async fn download_one(
 /// data). With `kept` above zero the file's first `kept` bytes stay (a
 /// resumed download): they are hashed first and the chunks follow them.
 /// Yields the SHA-256 of the whole file.
-fn disk_writer(
+pub(super) fn disk_writer(
     path: PathBuf,
     kept: u64,
 ) -> (
@@ -702,7 +787,7 @@ fn start_writeback(file: &std::fs::File, written: u64) {
 }
 
 /// An error with its causes (hyper's top-level messages alone are vague).
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub(super) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

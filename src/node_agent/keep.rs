@@ -18,6 +18,15 @@
 //!
 //! Downloads in progress, and downloads cut short that wait to resume,
 //! hold their declared size, so the budget holds while they run.
+//!
+//! Artifacts share bytes: each is a set of blobs (content-addressed files
+//! or unpacked layers, by digest), and the disk holds each blob once
+//! however many artifacts name it. Used room is the size of the union of
+//! the kept artifacts' blobs; evicting an artifact frees only the blobs no
+//! kept artifact shares; fetching one costs only the blobs not on disk.
+//! What is not known yet of an artifact (a download whose files are not
+//! all known by digest) is a blob of its own, `<key>#rest`, of its declared
+//! size less the blobs it is known to share.
 
 use crate::engine::Bytes;
 use crate::quantity::format_bytes;
@@ -33,12 +42,21 @@ pub enum Want {
     Prefetch,
 }
 
+/// A blob: its digest (or another id unique to its content) and size.
+pub type Blob = (String, Bytes);
+
+/// The blob that stands for what is not known of an artifact yet.
+pub fn rest_blob(key: &str, size: Bytes) -> Blob {
+    (format!("{key}#rest"), size)
+}
+
 /// An artifact the node's residencies ask for.
 #[derive(Clone, Debug)]
 pub struct Wanted {
     pub key: String,
-    /// The declared size.
-    pub size: Bytes,
+    /// What it takes on disk: the blobs known by digest and its
+    /// [`rest_blob`].
+    pub blobs: Vec<Blob>,
     pub want: Want,
     pub pinned: bool,
     /// Its model's last request, newest first among equals.
@@ -49,7 +67,7 @@ pub struct Wanted {
 #[derive(Clone, Debug)]
 pub struct Held {
     pub key: String,
-    pub size: Bytes,
+    pub blobs: Vec<Blob>,
     pub last_use: Option<Timestamp>,
     /// A pod on the node mounts it.
     pub in_use: bool,
@@ -69,12 +87,25 @@ pub struct Plan {
     pub waiting: Vec<(String, String)>,
 }
 
+/// The bytes the union of `artifacts`' blobs takes: each blob once.
+pub fn unique_bytes<'b>(artifacts: impl IntoIterator<Item = &'b [Blob]>) -> Bytes {
+    let mut seen: HashSet<&str> = HashSet::new();
+    let mut total: Bytes = 0;
+    for blobs in artifacts {
+        for (id, size) in blobs {
+            if seen.insert(id.as_str()) {
+                total = total.saturating_add(*size);
+            }
+        }
+    }
+    total
+}
+
 /// Plans the disk within `budget` given what is `held` and what is `wanted`.
 pub fn plan(budget: Bytes, held: &[Held], wanted: &[Wanted]) -> Plan {
     let mut plan = Plan::default();
     let wants: HashMap<&str, &Wanted> = wanted.iter().map(|w| (w.key.as_str(), w)).collect();
     let on_disk: HashSet<&str> = held.iter().map(|h| h.key.as_str()).collect();
-    let mut used: Bytes = held.iter().map(|h| h.size).sum();
     // Free to go once no pod mounts it: what no one requires and no pinned
     // model owns.
     let unrequired = |h: &&Held| {
@@ -89,16 +120,29 @@ pub fn plan(budget: Bytes, held: &[Held], wanted: &[Wanted]) -> Plan {
         .filter(unrequired)
         .filter(|h| !h.in_use)
         .collect();
-    let mounted: Vec<&Held> = held
+    let mounted: HashSet<&str> = held
         .iter()
         .filter(unrequired)
         .filter(|h| h.in_use)
+        .map(|h| h.key.as_str())
         .collect();
-    let mounted_size: Bytes = mounted.iter().map(|h| h.size).sum();
     evictable.sort_by(|a, b| {
         let wanted = |h: &Held| wants.contains_key(h.key.as_str());
         (wanted(a), a.last_use, &a.key).cmp(&(wanted(b), b.last_use, &b.key))
     });
+    // The disk after the plan so far: held artifacts not evicted, and the
+    // fetched ones; its use is the union of their blobs.
+    let mut gone: HashSet<&str> = HashSet::new();
+    let mut fetched: Vec<&Wanted> = Vec::new();
+    let use_without = |gone: &HashSet<&str>, fetched: &[&Wanted], extra: &[Blob]| {
+        unique_bytes(
+            held.iter()
+                .filter(|h| !gone.contains(h.key.as_str()))
+                .map(|h| h.blobs.as_slice())
+                .chain(fetched.iter().map(|w| w.blobs.as_slice()))
+                .chain(std::iter::once(extra)),
+        )
+    };
     let mut evicted = 0;
     // Newest request first, within each kind.
     let mut missing: Vec<&Wanted> = wanted
@@ -115,33 +159,38 @@ pub fn plan(budget: Bytes, held: &[Held], wanted: &[Wanted]) -> Plan {
     for w in missing {
         // Evict LRU first; prefetch only what no one wants.
         let may_evict = |h: &Held| w.want == Want::Required || !wants.contains_key(h.key.as_str());
-        let mut after = used + w.size;
+        let mut trial = gone.clone();
+        let mut after = use_without(&trial, &fetched, &w.blobs);
         let mut take = evicted;
         while after > budget && take < evictable.len() && may_evict(evictable[take]) {
-            after -= evictable[take].size;
+            trial.insert(evictable[take].key.as_str());
             take += 1;
+            after = use_without(&trial, &fetched, &w.blobs);
         }
         if after > budget {
-            if w.want == Want::Required && after - mounted_size.min(after) <= budget {
-                let keys: Vec<&str> = mounted.iter().map(|h| h.key.as_str()).collect();
+            let needs = format_bytes(unique_bytes([w.blobs.as_slice()]));
+            let mut freed = trial.clone();
+            freed.extend(mounted.iter().copied());
+            if w.want == Want::Required && use_without(&freed, &fetched, &w.blobs) <= budget {
+                let mut keys: Vec<&str> = mounted.iter().copied().collect();
+                keys.sort();
                 plan.waiting.push((
                     w.key.clone(),
                     format!(
-                        "{} needs {} on disk; room comes free when no pod mounts {} any more",
+                        "{} needs {needs} on disk; room comes free when no pod mounts {} any more",
                         w.key,
-                        format_bytes(w.size),
                         keys.join(", ")
                     ),
                 ));
             } else if w.want == Want::Required {
-                let pinned_or_required =
-                    used - evictable[evicted..].iter().map(|h| h.size).sum::<Bytes>();
+                let mut all_evictable = gone.clone();
+                all_evictable.extend(evictable[evicted..].iter().map(|h| h.key.as_str()));
+                let pinned_or_required = use_without(&all_evictable, &fetched, &[]);
                 plan.refused.push((
                     w.key.clone(),
                     format!(
-                        "{} needs {} on disk; the disk budget is {} and required or pinned artifacts hold {}",
+                        "{} needs {needs} on disk; the disk budget is {} and required or pinned artifacts hold {}",
                         w.key,
-                        format_bytes(w.size),
                         format_bytes(budget),
                         format_bytes(pinned_or_required)
                     ),
@@ -151,10 +200,10 @@ pub fn plan(budget: Bytes, held: &[Held], wanted: &[Wanted]) -> Plan {
         }
         for h in &evictable[evicted..take] {
             plan.evict.push(h.key.clone());
-            used -= h.size;
         }
+        gone = trial;
         evicted = take;
-        used += w.size;
+        fetched.push(w);
         plan.fetch.push(w.key.clone());
     }
     plan
@@ -171,7 +220,7 @@ mod tests {
     fn held(key: &str, size: Bytes, used: u64) -> Held {
         Held {
             key: key.into(),
-            size,
+            blobs: vec![(key.into(), size)],
             last_use: t(used),
             in_use: false,
         }
@@ -180,11 +229,37 @@ mod tests {
     fn wanted(key: &str, size: Bytes, want: Want, pinned: bool, at: u64) -> Wanted {
         Wanted {
             key: key.into(),
-            size,
+            blobs: vec![(key.into(), size)],
             want,
             pinned,
             requested: t(at),
         }
+    }
+
+    fn blobs(list: &[(&str, Bytes)]) -> Vec<Blob> {
+        list.iter().map(|(id, n)| (id.to_string(), *n)).collect()
+    }
+
+    #[test]
+    fn a_shared_blob_counts_once_and_its_artifact_costs_only_its_own() {
+        // `a` (base 6 + tune 2) on disk; `b` shares the base: it costs 2.
+        let mut a = held("a", 0, 1);
+        a.blobs = blobs(&[("base", 6), ("tune-a", 2)]);
+        let mut b = wanted("b", 0, Want::Required, false, 5);
+        b.blobs = blobs(&[("base", 6), ("tune-b", 2)]);
+        let p = plan(10, std::slice::from_ref(&a), std::slice::from_ref(&b));
+        assert_eq!(p.fetch, ["b"]);
+        assert!(p.evict.is_empty(), "10 holds 6 + 2 + 2: {p:?}");
+        // With 9, `a` must go, and only its own 2 bytes are freed by it.
+        let p = plan(9, std::slice::from_ref(&a), std::slice::from_ref(&b));
+        assert_eq!(p.evict, ["a"]);
+        assert_eq!(p.fetch, ["b"]);
+        // A third artifact that is all shared costs nothing.
+        let mut c = wanted("c", 0, Want::Prefetch, false, 4);
+        c.blobs = blobs(&[("base", 6)]);
+        let p = plan(8, &[a], &[c]);
+        assert_eq!(p.fetch, ["c"]);
+        assert!(p.evict.is_empty());
     }
 
     #[test]
@@ -259,7 +334,7 @@ mod tests {
                     .filter(|i| mask & (1 << i) != 0)
                     .map(|i| held(&format!("h{i}"), 2 + i as u64, i as u64))
                     .collect();
-                let used: Bytes = held.iter().map(|h| h.size).sum();
+                let used = unique_bytes(held.iter().map(|h| h.blobs.as_slice()));
                 let want: Vec<Wanted> = (0..3)
                     .filter(|i| mask & (8 << i) != 0)
                     .map(|i| {
@@ -277,20 +352,20 @@ mod tests {
                     })
                     .collect();
                 let p = plan(budget, &held, &want);
-                let evicted: Bytes = held
-                    .iter()
-                    .filter(|h| p.evict.contains(&h.key))
-                    .map(|h| h.size)
-                    .sum();
-                let fetched: Bytes = want
-                    .iter()
-                    .filter(|w| p.fetch.contains(&w.key))
-                    .map(|w| w.size)
-                    .sum();
-                let after = used - evicted + fetched;
+                let fetched = p.fetch.len();
+                let after = unique_bytes(
+                    held.iter()
+                        .filter(|h| !p.evict.contains(&h.key))
+                        .map(|h| h.blobs.as_slice())
+                        .chain(
+                            want.iter()
+                                .filter(|w| p.fetch.contains(&w.key))
+                                .map(|w| w.blobs.as_slice()),
+                        ),
+                );
                 assert!(
                     fetched == 0 || after <= budget,
-                    "budget {budget} mask {mask}: {p:?}"
+                    "budget {budget} mask {mask} (used {used}): {p:?}"
                 );
             }
         }
@@ -300,58 +375,89 @@ mod tests {
         use super::super::*;
         use proptest::prelude::*;
 
-        fn held_strategy() -> impl Strategy<Value = Vec<(u64, u64, bool)>> {
-            // (size, last use, mounted by a pod)
-            proptest::collection::vec((1u64..=8, 0u64..20, proptest::bool::weighted(0.3)), 0..6)
+        fn held_strategy() -> impl Strategy<Value = Vec<(u64, u64, bool, u8)>> {
+            // (own size, last use, mounted by a pod, which shared blobs)
+            proptest::collection::vec(
+                (0u64..=8, 0u64..20, proptest::bool::weighted(0.3), 0u8..16),
+                0..6,
+            )
         }
 
-        fn wanted_strategy() -> impl Strategy<Value = Vec<(u64, bool, bool, u64, Option<usize>)>> {
-            // (size, required, pinned, requested at, the held artifact it is)
+        fn wanted_strategy() -> impl Strategy<Value = Vec<(u64, bool, bool, u64, Option<usize>, u8)>>
+        {
+            // (own size, required, pinned, requested at, the held artifact
+            // it is, which shared blobs)
             proptest::collection::vec(
                 (
-                    1u64..=10,
+                    0u64..=10,
                     proptest::bool::ANY,
                     proptest::bool::weighted(0.2),
                     0u64..20,
                     proptest::option::weighted(0.4, 0usize..6),
+                    0u8..16,
                 ),
                 0..6,
             )
         }
 
+        /// An artifact's blobs: its own, and those of the four shared ones
+        /// (a tokenizer, a base, ...) that `mask` names.
+        fn blobs_of(key: &str, own: u64, mask: u8) -> Vec<Blob> {
+            let mut blobs: Vec<Blob> = (0..4)
+                .filter(|i| mask & (1 << i) != 0)
+                .map(|i| (format!("shared{i}"), 1 + 2 * i as u64))
+                .collect();
+            if own > 0 || blobs.is_empty() {
+                blobs.push(rest_blob(key, own));
+            }
+            blobs
+        }
+
         proptest! {
-            /// On random disks: the budget holds for whatever is fetched;
-            /// nothing mounted, required or pinned is evicted; every
-            /// missing required artifact is fetched, waits or is refused,
-            /// and waits only where mounted artifacts hold room it needs;
-            /// prefetch is never refused.
+            /// On random disks whose artifacts share blobs: the unique
+            /// bytes kept stay within the budget whenever anything is
+            /// fetched; nothing mounted, required or pinned is evicted;
+            /// every missing required artifact is fetched, waits or is
+            /// refused, and waits only where mounted artifacts hold room it
+            /// needs; prefetch is never refused.
             #[test]
             fn the_disk_plan_keeps_its_rules(budget in 0u64..30, held in held_strategy(), wanted in wanted_strategy()) {
                 let t = |s: u64| Some(Timestamp::from_second(1_700_000_000 + s as i64).unwrap());
                 let held: Vec<Held> = held
                     .iter()
                     .enumerate()
-                    .map(|(i, &(size, used, in_use))| Held { key: format!("h{i}"), size, last_use: t(used), in_use })
+                    .map(|(i, &(own, used, in_use, mask))| {
+                        let key = format!("h{i}");
+                        Held { blobs: blobs_of(&key, own, mask), key, last_use: t(used), in_use }
+                    })
                     .collect();
                 let mut seen = HashSet::new();
                 let wanted: Vec<Wanted> = wanted
                     .iter()
                     .enumerate()
-                    .map(|(i, &(size, required, pinned, at, same))| {
+                    .map(|(i, &(own, required, pinned, at, same, mask))| {
                         let key = match same {
                             Some(h) if h < held.len() => held[h].key.clone(),
                             _ => format!("w{i}"),
                         };
-                        let size = held.iter().find(|h| h.key == key).map_or(size, |h| h.size);
-                        Wanted { key, size, want: if required { Want::Required } else { Want::Prefetch }, pinned, requested: t(at) }
+                        let blobs = held.iter().find(|h| h.key == key).map_or_else(|| blobs_of(&key, own, mask), |h| h.blobs.clone());
+                        Wanted { key, blobs, want: if required { Want::Required } else { Want::Prefetch }, pinned, requested: t(at) }
                     })
                     .filter(|w| seen.insert(w.key.clone()))
                     .collect();
                 let p = plan(budget, &held, &wanted);
-                let used: Bytes = held.iter().map(|h| h.size).sum();
-                let evicted: Bytes = held.iter().filter(|h| p.evict.contains(&h.key)).map(|h| h.size).sum();
-                let fetched: Bytes = wanted.iter().filter(|w| p.fetch.contains(&w.key)).map(|w| w.size).sum();
-                prop_assert!(fetched == 0 || used - evicted + fetched <= budget, "{p:?}");
+                let kept: Vec<&[Blob]> = held
+                    .iter()
+                    .filter(|h| !p.evict.contains(&h.key))
+                    .map(|h| h.blobs.as_slice())
+                    .chain(wanted.iter().filter(|w| p.fetch.contains(&w.key)).map(|w| w.blobs.as_slice()))
+                    .collect();
+                prop_assert!(p.fetch.is_empty() || unique_bytes(kept.iter().copied()) <= budget, "{p:?}");
+                // Every blob of a mounted artifact is still kept.
+                let kept_ids: HashSet<&str> = kept.iter().flat_map(|b| b.iter().map(|(id, _)| id.as_str())).collect();
+                for h in held.iter().filter(|h| h.in_use) {
+                    prop_assert!(h.blobs.iter().all(|(id, _)| kept_ids.contains(id.as_str())), "{p:?}");
+                }
                 let want_of = |k: &str| wanted.iter().find(|w| w.key == k);
                 for k in &p.evict {
                     let h = held.iter().find(|h| &h.key == k).unwrap();

@@ -29,6 +29,7 @@ pub struct AgentMetrics {
     pub fetches: Family<ResultLabels, Counter>,
     pub fetched_bytes: Counter,
     pub resumed_bytes: Counter,
+    pub shared_bytes: Counter,
     pub fetch_duration: Histogram,
     pub evictions: Counter,
     budget: Gauge,
@@ -65,6 +66,7 @@ impl Default for AgentMetrics {
             fetches: Family::default(),
             fetched_bytes: Counter::default(),
             resumed_bytes: Counter::default(),
+            shared_bytes: Counter::default(),
             // 100 ms .. ~55 min: artifacts run to tens of GiB.
             fetch_duration: Histogram::new(exponential_buckets(0.1, 2.0, 16)),
             evictions: Counter::default(),
@@ -87,6 +89,11 @@ impl Default for AgentMetrics {
             "resumed_bytes",
             "Bytes of verified artifacts kept from a download cut short (a lost connection, a restart) rather than fetched again",
             m.resumed_bytes.clone(),
+        );
+        registry.register(
+            "shared_bytes",
+            "Bytes of artifacts linked from the node's blob store (another artifact holds the same file or layer) rather than fetched",
+            m.shared_bytes.clone(),
         );
         registry.register(
             "fetch_duration_seconds",

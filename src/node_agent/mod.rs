@@ -14,6 +14,8 @@
 //! (`controller::artifacts`).
 
 pub mod agent;
+pub mod blobs;
 pub mod fetch;
 pub mod keep;
 pub mod metrics;
+pub mod oci;

@@ -779,6 +779,7 @@ async fn the_node_agent_does_its_job_with_only_its_charts_rbac() {
             budget: 10 << 20,
             allowed_sources: vec![format!("http://{addr}/")],
             max_concurrent_downloads: 1,
+            registry: Default::default(),
         },
         Default::default(),
         metrics.clone(),

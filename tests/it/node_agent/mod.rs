@@ -3,6 +3,7 @@
 //! served over real HTTP by a server the test starts, files on a real disk.
 
 mod fetch;
+mod oci;
 
 use crate::support::artifact_server::{serve, serve_logged, sha256_hex, slow_content, weights};
 use crate::support::cluster::eventually;
@@ -43,6 +44,17 @@ impl Agent {
 }
 
 fn start_agent(h: &Harness, cache: &Path, budget: &str, allowed: &str) -> Agent {
+    start_agent_with(h, cache, budget, allowed, &[])
+}
+
+/// [`start_agent`] with more flags.
+fn start_agent_with(
+    h: &Harness,
+    cache: &Path,
+    budget: &str,
+    allowed: &str,
+    extra: &[String],
+) -> Agent {
     // The agent's log, beside the cache (kept while the test runs).
     let log = std::fs::File::create(cache.with_extension("log")).unwrap();
     let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
@@ -58,6 +70,7 @@ fn start_agent(h: &Harness, cache: &Path, budget: &str, allowed: &str) -> Agent 
             "--http-addr",
             &http.to_string(),
         ])
+        .args(extra)
         .stdout(std::process::Stdio::null())
         .stderr(log);
     Agent {
@@ -105,14 +118,27 @@ fn status_of<'a>(r: &'a ModelResidency, model: &str) -> &'a model_residency::api
     r.status.as_ref().unwrap().model(model).unwrap()
 }
 
-/// Names in the cache directory.
+/// Names in the cache directory, and in its blob store's directories as
+/// `.blobs/<dir>/<name>` (the store's empty directories are not listed).
 fn cached(cache: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(cache)
-        .map(|d| {
-            d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default();
+    let names_in = |dir: &Path| -> Vec<String> {
+        std::fs::read_dir(dir)
+            .map(|d| {
+                d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let mut names: Vec<String> = names_in(cache)
+        .into_iter()
+        .filter(|n| n != model_residency::node_agent::blobs::STORE_DIR)
+        .collect();
+    let store = cache.join(model_residency::node_agent::blobs::STORE_DIR);
+    for sub in names_in(&store) {
+        for name in names_in(&store.join(&sub)) {
+            names.push(format!(".blobs/{sub}/{name}"));
+        }
+    }
     names.sort();
     names
 }
@@ -208,8 +234,8 @@ async fn an_artifact_is_fetched_once_mounted_and_reused_after_eviction() {
     );
     assert_eq!(
         agent.metric(&format!("{M}disk_used_bytes"), "").await,
-        1 << 20,
-        "the artifact's declared size"
+        weights().len() as u64,
+        "a Ready artifact counts its bytes on disk (its blobs), not its declared size"
     );
     assert_eq!(
         agent
@@ -355,7 +381,10 @@ async fn an_agent_killed_mid_download_resumes_it_and_leaves_nothing_else() {
     std::fs::write(cache.join(".partial-gone-1234-0/x.bin"), b"stale").unwrap();
     let agent = start_agent(&h, &cache, "10Mi", &format!("http://{addr}/"));
     let r = h.until_state("gpu", "slow", ModelState::Loaded, 60).await;
-    let names = cached(&cache);
+    let names: Vec<String> = cached(&cache)
+        .into_iter()
+        .filter(|n| !n.starts_with(".blobs/"))
+        .collect();
     assert_eq!(
         names.len(),
         1,
@@ -440,17 +469,8 @@ async fn recently_requested_models_are_prefetched_and_load_without_a_download() 
 
 /// Bytes of the regular files under `dir`, partial downloads included.
 fn bytes_on_disk(dir: &Path) -> u64 {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    entries
-        .filter_map(Result::ok)
-        .map(|e| match e.file_type() {
-            Ok(t) if t.is_dir() => bytes_on_disk(&e.path()),
-            Ok(_) => e.metadata().map(|m| m.len()).unwrap_or(0),
-            Err(_) => 0,
-        })
-        .sum()
+    // Each inode once: artifacts link the blobs they share.
+    model_residency::node_agent::blobs::unique_usage(dir).unwrap_or(0)
 }
 
 #[tokio::test]
@@ -470,9 +490,10 @@ async fn a_storm_of_loads_never_puts_more_on_disk_than_the_budget() {
         p["pinned"] = json!(true);
         p
     }];
-    // Distinct artifacts: the path differs, so the cache key does.
+    // Distinct artifacts, of distinct content (the blob store would hold
+    // one copy of the same file for all of them).
     for i in 0..6 {
-        let a = json!({"files": [{"uri": format!("http://{addr}/weights.bin"), "path": format!("m{i}.bin")}], "size": "300Ki"});
+        let a = json!({"files": [{"uri": format!("http://{addr}/distinct/m{i}.bin")}], "size": "300Ki"});
         models.push(model(&format!("m{i}"), "1Gi", Some(a)));
     }
     create(&h, "gpu", "2Gi", models, 0).await;
@@ -697,4 +718,43 @@ async fn a_residency_the_scheduler_placed_gets_its_artifact_from_that_nodes_agen
         weights()
     );
     assert_eq!(requests.load(Ordering::Relaxed), 1);
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn three_models_naming_one_file_by_sha256_download_and_store_it_once() {
+    let h = Harness::start("agent-dedup").await;
+    let (addr, requests) = serve().await;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    // Three declared 300Ki artifacts of one 256Ki file: 900Ki if each
+    // counted whole, 256Ki (and what is not known yet) as one blob.
+    let agent = start_agent(&h, &cache, "700Ki", &format!("http://{addr}/"));
+    let same = json!({"files": [{"uri": format!("http://{addr}/weights.bin"), "sha256": sha256_hex(&weights())}], "size": "300Ki"});
+    let models = ["x", "y", "z"].map(|m| model(m, "1Gi", Some(same.clone())));
+    create(&h, "gpu", "3Gi", models.to_vec(), 0).await;
+    for m in ["x", "y", "z"] {
+        h.request_nowait("gpu", m).await;
+        h.until_state("gpu", m, ModelState::Loaded, 60).await;
+    }
+    assert_eq!(requests.load(Ordering::Relaxed), 1, "downloaded once");
+    let status = node_cache(&h).await.unwrap().status.unwrap();
+    assert_eq!(status.ready, 3, "{status:?}");
+    assert_eq!(status.conditions[0].status, "False", "never DiskFull");
+    let w = weights().len() as u64;
+    assert_eq!(bytes_on_disk(&cache), w, "stored once");
+    assert_eq!(
+        model_residency::quantity::parse_bytes(status.deduplicated.as_deref().unwrap()).unwrap(),
+        2 * w
+    );
+    assert_eq!(
+        agent
+            .metric("model_residency_node_agent_shared_bytes_total", "")
+            .await,
+        2 * w
+    );
+    for a in &status.artifacts {
+        let file = cache.join(&a.key).join("weights.bin");
+        assert_eq!(std::fs::read(&file).unwrap(), weights(), "{}", a.key);
+    }
 }

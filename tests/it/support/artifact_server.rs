@@ -160,6 +160,13 @@ fn answer(path: &str, range: Option<&str>, first_flaky: bool) -> Response<Body> 
             r
         }
         "/config.json" => Response::new(full(br#"{"layers": 2}"#.to_vec())),
+        // The weights with their first bytes made from the name: a file of
+        // its own content per name.
+        p if p.starts_with("/distinct/") => {
+            let mut w = weights();
+            w[..p.len()].copy_from_slice(p.as_bytes());
+            Response::new(full(w))
+        }
         "/flaky/weights.bin" if first_flaky => {
             // The break comes after the bytes are on their way.
             let chunks = futures::stream::iter([

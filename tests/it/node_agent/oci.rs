@@ -1,0 +1,460 @@
+//! Artifacts from a real OCI registry: Debian's docker-registry on
+//! loopback with TLS (a CA the test makes) and htpasswd auth, artifacts
+//! pushed through the same OCI client the node agent pulls with.
+
+use super::{
+    Agent, artifact_state, bytes_on_disk, cached, create, model, node_cache, start_agent_with,
+    status_of,
+};
+use crate::support::operator::Harness;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, PostParams};
+use model_residency::api::{ArtifactState, ModelState};
+use model_residency::local::registry::{
+    LocalRegistry, PASSWORD, USER, docker_config, sha256_digest, tar_gz,
+};
+use model_residency::quantity::parse_bytes;
+use serde_json::json;
+use std::path::Path;
+
+const OCTETS: &str = "application/octet-stream";
+const TAR_GZ: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
+
+fn registry() -> LocalRegistry {
+    LocalRegistry::start().unwrap_or_else(|e| panic!("the test registry: {e}"))
+}
+
+/// `n` bytes that differ by `seed`.
+fn bytes(n: usize, seed: u8) -> Vec<u8> {
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+/// The credentials Secret, with `password`.
+async fn credentials(h: &Harness, registry: &LocalRegistry, password: &str) {
+    let api: Api<Secret> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    let config = docker_config(&registry.host(), USER, password);
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "regcred"},
+        "type": "kubernetes.io/dockerconfigjson",
+        "stringData": {".dockerconfigjson": config},
+    }))
+    .unwrap();
+    let _ = api.delete("regcred", &Default::default()).await;
+    api.create(&PostParams::default(), &secret).await.unwrap();
+}
+
+/// An agent allowed the registry's `models/` repositories, trusting its
+/// CA, with the `regcred` Secret (or none).
+fn agent(h: &Harness, cache: &Path, budget: &str, registry: &LocalRegistry, creds: bool) -> Agent {
+    let mut extra = vec![
+        "--registry-ca-file".to_owned(),
+        registry.ca_file().display().to_string(),
+    ];
+    if creds {
+        extra.extend(["--registry-credentials", "regcred", "--namespace"].map(String::from));
+        extra.push(h.env.namespace.clone());
+    }
+    start_agent_with(
+        h,
+        cache,
+        budget,
+        &format!("oci://{}/models", registry.host()),
+        &extra,
+    )
+}
+
+fn oci(registry: &LocalRegistry, repo_and_ref: &str, size: &str) -> serde_json::Value {
+    json!({"source": format!("oci://{}/{repo_and_ref}", registry.host()), "size": size})
+}
+
+async fn cache_status(h: &Harness) -> model_residency::api::NodeModelCacheStatus {
+    node_cache(h).await.unwrap().status.unwrap()
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn oras_artifacts_are_pulled_by_digest_and_tag_and_a_shared_layer_is_stored_once() {
+    let reg = registry();
+    let h = Harness::start("oci-shared").await;
+    // a and b share a 200Ki weights layer; a has 100Ki of its own, b 10Ki.
+    let shared = bytes(200 << 10, 1);
+    let (a_own, b_own) = (bytes(100 << 10, 2), bytes(10 << 10, 3));
+    let da = reg
+        .push(
+            "models/a",
+            "v1",
+            &[
+                (OCTETS, &shared, Some("weights.bin")),
+                (OCTETS, &a_own, Some("extra/a.bin")),
+            ],
+        )
+        .await
+        .unwrap();
+    let db = reg
+        .push(
+            "models/b",
+            "v1",
+            &[
+                (OCTETS, &shared, Some("weights.bin")),
+                (OCTETS, &b_own, Some("b.bin")),
+            ],
+        )
+        .await
+        .unwrap();
+    let dd = reg
+        .push(
+            "models/d",
+            "v1",
+            &[(OCTETS, &bytes(150 << 10, 4), Some("d.bin"))],
+        )
+        .await
+        .unwrap();
+    credentials(&h, &reg, PASSWORD).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    // 450Ki: a and b together declare 530Ki but hold 310Ki.
+    let agent = agent(&h, &cache, "450Ki", &reg, true);
+    create(
+        &h,
+        "gpu",
+        "2Gi",
+        vec![
+            model(
+                "a",
+                "1Gi",
+                Some(oci(&reg, &format!("models/a@{da}"), "310Ki")),
+            ),
+            // By tag: resolved once, recorded.
+            model("b", "1Gi", Some(oci(&reg, "models/b:v1", "220Ki"))),
+            model(
+                "d",
+                "1Gi",
+                Some(oci(&reg, &format!("models/d@{dd}"), "200Ki")),
+            ),
+        ],
+        0,
+    )
+    .await;
+    h.request_nowait("gpu", "a").await;
+    let r = h.until_state("gpu", "a", ModelState::Loaded, 60).await;
+    let pod: k8s_openapi::api::core::v1::Pod = h
+        .pods
+        .get(status_of(&r, "a").pod.as_ref().unwrap())
+        .await
+        .unwrap();
+    let host = pod.spec.unwrap().volumes.unwrap()[0]
+        .host_path
+        .clone()
+        .unwrap()
+        .path;
+    assert_eq!(
+        std::fs::read(Path::new(&host).join("weights.bin")).unwrap(),
+        shared
+    );
+    assert_eq!(
+        std::fs::read(Path::new(&host).join("extra/a.bin")).unwrap(),
+        a_own
+    );
+    h.request_nowait("gpu", "b").await;
+    let r = h.until_state("gpu", "b", ModelState::Loaded, 60).await;
+    assert_eq!(
+        status_of(&r, "a").state,
+        ModelState::Loaded,
+        "both resident: 2Gi of VRAM"
+    );
+    let status = cache_status(&h).await;
+    let digest_of = |m: &str| {
+        status
+            .artifacts
+            .iter()
+            .find(|x| x.model == m)
+            .and_then(|x| x.digest.clone())
+    };
+    assert_eq!(digest_of("a").as_deref(), Some(da.as_str()));
+    assert_eq!(
+        digest_of("b").as_deref(),
+        Some(db.as_str()),
+        "the tag resolved to what was pushed"
+    );
+    let deduplicated = parse_bytes(status.deduplicated.as_deref().unwrap()).unwrap();
+    assert_eq!(deduplicated, 200 << 10, "{status:?}");
+    let used = parse_bytes(status.used.as_deref().unwrap()).unwrap();
+    assert_eq!(used, (200 + 100 + 10) << 10, "each blob once: {status:?}");
+    assert!(bytes_on_disk(&cache) <= 450 << 10);
+    const M: &str = "model_residency_node_agent_";
+    assert_eq!(
+        agent.metric(&format!("{M}shared_bytes_total"), "").await,
+        200 << 10,
+        "b's weights were linked, not fetched"
+    );
+    assert_eq!(
+        agent.metric(&format!("{M}fetched_bytes_total"), "").await,
+        (200 + 100 + 10) << 10,
+        "each blob fetched once"
+    );
+
+    // d needs room: a (no longer resident) goes, and with it only its own
+    // 100Ki; the weights stay for b.
+    h.request_nowait("gpu", "d").await;
+    h.until_state("gpu", "d", ModelState::Loaded, 60).await;
+    assert_eq!(artifact_state(&h, "a").await, Some(ArtifactState::Evicted));
+    assert_eq!(artifact_state(&h, "b").await, Some(ArtifactState::Ready));
+    let b_dir = cache.join(
+        cache_status(&h)
+            .await
+            .artifacts
+            .iter()
+            .find(|x| x.model == "b")
+            .unwrap()
+            .key
+            .clone(),
+    );
+    assert_eq!(std::fs::read(b_dir.join("weights.bin")).unwrap(), shared);
+    assert!(
+        !cached(&cache)
+            .iter()
+            .any(|n| n.ends_with(sha256_digest(&a_own).trim_start_matches("sha256:"))),
+        "a's own blob is gone: {:?}",
+        cached(&cache)
+    );
+    let status = cache_status(&h).await;
+    assert_eq!(
+        status.conditions[0].status, "False",
+        "never DiskFull: {status:?}"
+    );
+    assert!(bytes_on_disk(&cache) <= 450 << 10);
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_modelcar_image_is_unpacked_and_a_layer_that_escapes_is_refused_before_anything_is_written()
+ {
+    let reg = registry();
+    let h = Harness::start("oci-tar").await;
+    let layer = tar_gz(&[
+        ("models/config.json", br#"{"arch":"llama"}"#),
+        ("models/tok/vocab.txt", b"a b c"),
+        ("etc/not-the-model", b"x"),
+    ]);
+    let dcar = reg
+        .push("models/car", "v1", &[(TAR_GZ, &layer, None)])
+        .await
+        .unwrap();
+    // A device node in a layer (and a good file before it).
+    let mut evil = tar::Builder::new(Vec::new());
+    let mut ok = tar::Header::new_gnu();
+    ok.set_path("models/ok.txt").unwrap();
+    ok.set_size(2);
+    ok.set_cksum();
+    evil.append(&ok, &b"ok"[..]).unwrap();
+    let mut dev = tar::Header::new_gnu();
+    dev.set_path("models/sda").unwrap();
+    dev.set_entry_type(tar::EntryType::Block);
+    dev.set_size(0);
+    dev.set_cksum();
+    evil.append(&dev, std::io::empty()).unwrap();
+    let evil = evil.into_inner().unwrap();
+    let devil = reg
+        .push(
+            "models/evil",
+            "v1",
+            &[("application/vnd.oci.image.layer.v1.tar", &evil, None)],
+        )
+        .await
+        .unwrap();
+    credentials(&h, &reg, PASSWORD).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let _agent = agent(&h, &cache, "10Mi", &reg, true);
+    let mut elsewhere = oci(&reg, &format!("models/car@{dcar}"), "1Mi");
+    elsewhere["path"] = json!("/nothere");
+    create(
+        &h,
+        "gpu",
+        "8Gi",
+        vec![
+            model(
+                "car",
+                "1Gi",
+                Some(oci(&reg, &format!("models/car@{dcar}"), "1Mi")),
+            ),
+            model(
+                "evil",
+                "1Gi",
+                Some(oci(&reg, &format!("models/evil@{devil}"), "1Mi")),
+            ),
+            model("elsewhere", "1Gi", Some(elsewhere)),
+        ],
+        0,
+    )
+    .await;
+    h.request_nowait("gpu", "car").await;
+    let r = h.until_state("gpu", "car", ModelState::Loaded, 60).await;
+    let pod: k8s_openapi::api::core::v1::Pod = h
+        .pods
+        .get(status_of(&r, "car").pod.as_ref().unwrap())
+        .await
+        .unwrap();
+    let host = pod.spec.unwrap().volumes.unwrap()[0]
+        .host_path
+        .clone()
+        .unwrap()
+        .path;
+    let host = Path::new(&host);
+    assert_eq!(
+        std::fs::read(host.join("config.json")).unwrap(),
+        br#"{"arch":"llama"}"#
+    );
+    assert_eq!(std::fs::read(host.join("tok/vocab.txt")).unwrap(), b"a b c");
+    assert!(
+        !host.join("etc").exists() && !host.join("models").exists(),
+        "only /models, at the top"
+    );
+    for (m, says) in [("evil", "device file"), ("elsewhere", "/nothere")] {
+        h.request_nowait("gpu", m).await;
+        let r = h.until_state("gpu", m, ModelState::Failed, 60).await;
+        let st = status_of(&r, m);
+        let message = st.message.as_deref().unwrap_or_default();
+        assert!(
+            message.contains("InvalidArtifact") && message.contains(says),
+            "{m}: {st:?}"
+        );
+    }
+    // Nothing of the refused layer was written: no view, no unpacked
+    // layer, no blob left behind.
+    let evil_hex = sha256_digest(&evil)
+        .trim_start_matches("sha256:")
+        .to_owned();
+    let names = cached(&cache);
+    assert!(
+        !names
+            .iter()
+            .any(|n| n.starts_with("evil-") || n.contains(&evil_hex)),
+        "{names:?}"
+    );
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn each_registry_failure_has_its_reason_and_a_stopped_registry_is_waited_out() {
+    let mut reg = registry();
+    let h = Harness::start("oci-failures").await;
+    let weights = bytes(64 << 10, 9);
+    let dw = reg
+        .push("models/w", "v1", &[(OCTETS, &weights, Some("w.bin"))])
+        .await
+        .unwrap();
+    let w2 = bytes(32 << 10, 11);
+    let dw2 = reg
+        .push("models/w2", "v1", &[(OCTETS, &w2, Some("w2.bin"))])
+        .await
+        .unwrap();
+    let gone = bytes(1000, 10);
+    let dgone = reg
+        .push("models/gone", "v1", &[(OCTETS, &gone, Some("g.bin"))])
+        .await
+        .unwrap();
+    // The registry loses the blob's data after the push.
+    let hex = sha256_digest(&gone)
+        .trim_start_matches("sha256:")
+        .to_owned();
+    let data = reg
+        .storage()
+        .join("storage/docker/registry/v2/blobs/sha256")
+        .join(&hex[..2])
+        .join(&hex)
+        .join("data");
+    std::fs::remove_file(&data).unwrap();
+    let nothing = sha256_digest(b"no such manifest");
+    credentials(&h, &reg, "wrong-password").await;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let _agent = agent(&h, &cache, "10Mi", &reg, true);
+    create(
+        &h,
+        "gpu",
+        "8Gi",
+        vec![
+            model(
+                "w",
+                "1Gi",
+                Some(oci(&reg, &format!("models/w@{dw}"), "1Mi")),
+            ),
+            model(
+                "w2",
+                "1Gi",
+                Some(oci(&reg, &format!("models/w2@{dw2}"), "1Mi")),
+            ),
+            model(
+                "gone",
+                "1Gi",
+                Some(oci(&reg, &format!("models/gone@{dgone}"), "1Mi")),
+            ),
+            model(
+                "nothing",
+                "1Gi",
+                Some(oci(&reg, &format!("models/w@{nothing}"), "1Mi")),
+            ),
+            model(
+                "outside",
+                "1Gi",
+                Some(json!({"source": format!("oci://{}/other/x:v1", reg.host()), "size": "1Mi"})),
+            ),
+        ],
+        0,
+    )
+    .await;
+    // Wrong credentials, then a Secret fixed: the retry succeeds.
+    h.request_nowait("gpu", "w").await;
+    let r = h.until_state("gpu", "w", ModelState::Failed, 60).await;
+    let message = status_of(&r, "w").message.clone().unwrap_or_default();
+    assert!(
+        message.contains("RegistryAuthFailed") && message.contains("refused the credentials"),
+        "{message}"
+    );
+    // The Secret fixed: the retry (5 s later) reads it and loads.
+    credentials(&h, &reg, PASSWORD).await;
+    h.until_state("gpu", "w", ModelState::Loaded, 60).await;
+    // The registry stops: w2's pull fails as RegistryUnavailable; started
+    // again, its retry loads it.
+    reg.stop();
+    h.request_nowait("gpu", "w2").await;
+    crate::support::cluster::eventually(30, "w2's pull to find the registry down", || async {
+        let status = cache_status(&h).await;
+        let a = status.artifacts.iter().find(|x| x.model == "w2")?;
+        (a.reason.as_deref() == Some("RegistryUnavailable")).then_some(())
+    })
+    .await;
+    reg.resume().unwrap();
+    let r = h.until_state("gpu", "w2", ModelState::Loaded, 60).await;
+    let pod: k8s_openapi::api::core::v1::Pod = h
+        .pods
+        .get(status_of(&r, "w2").pod.as_ref().unwrap())
+        .await
+        .unwrap();
+    let host = pod.spec.unwrap().volumes.unwrap()[0]
+        .host_path
+        .clone()
+        .unwrap()
+        .path;
+    assert_eq!(std::fs::read(Path::new(&host).join("w2.bin")).unwrap(), w2);
+    for (m, reason) in [
+        ("gone", "BlobNotFound"),
+        ("nothing", "ManifestNotFound"),
+        ("outside", "SourceNotAllowed"),
+    ] {
+        h.request_nowait("gpu", m).await;
+        let r = h.until_state("gpu", m, ModelState::Failed, 60).await;
+        let message = status_of(&r, m).message.clone().unwrap_or_default();
+        assert!(message.contains(reason), "{m}: {message}");
+    }
+    let names = cached(&cache);
+    assert!(
+        !names
+            .iter()
+            .any(|n| n.contains(&hex) || n.starts_with("gone-")),
+        "nothing half-written: {names:?}"
+    );
+}
