@@ -9,6 +9,11 @@
 //!   server, fetched by the agent's fetcher (sha256 verified, written to
 //!   disk, renamed into place) and by `curl -o` (no verification), in the
 //!   same run, alternating, `--rounds` each; the median of each.
+//! - **Registry pull**: one `--oci-mib` MiB blob from a local registry
+//!   (Debian's docker-registry, TLS, basic auth; `bash scripts/registry.sh`)
+//!   by the agent's OCI fetcher against `curl | sha256sum` of the same
+//!   blob; then a second artifact that shares all but a 1 MiB layer with
+//!   the first: what it fetches and how long it takes.
 //! - **Time to Ready**: a model with a `--model-mib` MiB artifact, from its
 //!   request until its status is Loaded: fetched on demand, then (after an
 //!   eviction) from the cache.
@@ -24,6 +29,7 @@ use model_residency::api::{ModelResidency, ModelState};
 use model_residency::local::control_plane::ControlPlane;
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
 use model_residency::node_agent::agent::AgentConfig;
+use model_residency::node_agent::blobs::STORE_DIR;
 use model_residency::node_agent::fetch::{FileSource, Progress, client, fetch};
 use serde_json::json;
 use std::convert::Infallible;
@@ -108,6 +114,8 @@ async fn throughput(mib: usize, rounds: usize) {
         .unwrap();
         ours.push(t.elapsed());
         std::fs::remove_dir_all(dir.path().join(format!("m{round}"))).unwrap();
+        // The next round downloads again (the blob store would link it).
+        std::fs::remove_dir_all(dir.path().join(STORE_DIR)).unwrap();
         let out = dir.path().join("curl.bin");
         let t = Instant::now();
         let status = tokio::task::spawn_blocking({
@@ -220,13 +228,167 @@ async fn time_to_ready(plane: &ControlPlane, model_mib: usize) {
     agent.abort();
 }
 
+/// A blob pulled from the local registry (TLS, basic auth) by the node
+/// agent's OCI fetcher against curl of the same blob piped to sha256sum,
+/// alternating; then a second artifact sharing all but one small layer.
+async fn registry_pull(mib: usize, rounds: usize) {
+    use model_residency::local::registry::{LocalRegistry, PASSWORD, USER};
+    use model_residency::node_agent::oci::{self, Registry, Source};
+    use oci_client::secrets::RegistryAuth;
+    let data: Vec<u8> = (0..mib << 20).map(|i| (i % 253) as u8).collect();
+    let own: Vec<u8> = (0..1 << 20).map(|i| (i % 241) as u8).collect();
+    let reg = match LocalRegistry::start() {
+        Ok(r) => r,
+        Err(e) => {
+            println!("== registry pull: skipped ({e})");
+            return;
+        }
+    };
+    const OCTETS: &str = "application/octet-stream";
+    let d1 = reg
+        .push("models/big", "v1", &[(OCTETS, &data, Some("weights.bin"))])
+        .await
+        .unwrap();
+    let d2 = reg
+        .push(
+            "models/big2",
+            "v1",
+            &[
+                (OCTETS, &data, Some("weights.bin")),
+                (OCTETS, &own, Some("adapter.bin")),
+            ],
+        )
+        .await
+        .unwrap();
+    let blob = model_residency::local::registry::sha256_digest(&data);
+    let registry = Registry::new(Some(std::fs::read(reg.ca_file()).unwrap())).unwrap();
+    let auth = RegistryAuth::Basic(USER.into(), PASSWORD.into());
+    let source =
+        |repo: &str, d: &str| Source::parse(&format!("oci://{}/{repo}@{d}", reg.host())).unwrap();
+    let (s1, s2) = (source("models/big", &d1), source("models/big2", &d2));
+    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+    let declared = (data.len() + own.len()) as u64;
+    for _ in 0..rounds {
+        let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
+        let t = Instant::now();
+        let resolved = registry.resolve(&s1, &auth).await.unwrap();
+        oci::fetch(
+            &registry,
+            &auth,
+            dir.path(),
+            "big",
+            &s1,
+            &resolved,
+            "models",
+            declared,
+            &Progress::default(),
+        )
+        .await
+        .unwrap();
+        ours.push(t.elapsed());
+        drop(dir);
+        let script = format!(
+            "set -o pipefail; curl -sf --cacert {} -u {USER}:{PASSWORD} https://{}/v2/models/big/blobs/{blob} | sha256sum",
+            reg.ca_file().display(),
+            reg.host()
+        );
+        let t = Instant::now();
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new("bash").args(["-c", &script]).output()
+        })
+        .await
+        .unwrap()
+        .expect("curl");
+        theirs.push(t.elapsed());
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            String::from_utf8_lossy(&out.stdout).starts_with(blob.trim_start_matches("sha256:"))
+        );
+    }
+    let (o, c) = (median(ours), median(theirs));
+    println!("== registry pull: one {mib} MiB blob over TLS with basic auth, median of {rounds}");
+    println!(
+        "   node agent (resolve, digest verified, into the blob store, linked): {:.0} MiB/s ({:.2} s)",
+        mib_per_s(data.len(), o),
+        o.as_secs_f64()
+    );
+    println!(
+        "   curl | sha256sum:                                                 {:.0} MiB/s ({:.2} s)",
+        mib_per_s(data.len(), c),
+        c.as_secs_f64()
+    );
+    println!(
+        "   ratio agent/curl: {:.2}x (goal at least 0.9x)",
+        c.as_secs_f64() / o.as_secs_f64()
+    );
+    // A second model sharing all but its 1 MiB adapter.
+    let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
+    let first = registry.resolve(&s1, &auth).await.unwrap();
+    let t = Instant::now();
+    let a = oci::fetch(
+        &registry,
+        &auth,
+        dir.path(),
+        "big",
+        &s1,
+        &first,
+        "models",
+        declared,
+        &Progress::default(),
+    )
+    .await
+    .unwrap();
+    let first_time = t.elapsed();
+    let t = Instant::now();
+    let second = registry.resolve(&s2, &auth).await.unwrap();
+    let b = oci::fetch(
+        &registry,
+        &auth,
+        dir.path(),
+        "big2",
+        &s2,
+        &second,
+        "models",
+        declared,
+        &Progress::default(),
+    )
+    .await
+    .unwrap();
+    let second_time = t.elapsed();
+    let on_disk = model_residency::node_agent::blobs::unique_usage(dir.path()).unwrap();
+    println!("== a second model sharing all but one layer");
+    println!(
+        "   first:  {:.3} s, {} bytes fetched",
+        first_time.as_secs_f64(),
+        a.bytes - a.shared - a.resumed
+    );
+    println!(
+        "   second: {:.3} s, {} bytes fetched (its own layer: {} bytes), {} linked from the store",
+        second_time.as_secs_f64(),
+        b.bytes - b.shared - b.resumed,
+        own.len(),
+        b.shared
+    );
+    println!(
+        "   on disk for both: {} bytes ({} of artifacts)",
+        on_disk,
+        a.bytes + b.bytes
+    );
+}
+
 fn main() {
     let args = bench_args();
     let mib: usize = arg(&args, "--mib", "512").parse().unwrap();
     let rounds: usize = arg(&args, "--rounds", "3").parse().unwrap();
     let model_mib: usize = arg(&args, "--model-mib", "200").parse().unwrap();
+    let oci_mib: usize = arg(&args, "--oci-mib", "256").parse().unwrap();
     let rt = runtime();
     rt.block_on(throughput(mib, rounds));
+    rt.block_on(registry_pull(oci_mib, rounds));
     let plane = start_plane();
     rt.block_on(time_to_ready(&plane, model_mib));
 }

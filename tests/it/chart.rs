@@ -215,6 +215,10 @@ fn chart_lints_and_renders_hardened_least_privilege_manifests() {
             "nodeAgent.enabled=true",
             "--set",
             "nodeAgent.allowedSources={https://models.example.com/}",
+            "--set",
+            "nodeAgent.registryCredentials=model-registry",
+            "--set",
+            "nodeAgent.registryCA.configMap=registry-ca",
         ],
     ));
     let agent = of_kind(&with_agent, "DaemonSet")[0];
@@ -251,6 +255,21 @@ fn chart_lints_and_renders_hardened_least_privilege_manifests() {
             .unwrap()
             .contains(&json!("--disk-budget=200Gi")),
         "{args}"
+    );
+    for want in [
+        "--registry-credentials=model-registry",
+        "--registry-ca-file=/etc/model-residency/registry-ca/ca.crt",
+    ] {
+        assert!(args.as_array().unwrap().contains(&json!(want)), "{args}");
+    }
+    let volumes = &agent["spec"]["template"]["spec"]["volumes"];
+    assert!(
+        volumes
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v["configMap"]["name"] == "registry-ca"),
+        "{volumes}"
     );
     let agent_role = of_kind(&with_agent, "ClusterRole")
         .into_iter()
@@ -745,9 +764,20 @@ async fn the_node_agent_does_its_job_with_only_its_charts_rbac() {
             "nodeAgent.enabled=true",
             "--set",
             "router.enabled=false",
+            "--set",
+            "nodeAgent.registryCredentials=model-registry",
         ],
     );
     let (user, groups) = service_account_named(&env, "disk-model-residency-node-agent");
+    // Its registry credentials: that one Secret, by name, nothing else.
+    for (what, want) in [("secrets/model-registry", "yes"), ("secrets/another", "no")] {
+        let out = env.kubectl(&["auth", "can-i", "get", what, "--as", &user]);
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            want,
+            "get {what}"
+        );
+    }
     assert_rights(
         &env,
         &user,
@@ -760,6 +790,7 @@ async fn the_node_agent_does_its_job_with_only_its_charts_rbac() {
             ("create", "pods", false),
             ("delete", "nodemodelcaches.residency.dev", false),
             ("get", "secrets", false),
+            ("list", "secrets", false),
         ],
     );
 
