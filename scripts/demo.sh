@@ -11,6 +11,9 @@ export HELM
 # kubectl comes with the control plane (same version); else the PATH's.
 [ -x "$MODEL_RESIDENCY_ASSETS/kubectl" ] || command -v kubectl >/dev/null \
   || echo "note: kubectl not found; the demo prints its own views only" >&2
+# The local OCI registry the disk step pulls llama's weights from.
+bash scripts/registry.sh >/dev/null \
+  || echo "note: no docker-registry; the disk step fetches from an http store instead" >&2
 bash scripts/build-tools.sh
 echo "[demo] building model-residency (release)..." >&2
 cargo build --release --locked --quiet

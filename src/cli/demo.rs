@@ -424,6 +424,85 @@ async fn artifact_server(weights: bytes::Bytes) -> Result<std::net::SocketAddr, 
     Ok(addr)
 }
 
+/// The registry credentials Secret of the demo's node agent.
+const DEMO_REGISTRY_SECRET: &str = "demo-registry";
+
+/// Where llama's weights come from: an OCI artifact in a local registry
+/// (Debian's docker-registry, TLS and basic auth), pushed here; or, when no
+/// registry can be started, the plain http store.
+struct WeightsSource {
+    artifact: serde_json::Value,
+    allowed: String,
+    agent_flags: Vec<String>,
+    says: String,
+    _registry: Option<model_residency::local::registry::LocalRegistry>,
+}
+
+async fn weights_source(
+    plane: &ControlPlane,
+    weights: bytes::Bytes,
+    sha: &str,
+) -> Result<WeightsSource, Failure> {
+    use model_residency::local::registry::{LocalRegistry, PASSWORD, USER, docker_config};
+    match LocalRegistry::start() {
+        Ok(registry) => {
+            let digest = registry
+                .push(
+                    "models/llama",
+                    "1.0",
+                    &[(
+                        "application/octet-stream",
+                        &weights,
+                        Some("model.safetensors"),
+                    )],
+                )
+                .await
+                .map_err(Failure::other)?;
+            let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+                Api::namespaced(plane.client().await.map_err(Failure::other)?, OPERATOR_NS);
+            let secret: k8s_openapi::api::core::v1::Secret = serde_json::from_value(serde_json::json!({
+                "metadata": {"name": DEMO_REGISTRY_SECRET},
+                "type": "kubernetes.io/dockerconfigjson",
+                "stringData": {".dockerconfigjson": docker_config(&registry.host(), USER, PASSWORD)},
+            }))
+            .map_err(Failure::other)?;
+            let _ = secrets
+                .create(&kube::api::PostParams::default(), &secret)
+                .await;
+            let host = registry.host();
+            Ok(WeightsSource {
+                artifact: serde_json::json!({"size": "8Mi", "source": format!("oci://{host}/models/llama@{digest}")}),
+                allowed: format!("oci://{host}/models"),
+                agent_flags: vec![
+                    "--registry-credentials".into(),
+                    DEMO_REGISTRY_SECRET.into(),
+                    "--namespace".into(),
+                    OPERATOR_NS.into(),
+                    "--registry-ca-file".into(),
+                    registry.ca_file().display().to_string(),
+                ],
+                says: format!(
+                    "pulling only from the local OCI registry at {host} (TLS, htpasswd; its credentials in the Secret {OPERATOR_NS}/{DEMO_REGISTRY_SECRET}), where llama's weights were pushed as an ORAS artifact, {digest}"
+                ),
+                _registry: Some(registry),
+            })
+        }
+        Err(why) => {
+            let store = artifact_server(weights).await?;
+            Ok(WeightsSource {
+                artifact: serde_json::json!({"size": "8Mi", "files": [{
+                    "uri": format!("http://{store}/llama/model.safetensors"), "sha256": sha}]}),
+                allowed: format!("http://{store}/"),
+                agent_flags: Vec::new(),
+                says: format!(
+                    "fetching only from the model store at http://{store}/ (no local registry: {why})"
+                ),
+                _registry: None,
+            })
+        }
+    }
+}
+
 /// The node's disk: the node agent fetches a model's weights, verified,
 /// before its pod starts, and the pod mounts them read-only. Returns the
 /// agent and its cache directory (removed when dropped, after the agent
@@ -440,30 +519,28 @@ async fn disk_tier(
     let sha = model_residency::node_agent::fetch::encode_hex(
         ring::digest::digest(&ring::digest::SHA256, &weights).as_ref(),
     );
-    let store = artifact_server(weights).await?;
+    let source = weights_source(plane, weights, &sha).await?;
     let cache = tempfile::tempdir().map_err(Failure::other)?;
     let cache_dir = cache.path().join("model-cache");
     say(&format!(
-        "The node's disk: starting the node agent (model-residency node-agent, as the chart's node-agent ServiceAccount) with a 64Mi disk budget, fetching only from the model store at http://{store}/"
+        "The node's disk: starting the node agent (model-residency node-agent, as the chart's node-agent ServiceAccount) with a 64Mi disk budget, {}",
+        source.says
     ));
     let node = demo_node(residency);
-    let agent = spawn_as(
-        plane,
-        "node agent",
-        "model-residency-node-agent",
-        &[
-            "node-agent",
-            "--node",
-            &node,
-            "--disk-budget",
-            "64Mi",
-            "--cache-dir",
-            &cache_dir.display().to_string(),
-            "--allowed-sources",
-            &format!("http://{store}/"),
-        ],
-    )
-    .await?;
+    let cache_arg = cache_dir.display().to_string();
+    let mut args: Vec<&str> = vec![
+        "node-agent",
+        "--node",
+        &node,
+        "--disk-budget",
+        "64Mi",
+        "--cache-dir",
+        &cache_arg,
+        "--allowed-sources",
+        &source.allowed,
+    ];
+    args.extend(source.agent_flags.iter().map(String::as_str));
+    let agent = spawn_as(plane, "node agent", "model-residency-node-agent", &args).await?;
     // The new model's pod is the seed's first template with its own image.
     let mut template = residency
         .spec
@@ -475,12 +552,11 @@ async fn disk_tier(
     template["spec"]["containers"][0]["args"] = serde_json::json!(["--model", "llama"]);
     let model = serde_json::json!({
         "name": "llama", "size": "2000Mi", "template": template,
-        "artifact": {"size": "8Mi", "files": [{
-            "uri": format!("http://{store}/llama/model.safetensors"), "sha256": sha}]},
+        "artifact": source.artifact,
     });
     let patch = serde_json::json!([{"op": "add", "path": "/spec/models/-", "value": model}]);
     say(
-        "Registering llama (2000Mi of VRAM) with an artifact: 8Mi of weights, with their sha256, that its pod needs on the node's disk",
+        "Registering llama (2000Mi of VRAM) with an artifact: 8Mi of weights, pinned by digest, that its pod needs on the node's disk",
     );
     println!(
         "$ kubectl patch mres {name} -n {NAMESPACE} --type=json -p '[{{\"op\":\"add\",\"path\":\"/spec/models/-\",\"value\":{{\"name\":\"llama\",\"size\":\"2000Mi\",\"artifact\":{{...}},...}}}}]'"
@@ -506,7 +582,7 @@ async fn disk_tier(
             "nmc",
             &node,
             "-o",
-            "custom-columns=ARTIFACT:.status.artifacts[*].key,STATE:.status.artifacts[*].state,BYTES:.status.artifacts[*].bytes,SHA256:.status.artifacts[*].sha256",
+            "custom-columns=ARTIFACT:.status.artifacts[*].key,STATE:.status.artifacts[*].state,BYTES:.status.artifacts[*].bytes,SHA256:.status.artifacts[*].sha256,DIGEST:.status.artifacts[*].digest",
         ],
     );
     if let Some(pod) = r
@@ -534,6 +610,7 @@ async fn disk_tier(
         .into_iter()
         .flatten()
         .flatten()
+        .filter(|d| d.file_name() != model_residency::node_agent::blobs::STORE_DIR)
     {
         for file in std::fs::read_dir(dir.path())
             .into_iter()
@@ -675,6 +752,10 @@ fn install_rbac(plane: &ControlPlane) -> Result<(), Failure> {
         .arg(checkout_file("charts/model-residency"))
         .args(["--namespace", OPERATOR_NS])
         .args(["--set", "nodeAgent.enabled=true"])
+        .args([
+            "--set",
+            &format!("nodeAgent.registryCredentials={DEMO_REGISTRY_SECRET}"),
+        ])
         .output()
         .map_err(|e| Failure::other(format!("helm: {e}")))?;
     if !rendered.status.success() {
