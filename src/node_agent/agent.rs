@@ -402,9 +402,12 @@ impl Agent {
                 self.config.clone(),
                 self.done.clone(),
             );
+            // A tag fetched before (this agent's life, or on its disk)
+            // keeps the digest it was fetched at.
+            let pinned = self.entries.get(key).and_then(|e| e.digest.clone());
             let (key, source) = (key.clone(), source.clone());
             tokio::spawn(async move {
-                let result = resolve(&registry, secrets.as_ref(), &config, &source).await;
+                let result = resolve(&registry, secrets.as_ref(), &config, &source, pinned).await;
                 let _ = done.send(Done::Resolved(key, result));
             });
         }
@@ -428,6 +431,15 @@ impl Agent {
             Ok(0) => {}
             Ok(freed) => tracing::info!(bytes = freed, "removed blobs no artifact links"),
             Err(e) => tracing::warn!(error = %e, "collecting unlinked blobs failed"),
+        }
+        // Which blobs cut short are still of use is known once every
+        // wanted OCI artifact is resolved (after a restart, a partial blob
+        // waits for its manifest to be read again).
+        let unresolved = wanted
+            .iter()
+            .any(|(k, d)| matches!(d.origin, Origin::Oci { .. }) && !self.resolved.contains_key(k));
+        if unresolved {
+            return;
         }
         let needed: HashSet<String> = wanted
             .keys()
@@ -905,8 +917,12 @@ async fn resolve(
     secrets: Option<&Api<Secret>>,
     config: &AgentConfig,
     text: &str,
+    pinned: Option<String>,
 ) -> Result<Resolved, fetch::FetchError> {
-    let source = oci::Source::parse(text)?;
+    let mut source = oci::Source::parse(text)?;
+    if let (None, Some(digest)) = (source.digest(), pinned) {
+        source.reference = source.reference.clone_with_digest(digest);
+    }
     if !source.is_allowed(&config.allowed_sources) {
         return Err(fetch::FetchError::NotAllowed {
             uri: text.to_owned(),
@@ -929,7 +945,7 @@ async fn fetch_oci(
 ) -> Result<fetch::Fetched, fetch::FetchError> {
     let resolved = match resolved {
         Some(r) => r,
-        None => resolve(registry, secrets, config, text).await?,
+        None => resolve(registry, secrets, config, text, None).await?,
     };
     let source = oci::Source::parse(text)?;
     let auth = auth_for(secrets, config, source.registry()).await?;

@@ -948,6 +948,127 @@ mod tests {
     }
 
     #[test]
+    fn the_clients_errors_become_the_artifacts_reasons() {
+        let s = Source::parse("oci://reg.example/models/a:v1").unwrap();
+        let basic = RegistryAuth::Basic("u".into(), "p".into());
+        let url = || "https://reg.example/v2/models/a/manifests/v1".to_owned();
+        let envelope = |code: &str| -> oci_client::errors::OciEnvelope {
+            serde_json::from_value(serde_json::json!({"errors": [{"code": code, "message": "m"}]}))
+                .unwrap()
+        };
+        let cases: Vec<(OciDistributionError, Option<&str>, &RegistryAuth, &str)> = vec![
+            (
+                OciDistributionError::UnauthorizedError { url: url() },
+                None,
+                &RegistryAuth::Anonymous,
+                "RegistryAuthFailed",
+            ),
+            (
+                OciDistributionError::RegistryError {
+                    envelope: envelope("DENIED"),
+                    url: url(),
+                },
+                None,
+                &basic,
+                "RegistryAuthFailed",
+            ),
+            (
+                OciDistributionError::RegistryError {
+                    envelope: envelope("MANIFEST_UNKNOWN"),
+                    url: url(),
+                },
+                None,
+                &basic,
+                "ManifestNotFound",
+            ),
+            (
+                OciDistributionError::RegistryError {
+                    envelope: envelope("BLOB_UNKNOWN"),
+                    url: url(),
+                },
+                Some("sha256:ab"),
+                &basic,
+                "BlobNotFound",
+            ),
+            (
+                OciDistributionError::ServerError {
+                    code: 404,
+                    url: url(),
+                    message: String::new(),
+                },
+                Some("sha256:ab"),
+                &basic,
+                "BlobNotFound",
+            ),
+            (
+                OciDistributionError::ServerError {
+                    code: 503,
+                    url: url(),
+                    message: String::new(),
+                },
+                None,
+                &basic,
+                "RegistryUnavailable",
+            ),
+            (
+                OciDistributionError::UnsupportedMediaTypeError("x/y".into()),
+                None,
+                &basic,
+                "UnsupportedMediaType",
+            ),
+        ];
+        for (e, blob, auth, want) in cases {
+            let text = e.to_string();
+            let got = registry_error(&s, auth, blob, e);
+            assert_eq!(got.reason(), want, "{text}: {got}");
+        }
+        let anonymous = registry_error(
+            &s,
+            &RegistryAuth::Anonymous,
+            None,
+            OciDistributionError::UnauthorizedError { url: url() },
+        );
+        assert!(anonymous.to_string().contains("has none"), "{anonymous}");
+        assert!(
+            registry_error(
+                &s,
+                &basic,
+                None,
+                OciDistributionError::ServerError {
+                    code: 503,
+                    url: url(),
+                    message: String::new()
+                }
+            )
+            .retryable()
+        );
+    }
+
+    #[test]
+    fn an_index_gives_its_only_entry_or_linux_on_this_architecture() {
+        let s = Source::parse("oci://reg.example/models/a:v1").unwrap();
+        let d = |n: u8| format!("sha256:{}", format!("{n:02x}").repeat(32));
+        let arch = match std::env::consts::ARCH {
+            "x86_64" => "amd64",
+            "aarch64" => "arm64",
+            other => other,
+        };
+        let one = serde_json::json!({"manifests": [{"digest": d(1)}]});
+        assert_eq!(choose_from_index(&s, &one).unwrap(), d(1));
+        let many = serde_json::json!({"manifests": [
+            {"digest": d(1), "platform": {"os": "linux", "architecture": "s390x"}},
+            {"digest": d(2), "platform": {"os": "linux", "architecture": arch}},
+            {"digest": d(3), "platform": {"os": "windows", "architecture": arch}},
+        ]});
+        assert_eq!(choose_from_index(&s, &many).unwrap(), d(2));
+        let ambiguous = serde_json::json!({"manifests": [{"digest": d(1)}, {"digest": d(2)}]});
+        assert_eq!(
+            choose_from_index(&s, &ambiguous).unwrap_err().reason(),
+            "InvalidArtifact"
+        );
+    }
+
+    #[test]
     fn credentials_come_from_the_entry_for_the_registry() {
         let config = br#"{"auths": {
             "https://reg.example:5000/v1/": {"auth": "dXNlcjpwYXNz"},

@@ -458,3 +458,68 @@ async fn each_registry_failure_has_its_reason_and_a_stopped_registry_is_waited_o
         "nothing half-written: {names:?}"
     );
 }
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_blob_an_agent_was_killed_in_the_middle_of_resumes_where_it_stopped() {
+    let reg = registry();
+    let h = Harness::start("oci-resume").await;
+    let weights = bytes(2 << 20, 12);
+    let d = reg
+        .push("models/r", "v1", &[(OCTETS, &weights, Some("w.bin"))])
+        .await
+        .unwrap();
+    credentials(&h, &reg, PASSWORD).await;
+    // What an agent killed mid-blob leaves: the first MiB of the blob in
+    // the store's partial file.
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let hex = sha256_digest(&weights)
+        .trim_start_matches("sha256:")
+        .to_owned();
+    let partial = cache.join(".blobs/partial").join(&hex);
+    std::fs::create_dir_all(partial.parent().unwrap()).unwrap();
+    std::fs::write(&partial, &weights[..1 << 20]).unwrap();
+    create(
+        &h,
+        "gpu",
+        "8Gi",
+        vec![model(
+            "r",
+            "1Gi",
+            Some(oci(&reg, &format!("models/r@{d}"), "3Mi")),
+        )],
+        0,
+    )
+    .await;
+    h.request_nowait("gpu", "r").await;
+    h.until_state("gpu", "r", ModelState::Fetching, 30).await;
+    // The model is resident (Fetching) when the agent comes back.
+    let agent = agent(&h, &cache, "10Mi", &reg, true);
+    let r = h.until_state("gpu", "r", ModelState::Loaded, 60).await;
+    let pod: k8s_openapi::api::core::v1::Pod = h
+        .pods
+        .get(status_of(&r, "r").pod.as_ref().unwrap())
+        .await
+        .unwrap();
+    let host = pod.spec.unwrap().volumes.unwrap()[0]
+        .host_path
+        .clone()
+        .unwrap()
+        .path;
+    assert_eq!(
+        std::fs::read(Path::new(&host).join("w.bin")).unwrap(),
+        weights
+    );
+    const M: &str = "model_residency_node_agent_";
+    assert_eq!(
+        agent.metric(&format!("{M}resumed_bytes_total"), "").await,
+        1 << 20
+    );
+    assert_eq!(
+        agent.metric(&format!("{M}fetched_bytes_total"), "").await,
+        1 << 20,
+        "only the rest was asked for"
+    );
+    assert!(!partial.exists(), "the partial became the blob");
+}
