@@ -228,6 +228,17 @@ async fn time_to_ready(plane: &ControlPlane, model_mib: usize) {
     agent.abort();
 }
 
+/// Runs `script` with bash; how long it took, and what it printed.
+async fn timed_bash(script: String) -> (Duration, std::process::Output) {
+    let t = Instant::now();
+    let out =
+        tokio::task::spawn_blocking(move || Command::new("bash").args(["-c", &script]).output())
+            .await
+            .unwrap()
+            .expect("bash");
+    (t.elapsed(), out)
+}
+
 /// A blob pulled from the local registry (TLS, basic auth) by the node
 /// agent's OCI fetcher against curl of the same blob piped to sha256sum,
 /// alternating; then a second artifact sharing all but one small layer.
@@ -292,14 +303,8 @@ async fn registry_pull(mib: usize, rounds: usize) {
             reg.ca_file().display(),
             reg.host()
         );
-        let t = Instant::now();
-        let out = tokio::task::spawn_blocking(move || {
-            Command::new("bash").args(["-c", &script]).output()
-        })
-        .await
-        .unwrap()
-        .expect("curl");
-        theirs.push(t.elapsed());
+        let (took, out) = timed_bash(script).await;
+        theirs.push(took);
         assert!(
             out.status.success(),
             "{}",
@@ -316,14 +321,8 @@ async fn registry_pull(mib: usize, rounds: usize) {
             file.display(),
             reg.host()
         );
-        let t = Instant::now();
-        let out = tokio::task::spawn_blocking(move || {
-            Command::new("bash").args(["-c", &script]).output()
-        })
-        .await
-        .unwrap()
-        .expect("curl");
-        bare.push(t.elapsed());
+        let (took, out) = timed_bash(script).await;
+        bare.push(took);
         assert!(out.status.success());
         assert_eq!(std::fs::metadata(&file).unwrap().len(), data.len() as u64);
         std::fs::remove_file(&file).unwrap();

@@ -526,12 +526,7 @@ async fn download_all(
     allowed: &[String],
     progress: &Progress,
 ) -> Result<Fetched, FetchError> {
-    let mut budget = Budget {
-        declared,
-        limit: size_limit(declared),
-        total: 0,
-        progress,
-    };
+    let mut budget = Budget::new(declared, progress);
     let mut resumed = 0u64;
     let mut shared = 0u64;
     let mut blobs: Vec<Blob> = Vec::new();
@@ -583,16 +578,27 @@ async fn download_all(
 }
 
 /// The artifact's bytes so far against its size limit, shown as progress.
-struct Budget<'p> {
+pub(super) struct Budget<'p> {
     declared: u64,
-    limit: u64,
-    total: u64,
+    pub(super) limit: u64,
+    pub(super) total: u64,
     progress: &'p Progress,
 }
 
-impl Budget<'_> {
+impl<'p> Budget<'p> {
+    /// Nothing counted yet, against `declared` (plus [`size_limit`]'s
+    /// margin).
+    pub(super) fn new(declared: u64, progress: &'p Progress) -> Budget<'p> {
+        Budget {
+            declared,
+            limit: size_limit(declared),
+            total: 0,
+            progress,
+        }
+    }
+
     /// Counts `n` more bytes; past the limit is `TooLarge`.
-    fn add(&mut self, n: u64) -> Result<(), FetchError> {
+    pub(super) fn add(&mut self, n: u64) -> Result<(), FetchError> {
         self.total += n;
         if self.total > self.limit {
             return Err(FetchError::TooLarge {

@@ -25,7 +25,9 @@
 //!   blob the store holds is linked, not fetched.
 
 use super::blobs::{Store, ViewRecord, blob_id};
-use super::fetch::{FetchError, Fetched, PARTIAL_PREFIX, Progress, error_chain, inside_path, io};
+use super::fetch::{
+    Budget, FetchError, Fetched, PARTIAL_PREFIX, Progress, error_chain, inside_path, io,
+};
 use super::keep::Blob;
 use futures::StreamExt;
 use oci_client::client::{BlobResponse, Certificate, CertificateEncoding, ClientConfig};
@@ -34,7 +36,6 @@ use oci_client::manifest::OciDescriptor;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 
 /// The largest manifest accepted (containerd's limit).
 pub const MANIFEST_LIMIT: usize = 4 << 20;
@@ -251,7 +252,7 @@ async fn download(
     source: &Source,
     auth: &RegistryAuth,
     layer: &Layer,
-    counter: &mut Counter<'_>,
+    counter: &mut Budget<'_>,
 ) -> Result<(PathBuf, u64), FetchError> {
     let path = store.partial(layer.hex());
     let have = std::fs::metadata(&path).map_or(0, |m| m.len());
@@ -326,28 +327,6 @@ async fn download(
         });
     }
     Ok((path, kept))
-}
-
-/// The bytes an artifact brings in against its declared size.
-struct Counter<'p> {
-    declared: u64,
-    limit: u64,
-    total: u64,
-    progress: &'p Progress,
-}
-
-impl Counter<'_> {
-    fn add(&mut self, n: u64) -> Result<(), FetchError> {
-        self.total += n;
-        if self.total > self.limit {
-            return Err(FetchError::TooLarge {
-                declared: self.declared,
-                got: self.total,
-            });
-        }
-        self.progress.bytes.store(self.total, Ordering::Relaxed);
-        Ok(())
-    }
 }
 
 fn parse_manifest(source: &Source, body: &[u8]) -> Result<serde_json::Value, FetchError> {
@@ -596,12 +575,7 @@ async fn place_all(
     declared: u64,
     progress: &Progress,
 ) -> Result<Fetched, FetchError> {
-    let mut counter = Counter {
-        declared,
-        limit: super::fetch::size_limit(declared),
-        total: 0,
-        progress,
-    };
+    let mut counter = Budget::new(declared, progress);
     let client = registry.client()?;
     // Logged in (or not) once for the layers that follow.
     client.store_auth_if_needed(source.registry(), auth).await;

@@ -69,6 +69,18 @@ fn oci(registry: &LocalRegistry, repo_and_ref: &str, size: &str) -> serde_json::
     json!({"source": format!("oci://{}/{repo_and_ref}", registry.host()), "size": size})
 }
 
+/// Waits until `model` is Loaded; the directory its pod mounts.
+async fn loaded_dir(h: &Harness, model: &str) -> std::path::PathBuf {
+    let r = h.until_state("gpu", model, ModelState::Loaded, 60).await;
+    let pod: k8s_openapi::api::core::v1::Pod = h
+        .pods
+        .get(status_of(&r, model).pod.as_ref().unwrap())
+        .await
+        .unwrap();
+    let volume = &pod.spec.unwrap().volumes.unwrap()[0];
+    volume.host_path.as_ref().unwrap().path.clone().into()
+}
+
 async fn cache_status(h: &Harness) -> model_residency::api::NodeModelCacheStatus {
     node_cache(h).await.unwrap().status.unwrap()
 }
@@ -138,17 +150,7 @@ async fn oras_artifacts_are_pulled_by_digest_and_tag_and_a_shared_layer_is_store
     )
     .await;
     h.request_nowait("gpu", "a").await;
-    let r = h.until_state("gpu", "a", ModelState::Loaded, 60).await;
-    let pod: k8s_openapi::api::core::v1::Pod = h
-        .pods
-        .get(status_of(&r, "a").pod.as_ref().unwrap())
-        .await
-        .unwrap();
-    let host = pod.spec.unwrap().volumes.unwrap()[0]
-        .host_path
-        .clone()
-        .unwrap()
-        .path;
+    let host = loaded_dir(&h, "a").await;
     assert_eq!(
         std::fs::read(Path::new(&host).join("weights.bin")).unwrap(),
         shared
@@ -291,18 +293,8 @@ async fn a_modelcar_image_is_unpacked_and_a_layer_that_escapes_is_refused_before
     )
     .await;
     h.request_nowait("gpu", "car").await;
-    let r = h.until_state("gpu", "car", ModelState::Loaded, 60).await;
-    let pod: k8s_openapi::api::core::v1::Pod = h
-        .pods
-        .get(status_of(&r, "car").pod.as_ref().unwrap())
-        .await
-        .unwrap();
-    let host = pod.spec.unwrap().volumes.unwrap()[0]
-        .host_path
-        .clone()
-        .unwrap()
-        .path;
-    let host = Path::new(&host);
+    let host = loaded_dir(&h, "car").await;
+    let host = host.as_path();
     assert_eq!(
         std::fs::read(host.join("config.json")).unwrap(),
         br#"{"arch":"llama"}"#
@@ -428,17 +420,7 @@ async fn each_registry_failure_has_its_reason_and_a_stopped_registry_is_waited_o
     })
     .await;
     reg.resume().unwrap();
-    let r = h.until_state("gpu", "w2", ModelState::Loaded, 60).await;
-    let pod: k8s_openapi::api::core::v1::Pod = h
-        .pods
-        .get(status_of(&r, "w2").pod.as_ref().unwrap())
-        .await
-        .unwrap();
-    let host = pod.spec.unwrap().volumes.unwrap()[0]
-        .host_path
-        .clone()
-        .unwrap()
-        .path;
+    let host = loaded_dir(&h, "w2").await;
     assert_eq!(std::fs::read(Path::new(&host).join("w2.bin")).unwrap(), w2);
     for (m, reason) in [
         ("gone", "BlobNotFound"),
@@ -496,17 +478,7 @@ async fn a_blob_an_agent_was_killed_in_the_middle_of_resumes_where_it_stopped() 
     h.until_state("gpu", "r", ModelState::Fetching, 30).await;
     // The model is resident (Fetching) when the agent comes back.
     let agent = agent(&h, &cache, "10Mi", &reg, true);
-    let r = h.until_state("gpu", "r", ModelState::Loaded, 60).await;
-    let pod: k8s_openapi::api::core::v1::Pod = h
-        .pods
-        .get(status_of(&r, "r").pod.as_ref().unwrap())
-        .await
-        .unwrap();
-    let host = pod.spec.unwrap().volumes.unwrap()[0]
-        .host_path
-        .clone()
-        .unwrap()
-        .path;
+    let host = loaded_dir(&h, "r").await;
     assert_eq!(
         std::fs::read(Path::new(&host).join("w.bin")).unwrap(),
         weights
