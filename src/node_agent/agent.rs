@@ -285,6 +285,19 @@ struct Agent {
     resolved: HashMap<String, Resolved>,
     resolving: HashSet<String>,
     store: blobs::Store,
+    /// Whether a blob may have lost its last link since the store was last
+    /// collected (an eviction, a fetch that ended, the start): collecting
+    /// walks every unpacked layer, so it is not done on every pass.
+    collect_due: bool,
+    /// Unpacked layers' sizes on disk, by digest (content-addressed: a
+    /// layer's size never changes while it is there; forgotten when the
+    /// store is collected).
+    layer_sizes: std::cell::RefCell<HashMap<String, u64>>,
+    /// The cache directory's bytes on disk as last walked, and whether
+    /// they may have changed since (a fetch running or ended, an
+    /// eviction): walked again only then.
+    on_disk: Option<u64>,
+    disk_changed: bool,
     metrics: Arc<AgentMetrics>,
 }
 
@@ -334,6 +347,7 @@ impl Agent {
     fn drop_partial(&mut self, key: &str) {
         if let Some(e) = self.entries.get_mut(key).filter(|e| e.partial) {
             e.partial = false;
+            self.disk_changed = true;
             let dir = fetch::partial_dir(&self.config.cache_dir, key);
             if let Err(err) = std::fs::remove_dir_all(&dir)
                 && err.kind() != std::io::ErrorKind::NotFound
@@ -424,13 +438,22 @@ impl Agent {
             .filter_map(|(k, _)| wanted.get(k).map(|d| (k, d)))
             .flat_map(|(k, d)| self.known_blobs(k, d).into_iter().map(|(id, _)| id))
             .collect();
-        match self
-            .store
-            .collect_garbage(&self.config.cache_dir, &fetching)
-        {
-            Ok(0) => {}
-            Ok(freed) => tracing::info!(bytes = freed, "removed blobs no artifact links"),
-            Err(e) => tracing::warn!(error = %e, "collecting unlinked blobs failed"),
+        if std::mem::take(&mut self.collect_due) {
+            match self
+                .store
+                .collect_garbage(&self.config.cache_dir, &fetching)
+            {
+                Ok(0) => {}
+                Ok(freed) => {
+                    tracing::info!(bytes = freed, "removed blobs no artifact links");
+                    self.disk_changed = true;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "collecting unlinked blobs failed");
+                    self.collect_due = true;
+                }
+            }
+            self.layer_sizes.get_mut().clear();
         }
         // Which blobs cut short are still of use is known once every
         // wanted OCI artifact is resolved (after a restart, a partial blob
@@ -446,7 +469,9 @@ impl Agent {
             .filter_map(|k| self.resolved.get(k))
             .flat_map(|r| r.layers.iter().map(|l| l.digest.clone()))
             .collect();
-        self.store.drop_partials(&needed);
+        if self.store.drop_partials(&needed) > 0 {
+            self.disk_changed = true;
+        }
     }
 
     /// The blobs of `d` known by digest (those a shared store may hold),
@@ -466,9 +491,7 @@ impl Agent {
                     let hex = layer.digest.trim_start_matches("sha256:");
                     if layer.title.is_some() {
                         known.push((layer.digest.clone(), layer.size));
-                    } else if let Ok(bytes) = blobs::unique_usage(&self.store.layer(hex))
-                        && bytes > 0
-                    {
+                    } else if let Some(bytes) = self.layer_size(hex) {
                         known.push((layer.digest.clone(), bytes));
                     }
                 }
@@ -477,6 +500,30 @@ impl Agent {
         let mut seen = HashSet::new();
         known.retain(|(id, _)| seen.insert(id.clone()));
         known
+    }
+
+    /// The bytes of unpacked layer `hex`, if the store holds it.
+    fn layer_size(&self, hex: &str) -> Option<u64> {
+        if let Some(&bytes) = self.layer_sizes.borrow().get(hex) {
+            return Some(bytes);
+        }
+        let bytes = blobs::unique_usage(&self.store.layer(hex))
+            .ok()
+            .filter(|&b| b > 0)?;
+        self.layer_sizes.borrow_mut().insert(hex.to_owned(), bytes);
+        Some(bytes)
+    }
+
+    /// The cache directory's bytes on disk, walked again only when they
+    /// may have changed.
+    fn refresh_on_disk(&mut self) {
+        let fetching = self
+            .entries
+            .values()
+            .any(|e| e.state == ArtifactState::Fetching);
+        if std::mem::take(&mut self.disk_changed) || fetching || self.on_disk.is_none() {
+            self.on_disk = blobs::unique_usage(&self.config.cache_dir).ok();
+        }
     }
 
     /// What `d` takes on disk when fetched: its known blobs and the rest of
@@ -557,6 +604,8 @@ impl Agent {
             match std::fs::remove_dir_all(&dir) {
                 Ok(()) => {
                     self.store.remove_view(key);
+                    self.collect_due = true;
+                    self.disk_changed = true;
                     tracing::info!(artifact = %key, "evicted from the disk cache");
                     self.metrics.evictions.inc();
                     if let Some(e) = self.entries.get_mut(key) {
@@ -742,6 +791,10 @@ impl Agent {
     }
 
     fn finished(&mut self, key: &str, result: Result<fetch::Fetched, fetch::FetchError>) {
+        // A failed fetch removed its links; a finished one may have
+        // replaced a stale copy; either way the disk changed.
+        self.collect_due = true;
+        self.disk_changed = true;
         let Some(e) = self.entries.get_mut(key) else {
             return;
         };
@@ -837,9 +890,7 @@ impl Agent {
         status.deduplicated = Some(format_bytes(
             logical.saturating_sub(unique_bytes(ready.iter().copied())),
         ));
-        status.on_disk = blobs::unique_usage(&self.config.cache_dir)
-            .ok()
-            .map(format_bytes);
+        status.on_disk = self.on_disk.map(format_bytes);
         let refused: Vec<&CachedArtifact> = status
             .artifacts
             .iter()
@@ -1054,6 +1105,10 @@ pub async fn run(
         resolved: HashMap::new(),
         resolving: HashSet::new(),
         store: blobs::Store::new(&config.cache_dir),
+        collect_due: true,
+        layer_sizes: Default::default(),
+        on_disk: None,
+        disk_changed: true,
         config: config.clone(),
         entries: HashMap::new(),
         done: done_tx,
@@ -1119,6 +1174,7 @@ pub async fn run(
     loop {
         agent.step(&residencies_of(&store, &placed), &pods.state());
         let used = agent.used();
+        agent.refresh_on_disk();
         let status = agent.status(used);
         metrics.observe(config.budget, used, &status);
         publish(&caches, &config, status, &mut last).await;

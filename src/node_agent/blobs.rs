@@ -191,17 +191,20 @@ impl Store {
         Ok(freed)
     }
 
-    /// Removes OCI blobs being downloaded, but those in `keep`.
-    pub fn drop_partials(&self, keep: &HashSet<String>) {
+    /// Removes OCI blobs being downloaded, but those in `keep`. Yields how
+    /// many went.
+    pub fn drop_partials(&self, keep: &HashSet<String>) -> usize {
         let Ok(entries) = read_dir_or_empty(&self.root.join("partial")) else {
-            return;
+            return 0;
         };
+        let mut dropped = 0;
         for entry in entries.into_iter().flatten() {
             let hex = entry.file_name().to_string_lossy().into_owned();
-            if !keep.contains(&blob_id(&hex)) {
-                let _ = std::fs::remove_file(entry.path());
+            if !keep.contains(&blob_id(&hex)) && std::fs::remove_file(entry.path()).is_ok() {
+                dropped += 1;
             }
         }
+        dropped
     }
 }
 
