@@ -105,16 +105,14 @@ impl Store {
         Ok(std::fs::metadata(&blob)?.len())
     }
 
-    /// Links blob `hex` at `to` (its parent directories made), if the store
+    /// Links blob `hex` at `to` (whose directory the caller made, through
+    /// real directories only: [`super::confine::dirs_to`]), if the store
     /// holds it. Yields its size.
     pub fn link(&self, hex: &str, to: &Path) -> io::Result<Option<u64>> {
         let blob = self.file(hex);
         let Ok(meta) = std::fs::metadata(&blob) else {
             return Ok(None);
         };
-        if let Some(parent) = to.parent() {
-            std::fs::create_dir_all(parent)?;
-        }
         match std::fs::remove_file(to) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
             _ => {}
@@ -126,12 +124,13 @@ impl Store {
     /// Links every entry under `sub` of unpacked layer `hex` into `into`,
     /// directories made, a file an earlier layer put there replaced (the
     /// image convention: later layers win). Yields whether `sub` exists in
-    /// the layer.
+    /// the layer. `sub` must be a real directory reached through real
+    /// directories: a layer whose `models` is a link (to `/etc`, to the
+    /// store) is refused (`InvalidInput`), never followed.
     pub fn link_layer(&self, hex: &str, sub: &str, into: &Path) -> io::Result<bool> {
-        let from = self.layer(hex).join(sub);
-        if !from.is_dir() {
+        let Some(from) = super::confine::real_dir(&self.layer(hex), Path::new(sub))? else {
             return Ok(false);
-        }
+        };
         link_tree(&from, into)?;
         Ok(true)
     }
@@ -223,10 +222,12 @@ fn read_only(path: &Path) -> io::Result<()> {
 }
 
 /// Hard-links the tree under `from` into `into` (symlinks copied as
-/// symlinks; they were checked to stay inside when the layer was
-/// unpacked).
+/// symlinks, never followed; the finished view is checked for links that
+/// lead out of it).
 fn link_tree(from: &Path, into: &Path) -> io::Result<()> {
-    std::fs::create_dir_all(into)?;
+    if into.symlink_metadata().is_err() {
+        std::fs::create_dir(into)?;
+    }
     for entry in std::fs::read_dir(from)? {
         let entry = entry?;
         let kind = entry.file_type()?;
@@ -312,6 +313,7 @@ mod tests {
         std::fs::create_dir_all(cache.join("a")).unwrap();
         std::fs::write(cache.join("a/w.bin"), vec![7u8; 1000]).unwrap();
         assert_eq!(store.adopt(&cache.join("a/w.bin"), "ab").unwrap(), 1000);
+        std::fs::create_dir_all(cache.join("b/sub")).unwrap();
         assert_eq!(
             store.link("ab", &cache.join("b/sub/w.bin")).unwrap(),
             Some(1000)

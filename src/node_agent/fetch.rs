@@ -535,7 +535,10 @@ async fn download_all(
         // A file the store holds by its declared SHA-256 is linked, not
         // downloaded again.
         let known = f.sha256.as_ref().map(|want| encode_hex(want));
-        let path = dir.join(&f.path);
+        // Paths were checked to stay inside; no link stands in an http
+        // artifact's directory, but it is made through real ones all the
+        // same.
+        let path = super::confine::dirs_to(dir, &f.path).map_err(io)?;
         let linked = match &known {
             Some(hex) => store.link(hex, &path).map_err(io)?,
             None => None,

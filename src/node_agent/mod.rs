@@ -15,6 +15,7 @@
 
 pub mod agent;
 pub mod blobs;
+pub mod confine;
 pub mod fetch;
 pub mod keep;
 pub mod metrics;

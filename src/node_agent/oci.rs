@@ -604,7 +604,7 @@ async fn place_all(
         let hex = layer.hex().to_owned();
         let size = match &layer.title {
             Some(title) => {
-                let path = view.join(inside_path(title).unwrap_or_default());
+                let path = place_in(view, &inside_path(title).unwrap_or_default(), &layer.digest)?;
                 match store.link(&hex, &path).map_err(io)? {
                     Some(size) => {
                         counter.add(size)?;
@@ -615,9 +615,6 @@ async fn place_all(
                         let (partial, kept) =
                             download(&client, store, source, auth, layer, &mut counter).await?;
                         resumed += kept;
-                        if let Some(parent) = path.parent() {
-                            std::fs::create_dir_all(parent).map_err(io)?;
-                        }
                         std::fs::rename(&partial, &path).map_err(io)?;
                         store.adopt(&path, &hex).map_err(io)?
                     }
@@ -652,7 +649,9 @@ async fn place_all(
                     counter.add(bytes)?;
                     bytes
                 };
-                found_dir |= store.link_layer(&hex, layer_dir, view).map_err(io)?;
+                found_dir |= store
+                    .link_layer(&hex, layer_dir, view)
+                    .map_err(|e| confined(e, &layer.digest))?;
                 bytes
             }
         };
@@ -660,6 +659,17 @@ async fn place_all(
         if !blobs.iter().any(|(b, _)| *b == id) {
             blobs.push((id, size));
         }
+    }
+    // Judged on the whole view, every layer in place: links from two
+    // layers may lead out together where neither does alone.
+    if let Some((at, why)) = super::confine::escaping_link(view).map_err(io)? {
+        return Err(FetchError::InvalidLayer {
+            layer: source.text.clone(),
+            message: format!(
+                "{:?} {why}: a link may not lead outside the model's directory",
+                at.display()
+            ),
+        });
     }
     if any_tar && !found_dir {
         return Err(FetchError::InvalidLayer {
@@ -676,6 +686,35 @@ async fn place_all(
     })
 }
 
+/// An artifact's refusal by the confinement ([`super::confine`]) is
+/// `InvalidArtifact` on `layer`; any other error is the disk's.
+fn confined(e: std::io::Error, layer: &str) -> FetchError {
+    match e.kind() {
+        std::io::ErrorKind::InvalidInput => FetchError::InvalidLayer {
+            layer: layer.to_owned(),
+            message: e.to_string(),
+        },
+        _ => io(e),
+    }
+}
+
+/// Where a titled layer's file goes in the view: its directories made
+/// through real directories only; a directory already at its place (a
+/// tar layer's) is a clash in the artifact, not a disk error.
+fn place_in(view: &Path, rel: &Path, layer: &str) -> Result<PathBuf, FetchError> {
+    let path = super::confine::dirs_to(view, rel).map_err(|e| confined(e, layer))?;
+    if path.symlink_metadata().is_ok_and(|m| m.is_dir()) {
+        return Err(FetchError::InvalidLayer {
+            layer: layer.to_owned(),
+            message: format!(
+                "its file {:?} would replace a directory of the artifact",
+                rel.display()
+            ),
+        });
+    }
+    Ok(path)
+}
+
 /// A tar layer's reader, decompressed.
 fn tar_reader(path: &Path, compression: &str) -> std::io::Result<Box<dyn std::io::Read>> {
     let file = std::io::BufReader::new(std::fs::File::open(path)?);
@@ -689,9 +728,20 @@ fn tar_reader(path: &Path, compression: &str) -> std::io::Result<Box<dyn std::io
     })
 }
 
+/// The most entries one tar layer may hold: a model's directory has tens
+/// of files, and every entry costs an inode whatever its size (a layer of
+/// 40,000 one-byte files took 120,000 inodes of a small cache).
+pub const MAX_LAYER_ENTRIES: u64 = 10_000;
+
 /// Checks every entry of the tar layer at `from`, then unpacks it into
 /// `to` (through a temporary directory beside it, renamed into place), at
 /// most `room` bytes of files. Yields the bytes unpacked.
+///
+/// The size that counts is what is written, not what a header says (a
+/// PAX `size` record overrides the ustar header's); nothing is written
+/// through a symlink; and once every entry is in place, a symlink that
+/// leads out of the layer (a chain of links each inside on its own)
+/// refuses the layer before it reaches the store.
 pub fn unpack_layer(
     from: &Path,
     to: &Path,
@@ -705,12 +755,19 @@ pub fn unpack_layer(
     };
     let unreadable = |e: std::io::Error| refuse(format!("not a readable tar: {e}"));
     // First pass: nothing is written until every entry passed.
-    let mut total = 0u64;
+    let (mut total, mut count) = (0u64, 0u64);
     let mut archive = tar::Archive::new(tar_reader(from, compression).map_err(unreadable)?);
     for entry in archive.entries().map_err(unreadable)? {
         let entry = entry.map_err(unreadable)?;
         check_entry(&entry).map_err(&refuse)?;
-        total += entry.header().entry_size().unwrap_or(0);
+        count += 1;
+        if count > MAX_LAYER_ENTRIES {
+            return Err(refuse(format!(
+                "it has more than {MAX_LAYER_ENTRIES} entries"
+            )));
+        }
+        // The size the reader will use: a PAX record's, if any.
+        total = total.saturating_add(entry.size());
         if total > room {
             return Err(FetchError::TooLarge {
                 declared: room,
@@ -726,13 +783,16 @@ pub fn unpack_layer(
     std::fs::create_dir_all(&tmp).map_err(io)?;
     let unpacked = (|| -> Result<(), FetchError> {
         let mut archive = tar::Archive::new(tar_reader(from, compression).map_err(unreadable)?);
-        archive.set_preserve_permissions(false);
-        archive.set_overwrite(true);
+        let mut written = 0u64;
         for entry in archive.entries().map_err(unreadable)? {
             let mut entry = entry.map_err(unreadable)?;
-            if !entry.unpack_in(&tmp).map_err(unreadable)? {
-                return Err(refuse("an entry would land outside the layer".into()));
-            }
+            place_entry(&mut entry, &tmp, room, &mut written, &refuse)?;
+        }
+        if let Some((at, why)) = super::confine::escaping_link(&tmp).map_err(io)? {
+            return Err(refuse(format!(
+                "entry {:?} {why}: a link may not lead outside the layer",
+                at.display()
+            )));
         }
         read_only_tree(&tmp).map_err(io)?;
         if to.exists() {
@@ -745,6 +805,92 @@ pub fn unpack_layer(
     }
     unpacked?;
     super::blobs::unique_usage(to).map_err(io)
+}
+
+/// Writes one checked tar entry under `root`: through real directories
+/// only, a file opened with `O_NOFOLLOW` and cut off once `written`
+/// reaches `room`. A later entry replaces an earlier file or link (tar's
+/// rule), never a directory.
+fn place_entry<R: std::io::Read>(
+    entry: &mut tar::Entry<'_, R>,
+    root: &Path,
+    room: u64,
+    written: &mut u64,
+    refuse: &dyn Fn(String) -> FetchError,
+) -> Result<(), FetchError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    use tar::EntryType;
+    let path = entry
+        .path()
+        .map_err(|e| refuse(format!("an unreadable path: {e}")))?
+        .into_owned();
+    let shown = path.display().to_string();
+    let rel = super::confine::normal(&path)
+        .ok_or_else(|| refuse(format!("entry {shown:?} leaves the layer")))?;
+    if rel.as_os_str().is_empty() {
+        return Ok(()); // "./": the layer's own directory
+    }
+    // A refusal of the confinement is the artifact's fault; anything else
+    // is the disk's.
+    let placed = |e: std::io::Error| match confined(e, "") {
+        FetchError::InvalidLayer { message, .. } => refuse(format!("entry {shown:?}: {message}")),
+        other => other,
+    };
+    let dst = super::confine::dirs_to(root, &rel).map_err(placed)?;
+    let existing = dst.symlink_metadata().ok();
+    let kind = entry.header().entry_type();
+    if kind == EntryType::Directory {
+        return match existing {
+            Some(m) if m.is_dir() => Ok(()),
+            Some(_) => Err(refuse(format!(
+                "entry {shown:?} is a directory where the layer has a file or a link"
+            ))),
+            None => std::fs::create_dir(&dst).map_err(io),
+        };
+    }
+    match existing {
+        Some(m) if m.is_dir() => {
+            return Err(refuse(format!(
+                "entry {shown:?} would replace a directory of the layer"
+            )));
+        }
+        Some(_) => std::fs::remove_file(&dst).map_err(io)?,
+        None => {}
+    }
+    let link_name = |entry: &tar::Entry<'_, R>| {
+        entry
+            .link_name()
+            .ok()
+            .flatten()
+            .map(|l| l.into_owned())
+            .ok_or_else(|| refuse(format!("entry {shown:?} is a link to nothing")))
+    };
+    match kind {
+        EntryType::Symlink => std::os::unix::fs::symlink(link_name(entry)?, &dst).map_err(io),
+        EntryType::Link => {
+            let source = super::confine::existing_file(root, &link_name(entry)?).map_err(placed)?;
+            std::fs::hard_link(source, &dst).map_err(io)
+        }
+        _ => {
+            let mut file = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&dst)
+                .map_err(io)?;
+            let left = room.saturating_sub(*written);
+            let mut limited = std::io::Read::take(&mut *entry, left.saturating_add(1));
+            let n = std::io::copy(&mut limited, &mut file).map_err(io)?;
+            *written += n;
+            if n > left {
+                return Err(FetchError::TooLarge {
+                    declared: room,
+                    got: *written,
+                });
+            }
+            Ok(())
+        }
+    }
 }
 
 /// Why a tar entry may not be unpacked, if it may not.
@@ -1177,5 +1323,126 @@ mod tests {
         // Larger than the room left: refused.
         let err = unpack_layer(&from, &dir.path().join("small"), "gzip", 2, "d").unwrap_err();
         assert_eq!(err.reason(), "LargerThanDeclared");
+    }
+
+    fn symlink(path: &str, target: &str) -> tar::Header {
+        let mut h = header(path, tar::EntryType::Symlink, 0);
+        h.set_link_name(target).unwrap();
+        h.set_cksum();
+        h
+    }
+
+    fn leftovers(dir: &Path) -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".tmp"))
+            .collect()
+    }
+
+    #[test]
+    fn links_are_judged_where_they_really_lead_and_nothing_is_written_through_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = dir.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+            (
+                // s is models/, so t's ../../.. is above the layer: each
+                // link is inside when read on its own.
+                "chain",
+                tar_with(|b| {
+                    let e = std::io::empty;
+                    b.append(&symlink("models/d/d/d/s", "../../.."), e())
+                        .unwrap();
+                    b.append(&symlink("models/t", "d/d/d/s/../../.."), e())
+                        .unwrap();
+                }),
+                "climbs above",
+            ),
+            (
+                // The black-box round's chain: a file placed through s.
+                "through a link",
+                tar_with(|b| {
+                    b.append(&symlink("models/d/d/d/s", "../../.."), std::io::empty())
+                        .unwrap();
+                    b.append(
+                        &header("models/d/d/d/s/t/escaped.bin", tar::EntryType::Regular, 1),
+                        &b"x"[..],
+                    )
+                    .unwrap();
+                }),
+                "placed through",
+            ),
+            (
+                "hard link through a link",
+                tar_with(|b| {
+                    b.append(&header("w/f.bin", tar::EntryType::Regular, 1), &b"x"[..])
+                        .unwrap();
+                    b.append(&symlink("models/up", ".."), std::io::empty())
+                        .unwrap();
+                    let mut h = header("models/h", tar::EntryType::Link, 0);
+                    h.set_link_name("models/up/w/f.bin").unwrap();
+                    h.set_cksum();
+                    b.append(&h, std::io::empty()).unwrap();
+                }),
+                "through a link",
+            ),
+        ];
+        for (name, bytes, says) in cases {
+            let from = dir.path().join(format!("{name}.tar"));
+            std::fs::write(&from, bytes).unwrap();
+            let to = dir.path().join(format!("out-{name}"));
+            let err = unpack_layer(&from, &to, "none", 1 << 20, "sha256:t").unwrap_err();
+            assert_eq!(err.reason(), "InvalidArtifact", "{name}: {err}");
+            assert!(err.to_string().contains(says), "{name}: {err}");
+            assert!(!to.exists(), "{name}");
+            assert!(leftovers(dir.path()).is_empty(), "{name}");
+        }
+        assert!(
+            !dir.path().join("t").exists() && !dir.path().join("escaped.bin").exists(),
+            "nothing written outside"
+        );
+    }
+
+    #[test]
+    fn a_pax_size_counts_and_the_room_is_what_is_written() {
+        // A PAX record saying 300Ki before a ustar header saying 0: the
+        // reader takes 300Ki of data for the entry.
+        let big = 300u64 << 10;
+        let record = |value: &str| {
+            let body = format!(" size={value}\n");
+            let mut n = body.len() + 1;
+            while format!("{n}{body}").len() != n {
+                n += 1;
+            }
+            format!("{n}{body}")
+        };
+        let pax = record(&big.to_string());
+        let bomb = tar_with(|b| {
+            let h = header(
+                "./PaxHeaders/big",
+                tar::EntryType::XHeader,
+                pax.len() as u64,
+            );
+            b.append(&h, pax.as_bytes()).unwrap();
+            let h = header("models/big.bin", tar::EntryType::Regular, 0);
+            b.append(&h, std::io::empty()).unwrap();
+            // The data the PAX size promises, after the header (a whole
+            // number of blocks).
+            b.get_mut().extend(std::iter::repeat_n(0u8, big as usize));
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let from = dir.path().join("bomb.tar");
+        std::fs::write(&from, bomb).unwrap();
+        let to = dir.path().join("out");
+        let err = unpack_layer(&from, &to, "none", 100 << 10, "sha256:t").unwrap_err();
+        assert_eq!(err.reason(), "LargerThanDeclared", "{err}");
+        assert!(!to.exists() && leftovers(dir.path()).is_empty());
+        // With room for it, it is unpacked at its real size.
+        assert_eq!(
+            unpack_layer(&from, &to, "none", 1 << 20, "sha256:t").unwrap(),
+            big
+        );
     }
 }

@@ -495,3 +495,161 @@ async fn a_blob_an_agent_was_killed_in_the_middle_of_resumes_where_it_stopped() 
     );
     assert!(!partial.exists(), "the partial became the blob");
 }
+
+/// A tar layer of symlinks (path, target) and files (path, bytes).
+fn tar_of(links: &[(&str, &str)], files: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    // append_link and append_data write GNU long names where needed.
+    for (path, target) in links {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Symlink);
+        h.set_size(0);
+        b.append_link(&mut h, path, target).unwrap();
+    }
+    for (path, bytes) in files {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(bytes.len() as u64);
+        h.set_mode(0o644);
+        b.append_data(&mut h, path, *bytes).unwrap();
+    }
+    b.into_inner().unwrap()
+}
+
+/// Every file of the blob store holds the bytes its name is the hash of.
+fn store_is_honest(cache: &Path) {
+    let dir = cache.join(".blobs/sha256");
+    for e in std::fs::read_dir(&dir).into_iter().flatten() {
+        let e = e.unwrap();
+        let name = e.file_name().to_string_lossy().into_owned();
+        let bytes = std::fs::read(e.path()).unwrap();
+        assert_eq!(
+            sha256_digest(&bytes),
+            format!("sha256:{name}"),
+            "a blob holds other bytes than its name says"
+        );
+    }
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn hostile_layers_write_nothing_outside_poison_no_blob_and_link_no_host_file() {
+    const TAR: &str = "application/vnd.oci.image.layer.v1.tar";
+    let reg = registry();
+    let h = Harness::start("oci-hostile").await;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    // A host file next to the cache, which no layer may reach.
+    std::fs::write(dir.path().join("host-secret"), b"host").unwrap();
+    // 1. A chain: s is models/ again, so the copied link t points far
+    // above it; a titled layer is then placed through t.
+    // As the black-box round built it: s (22 levels down) is models/
+    // again, and t, which looks 23 levels deep, is models/t and points 22
+    // levels up; each passes a check of its own path.
+    let deep = format!("models/{}d", "d/".repeat(21));
+    let up22 = "../".repeat(22);
+    let (s, t) = (format!("{deep}/s"), format!("{deep}/s/t"));
+    let chain = tar_of(&[(&s, &up22), (&t, &up22)], &[]);
+    let pwned = b"written through a link".to_vec();
+    // 2. models/up is the cache directory (one above the view): a titled
+    // layer named up/.blobs/sha256/<hex> would be a blob of the store.
+    let victim = bytes(4 << 10, 9);
+    let victim_hex = sha256_digest(&victim)
+        .trim_start_matches("sha256:")
+        .to_owned();
+    let poison = tar_of(&[("models/up", "..")], &[("models/w.bin", b"w")]);
+    let poisoned = b"the attacker's bytes".to_vec();
+    let poison_title = format!("up/.blobs/sha256/{victim_hex}");
+    // 3. models itself leads out (through a link that is inside on its
+    // own): whatever is there would be linked into the view.
+    let host = tar_of(&[("d/d/s", "../.."), ("models", "d/d/s/..")], &[]);
+    let pushed = [
+        (
+            "chain",
+            reg.push(
+                "models/chain",
+                "v1",
+                &[(TAR, &chain, None), (OCTETS, &pwned, Some("t/x/pwned.txt"))],
+            )
+            .await
+            .unwrap(),
+        ),
+        (
+            "poison",
+            reg.push(
+                "models/poison",
+                "v1",
+                &[
+                    (TAR, &poison, None),
+                    (OCTETS, &poisoned, Some(&poison_title)),
+                ],
+            )
+            .await
+            .unwrap(),
+        ),
+        (
+            // The same link alone: the view it would make leads out.
+            "above",
+            reg.push("models/above", "v1", &[(TAR, &poison, None)])
+                .await
+                .unwrap(),
+        ),
+        (
+            "host",
+            reg.push("models/host", "v1", &[(TAR, &host, None)])
+                .await
+                .unwrap(),
+        ),
+    ];
+    credentials(&h, &reg, PASSWORD).await;
+    let _agent = agent(&h, &cache, "10Mi", &reg, true);
+    let models = pushed
+        .iter()
+        .map(|(name, digest)| {
+            model(
+                name,
+                "1Gi",
+                Some(oci(&reg, &format!("models/{name}@{digest}"), "1Mi")),
+            )
+        })
+        .collect();
+    create(&h, "gpu", "8Gi", models, 0).await;
+    for (name, says) in [
+        ("chain", "placed through"),
+        ("poison", "placed through"),
+        ("above", "outside the model's directory"),
+        ("host", "climbs above"),
+    ] {
+        h.request_nowait("gpu", name).await;
+        let r = h.until_state("gpu", name, ModelState::Failed, 60).await;
+        let message = status_of(&r, name).message.clone().unwrap_or_default();
+        assert!(
+            message.contains("InvalidArtifact") && message.contains(says),
+            "{name}: {message}"
+        );
+    }
+    // Nothing outside the cache but what the test put there.
+    let mut around: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    around.sort();
+    assert_eq!(
+        around,
+        ["cache", "cache.log", "host-secret"],
+        "the agent's log beside it"
+    );
+    assert!(!cache.join("x").exists() && !cache.join("t").exists());
+    // No blob under the victim's hash, and every blob honest.
+    assert!(!cache.join(".blobs/sha256").join(&victim_hex).exists());
+    store_is_honest(&cache);
+    // No view of a refused artifact is left to mount.
+    let names = cached(&cache);
+    assert!(
+        !names
+            .iter()
+            .any(|n| ["chain-", "poison-", "above-", "host-"]
+                .iter()
+                .any(|p| n.starts_with(p))),
+        "{names:?}"
+    );
+}
