@@ -181,6 +181,19 @@ pub async fn send(
     path: &str,
     body: &str,
 ) -> std::io::Result<Answer> {
+    send_capped(addr, method, path, body, usize::MAX).await
+}
+
+/// [`send`], reading at most `limit` bytes of the answer's body: a longer
+/// one is an error, what came so far dropped (a model pod's answer must not
+/// take the operator's memory).
+pub async fn send_capped(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &str,
+    limit: usize,
+) -> std::io::Result<Answer> {
     let other = |e: hyper::Error| std::io::Error::other(e.to_string());
     let t0 = std::time::Instant::now();
     let stream = tokio::net::TcpStream::connect(addr).await?;
@@ -200,8 +213,15 @@ pub async fn send(
     let headers = response.headers().clone();
     let mut incoming = response.into_body();
     let mut chunks = Vec::new();
+    let mut read = 0usize;
     while let Some(frame) = incoming.frame().await {
         if let Ok(data) = frame.map_err(other)?.into_data() {
+            read = read.saturating_add(data.len());
+            if read > limit {
+                return Err(std::io::Error::other(format!(
+                    "its answer is longer than {limit} bytes"
+                )));
+            }
             chunks.push((t0.elapsed(), data));
         }
     }

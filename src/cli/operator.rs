@@ -47,6 +47,13 @@ pub struct Args {
     /// as the moment the operator saw it (with a ClockSkew event).
     #[arg(long, env = "MAX_CLOCK_SKEW", default_value = "1m", value_parser = parse_duration)]
     max_clock_skew: std::time::Duration,
+    /// The longest one sleep, wake or status request to a model pod may
+    /// take, whatever the model's spec says (a tenant's `timeout` is capped
+    /// by it). The requests run beside the reconciles, never in their
+    /// slots, but a server that never answers holds its residency's
+    /// decisions until then.
+    #[arg(long, env = "POD_CALL_TIMEOUT_MAX", default_value = "2m", value_parser = parse_duration)]
+    pod_call_timeout_max: std::time::Duration,
     /// How the watches get their initial state: stream (a streaming list,
     /// less memory at a restart) or list (for API servers with the
     /// WatchList feature off).
@@ -88,13 +95,16 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         let _ = rx.wait_for(|s| *s).await;
     };
 
-    let ctx = Context::with_options(
+    let mut ctx = Context::with_options(
         client.clone(),
         metrics,
         args.max_clock_skew,
         args.initial_list,
         args.gpu_holder_image.clone(),
     );
+    Arc::get_mut(&mut ctx)
+        .expect("a new context")
+        .pod_call_timeout_max = args.pod_call_timeout_max;
     if !args.leader_elect {
         // Ready once the controller's first lists are in.
         model_residency::operator::run(ctx, args.namespace.clone(), stopped(stop_rx), ready).await;

@@ -6,7 +6,7 @@
 
 use super::decide::{Decision, PodRef};
 use super::events::{EventReason, ModelEvent};
-use super::{Context, Error, enact, error_delay};
+use super::{Context, Enacted, Error, enact, error_delay};
 use crate::api::{ModelResidency, ModelResidencyStatus};
 use crate::metrics::API_REQUESTS;
 use http::{Method, Request, Response, StatusCode};
@@ -63,6 +63,14 @@ fn decision() -> Decision {
     }
 }
 
+/// Enacts a decision with no sleeps or wakes: all of it in the reconcile.
+async fn enact_now(r: &ModelResidency, d: Decision, ctx: &Arc<Context>) -> super::Result<bool> {
+    match enact(&Arc::new(r.clone()), "ns", d, ctx).await? {
+        Enacted::Done(retry_soon) => Ok(retry_soon),
+        Enacted::Asking => panic!("no pod calls were decided"),
+    }
+}
+
 fn mocked() -> (Arc<Context>, ApiHandle) {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
     let client = kube::Client::new(service, "ns");
@@ -103,7 +111,7 @@ const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/ns/events";
 async fn deletes_then_creates_then_writes_status_then_publishes_events() {
     let (ctx, mut handle) = mocked();
     let r = residency();
-    let mut d = decision();
+    let d = decision();
     let server = async {
         let sent = expect(
             &mut handle,
@@ -125,7 +133,7 @@ async fn deletes_then_creates_then_writes_status_then_publishes_events() {
         assert_eq!(sent["reason"], "Loaded");
         assert_eq!(sent["related"]["name"], super::pods::pod_name("gpu", "b"));
     };
-    let (result, ()) = tokio::join!(enact(&r, "ns", &mut d, &ctx), server);
+    let (result, ()) = tokio::join!(enact_now(&r, d, &ctx), server);
     assert!(!result.unwrap(), "no retry needed");
     assert_eq!(ctx.metrics.sum(API_REQUESTS), 4);
     drop(ctx);
@@ -157,7 +165,7 @@ async fn a_pod_already_gone_and_a_name_still_taken_are_not_errors() {
         .await;
         expect(&mut handle, Method::PATCH, STATUS, 200, json!(r)).await;
     };
-    let (result, ()) = tokio::join!(enact(&r, "ns", &mut d, &ctx), server);
+    let (result, ()) = tokio::join!(enact_now(&r, d, &ctx), server);
     assert!(result.unwrap(), "a taken name asks to look again soon");
 }
 
@@ -190,7 +198,7 @@ async fn a_create_the_api_server_rejects_is_written_into_the_status() {
         let sent = expect(&mut handle, Method::POST, EVENTS, 201, json!({})).await;
         assert_eq!(sent["reason"], "LoadFailed");
     };
-    let (result, ()) = tokio::join!(enact(&r, "ns", &mut d, &ctx), server);
+    let (result, ()) = tokio::join!(enact_now(&r, d, &ctx), server);
     assert!(!result.unwrap());
 }
 
@@ -212,7 +220,7 @@ async fn a_create_that_fails_still_writes_the_status_then_fails_the_reconcile() 
         .await;
         expect(&mut handle, Method::PATCH, STATUS, 200, json!(r)).await;
     };
-    let (result, ()) = tokio::join!(enact(&r, "ns", &mut d, &ctx), server);
+    let (result, ()) = tokio::join!(enact_now(&r, d, &ctx), server);
     let e = result.unwrap_err();
     assert!(
         matches!(&e, Error::CreatePod { pod, .. } if pod == "gpu-b"),
@@ -239,7 +247,7 @@ async fn two_like_events_in_one_reconcile_are_two_events_not_a_series() {
             assert_eq!(sent["note"], format!("eviction {n}"));
         }
     };
-    let (result, ()) = tokio::join!(enact(&r, "ns", &mut d, &ctx), server);
+    let (result, ()) = tokio::join!(enact_now(&r, d, &ctx), server);
     result.unwrap();
 }
 
@@ -247,7 +255,7 @@ async fn two_like_events_in_one_reconcile_are_two_events_not_a_series() {
 async fn a_failed_delete_stops_before_any_create_and_names_the_pod() {
     let (ctx, mut handle) = mocked();
     let r = residency();
-    let mut d = decision();
+    let d = decision();
     let path = format!("{PODS}/gpu-a");
     let server = expect(
         &mut handle,
@@ -256,7 +264,7 @@ async fn a_failed_delete_stops_before_any_create_and_names_the_pod() {
         500,
         status(500, "InternalError"),
     );
-    let (result, _) = tokio::join!(enact(&r, "ns", &mut d, &ctx), server);
+    let (result, _) = tokio::join!(enact_now(&r, d, &ctx), server);
     let e = result.unwrap_err();
     assert!(
         matches!(&e, Error::DeletePod { pod, .. } if pod == "gpu-a"),
@@ -288,7 +296,7 @@ async fn a_rejected_status_write_is_a_patch_status_error_and_no_events_follow() 
         422,
         status(422, "Invalid"),
     );
-    let (result, _) = tokio::join!(enact(&r, "ns", &mut d, &ctx), server);
+    let (result, _) = tokio::join!(enact_now(&r, d, &ctx), server);
     let e = result.unwrap_err();
     assert!(matches!(e, Error::PatchStatus { .. }), "{e:?}");
     drop(ctx);
@@ -306,10 +314,7 @@ async fn an_unchanged_status_is_not_written() {
     (d.delete, d.create, d.events) = (Vec::new(), Vec::new(), Vec::new());
     r.status = Some(d.status.clone());
     // A request here would wait for an answer that never comes.
-    let result = tokio::time::timeout(
-        std::time::Duration::from_secs(5),
-        enact(&r, "ns", &mut d, &ctx),
-    );
+    let result = tokio::time::timeout(std::time::Duration::from_secs(5), enact_now(&r, d, &ctx));
     assert!(!result.await.expect("a request was made").unwrap());
     drop(ctx);
     assert!(handle.next_request().await.is_none());

@@ -137,6 +137,11 @@ pub struct Context {
     pub gpus: gpu::inventory::GpuInventory,
     /// The image of the GPU holder pods (claim mode).
     pub gpu_holder_image: String,
+    /// The residencies whose sleeps and wakes are being asked.
+    pub asking: Arc<pod_calls::Asking>,
+    /// The longest one sleep, wake or status request may take, whatever
+    /// its spec says (`--pod-call-timeout-max`).
+    pub pod_call_timeout_max: Duration,
 }
 
 impl Context {
@@ -176,6 +181,8 @@ impl Context {
             initial_list,
             gpus: Default::default(),
             gpu_holder_image,
+            asking: Arc::default(),
+            pod_call_timeout_max: pod_calls::DEFAULT_CALL_TIMEOUT_MAX,
         })
     }
 }
@@ -330,14 +337,30 @@ async fn publish(d: &Decision, r: &ModelResidency, ctx: &Context) {
     }
 }
 
-/// Carries out a decision: pods, then status, then events. Returns whether
-/// to look again soon (a pod name still taken by a terminating pod). The
-/// status is written whatever the pod creates answered.
-async fn enact(r: &ModelResidency, ns: &str, d: &mut Decision, ctx: &Context) -> Result<bool> {
+/// How a reconcile ended.
+enum Enacted {
+    /// Done; whether to look again soon (a pod name still taken by a
+    /// terminating pod, a spec that moved on).
+    Done(bool),
+    /// Its pod calls, status and events go on in a task of their own
+    /// ([`pod_calls::Asking`]), which reconciles it again when it ends.
+    Asking,
+}
+
+/// Carries out a decision: pods, then the sleeps and wakes, then status,
+/// then events. The status is written whatever the pod creates answered.
+/// With sleeps or wakes to ask, all but the pods is handed to a task of
+/// its own: a pod may take minutes to answer, and no other residency may
+/// wait for it.
+async fn enact(
+    r: &Arc<ModelResidency>,
+    ns: &str,
+    mut d: Decision,
+    ctx: &Arc<Context>,
+) -> Result<Enacted> {
     let name = r.name_any();
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
-    let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), ns);
-    let outcome = enact_pods(&pods, (ns, &name), d, ctx).await?;
+    let outcome = enact_pods(&pods, (ns, &name), &d, ctx).await?;
     for (model, message) in &outcome.rejected {
         d.pod_rejected(model, message);
         let template = r.spec.models.iter().find(|m| &m.name == model);
@@ -346,10 +369,39 @@ async fn enact(r: &ModelResidency, ns: &str, d: &mut Decision, ctx: &Context) ->
                 .rejected_create(ns, &name, t.json(), message.clone());
         }
     }
-    sleep_and_wake(&pods, ns, &name, d, ctx).await?;
+    if d.calls.is_empty() {
+        return conclude(r, ns, &mut d, outcome, ctx)
+            .await
+            .map(Enacted::Done);
+    }
+    let (r, ns, task_ctx) = (r.clone(), ns.to_owned(), ctx.clone());
+    ctx.asking.spawn(ObjectRef::from_obj(&*r), async move {
+        let ctx = task_ctx;
+        let result = async {
+            sleep_and_wake(&pods, &ns, &name, &mut d, &ctx).await?;
+            conclude(&r, &ns, &mut d, outcome, &ctx).await
+        };
+        if let Err(e) = result.await {
+            report_failure(&r, &e, &ctx);
+        }
+    });
+    Ok(Enacted::Asking)
+}
+
+/// The rest of a decision once its pods are done: status, metrics, events.
+/// Yields whether to look again soon.
+async fn conclude(
+    r: &ModelResidency,
+    ns: &str,
+    d: &mut Decision,
+    outcome: PodOutcome,
+    ctx: &Context,
+) -> Result<bool> {
+    let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), ns);
     let spec_moved_on = write_status(&residencies, r, d, ctx).await?;
     if let Some(usage) = &d.usage {
-        ctx.metrics.observe(ns, &name, usage, d.status.counters);
+        ctx.metrics
+            .observe(ns, &r.name_any(), usage, d.status.counters);
     }
     for seconds in &d.load_seconds {
         ctx.metrics.model_loaded(*seconds);
@@ -374,7 +426,8 @@ async fn sleep_and_wake(
         return Ok(());
     }
     let calls = std::mem::take(&mut d.calls);
-    let results = futures::future::join_all(calls.iter().map(pod_calls::ask)).await;
+    let limit = ctx.pod_call_timeout_max;
+    let results = futures::future::join_all(calls.iter().map(|c| pod_calls::ask(c, limit))).await;
     let now = Timestamp::now();
     let mut failed = Vec::new();
     for (call, (result, seconds)) in calls.iter().zip(results) {
@@ -397,6 +450,11 @@ async fn reconcile_unguarded(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Resul
     ctx.metrics.reconciled();
     let _timer = ctx.metrics.reconcile_timer();
     let r = ctx.written.fresher(r);
+    // Its sleeps and wakes are still being asked: the task that asks them
+    // decides nothing more and reconciles it again when it ends.
+    if ctx.asking.busy(&ObjectRef::from_obj(&*r)) {
+        return Ok(Action::await_change());
+    }
     let ns = r.namespace().ok_or(Error::Incomplete("namespace"))?;
     let name = r.name_any();
     // A name that cannot be a label value cannot select pods either; decide
@@ -435,7 +493,7 @@ async fn reconcile_unguarded(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Resul
     };
     let gpu_holder = ctx.claims.holder_other_than(&r);
     let node_cache = ctx.node_caches.get(&placement.node);
-    let mut decision = decide(&Observed {
+    let decision = decide(&Observed {
         residency: &r,
         owner,
         pods: &owned,
@@ -446,10 +504,14 @@ async fn reconcile_unguarded(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Resul
         rejected_templates: &rejections.by_model,
         artifacts: node_cache.as_deref(),
     });
-    let retry_soon = enact(&r, &ns, &mut decision, &ctx).await?;
+    let decided_requeue = decision.requeue_after;
+    let retry_soon = match enact(&r, &ns, decision, &ctx).await? {
+        Enacted::Done(retry_soon) => retry_soon,
+        Enacted::Asking => return Ok(Action::await_change()),
+    };
     // A rejected template is asked again when its backoff ends (the
     // quota or webhook that rejected it may have changed meanwhile).
-    let requeue_after = [decision.requeue_after, rejections.recheck_in, found.recheck]
+    let requeue_after = [decided_requeue, rejections.recheck_in, found.recheck]
         .into_iter()
         .flatten()
         .min();

@@ -44,6 +44,13 @@ pub async fn run(
     let (claim_tx, claim_rx) = futures::channel::mpsc::unbounded();
     let (changed_tx, changed_rx) = futures::channel::mpsc::unbounded();
     let (handed_back_tx, handed_back_rx) = futures::channel::mpsc::unbounded();
+    // A residency whose sleeps and wakes were asked is reconciled again
+    // when they end.
+    let (asked_tx, asked_rx) = futures::channel::mpsc::unbounded();
+    ctx.asking.announce_to(asked_tx);
+    // Whoever runs next (this replica again, or the new leader) asks again
+    // what is still to ask.
+    let _asking = ctx.asking.while_running();
     let lane = Arc::new(fast_lane::FastLane::new(ctx.clone(), handed_back_tx));
     let model_demands = start_model_demands(
         &ctx,
@@ -74,7 +81,7 @@ pub async fn run(
     let sync = tokio::spawn(mark_synced(store.clone(), ctx.clone(), synced));
     controller
         .reconcile_on(futures::stream::select(
-            futures::stream::select(pod_events, claim_rx),
+            futures::stream::select(futures::stream::select(pod_events, claim_rx), asked_rx),
             futures::stream::select(
                 futures::stream::select(cache_events, handed_back_rx),
                 gpu_events,

@@ -218,7 +218,6 @@ impl Decision {
                 st.slept_at = None;
                 st.uses = 0;
                 st.value_base = None;
-                self.status.counters.sleeps = self.status.counters.sleeps.saturating_sub(1);
                 self.status.counters.evictions += 1;
                 (EventReason::SleepFailed, m, true)
             }
@@ -232,6 +231,15 @@ impl Decision {
                 (EventReason::WakeFailed, m, true)
             }
         };
+        // Counted with their Slept or Woken event, never taken back.
+        let c = &mut self.status.counters;
+        match (failed, call.wake) {
+            (false, false) => c.sleeps += 1,
+            (false, true) => c.wakes += 1,
+            // It loads cold in a new pod (its WakeFailed event says so).
+            (true, true) => c.loads += 1,
+            (true, false) => {}
+        }
         self.events.push(ModelEvent::about(model, reason, message));
         self.status.recount();
         failed.then(|| call.pod.clone())

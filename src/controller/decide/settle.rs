@@ -800,12 +800,15 @@ impl<'a> Decider<'a> {
             peak: Some(format_bytes_rounded(peak)),
             models,
             counters: {
-                // A sleep cancelled by a request before it was sent was no
-                // sleep, and that request no wake: it found its model awake.
+                // Sleeps and wakes count when their server confirms them
+                // ([`Decision::call_done`]), each with its Slept or Woken
+                // event, so the counters never go down; a request that
+                // cancels a sleep not sent yet found its model awake: a hit.
+                let before = self.input.residency.status.as_ref();
+                let before = before.map(|s| s.counters).unwrap_or_default();
                 let mut c = self.engine.counters();
-                // Saturating: a status edited by hand may count fewer.
-                c.sleeps = c.sleeps.saturating_sub(self.cancelled_sleeps);
-                c.wakes = c.wakes.saturating_sub(self.cancelled_sleeps);
+                c.sleeps = before.sleeps;
+                c.wakes = before.wakes;
                 c.hits += self.cancelled_sleeps;
                 c
             },

@@ -885,7 +885,8 @@ fn an_evicted_model_sleeps_after_the_drain_and_its_request_wakes_it() {
     assert_eq!(d.requeue_after, Some(super::settle::SLEEP_DRAIN));
     assert_eq!(
         (d.status.counters.sleeps, d.status.counters.evictions),
-        (1, 0)
+        (0, 0),
+        "a sleep counts once its server confirms it"
     );
     r.status = Some(d.status);
     // After the drain the sleep is asked; confirmed, a keeps 1Gi.
@@ -898,6 +899,7 @@ fn an_evicted_model_sleeps_after_the_drain_and_its_request_wakes_it() {
         Some("Asleep")
     );
     assert_eq!(d.events.last().unwrap().reason, EventReason::Slept);
+    assert_eq!(d.status.counters.sleeps, 1);
     r.status = Some(d.status);
     let d = run(&r, std::slice::from_ref(&a_pod), 7);
     assert_eq!(
@@ -916,7 +918,7 @@ fn an_evicted_model_sleeps_after_the_drain_and_its_request_wakes_it() {
     // b's pod is gone.
     r.spec.demand.insert("a".into(), at(8).to_string());
     let d = run(&r, &pods, 9);
-    assert_eq!(d.status.counters.wakes, 1);
+    assert_eq!(d.status.counters.wakes, 0, "counted once confirmed");
     assert_eq!(d.status.counters.loads, 2, "a wake is not a load");
     assert_eq!(state(&d, "b"), ModelState::Evicted);
     assert_eq!(
@@ -930,6 +932,7 @@ fn an_evicted_model_sleeps_after_the_drain_and_its_request_wakes_it() {
     assert_eq!(done(&mut d, Ok(()), 10), None);
     assert_eq!(state(&d, "a"), ModelState::Loaded);
     assert_eq!(d.events.last().unwrap().reason, EventReason::Woken);
+    assert_eq!(d.status.counters.wakes, 1);
     assert!(d.status.model("a").unwrap().wake_seconds.is_some());
 }
 

@@ -323,6 +323,25 @@ async fn a_storm_with_sleeps_and_wakes_never_exceeds_the_vram_or_the_host_budget
         events > 50 && most_asleep >= 1,
         "the watcher saw too little: {events}, {most_asleep}"
     );
+    // Each counted sleep and wake has its event, and the metric is the
+    // counter (a counter that went down was read as a new object, and the
+    // exporter added it whole: 21x the counter in a black-box storm).
+    let events = events_for(&h, "gpu").await;
+    let count = |reason: &str| events.iter().filter(|(r, _)| r == reason).count() as u64;
+    assert_eq!(
+        (s.counters.sleeps, s.counters.wakes),
+        (count("Slept"), count("Woken")),
+        "{:?}",
+        s.counters
+    );
+    let metrics = h.ctx.metrics.encode();
+    for (metric, counted) in [("sleeps", s.counters.sleeps), ("wakes", s.counters.wakes)] {
+        let line = metrics
+            .lines()
+            .find(|l| l.starts_with(&format!("model_residency_{metric}_total{{")))
+            .unwrap_or_default();
+        assert!(line.ends_with(&format!(" {counted}")), "{metric}: {line:?}");
+    }
     // Every pod the status says sleeps does, by its own server.
     for m in &s.models {
         if m.state == ModelState::Sleeping {
@@ -333,5 +352,52 @@ async fn a_storm_with_sleeps_and_wakes_never_exceeds_the_vram_or_the_host_budget
                 m.name
             );
         }
+    }
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn sleeps_that_never_answer_do_not_hold_other_residencies() {
+    let h = Harness::start("warm-stall").await;
+    // As many residencies as the operator runs reconciles at once, each
+    // with a sleep that never answers and a tenant timeout of five minutes.
+    let never = json!({"preset": "vllm", "sleepingSize": "1Gi",
+                       "sleep": {"path": "/sleep?level=1", "timeout": "5m"}});
+    let stalled: Vec<String> = (0..8).map(|i| format!("stall{i}")).collect();
+    for (i, name) in stalled.iter().enumerate() {
+        create(
+            &h,
+            (name, &i.to_string()),
+            "mode=slow",
+            "8Gi",
+            never.clone(),
+        )
+        .await;
+        h.request(name, "a").await;
+    }
+    // b evicts a, whose sleep is asked and never answered.
+    for name in &stalled {
+        h.request_nowait(name, "b").await;
+    }
+    eventually(30, "every stalled residency falling asleep", || async {
+        let mut all = true;
+        for name in &stalled {
+            let r = h.api.get(name).await.unwrap();
+            all &= reason(&r, "a") == "FallingAsleep";
+        }
+        all.then_some(())
+    })
+    .await;
+    // Another residency is served meanwhile, in seconds.
+    let t0 = std::time::Instant::now();
+    create(&h, ("other", "9"), "mode=slow", "8Gi", vllm()).await;
+    let r = h.request("other", "a").await;
+    assert_eq!(model(&r, "a").state, ModelState::Loaded);
+    let took = t0.elapsed();
+    assert!(took < Duration::from_secs(20), "{took:?}");
+    // And the stalled ones still wait for their sleeps, pods kept.
+    for name in &stalled {
+        let r = h.api.get(name).await.unwrap();
+        assert_eq!(reason(&r, "a"), "FallingAsleep", "{name}");
     }
 }
