@@ -44,12 +44,18 @@ impl Claimant {
 /// A GPU: (node, device).
 type Gpu = (Box<str>, Box<str>);
 
-/// The GPU a residency declares: devicePlugin and env mode only (in claim
-/// mode the scheduler gives a device to one claim, so no two residencies
-/// can share one).
+/// The GPU a residency declares: its node and device (devicePlugin and
+/// env mode), or in claim mode its ResourceClaim: the scheduler gives a
+/// device to one claim, but two residencies may name one claim
+/// (spec.gpu.existingClaim, the other's claim too), and one device is one
+/// budget.
 fn gpu_of(r: &ModelResidency) -> Option<Gpu> {
     if r.spec.gpu.mode == crate::api::GpuMode::Claim {
-        return None;
+        let ns = r.namespace().unwrap_or_default();
+        return Some((
+            format!("claim {ns}").into(),
+            crate::residency::gpu::claim_of(r).into(),
+        ));
     }
     Some((
         r.spec.node_name.as_deref()?.into(),
@@ -200,6 +206,37 @@ mod tests {
         let moved = residency("b", "gpu", 100, "n2", "0");
         claims.record(&watcher::Event::Apply(moved));
         assert_eq!(claims.holder_other_than(&young), None);
+    }
+
+    #[test]
+    fn residencies_naming_one_claim_are_one_gpu_held_by_the_oldest() {
+        let claims = GpuClaims::default();
+        let in_claim_mode = |ns: &str, name: &str, created: i64, existing: Option<&str>| {
+            let mut r = residency(ns, name, created, "n1", "0");
+            r.spec.gpu.mode = crate::api::GpuMode::Claim;
+            r.spec.gpu.existing_claim = existing.map(str::to_owned);
+            r
+        };
+        let a = in_claim_mode("t", "a", 100, None);
+        // b names a's own claim, c a shared one, d the same in another
+        // namespace (claims are namespaced: another claim).
+        let a_claim = crate::residency::gpu::claim_of(&a);
+        let b = in_claim_mode("t", "b", 200, Some(&a_claim));
+        let c = in_claim_mode("t", "c", 300, Some("team-gpu"));
+        let d = in_claim_mode("t", "d", 400, Some("team-gpu"));
+        let e = in_claim_mode("u", "e", 500, Some("team-gpu"));
+        for r in [&a, &b, &c, &d, &e] {
+            claims.record(&watcher::Event::Apply(r.clone()));
+        }
+        assert_eq!(claims.holder_other_than(&a), None);
+        assert_eq!(claims.holder_other_than(&b).as_deref(), Some("t/a"));
+        assert_eq!(claims.holder_other_than(&c), None);
+        assert_eq!(claims.holder_other_than(&d).as_deref(), Some("t/c"));
+        assert_eq!(claims.holder_other_than(&e), None);
+        // Two residencies with claims of their own share nothing.
+        let f = in_claim_mode("t", "f", 50, None);
+        claims.record(&watcher::Event::Apply(f.clone()));
+        assert_eq!(claims.holder_other_than(&a), None);
     }
 
     #[test]

@@ -27,9 +27,10 @@
 //!   declares the delays and faults: `sleep=200ms,wake=50ms`, and
 //!   `mode=missing` (no sleep endpoints: 404), `mode=lies` (answers 200 and
 //!   does not sleep) or `mode=slow` (the sleep never answers).
-//! - `GET /fake/stats`: `{"asleep", "sleeps", "wakes",
+//! - `GET /fake/stats`: `{"asleep", "sleep_requests", "sleeps", "wakes",
 //!   "inference_while_asleep"}`, for tests to check that nothing was sent
-//!   to a sleeping server.
+//!   to a sleeping server (`sleep_requests` counts those received, answered
+//!   or not).
 //!
 //! Every response carries `x-model-pod: <pod>`. No inference happens, and
 //! nothing else a model server does (batching, limits, GPU memory) is
@@ -134,6 +135,8 @@ impl SleepBehaviour {
 #[derive(Debug, Default)]
 struct SleepState {
     asleep: AtomicBool,
+    /// Sleep requests received, answered or not.
+    sleep_requests: AtomicU64,
     sleeps: AtomicU64,
     wakes: AtomicU64,
     inference_while_asleep: AtomicU64,
@@ -241,6 +244,7 @@ async fn sleep_endpoint(
     }
     match (req.method(), path) {
         (&Method::POST, "/sleep") => {
+            state.sleep_requests.fetch_add(1, Ordering::SeqCst);
             if b.mode == SleepMode::Slow {
                 std::future::pending::<()>().await;
             }
@@ -263,6 +267,7 @@ async fn sleep_endpoint(
         )),
         (&Method::GET, "/fake/stats") => Some(ok(json!({
             "asleep": state.asleep.load(Ordering::SeqCst),
+            "sleep_requests": state.sleep_requests.load(Ordering::SeqCst),
             "sleeps": state.sleeps.load(Ordering::SeqCst),
             "wakes": state.wakes.load(Ordering::SeqCst),
             "inference_while_asleep": state.inference_while_asleep.load(Ordering::SeqCst),

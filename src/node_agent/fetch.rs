@@ -216,15 +216,22 @@ pub fn is_under(uri: &http::Uri, prefix: &str) -> bool {
 
 /// Whether a URI path has a segment that a server may resolve upwards or
 /// sideways: `.` or `..`, literal or percent-encoded (`%2e%2e`, as RFC 3986
-/// says servers decode unreserved characters), or an encoded `/` or `\`
+/// says servers decode unreserved characters), also before a `;` (Tomcat
+/// and Jetty drop a segment's `;parameters`, so `..;x` is `..` to them), a
+/// `\` literal or encoded (some stores read it as `/`), or an encoded `/`
 /// inside a segment. Such a path is refused outright rather than resolved:
 /// `/allowed/../secret.bin` is under `/allowed/` as text and outside it
 /// once the store resolves it.
 fn has_dot_segments(path: &str) -> bool {
     path.split('/').any(|segment| {
         let lower = segment.to_ascii_lowercase();
-        let decoded = lower.replace("%2e", ".");
-        decoded == "." || decoded == ".." || lower.contains("%2f") || lower.contains("%5c")
+        let decoded = lower.replace("%2e", ".").replace("%3b", ";");
+        let name = decoded.split(';').next().unwrap_or_default();
+        name == "."
+            || name == ".."
+            || lower.contains("%2f")
+            || lower.contains("%5c")
+            || lower.contains('\\')
     })
 }
 
@@ -872,6 +879,13 @@ mod tests {
             "http://127.0.0.1:28090/allowed/..%2fsecret.bin",
             "http://127.0.0.1:28090/allowed/..%5csecret.bin",
             "http://127.0.0.1:28090/allowed/..",
+            // What Tomcat and Jetty read as `..`, and a `\` some stores
+            // read as `/` (a black-box round sent both to the store).
+            "http://127.0.0.1:28090/allowed/..;/fresh.bin",
+            "http://127.0.0.1:28090/allowed/..;x=1/fresh.bin",
+            "http://127.0.0.1:28090/allowed/.%2e%3b/fresh.bin",
+            "http://127.0.0.1:28090/allowed/..\\fresh.bin",
+            "http://127.0.0.1:28090/allowed/a\\..\\..\\fresh.bin",
         ] {
             assert!(!under(sneaky, allowed), "{sneaky}");
         }

@@ -45,12 +45,16 @@ impl Router {
         let start = Instant::now();
         let deadline = tokio::time::Instant::now() + self.config.load_timeout;
         let mut held = Held::default();
+        let mut closing = self.closing.subscribe();
         let kind = if sleeps_somewhere(&rx.borrow(), model) {
             "warm"
         } else {
             "cold"
         };
         loop {
+            if *closing.borrow_and_update() {
+                return Err(shutting_down());
+            }
             let snap = rx.borrow_and_update().clone();
             if let Some(endpoint) = self.step(&snap, model, avoid, &mut held).await? {
                 let labels = super::metrics::HoldLabels { kind };
@@ -61,6 +65,7 @@ impl Router {
             tokio::select! {
                 changed = rx.changed() => if changed.is_err() { return Err(shutting_down()) },
                 _ = self.retry.notified() => {}
+                _ = closing.changed() => {}
                 // A request written and never processed is written again
                 // after a while (recency::LOST_AFTER): look again then.
                 _ = tokio::time::sleep(RELOOK) => {}

@@ -100,6 +100,10 @@ fn boxed(body: Full<Bytes>) -> ProxyBody {
     body.map_err(|never| match never {}).boxed()
 }
 
+/// The last part of the shutdown grace, in which the requests still held
+/// for a load get their 503.
+pub const HELD_ANSWER_TIME: Duration = Duration::from_secs(1);
+
 /// A running router: its watches, its view of the cluster, and its
 /// bookkeeping of traffic. Its tasks stop when it is dropped.
 pub struct Router {
@@ -117,6 +121,9 @@ pub struct Router {
     pending: Mutex<(HashMap<String, usize>, usize)>,
     pub metrics: RouterMetrics,
     tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// Set when the shutdown grace is nearly over: requests still held for
+    /// a load are answered 503 with `Retry-After` rather than dropped.
+    closing: watch::Sender<bool>,
 }
 
 impl Drop for Router {
@@ -143,6 +150,7 @@ impl Router {
             pending: Mutex::default(),
             metrics: RouterMetrics::default(),
             tasks: Mutex::default(),
+            closing: watch::Sender::new(false),
         });
         let watches = tokio::spawn(watches::watch_cluster(Arc::downgrade(&router), tx));
         let mut tasks = vec![watches];
@@ -155,20 +163,34 @@ impl Router {
         router
     }
 
-    /// Waits (up to `grace`) until no request is in flight: on shutdown,
-    /// after the listener is closed.
+    /// On shutdown, after the listener is closed: waits (within `grace`)
+    /// until no request is in flight, those held for a load included; the
+    /// held ones that are left when the grace is nearly over are answered
+    /// 503 with `Retry-After` (another replica serves them), in its last
+    /// [`HELD_ANSWER_TIME`].
     pub async fn drain(&self, grace: Duration) {
-        let deadline = Instant::now() + grace;
-        while Instant::now() < deadline
-            && self
-                .in_flight
-                .lock()
-                .expect("in-flight lock")
-                .values()
-                .any(|n| n.load(Ordering::Relaxed) > 0)
-        {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let until_idle = |deadline: Instant| async move {
+            while Instant::now() < deadline && self.busy() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        until_idle(Instant::now() + grace.saturating_sub(HELD_ANSWER_TIME)).await;
+        self.closing.send_replace(true);
+        until_idle(Instant::now() + HELD_ANSWER_TIME.min(grace)).await;
+        // A held request stops counting when its answer is made, a moment
+        // before the connection has written it.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    /// Whether a request is being proxied or held for a load.
+    fn busy(&self) -> bool {
+        let proxied = self
+            .in_flight
+            .lock()
+            .expect("in-flight lock")
+            .values()
+            .any(|n| n.load(Ordering::Relaxed) > 0);
+        proxied || self.pending.lock().expect("pending lock").1 > 0
     }
 
     /// The in-flight counter of `pod`, the same for every snapshot; counters

@@ -132,6 +132,57 @@ async fn fifty_concurrent_requests_for_a_cold_model_cause_one_load() {
     );
 }
 
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn on_shutdown_held_requests_finish_within_the_grace_or_get_a_503() {
+    // Loads take 3 s.
+    let h = Harness::start_with("route-shutdown", Duration::from_secs(3)).await;
+    h.create(
+        "gpu",
+        "8Gi",
+        &[("qwen", "4Gi", false), ("sd", "4Gi", false)],
+    )
+    .await;
+    let held = |router: std::sync::Arc<RouterUnderTest>, model: &'static str| {
+        (0..5)
+            .map(|_| {
+                let router = router.clone();
+                tokio::spawn(async move { router.chat(model).await })
+            })
+            .collect::<Vec<_>>()
+    };
+    let pending =
+        |router: &RouterUnderTest| router.metric("model_residency_router_pending_requests", "");
+    // A grace longer than the load: the held requests are served.
+    let patient = std::sync::Arc::new(RouterUnderTest::start(&h, Config::default()).await);
+    let served = held(patient.clone(), "qwen");
+    eventually(10, "five held requests", || async {
+        (pending(&patient) == 5).then_some(())
+    })
+    .await;
+    patient.router.drain(Duration::from_secs(20)).await;
+    for a in join_all(served).await {
+        assert_served_by(&a.unwrap(), "qwen");
+    }
+    // A grace shorter than the load: each held request gets a 503 with
+    // Retry-After once drain returns, none is dropped unanswered.
+    let hasty = std::sync::Arc::new(RouterUnderTest::start(&h, Config::default()).await);
+    let refused = held(hasty.clone(), "sd");
+    eventually(10, "five held requests", || async {
+        (pending(&hasty) == 5).then_some(())
+    })
+    .await;
+    hasty.router.drain(Duration::from_millis(1500)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for task in refused {
+        assert!(task.is_finished(), "a held request is still unanswered");
+        let a = task.await.unwrap();
+        assert_eq!(a.status, 503, "{}", a.body);
+        assert!(a.headers.contains_key("retry-after"), "{:?}", a.headers);
+        assert!(a.body.contains("shutting down"), "{}", a.body);
+    }
+}
+
 /// A residency whose models' pods fail to start (`failing`) or never get
 /// going: the registry is `(name, size)`.
 async fn create_with_failing(

@@ -937,6 +937,43 @@ fn an_evicted_model_sleeps_after_the_drain_and_its_request_wakes_it() {
 }
 
 #[test]
+fn a_sleep_cancelled_before_it_is_sent_takes_no_count_back() {
+    let mut r = warm_residency("8Gi");
+    let a_pod = live("a", 6 * GI, true, false);
+    a_loaded_then_b_requested(&mut r, &a_pod);
+    let d = run(&r, std::slice::from_ref(&a_pod), 4);
+    assert_eq!(
+        d.status.model("a").unwrap().reason.as_deref(),
+        Some("FallingAsleep")
+    );
+    let before = d.status.counters;
+    r.status = Some(d.status);
+    // b is unloaded and a asked for again before its sleep is sent: it
+    // was never asleep.
+    r.spec.demand.remove("b");
+    r.spec.demand.insert("a".into(), at(5).to_string());
+    let d = run(&r, std::slice::from_ref(&a_pod), 5);
+    assert_eq!(state(&d, "a"), ModelState::Loaded);
+    assert!(d.calls.is_empty(), "no sleep is sent");
+    let after = d.status.counters;
+    // Every counter only goes up (the metrics read a decrease as a new
+    // object and add the whole value again).
+    for (name, was, is) in [
+        ("sleeps", before.sleeps, after.sleeps),
+        ("wakes", before.wakes, after.wakes),
+        ("hits", before.hits, after.hits),
+        ("loads", before.loads, after.loads),
+        ("evictions", before.evictions, after.evictions),
+        ("unloads", before.unloads, after.unloads),
+    ] {
+        assert!(is >= was, "{name} went down: {was} -> {is}");
+    }
+    assert_eq!((after.sleeps, after.wakes), (0, 0), "no sleep, no wake");
+    assert_eq!(after.hits, before.hits + 1, "the request found a awake");
+    assert_eq!(events(&d, EventReason::Slept), 0);
+}
+
+#[test]
 fn a_failed_sleep_deletes_the_pod_and_a_failed_wake_loads_cold() {
     let mut r = warm_residency("8Gi");
     let a_pod = live("a", 6 * GI, true, false);

@@ -487,3 +487,38 @@ async fn a_claim_without_consumers_is_deallocated_so_a_holder_keeps_it() {
     let holder = h.pods.get("gpu-gpu-holder").await.unwrap();
     assert_eq!(holder.metadata.labels.unwrap()[GPU_HOLDER_LABEL], "gpu");
 }
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_residency_naming_anothers_claim_is_a_conflict_not_a_second_budget() {
+    let h = Harness::start("claim-twice").await;
+    create(
+        &h,
+        "first",
+        json!({"nodeName": h.node, "device": "5", "budget": "16Gi", "models": models(&["a"])}),
+    )
+    .await;
+    let r = h.request("first", "a").await;
+    let claim = gpu(&r).claim.clone().expect("first's claim");
+    // The black-box round: each loaded 10Gi+ of one 16Gi device.
+    create(
+        &h,
+        "second",
+        json!({"nodeName": h.node, "device": "5", "budget": "16Gi",
+               "gpu": {"existingClaim": claim}, "models": models(&["b"])}),
+    )
+    .await;
+    h.request_nowait("second", "b").await;
+    let r = until_ready(&h, "second", "False", "GpuConflict").await;
+    let conditions = &r.status.as_ref().unwrap().conditions;
+    let holder = format!("{}/first", h.env.namespace);
+    assert!(
+        conditions.iter().any(|c| c.message.contains(&holder)),
+        "{conditions:?}"
+    );
+    let (live, _) = h.pods_of("second").await;
+    assert!(live.is_empty(), "a second budget on one device: {live:?}");
+    // first keeps its model and its one budget.
+    let r = h.api.get("first").await.unwrap();
+    assert_eq!(model(&r, "a").state, ModelState::Loaded);
+}

@@ -379,11 +379,12 @@ async fn sleeps_that_never_answer_do_not_hold_other_residencies() {
     for name in &stalled {
         h.request_nowait(name, "b").await;
     }
-    eventually(30, "every stalled residency falling asleep", || async {
+    // Until every stalled server has its sleep request (sent after the
+    // drain, never answered).
+    eventually(30, "every stalled sleep in flight", || async {
         let mut all = true;
         for name in &stalled {
-            let r = h.api.get(name).await.unwrap();
-            all &= reason(&r, "a") == "FallingAsleep";
+            all &= stats(&h, name, "a").await["sleep_requests"] == 1;
         }
         all.then_some(())
     })
