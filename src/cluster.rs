@@ -46,6 +46,48 @@ where
     api.patch_status(name, &pp, &Patch::Apply(&body)).await
 }
 
+/// How a watch retries after an error: 250 ms, doubling to at most 4 s,
+/// and back to 250 ms at the first event that arrives.
+///
+/// kube's `default_backoff` (client-go's: 0.8 s doubling to 30 s) resets
+/// only after two minutes without an error, so after an API server
+/// restart in a busy minute a watch waited up to 30 s between tries: a new
+/// residency stayed unseen 30-35 s after an 11 s outage (a black-box
+/// round), and a spec change made during the outage was reconciled late
+/// (a test's 60 s convergence limit ran out). One process's watches
+/// trying every 4 s are no load on a recovering API server.
+#[derive(Debug, Clone)]
+pub struct WatchBackoff {
+    next: std::time::Duration,
+}
+
+impl WatchBackoff {
+    const FIRST: std::time::Duration = std::time::Duration::from_millis(250);
+    const MOST: std::time::Duration = std::time::Duration::from_secs(4);
+}
+
+impl Default for WatchBackoff {
+    fn default() -> Self {
+        WatchBackoff { next: Self::FIRST }
+    }
+}
+
+impl Iterator for WatchBackoff {
+    type Item = std::time::Duration;
+
+    fn next(&mut self) -> Option<std::time::Duration> {
+        let now = self.next;
+        self.next = (now * 2).min(Self::MOST);
+        Some(now)
+    }
+}
+
+impl kube::runtime::utils::Backoff for WatchBackoff {
+    fn reset(&mut self) {
+        self.next = Self::FIRST;
+    }
+}
+
 /// Keeps `writer`'s store current from a watch of `api` (retried with
 /// backoff), notifying `changed` after every event: what the router and
 /// the node agent rebuild their view on. `what` names the watch in logs.
@@ -59,15 +101,18 @@ pub async fn reflect<K>(
     K: Resource + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone,
 {
-    reflector::reflector(writer, watcher(api, config).default_backoff())
-        .for_each(move |event| {
-            if let Err(e) = event {
-                tracing::warn!(error = %e, "{what} failed (retrying)");
-            }
-            changed.notify_one();
-            futures::future::ready(())
-        })
-        .await
+    reflector::reflector(
+        writer,
+        watcher(api, config).backoff(WatchBackoff::default()),
+    )
+    .for_each(move |event| {
+        if let Err(e) = event {
+            tracing::warn!(error = %e, "{what} failed (retrying)");
+        }
+        changed.notify_one();
+        futures::future::ready(())
+    })
+    .await
 }
 
 /// How the operator's watches get their initial state (and re-list after
@@ -91,5 +136,33 @@ impl InitialList {
             InitialList::Stream => watcher::Config::default().streaming_lists(),
             InitialList::List => watcher::Config::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::WatchBackoff;
+    use kube::runtime::utils::Backoff;
+    use std::time::Duration;
+
+    #[test]
+    fn a_watch_retries_within_four_seconds_and_starts_over_after_an_event() {
+        let mut b = WatchBackoff::default();
+        let waits: Vec<Duration> = b.by_ref().take(7).collect();
+        let ms = |n| Duration::from_millis(n);
+        assert_eq!(
+            waits,
+            [
+                ms(250),
+                ms(500),
+                ms(1000),
+                ms(2000),
+                ms(4000),
+                ms(4000),
+                ms(4000)
+            ]
+        );
+        b.reset();
+        assert_eq!(b.next(), Some(ms(250)));
     }
 }

@@ -1,23 +1,29 @@
 //! model-residency: per-GPU model residency for Kubernetes.
 //!
-//! - [`api`]: the `ModelResidency` and `ModelDemand` custom resources.
-//! - [`cluster`]: namespaced-or-all API handles and status writes.
-//! - [`controller`]: the reconciler (validate, restore, decide, enact).
-//! - [`demand`]: load/unload requests (one merge patch of a `spec.demand` key).
-//! - [`engine`]: the pure VRAM-budgeted LRU admission policy.
-//! - [`quantity`]: Kubernetes quantities as whole bytes.
-//! - [`registry`]: registry files (`{name, size, pinned}` lists).
-//! - [`simulate`]: replaying request traces through the engine.
-//! - [`http`]: `/healthz`, `/readyz`, `/metrics`.
-//! - [`lease`]: leader election on a Lease.
-//! - [`labels`]: label and annotation keys on model pods.
-//! - [`metrics`]: Prometheus metrics.
+//! Below every process (none imports the reconciler):
+//! - [`api`]: the custom resources (`ModelResidency`, `ModelDemand`,
+//!   `NodeModelCache`) and their admission rules.
+//! - [`engine`]: the pure VRAM-budgeted admission policy (LRU, cost, the
+//!   warm tier); no kube, no I/O.
+//! - [`residency`]: what every process knows of a residency: its validated
+//!   state, reasons, conditions, labels, demand writes, GPU placement, the
+//!   warm tier's requests.
+//! - [`quantity`], [`registry`]: quantities as bytes; registry files.
+//!
+//! The processes:
+//! - [`controller`]: the residency reconciler (pod cache, decide, enact;
+//!   sleeps and wakes in tasks of their own); [`operator`] wires it with
+//!   the ModelDemand controller and leader election.
 //! - [`router`]: the request router (`model-residency route`).
-//! - [`node_agent`]: the node's disk tier for model artifacts (what to keep,
-//!   fetching); in progress.
-//! - [`model_demand`]: the ModelDemand controller (`/scale` for HPA and KEDA).
-//! - `local` (feature `local`): a local control plane and kubelet stand-in
-//!   (tests, benchmarks, demo); not in the operator image.
+//! - [`node_agent`]: the node's disk tier: the disk plan, http and OCI
+//!   fetches, the blob store, an artifact's confinement to its directory.
+//! - [`simulate`]: replaying request traces through the engine.
+//!
+//! Shared plumbing: [`cluster`] (API handles, status writes, watch
+//! backoff), [`http`] (admin endpoints, a small client), [`metrics`],
+//! [`panic_guard`]; `local` (feature `local`): a local control plane,
+//! kubelet stand-in, fake model server and registry (tests, benchmarks,
+//! demo), not in the operator image.
 
 pub mod api;
 pub mod cluster;

@@ -89,7 +89,7 @@ pub struct ModelResidencySpec {
     /// The share of the device's memory that is the budget when budget is
     /// omitted (claim mode): more than 0, at most 1. Default 0.9.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 0.01, max = 1.0))]
+    #[schemars(range(min = 0.01, max = 1.0), extend("x-kubernetes-validations" = rules::fraction()))]
     pub budget_fraction: Option<f64>,
     /// The model registry: every model this GPU may serve, at most 1000
     /// (the object, status included, must stay well under etcd's request

@@ -22,7 +22,16 @@ pub const DNS_SUBDOMAIN: &str =
 /// One GPU: an index, a `GPU-...` UUID or a `MIG-...` UUID (MIG's own
 /// `MIG-GPU-<uuid>/<gi>/<ci>` form included). Not `all`, `none`, a list or
 /// empty: one object is one GPU's budget.
-pub const ONE_GPU: &str = r"^([0-9]+|GPU-[0-9a-fA-F-]+|MIG-[0-9a-zA-Z/-]+)$";
+/// An index has at most four digits: a longer one (`99999999999999999999`)
+/// is no device, and in claim mode it made a claim selector the API server
+/// refuses at every retry.
+pub const ONE_GPU: &str = r"^([0-9]{1,4}|GPU-[0-9a-fA-F-]+|MIG-[0-9a-zA-Z/-]+)$";
+/// A duration as the operator reads it: numbers with units (`30s`,
+/// `1m30s`, `500ms`, `2h`).
+pub const DURATION: &str = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$";
+/// A request to a model's own pod: a path (and query) on it, printable
+/// ASCII without spaces, never a URL of another host.
+pub const POD_PATH: &str = r"^/[!-~]*$";
 /// A positive Kubernetes quantity without sign or milli-units.
 pub const POSITIVE_QUANTITY: &str = r"^\+?(0*[1-9][0-9]*(\.[0-9]*)?|0*\.0*[1-9][0-9]*)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE]\+?[0-9]+)?$";
 /// A normalized absolute path: no `.`, `..` or empty segments, not `/`.
@@ -58,6 +67,31 @@ pub fn one_gpu() -> Value {
         ONE_GPU,
         "is not one GPU: give its index (0), its UUID (GPU-...) or a MIG instance's (MIG-...); not all, none or a list",
     )
+}
+
+/// A duration field (`timeout`, `wakeTime`).
+pub fn duration() -> Value {
+    matching(
+        DURATION,
+        "is not a duration: a number and a unit (30s, 500ms, 2m, 1h30m)",
+    )
+}
+
+/// A sleep, wake or status request's `path`.
+pub fn pod_path() -> Value {
+    matching(
+        POD_PATH,
+        "is not a path on the model's pod: start with '/', printable characters, no spaces",
+    )
+}
+
+/// `spec.budgetFraction`. The schema's `minimum` let an integer 0 through
+/// (a 1-byte budget) while it refused `1e-07`: the rule reads every number.
+pub fn fraction() -> Value {
+    json!([{
+        "rule": "double(self) >= 0.01 && double(self) <= 1.0",
+        "message": "budgetFraction is a share of the device's memory: at least 0.01, at most 1",
+    }])
 }
 
 /// Rules across spec fields: what only claim mode may leave out, and the

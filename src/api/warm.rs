@@ -34,7 +34,7 @@ pub struct SleepSpec {
     /// How long a wake takes, as a duration (2s, 500ms), until one is
     /// measured; used by spec.eviction cost. Default: loadTime / 20.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 32))]
+    #[schemars(length(min = 1, max = 32), extend("x-kubernetes-validations" = super::rules::duration()))]
     pub wake_time: Option<String>,
     /// The request that puts it to sleep (replaces the preset's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -61,11 +61,12 @@ pub enum SleepPreset {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PodRequest {
-    /// GET or POST. Default POST (GET for status).
+    /// GET, POST or PUT. Default POST (GET for status).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("enum" = ["GET", "POST", "PUT"]))]
     pub method: Option<String>,
-    /// Path and query, starting with '/'.
-    #[schemars(length(min = 1, max = 256))]
+    /// Path and query on the model's pod, starting with '/'.
+    #[schemars(length(min = 1, max = 256), extend("x-kubernetes-validations" = super::rules::pod_path()))]
     pub path: String,
     /// The answer's status code that means it worked. Default: any 2xx.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -74,9 +75,10 @@ pub struct PodRequest {
     /// true while the server sleeps. Default is_sleeping.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
-    /// How long to wait for the answer, as a duration. Default 30s.
+    /// How long to wait for the answer, as a duration. Default 30s; the
+    /// operator's --pod-call-timeout-max (default 2m) caps it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 32))]
+    #[schemars(length(min = 1, max = 32), extend("x-kubernetes-validations" = super::rules::duration()))]
     pub timeout: Option<String>,
 }
 

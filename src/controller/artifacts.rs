@@ -106,7 +106,7 @@ pub fn artifact_gate(
                 a.retry_at
                     .as_deref()
                     .map(|t| format!(" (the agent retries at {t})"))
-                    .unwrap_or_default()
+                    .unwrap_or_else(|| " (not retried: change the artifact)".into())
             ),
         },
         Some(a) if a.state == ArtifactState::Waiting => ArtifactGate::Wait {

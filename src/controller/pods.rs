@@ -338,6 +338,21 @@ pub(crate) fn require_node(spec: &mut PodSpec, node: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn holder_and_model_pod_names_never_meet() {
+        // A model pod's name ends in -<5 hex>; the holder's in -holder.
+        let model_pod = pod_name("a", "gpu");
+        assert_ne!(model_pod, crate::residency::gpu::holder_name("a"));
+        assert!(
+            !crate::residency::gpu::holder_name("a")
+                .rsplit('-')
+                .next()
+                .unwrap()
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit())
+        );
+    }
     use crate::api::{ByteQuantity, GpuMode, ModelResidencySpec};
     use crate::residency::gpu::assumed;
     use serde_json::json;

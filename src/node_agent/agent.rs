@@ -86,9 +86,19 @@ struct Entry {
     /// [`fetch::partial_dir`]): the next try resumes it. It holds the
     /// artifact's size against the budget meanwhile.
     partial: bool,
+    /// It failed in a way its spec always will ([`fetch::FetchError::permanent`]):
+    /// not tried again by this agent.
+    permanent: bool,
 }
 
 impl Entry {
+    /// Failed, and not to be tried at `now`: its retry is not due, or it
+    /// never will be.
+    fn waits(&self, now: Timestamp) -> bool {
+        self.state == ArtifactState::Failed
+            && (self.permanent || self.retry_at.is_some_and(|at| at > now))
+    }
+
     fn new(model: String, size: u64, state: ArtifactState, last_use: Option<Timestamp>) -> Self {
         Entry {
             model,
@@ -105,6 +115,7 @@ impl Entry {
             blobs: Vec::new(),
             digest: None,
             partial: false,
+            permanent: false,
         }
     }
 
@@ -400,9 +411,7 @@ impl Agent {
                 continue;
             };
             let on_disk = self.entries.get(key).is_some_and(|e| e.holds_room());
-            let waiting = self.entries.get(key).is_some_and(|e| {
-                e.state == ArtifactState::Failed && e.retry_at.is_some_and(|at| at > now)
-            });
+            let waiting = self.entries.get(key).is_some_and(|e| e.waits(now));
             if on_disk
                 || waiting
                 || self.resolved.contains_key(key)
@@ -625,9 +634,7 @@ impl Agent {
         let entry = self.entries.entry(key.to_owned()).or_insert_with(|| {
             Entry::new(d.model.clone(), d.size, ArtifactState::Failed, d.requested)
         });
-        let waiting =
-            entry.state == ArtifactState::Failed && entry.retry_at.is_some_and(|at| at > now);
-        if entry.state == ArtifactState::Fetching || waiting {
+        if entry.state == ArtifactState::Fetching || entry.waits(now) {
             return;
         }
         entry.state = ArtifactState::Fetching;
@@ -773,11 +780,12 @@ impl Agent {
                         }
                         e.failures += 1;
                         let delay = retry_delay(e.failures);
-                        tracing::warn!(artifact = %key, error = %err, retry_in = ?delay, "resolving failed");
+                        tracing::warn!(artifact = %key, error = %err, retry_in = ?delay, permanent = err.permanent(), "resolving failed");
                         e.state = ArtifactState::Failed;
                         e.reason = Some(err.reason().into());
                         e.message = Some(err.to_string());
-                        e.retry_at = Some(Timestamp::now() + delay);
+                        e.permanent = err.permanent();
+                        e.retry_at = (!e.permanent).then(|| Timestamp::now() + delay);
                         self.metrics
                             .fetches
                             .get_or_create(&ResultLabels {
@@ -812,6 +820,7 @@ impl Agent {
                 e.digest = self.resolved.get(key).map(|r| r.pinned.clone());
                 e.failures = 0;
                 e.partial = false;
+                e.permanent = false;
             }
             Err(err) => {
                 e.failures += 1;
@@ -829,7 +838,8 @@ impl Agent {
                 }
                 e.reason = Some(err.reason().into());
                 e.message = Some(err.to_string());
-                e.retry_at = Some(Timestamp::now() + delay);
+                e.permanent = err.permanent();
+                e.retry_at = (!e.permanent).then(|| Timestamp::now() + delay);
             }
         }
     }

@@ -153,6 +153,26 @@ impl FetchError {
     }
 }
 
+impl FetchError {
+    /// Whether the same artifact spec fails the same way whatever is tried
+    /// again: its paths, links, sources, sizes or media types. Such a
+    /// failure is not tried again (a download each time) until the spec
+    /// changes (a new artifact key) or the agent restarts (its
+    /// `--allowed-sources` may have changed). A mismatching checksum or
+    /// digest and failed credentials are retried: the store, the registry
+    /// or the Secret may be fixed.
+    pub fn permanent(&self) -> bool {
+        matches!(
+            self.reason(),
+            "InvalidArtifact"
+                | "SourceNotAllowed"
+                | "LargerThanDeclared"
+                | "UnsupportedMediaType"
+                | "ManifestTooLarge"
+        )
+    }
+}
+
 pub(super) fn io(e: std::io::Error) -> FetchError {
     FetchError::Io(e.to_string())
 }

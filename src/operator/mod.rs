@@ -119,7 +119,7 @@ fn residency_events(
     offered: Arc<fast_lane::FastLane>,
 ) -> impl futures::Stream<Item = Result<ModelResidency, watcher::Error>> + Send + use<> {
     watcher(residencies, ctx.initial_list.config())
-        .default_backoff()
+        .backoff(crate::cluster::WatchBackoff::default())
         .modify(cached::compact)
         .inspect_ok({
             // A deleted residency's metrics go with it, also one deleted
@@ -181,7 +181,7 @@ fn pod_events(
     ctx.pods.reset();
     let cache = ctx.clone();
     watcher(pods, ctx.initial_list.config().labels(RESIDENCY_LABEL))
-        .default_backoff()
+        .backoff(crate::cluster::WatchBackoff::default())
         .flat_map(move |event| {
             let touched = match event {
                 Ok(ev) => cache.pods.record(&ev),
@@ -238,7 +238,7 @@ async fn node_cache_events(
         }
     }
     watcher(api, watcher::Config::default())
-        .default_backoff()
+        .backoff(crate::cluster::WatchBackoff::default())
         .flat_map(move |event| {
             let mut nodes = Vec::new();
             match event {
@@ -304,7 +304,7 @@ async fn gpu_events(
     let slice_ctx = ctx.clone();
     let slice_store = residencies.clone();
     let slice_events = watcher(slices, watcher::Config::default())
-        .default_backoff()
+        .backoff(crate::cluster::WatchBackoff::default())
         .flat_map(move |event| {
             let touched = match &event {
                 Ok(ev) => {
@@ -336,7 +336,7 @@ async fn gpu_events(
             futures::stream::iter(touched)
         });
     let claim_events = watcher(claims, watcher::Config::default())
-        .default_backoff()
+        .backoff(crate::cluster::WatchBackoff::default())
         .flat_map(move |event| {
             let touched: Vec<ObjectRef<ModelResidency>> = match &event {
                 Ok(ev) => ctx

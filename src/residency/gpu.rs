@@ -240,19 +240,4 @@ mod tests {
         assert_eq!(budget(Some(5), None, 0.9).unwrap().bytes, 5);
         assert_eq!(budget(None, None, 0.9), None);
     }
-
-    #[test]
-    fn holder_and_model_pod_names_never_meet() {
-        // A model pod's name ends in -<5 hex>; the holder's in -holder.
-        let model_pod = crate::controller::pods::pod_name("a", "gpu");
-        assert_ne!(model_pod, holder_name("a"));
-        assert!(
-            !holder_name("a")
-                .rsplit('-')
-                .next()
-                .unwrap()
-                .bytes()
-                .all(|b| b.is_ascii_hexdigit())
-        );
-    }
 }

@@ -147,6 +147,13 @@ async fn invalid_objects_are_rejected_at_admission() {
         ("template not an object", valid.replace("{name: b, size: 1Gi}", "{name: b, size: 1Gi, template: oops}"), "spec.models[1].template: Invalid value: \"string\"", "must be of type object"),
         ("artifact from ftp", artifact("{uri: \"ftp://host/w\"}"), "spec.models[0].artifact.files[0].uri: Invalid value: ", "'ftp://host/w' is not an http:// or https:// URI"),
         ("artifact sha256 not hex", artifact(&format!("{{uri: \"http://h/w\", sha256: {}}}", "z".repeat(64))), "spec.models[0].artifact.files[0].sha256: Invalid value: ", "is not a SHA-256"),
+        ("sleep timeout not a duration", with_model("{name: a, size: \"2\", sleep: {sleepingSize: \"1\", sleep: {path: /sleep, timeout: forever}}}"), "spec.models[0].sleep.sleep.timeout: Invalid value: ", "'forever' is not a duration"),
+        ("sleep path a URL", with_model("{name: a, size: \"2\", sleep: {sleepingSize: \"1\", sleep: {path: \"http://169.254.169.254/latest\"}}}"), "spec.models[0].sleep.sleep.path: Invalid value: ", "is not a path on the model's pod"),
+        ("sleep method with CR/LF", with_model("{name: a, size: \"2\", sleep: {sleepingSize: \"1\", wake: {path: /wake_up, method: \"POST /x HTTP/1.1\\r\\nHost: y\"}}}"), "spec.models[0].sleep.wake.method: Unsupported value", "supported values: \"GET\", \"POST\", \"PUT\""),
+        ("wakeTime not a duration", with_model("{name: a, size: \"2\", sleep: {sleepingSize: \"1\", wakeTime: soon}}"), "spec.models[0].sleep.wakeTime: Invalid value: ", "'soon' is not a duration"),
+        ("device index out of range", valid.replace("device: \"0\"", "device: \"99999999999999999999\""), "spec.device: Invalid value: ", "is not one GPU"),
+        ("budgetFraction zero", valid.replace("  nodeName: node-a\n", "  nodeName: node-a\n  budgetFraction: 0\n"), "spec.budgetFraction: Invalid value: ", "budgetFraction is a share of the device's memory: at least 0.01, at most 1"),
+        ("budgetFraction 2 as an integer", valid.replace("  nodeName: node-a\n", "  nodeName: node-a\n  budgetFraction: 2\n"), "spec.budgetFraction: Invalid value: ", "budgetFraction is a share of the device's memory: at least 0.01, at most 1"),
         ("mountPath with ..", with_model("{name: a, size: \"1\", artifact: {size: 1Gi, mountPath: /models/../etc, files: [{uri: \"http://h/w\"}]}}"), "spec.models[0].artifact.mountPath: Invalid value: ", "'/models/../etc' is not a normalized absolute path"),
     ];
     assert!(

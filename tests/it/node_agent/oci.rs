@@ -642,6 +642,21 @@ async fn hostile_layers_write_nothing_outside_poison_no_blob_and_link_no_host_fi
     // No blob under the victim's hash, and every blob honest.
     assert!(!cache.join(".blobs/sha256").join(&victim_hex).exists());
     store_is_honest(&cache);
+    // A refusal its spec will always get is not fetched again (it was,
+    // every 5 s and then less often, a download each time): past the
+    // first retry's time, each artifact failed once in the agent's log.
+    let r = h.api.get("gpu").await.unwrap();
+    let message = status_of(&r, "chain").message.clone().unwrap_or_default();
+    assert!(message.contains("not retried"), "{message}");
+    tokio::time::sleep(std::time::Duration::from_secs(7)).await;
+    let log = std::fs::read_to_string(dir.path().join("cache.log")).unwrap();
+    for name in ["chain", "poison", "above", "host"] {
+        let tries = log
+            .lines()
+            .filter(|l| l.contains("fetch failed") && l.contains(&format!("{name}-")))
+            .count();
+        assert_eq!(tries, 1, "{name} was fetched {tries} times");
+    }
     // No view of a refused artifact is left to mount.
     let names = cached(&cache);
     assert!(
