@@ -217,6 +217,17 @@ pub fn build_pod(
     if spec.containers.is_empty() {
         return Err("the pod template has no containers".into());
     }
+    // A name that matches no container would give the GPU to none: a pod
+    // that starts, turns Ready and serves without its device.
+    if let Some(named) = &residency.spec.gpu.containers
+        && let Some(missing) = named
+            .iter()
+            .find(|n| !spec.containers.iter().any(|c| &c.name == *n))
+    {
+        return Err(format!(
+            "spec.gpu.containers names {missing:?}, which the pod template has no container of"
+        ));
+    }
     let residency_name = residency.metadata.name.clone().unwrap_or_default();
     if !gpu.node.is_empty() {
         require_node(&mut spec, &gpu.node);
@@ -571,5 +582,11 @@ mod tests {
                 .unwrap_err()
                 .contains("no pod template")
         );
+        // The GPU given to a container the template does not have: no pod
+        // without its GPU.
+        let mut r = residency();
+        r.spec.gpu.containers = Some(vec!["sever".into()]);
+        let err = build(&r, json!({"spec": {"containers": [{"name": "server"}]}})).unwrap_err();
+        assert!(err.contains("spec.gpu.containers names \"sever\""), "{err}");
     }
 }

@@ -51,7 +51,7 @@ pub struct AgentConfig {
 }
 
 /// How the agent reaches OCI registries.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub struct RegistryConfig {
     /// A `kubernetes.io/dockerconfigjson` Secret in the agent's own
     /// namespace (`namespace`): the credentials, read at each resolve (an
@@ -60,6 +60,23 @@ pub struct RegistryConfig {
     pub namespace: Option<String>,
     /// PEM CA certificates trusted beside the system's.
     pub ca_pem: Option<Vec<u8>>,
+}
+
+/// Its CA as a size, not as the byte array the start log printed.
+impl std::fmt::Debug for RegistryConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegistryConfig")
+            .field("credentials", &self.credentials)
+            .field("namespace", &self.namespace)
+            .field(
+                "ca_pem",
+                &self
+                    .ca_pem
+                    .as_ref()
+                    .map(|p| format!("{} bytes of PEM", p.len())),
+            )
+            .finish()
+    }
 }
 
 /// One artifact the agent knows of.
