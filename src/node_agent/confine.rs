@@ -40,18 +40,13 @@ pub fn normal(rel: &Path) -> Option<PathBuf> {
     Some(out)
 }
 
-/// Makes every directory between `root` and `rel`'s last component, each
-/// a real directory (an existing symlink or file on the way is refused,
-/// never followed), and yields `root/rel`. `rel` must be normal.
-pub fn dirs_to(root: &Path, rel: &Path) -> io::Result<PathBuf> {
-    let rel = normal(rel).ok_or_else(|| refused(format!("{rel:?} leaves its directory")))?;
+/// Walks the first `depth` parts of normal `rel` under `root`, each of
+/// which must be a real directory (a symlink or a file on the way is
+/// refused, never followed). A missing one is made with `make`, else the
+/// walk yields `None`.
+fn through_dirs(root: &Path, rel: &Path, depth: usize, make: bool) -> io::Result<Option<PathBuf>> {
     let mut here = root.to_path_buf();
-    let mut parts = rel.components().peekable();
-    while let Some(part) = parts.next() {
-        if parts.peek().is_none() {
-            here.push(part);
-            break;
-        }
+    for part in rel.components().take(depth) {
         here.push(part);
         match here.symlink_metadata() {
             Ok(m) if m.is_dir() => {}
@@ -62,11 +57,29 @@ pub fn dirs_to(root: &Path, rel: &Path) -> io::Result<PathBuf> {
                     here.strip_prefix(root).unwrap_or(&here)
                 )));
             }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => std::fs::create_dir(&here)?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound && make => std::fs::create_dir(&here)?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(e),
         }
     }
-    Ok(here)
+    Ok(Some(here))
+}
+
+/// `rel` made normal, or refused.
+fn inside(rel: &Path) -> io::Result<PathBuf> {
+    normal(rel).ok_or_else(|| refused(format!("{rel:?} leaves its directory")))
+}
+
+/// Makes every directory between `root` and `rel`'s last component, each
+/// a real directory, and yields `root/rel`.
+pub fn dirs_to(root: &Path, rel: &Path) -> io::Result<PathBuf> {
+    let rel = inside(rel)?;
+    let depth = rel.components().count().saturating_sub(1);
+    let parent = through_dirs(root, &rel, depth, true)?.expect("made");
+    Ok(match rel.file_name() {
+        Some(name) => parent.join(name),
+        None => parent,
+    })
 }
 
 /// One step of a path being resolved.
@@ -152,49 +165,21 @@ pub fn escaping_link(root: &Path) -> io::Result<Option<(PathBuf, String)>> {
 /// The regular file at `rel` under `root`, reached through real
 /// directories only (for a tar hard link's source).
 pub fn existing_file(root: &Path, rel: &Path) -> io::Result<PathBuf> {
-    let rel = normal(rel).ok_or_else(|| refused(format!("{rel:?} leaves its directory")))?;
-    let parts: Vec<_> = rel.components().collect();
-    let mut here = root.to_path_buf();
-    for (i, part) in parts.iter().enumerate() {
-        here.push(part);
-        let meta = here.symlink_metadata()?;
-        if i + 1 == parts.len() {
-            if !meta.is_file() {
-                return Err(refused(format!("{rel:?} is not a regular file")));
-            }
-        } else if !meta.is_dir() {
-            return Err(refused(format!(
-                "{rel:?} is reached through a link or a file"
-            )));
-        }
-    }
-    if parts.is_empty() {
-        return Err(refused("an empty path is not a file".into()));
-    }
-    Ok(here)
+    let rel = inside(rel)?;
+    let depth = rel.components().count().saturating_sub(1);
+    let found = through_dirs(root, &rel, depth, false)?
+        .zip(rel.file_name())
+        .map(|(parent, name)| parent.join(name))
+        .filter(|file| file.symlink_metadata().is_ok_and(|m| m.is_file()));
+    found.ok_or_else(|| refused(format!("{rel:?} is not a regular file")))
 }
 
 /// The directory at `rel` under `root` if it is one, reached through
 /// real directories; `None` if nothing is there; refused (`InvalidInput`)
 /// when a link or a file stands on the way or at its place.
 pub fn real_dir(root: &Path, rel: &Path) -> io::Result<Option<PathBuf>> {
-    let rel = normal(rel).ok_or_else(|| refused(format!("{rel:?} leaves its directory")))?;
-    let mut here = root.to_path_buf();
-    for part in rel.components() {
-        here.push(part);
-        match here.symlink_metadata() {
-            Ok(m) if m.is_dir() => {}
-            Ok(_) => {
-                return Err(refused(format!(
-                    "/{} is a link or a file, not a directory",
-                    here.strip_prefix(root).unwrap_or(&here).display()
-                )));
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(Some(here))
+    let rel = inside(rel)?;
+    through_dirs(root, &rel, usize::MAX, false)
 }
 
 #[cfg(test)]

@@ -1386,7 +1386,7 @@ mod tests {
                     h.set_cksum();
                     b.append(&h, std::io::empty()).unwrap();
                 }),
-                "through a link",
+                "is placed through \"models/up\"",
             ),
         ];
         for (name, bytes, says) in cases {
