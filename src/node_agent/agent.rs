@@ -947,15 +947,44 @@ impl Agent {
     }
 }
 
+/// Credentials for one registry, and what to add to an authentication
+/// failure (the Secret that should have had them is missing).
+struct Auth {
+    auth: oci_client::secrets::RegistryAuth,
+    missing: Option<String>,
+}
+
+impl Auth {
+    /// `e`, naming the missing Secret if the registry refused anonymous
+    /// access.
+    fn explain(&self, e: fetch::FetchError) -> fetch::FetchError {
+        match (e, &self.missing) {
+            (fetch::FetchError::RegistryAuth { registry, message }, Some(missing)) => {
+                fetch::FetchError::RegistryAuth {
+                    registry,
+                    message: format!("{message} (tried anonymously: {missing})"),
+                }
+            }
+            (e, _) => e,
+        }
+    }
+}
+
 /// The registry credentials for `registry`: from the agent's Secret, or
-/// none (anonymous) without one.
+/// none (anonymous) without one. A Secret that does not exist is
+/// anonymous access too: a registry that needs no credentials is not
+/// failed by it (it was, every one of them).
 async fn auth_for(
     secrets: Option<&Api<Secret>>,
     config: &AgentConfig,
     registry: &str,
-) -> Result<oci_client::secrets::RegistryAuth, fetch::FetchError> {
+) -> Result<Auth, fetch::FetchError> {
+    let anonymous = |missing| Auth {
+        auth: oci_client::secrets::RegistryAuth::Anonymous,
+        missing,
+    };
     let (Some(api), Some(name)) = (secrets, &config.registry.credentials) else {
-        return Ok(oci_client::secrets::RegistryAuth::Anonymous);
+        return Ok(anonymous(None));
     };
     let failed = |message: String| fetch::FetchError::RegistryAuth {
         registry: registry.to_owned(),
@@ -965,9 +994,9 @@ async fn auth_for(
     let secret = match api.get_opt(name).await {
         Ok(Some(s)) => s,
         Ok(None) => {
-            return Err(failed(format!(
-                "the credentials Secret {ns}/{name} does not exist"
-            )));
+            let missing = format!("the credentials Secret {ns}/{name} does not exist");
+            tracing::warn!(registry, "{missing}; trying anonymously");
+            return Ok(anonymous(Some(missing)));
         }
         Err(e) => {
             return Err(fetch::FetchError::Registry {
@@ -985,8 +1014,12 @@ async fn auth_for(
                 "the Secret {ns}/{name} has no .dockerconfigjson (it must be of type kubernetes.io/dockerconfigjson)"
             ))
         })?;
-    oci::credentials_for(&config_json.0, registry)
-        .map_err(|e| failed(format!("the Secret {ns}/{name}: {e}")))
+    let auth = oci::credentials_for(&config_json.0, registry)
+        .map_err(|e| failed(format!("the Secret {ns}/{name}: {e}")))?;
+    Ok(Auth {
+        auth,
+        missing: None,
+    })
 }
 
 /// Resolves an OCI source (after checking it is allowed).
@@ -1008,7 +1041,8 @@ async fn resolve(
         });
     }
     let auth = auth_for(secrets, config, source.registry()).await?;
-    registry.resolve(&source, &auth).await
+    let resolved = registry.resolve(&source, &auth.auth).await;
+    resolved.map_err(|e| auth.explain(e))
 }
 
 /// Fetches an OCI artifact whose manifest was resolved (or resolves it
@@ -1034,7 +1068,7 @@ async fn fetch_oci(
     };
     oci::fetch(
         registry,
-        &auth,
+        &auth.auth,
         &config.cache_dir,
         key,
         &source,
@@ -1044,6 +1078,7 @@ async fn fetch_oci(
         progress,
     )
     .await
+    .map_err(|e| auth.explain(e))
 }
 
 /// Writes the node's `NodeModelCache` when its content changed (the

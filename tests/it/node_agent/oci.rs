@@ -360,6 +360,14 @@ async fn each_registry_failure_has_its_reason_and_a_stopped_registry_is_waited_o
         .join("data");
     std::fs::remove_file(&data).unwrap();
     let nothing = sha256_digest(b"no such manifest");
+    let danon = reg
+        .push(
+            "models/anon",
+            "v1",
+            &[(OCTETS, &bytes(1000, 12), Some("a.bin"))],
+        )
+        .await
+        .unwrap();
     credentials(&h, &reg, "wrong-password").await;
     let dir = tempfile::tempdir().unwrap();
     let cache = dir.path().join("cache");
@@ -393,6 +401,11 @@ async fn each_registry_failure_has_its_reason_and_a_stopped_registry_is_waited_o
                 "outside",
                 "1Gi",
                 Some(json!({"source": format!("oci://{}/other/x:v1", reg.host()), "size": "1Mi"})),
+            ),
+            model(
+                "anon",
+                "1Gi",
+                Some(oci(&reg, &format!("models/anon@{danon}"), "1Mi")),
             ),
         ],
         0,
@@ -438,6 +451,23 @@ async fn each_registry_failure_has_its_reason_and_a_stopped_registry_is_waited_o
             .iter()
             .any(|n| n.contains(&hex) || n.contains("gone-")),
         "nothing half-written: {names:?}"
+    );
+    // The Secret deleted: the pull is anonymous (a registry that needs no
+    // credentials would serve it); this one refuses, and says which
+    // Secret was missing.
+    let secrets: Api<Secret> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    secrets
+        .delete("regcred", &Default::default())
+        .await
+        .unwrap();
+    h.request_nowait("gpu", "anon").await;
+    let r = h.until_state("gpu", "anon", ModelState::Failed, 60).await;
+    let message = status_of(&r, "anon").message.clone().unwrap_or_default();
+    assert!(
+        message.contains("RegistryAuthFailed")
+            && message.contains("tried anonymously: the credentials Secret")
+            && message.contains("regcred does not exist"),
+        "{message}"
     );
 }
 
