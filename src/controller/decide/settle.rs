@@ -709,6 +709,21 @@ impl<'a> Decider<'a> {
                 st.reason = p.reason.clone();
                 st.message = p.message.clone();
                 st.failures = p.failures;
+                // Unloaded while the GPU was not this residency's, and it
+                // is again: that reason is over.
+                let gpu_reasons = [Reason::GpuPending.as_str(), Reason::GpuConflict.as_str()];
+                if st.reason.as_deref().is_some_and(|r| gpu_reasons.contains(&r))
+                    && self.withheld().is_none()
+                {
+                    st.reason = None;
+                    st.message = Some(
+                        format!(
+                            "{} was unloaded while the GPU was not this residency's; its next request loads it",
+                            m.name()
+                        )
+                        .into(),
+                    );
+                }
             }
             (None, None) => st.state = ModelState::Unloaded,
         }

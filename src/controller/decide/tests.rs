@@ -445,6 +445,17 @@ fn a_residency_that_does_not_hold_its_gpu_unloads_and_waits() {
     );
     assert_eq!(d.status.counters.unloads, 1);
     assert!(d.usage.unwrap().gpu_conflict);
+    // Released with no request: the model no longer says the GPU is
+    // another's (it kept GpuConflict/GpuPending while Ready said True).
+    r.status = Some(d.status.clone());
+    let back = run(&r, &[], 4);
+    assert_eq!(condition(&back, "Ready").0, "True");
+    let a = back.status.model("a").unwrap();
+    assert_eq!((a.state, a.reason.as_deref()), (ModelState::Unloaded, None));
+    assert!(
+        a.message.as_deref().unwrap_or_default().contains("next request loads it"),
+        "{a:?}"
+    );
     // Released: the pending request loads again.
     r.status = Some(d.status);
     r.spec.demand.insert("a".into(), at(4).to_string());
