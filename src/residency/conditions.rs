@@ -11,6 +11,9 @@ pub const REFUSED: &str = "Refused";
 pub const DEGRADED: &str = "Degraded";
 /// True while spec.budget is cut to the device's memory (claim mode).
 pub const BUDGET_EXCEEDS_DEVICE: &str = "BudgetExceedsDevice";
+/// True while a model that sleeps holds more host memory asleep than
+/// spec.warm.hostBudget: it can never sleep, and is deleted instead.
+pub const CANNOT_SLEEP: &str = "CannotSleep";
 
 /// Builds conditions against the previous ones, keeping each one's
 /// `lastTransitionTime` unless its status flips.

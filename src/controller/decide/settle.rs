@@ -8,7 +8,9 @@ use crate::controller::events::{EventReason, transition_events};
 use crate::controller::pods::{ModelPod, PodPhase, build_pod, pod_name, template_hash};
 use crate::engine::{Bytes, Engine};
 use crate::quantity::{format_bytes, format_bytes_rounded};
-use crate::residency::conditions::{BUDGET_EXCEEDS_DEVICE, ConditionSet, model_conditions};
+use crate::residency::conditions::{
+    BUDGET_EXCEEDS_DEVICE, CANNOT_SLEEP, ConditionSet, model_conditions,
+};
 use crate::residency::gpu::GpuView;
 use crate::residency::reasons::Reason;
 use crate::residency::state::{Usage, ValidModel, recorded_time};
@@ -293,6 +295,29 @@ impl<'a> Decider<'a> {
             plan.calls.push(call);
         }
         st
+    }
+
+    /// The models whose host memory asleep is more than the whole host
+    /// budget, named with it: they are deleted whenever they would sleep.
+    fn cannot_sleep(&self) -> Option<String> {
+        self.input.residency.spec.warm.as_ref()?;
+        let budget = self.valid.host_budget;
+        let never: Vec<String> = self
+            .valid
+            .models
+            .iter()
+            .filter_map(|m| {
+                let host = m.sleep?.host_memory;
+                (host > budget).then(|| format!("{} ({})", m.name(), format_bytes(host)))
+            })
+            .collect();
+        (!never.is_empty()).then(|| {
+            format!(
+                "host memory asleep is more than spec.warm.hostBudget {}, so these are deleted instead of put to sleep: {}; raise the budget, or give them level 2",
+                format_bytes(budget),
+                never.join(", ")
+            )
+        })
     }
 
     /// The sleep or wake request for `model`'s pod.
@@ -712,7 +737,10 @@ impl<'a> Decider<'a> {
                 // Unloaded while the GPU was not this residency's, and it
                 // is again: that reason is over.
                 let gpu_reasons = [Reason::GpuPending.as_str(), Reason::GpuConflict.as_str()];
-                if st.reason.as_deref().is_some_and(|r| gpu_reasons.contains(&r))
+                if st
+                    .reason
+                    .as_deref()
+                    .is_some_and(|r| gpu_reasons.contains(&r))
                     && self.withheld().is_none()
                 {
                     st.reason = None;
@@ -784,6 +812,9 @@ impl<'a> Decider<'a> {
         model_conditions(&mut set, &models, withheld_view);
         if let Some(exceeds) = self.budget.as_ref().and_then(|b| b.exceeds.clone()) {
             set.set(BUDGET_EXCEEDS_DEVICE, true, BUDGET_EXCEEDS_DEVICE, exceeds);
+        }
+        if let Some(never) = self.cannot_sleep() {
+            set.set(CANNOT_SLEEP, true, CANNOT_SLEEP, never);
         }
         let mut gpu = match &self.input.gpu {
             GpuView::Placed(p) => p.status.clone(),

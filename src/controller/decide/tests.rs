@@ -453,7 +453,10 @@ fn a_residency_that_does_not_hold_its_gpu_unloads_and_waits() {
     let a = back.status.model("a").unwrap();
     assert_eq!((a.state, a.reason.as_deref()), (ModelState::Unloaded, None));
     assert!(
-        a.message.as_deref().unwrap_or_default().contains("next request loads it"),
+        a.message
+            .as_deref()
+            .unwrap_or_default()
+            .contains("next request loads it"),
         "{a:?}"
     );
     // Released: the pending request loads again.
@@ -945,6 +948,32 @@ fn an_evicted_model_sleeps_after_the_drain_and_its_request_wakes_it() {
     assert_eq!(d.events.last().unwrap().reason, EventReason::Woken);
     assert_eq!(d.status.counters.wakes, 1);
     assert!(d.status.model("a").unwrap().wake_seconds.is_some());
+}
+
+#[test]
+fn a_model_that_could_never_sleep_is_named_in_a_condition() {
+    // a sleeps at level 1 with its 6Gi in host memory; the host budget
+    // is 4Gi.
+    let r = warm_residency("4Gi");
+    let d = run(&r, &[], 2);
+    let c = d
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "CannotSleep")
+        .expect("a CannotSleep condition");
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("True", "CannotSleep")
+    );
+    assert!(
+        c.message.contains("a (6Gi)") && c.message.contains("4Gi"),
+        "{}",
+        c.message
+    );
+    let fits = warm_residency("8Gi");
+    let d = run(&fits, &[], 2);
+    assert!(d.status.conditions.iter().all(|c| c.type_ != "CannotSleep"));
 }
 
 #[test]
