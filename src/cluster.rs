@@ -53,9 +53,8 @@ where
 /// only after two minutes without an error, so after an API server
 /// restart in a busy minute a watch waited up to 30 s between tries: a new
 /// residency stayed unseen 30-35 s after an 11 s outage (a black-box
-/// round), and a spec change made during the outage was reconciled late
-/// (a test's 60 s convergence limit ran out). One process's watches
-/// trying every 4 s are no load on a recovering API server.
+/// round). One process's watches trying every 4 s are no load on a
+/// recovering API server.
 #[derive(Debug, Clone)]
 pub struct WatchBackoff {
     next: std::time::Duration,
