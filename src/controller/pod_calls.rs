@@ -77,7 +77,7 @@ impl Asking {
 
     /// Stops every task (the controller stopped, or this replica lost the
     /// lead: another one decides now).
-    pub fn abort_all(&self) {
+    fn abort_all(&self) {
         for (_, (_, task)) in self.busy.lock().expect("asking lock").drain() {
             task.abort();
         }

@@ -1362,6 +1362,21 @@ mod tests {
             .collect()
     }
 
+    /// Writes `layer` as `<name>.tar` in `dir` and unpacks it into
+    /// `out-<name>` with `room`; where it went, and what came of it.
+    fn unpack_in(
+        dir: &Path,
+        name: &str,
+        layer: Vec<u8>,
+        room: u64,
+    ) -> (PathBuf, Result<u64, FetchError>) {
+        let from = dir.join(format!("{name}.tar"));
+        std::fs::write(&from, layer).unwrap();
+        let to = dir.join(format!("out-{name}"));
+        let result = unpack_layer(&from, &to, "none", room, "sha256:t");
+        (to, result)
+    }
+
     #[test]
     fn links_are_judged_where_they_really_lead_and_nothing_is_written_through_one() {
         let dir = tempfile::tempdir().unwrap();
@@ -1411,10 +1426,8 @@ mod tests {
             ),
         ];
         for (name, bytes, says) in cases {
-            let from = dir.path().join(format!("{name}.tar"));
-            std::fs::write(&from, bytes).unwrap();
-            let to = dir.path().join(format!("out-{name}"));
-            let err = unpack_layer(&from, &to, "none", 1 << 20, "sha256:t").unwrap_err();
+            let (to, result) = unpack_in(dir.path(), name, bytes, 1 << 20);
+            let err = result.unwrap_err();
             assert_eq!(err.reason(), "InvalidArtifact", "{name}: {err}");
             assert!(err.to_string().contains(says), "{name}: {err}");
             assert!(!to.exists(), "{name}");
@@ -1445,14 +1458,12 @@ mod tests {
             }
         });
         let dir = tempfile::tempdir().unwrap();
-        let from = dir.path().join("tiny.tar");
-        std::fs::write(&from, layer).unwrap();
-        let to = dir.path().join("out");
-        let err = unpack_layer(&from, &to, "none", 1 << 20, "sha256:t").unwrap_err();
+        let (to, result) = unpack_in(dir.path(), "tiny", layer.clone(), 1 << 20);
+        let err = result.unwrap_err();
         assert_eq!(err.reason(), "LargerThanDeclared", "{err}");
         assert!(!to.exists());
         assert_eq!(
-            unpack_layer(&from, &to, "none", 4 << 20, "sha256:t").unwrap(),
+            unpack_in(dir.path(), "tiny", layer, 4 << 20).1.unwrap(),
             300
         );
     }
@@ -1485,16 +1496,11 @@ mod tests {
             b.get_mut().extend(std::iter::repeat_n(0u8, big as usize));
         });
         let dir = tempfile::tempdir().unwrap();
-        let from = dir.path().join("bomb.tar");
-        std::fs::write(&from, bomb).unwrap();
-        let to = dir.path().join("out");
-        let err = unpack_layer(&from, &to, "none", 100 << 10, "sha256:t").unwrap_err();
+        let (to, result) = unpack_in(dir.path(), "bomb", bomb.clone(), 100 << 10);
+        let err = result.unwrap_err();
         assert_eq!(err.reason(), "LargerThanDeclared", "{err}");
         assert!(!to.exists() && leftovers(dir.path()).is_empty());
         // With room for it, it is unpacked at its real size.
-        assert_eq!(
-            unpack_layer(&from, &to, "none", 1 << 20, "sha256:t").unwrap(),
-            big
-        );
+        assert_eq!(unpack_in(dir.path(), "bomb", bomb, 1 << 20).1.unwrap(), big);
     }
 }
