@@ -272,7 +272,7 @@ async fn registry_pull(mib: usize, rounds: usize) {
         .await
         .unwrap();
     let blob = model_residency::local::registry::sha256_digest(&data);
-    let registry = Registry::new(Some(std::fs::read(reg.ca_file()).unwrap())).unwrap();
+    let registry = Registry::new(Some(std::fs::read(reg.ca_file()).unwrap()), vec![]).unwrap();
     let auth = RegistryAuth::Basic(USER.into(), PASSWORD.into());
     let source =
         |repo: &str, d: &str| Source::parse(&format!("oci://{}/{repo}@{d}", reg.host())).unwrap();

@@ -158,8 +158,9 @@ pub struct NodeModelCacheStatus {
     /// fetched.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub used: Option<String>,
-    /// Bytes the cache directory holds on disk (each file once, however
-    /// many artifacts link it).
+    /// What the cache directory really takes on the disk: the blocks of
+    /// its files, directories and links, each once however many artifacts
+    /// link it (many tiny files take far more than their bytes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_disk: Option<String>,
     /// Bytes the artifacts on disk share: the sum of their sizes less what

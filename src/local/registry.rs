@@ -145,6 +145,19 @@ impl LocalRegistry {
         self.dir.path()
     }
 
+    /// Restarts it answering every blob GET with a redirect to `baseurl`
+    /// (distribution's `redirect` storage middleware, as registries behind
+    /// a CDN or an object store answer).
+    pub fn redirect_blobs_to(&mut self, baseurl: &str) -> Result<(), String> {
+        let path = self.dir.path().join("config.yml");
+        let config = std::fs::read_to_string(&path).map_err(|e| e.to_string())?;
+        let config = format!(
+            "{config}middleware:\n  storage:\n    - name: redirect\n      options:\n        baseurl: {baseurl}\n"
+        );
+        std::fs::write(&path, config).map_err(|e| e.to_string())?;
+        self.resume()
+    }
+
     /// Stops the registry (SIGKILL).
     pub fn stop(&mut self) {
         if let Some(mut p) = self.process.take() {
@@ -209,6 +222,18 @@ impl LocalRegistry {
         tag: &str,
         layers: &[(&str, &[u8], Option<&str>)],
     ) -> Result<String, String> {
+        self.push_edited(repository, tag, layers, |_| {}).await
+    }
+
+    /// As [`Self::push`], with the manifest changed by `edit` before it is
+    /// pushed (a test's registry that lies in a descriptor).
+    pub async fn push_edited(
+        &self,
+        repository: &str,
+        tag: &str,
+        layers: &[(&str, &[u8], Option<&str>)],
+        edit: impl FnOnce(&mut serde_json::Value),
+    ) -> Result<String, String> {
         let (client, reference) = self.pusher(repository).await?;
         let reference = Reference::with_tag(
             reference.registry().to_owned(),
@@ -236,13 +261,14 @@ impl LocalRegistry {
             .push_blob(&reference, empty.to_vec(), &config_digest)
             .await
             .map_err(|e| format!("pushing the config: {e}"))?;
-        let manifest = serde_json::json!({
+        let mut manifest = serde_json::json!({
             "schemaVersion": 2,
             "mediaType": "application/vnd.oci.image.manifest.v1+json",
             "artifactType": "application/vnd.model-residency.test",
             "config": {"mediaType": "application/vnd.oci.empty.v1+json", "digest": config_digest, "size": 2},
             "layers": descriptors,
         });
+        edit(&mut manifest);
         let body = serde_json::to_vec(&manifest).map_err(|e| e.to_string())?;
         let digest = sha256_digest(&body);
         client

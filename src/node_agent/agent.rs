@@ -548,7 +548,7 @@ impl Agent {
             .values()
             .any(|e| e.state == ArtifactState::Fetching);
         if std::mem::take(&mut self.disk_changed) || fetching || self.on_disk.is_none() {
-            self.on_disk = blobs::unique_usage(&self.config.cache_dir).ok();
+            self.on_disk = blobs::allocated(&self.config.cache_dir).ok();
         }
     }
 
@@ -1162,7 +1162,11 @@ pub async fn run(
     let mut agent = Agent {
         downloads: Arc::new(Semaphore::new(config.max_concurrent_downloads.max(1))),
         client: fetch::client().map_err(AgentError::HttpClient)?,
-        registry: Registry::new(config.registry.ca_pem.clone()).map_err(AgentError::HttpClient)?,
+        registry: Registry::new(
+            config.registry.ca_pem.clone(),
+            config.allowed_sources.clone(),
+        )
+        .map_err(AgentError::HttpClient)?,
         secrets,
         resolved: HashMap::new(),
         resolving: HashSet::new(),

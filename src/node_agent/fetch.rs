@@ -460,7 +460,7 @@ enum Start {
 }
 
 /// Whether a 206 answer's `Content-Range` starts at `offset`.
-fn range_starts_at(headers: &http::HeaderMap, offset: u64) -> bool {
+pub(super) fn range_starts_at(headers: &http::HeaderMap, offset: u64) -> bool {
     headers
         .get(http::header::CONTENT_RANGE)
         .and_then(|v| v.to_str().ok())

@@ -1,7 +1,7 @@
-//! Artifacts from a container registry (`artifact.source: oci://...`),
-//! through the ORAS project's `oci-client` (the distribution API, its
-//! auth handshakes, Range requests): no registry protocol is written
-//! here.
+//! Artifacts from a container registry (`artifact.source: oci://...`).
+//! The ORAS project's `oci-client` logs in (its auth handshakes); the two
+//! reads themselves, a manifest and a blob from an offset, are made by
+//! [`super::distribution`], with the agent's redirect rule and limits.
 //!
 //! - **Resolve**: the reference's manifest is fetched (at most
 //!   [`MANIFEST_LIMIT`] bytes) and checked against the reference's digest.
@@ -25,14 +25,13 @@
 //!   blob the store holds is linked, not fetched.
 
 use super::blobs::{Store, ViewRecord, blob_id};
+use super::distribution::{self, ReadError, Session};
 use super::fetch::{
     Budget, FetchError, Fetched, PARTIAL_PREFIX, Progress, error_chain, inside_path, io,
 };
 use super::keep::Blob;
-use futures::StreamExt;
-use oci_client::client::{BlobResponse, Certificate, CertificateEncoding, ClientConfig};
+use oci_client::client::{Certificate, CertificateEncoding, ClientConfig};
 use oci_client::errors::{OciDistributionError, OciErrorCode};
-use oci_client::manifest::OciDescriptor;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 use std::path::{Path, PathBuf};
@@ -76,7 +75,11 @@ impl Source {
                 "its first part must be a registry host (with a '.' or a port)",
             ));
         }
-        let reference: Reference = rest.parse().map_err(|e| bad(&format!("{e}")))?;
+        let reference = if let Some(v6) = registry.strip_prefix('[') {
+            ipv6_reference(registry, v6, &rest[registry.len()..]).map_err(|why| bad(&why))?
+        } else {
+            rest.parse().map_err(|e| bad(&format!("{e}")))?
+        };
         Ok(Source {
             reference,
             text: text.to_owned(),
@@ -113,6 +116,35 @@ impl Source {
     }
 }
 
+/// A reference on an IPv6 registry (`[addr]:port`, as URLs write it),
+/// which the reference grammar (Docker's) has no form for: the rest is
+/// parsed under a stand-in host, and the registry put back.
+fn ipv6_reference(registry: &str, v6: &str, rest: &str) -> Result<Reference, String> {
+    let (addr, port) = v6
+        .split_once(']')
+        .ok_or("an IPv6 registry needs its closing ']'")?;
+    addr.parse::<std::net::Ipv6Addr>()
+        .map_err(|e| format!("{addr:?} is not an IPv6 address: {e}"))?;
+    if !(port.is_empty()
+        || port
+            .strip_prefix(':')
+            .is_some_and(|p| p.parse::<u16>().is_ok()))
+    {
+        return Err(format!("{port:?} after the IPv6 address is not :<port>"));
+    }
+    let stand_in: Reference = format!("ipv6.invalid{rest}")
+        .parse()
+        .map_err(|e| format!("{e}"))?;
+    let (registry, repository) = (registry.to_owned(), stand_in.repository().to_owned());
+    Ok(match (stand_in.tag(), stand_in.digest()) {
+        (Some(tag), Some(digest)) => {
+            Reference::with_tag_and_digest(registry, repository, tag.into(), digest.into())
+        }
+        (None, Some(digest)) => Reference::with_digest(registry, repository, digest.into()),
+        (tag, None) => Reference::with_tag(registry, repository, tag.unwrap_or("latest").into()),
+    })
+}
+
 /// One layer of a resolved manifest.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Layer {
@@ -126,15 +158,6 @@ pub struct Layer {
 impl Layer {
     fn hex(&self) -> &str {
         self.digest.trim_start_matches("sha256:")
-    }
-
-    fn descriptor(&self) -> OciDescriptor {
-        OciDescriptor {
-            media_type: self.media_type.clone(),
-            digest: self.digest.clone(),
-            size: self.size as i64,
-            ..Default::default()
-        }
     }
 }
 
@@ -155,13 +178,22 @@ pub struct Resolved {
 #[derive(Clone)]
 pub struct Registry {
     ca_pem: Option<Vec<u8>>,
+    /// `--allowed-sources`: where a registry's redirect may lead.
+    allowed: Vec<String>,
 }
 
 impl Registry {
     /// A client trusting the system's roots and `ca_pem` (a CA bundle for
-    /// registries with private certificates).
-    pub fn new(ca_pem: Option<Vec<u8>>) -> Result<Registry, FetchError> {
-        let registry = Registry { ca_pem };
+    /// registries with private certificates), following redirects only
+    /// under `allowed`.
+    pub fn new(ca_pem: Option<Vec<u8>>, allowed: Vec<String>) -> Result<Registry, FetchError> {
+        let registry = Registry { ca_pem, allowed };
+        distribution::client(registry.ca_pem.as_deref(), "check", &[]).map_err(|why| {
+            FetchError::BadReference {
+                reference: "the registry CA bundle".into(),
+                why,
+            }
+        })?;
         registry.client()?;
         Ok(registry)
     }
@@ -190,19 +222,33 @@ impl Registry {
         })
     }
 
+    /// Logs in to `source`'s repository for the reads that follow.
+    async fn session(&self, source: &Source, auth: &RegistryAuth) -> Result<Session, FetchError> {
+        let registry = source.reference.resolve_registry();
+        let http = distribution::client(self.ca_pem.as_deref(), registry, &self.allowed).map_err(
+            |message| FetchError::Registry {
+                registry: registry.to_owned(),
+                message,
+            },
+        )?;
+        Session::open(http, &self.client()?, &source.reference, auth)
+            .await
+            .map_err(|e| read_error(source, auth, None, e))
+    }
+
     /// Resolves `source` to its manifest's layers.
     pub async fn resolve(
         &self,
         source: &Source,
         auth: &RegistryAuth,
     ) -> Result<Resolved, FetchError> {
-        let client = self.client()?;
-        let (body, digest) = manifest(&client, source, &source.reference, auth).await?;
+        let session = self.session(source, auth).await?;
+        let (body, digest) = manifest(&session, source, &source.reference, auth).await?;
         let value = parse_manifest(source, &body)?;
         if is_index(&value) {
             let chosen = choose_from_index(source, &value)?;
             let by_digest = source.reference.clone_with_digest(chosen.clone());
-            let (body, inner) = manifest(&client, source, &by_digest, auth).await?;
+            let (body, inner) = manifest(&session, source, &by_digest, auth).await?;
             let value = parse_manifest(source, &body)?;
             if is_index(&value) {
                 return Err(FetchError::UnsupportedMediaType {
@@ -224,21 +270,37 @@ impl Registry {
     }
 }
 
+/// The manifest `reference` names, at most [`MANIFEST_LIMIT`] bytes read,
+/// and its digest, checked against the one the reference pins.
 async fn manifest(
-    client: &Client,
+    session: &Session,
     source: &Source,
     reference: &Reference,
     auth: &RegistryAuth,
 ) -> Result<(bytes::Bytes, String), FetchError> {
-    let result = client
-        .pull_manifest_raw(reference, auth, MANIFEST_TYPES)
-        .await;
-    let (body, digest) = result.map_err(|e| registry_error(source, auth, None, e))?;
-    if body.len() > MANIFEST_LIMIT {
-        return Err(FetchError::ManifestTooLarge {
-            reference: source.text.clone(),
-            bytes: body.len(),
-            limit: MANIFEST_LIMIT,
+    let name = reference
+        .digest()
+        .or(reference.tag())
+        .unwrap_or("latest")
+        .to_owned();
+    let (body, digest) = session
+        .manifest(&name, MANIFEST_TYPES, MANIFEST_LIMIT)
+        .await
+        .map_err(|e| match e {
+            ReadError::TooLarge { bytes } => FetchError::ManifestTooLarge {
+                reference: source.text.clone(),
+                bytes,
+                limit: MANIFEST_LIMIT,
+            },
+            other => read_error(source, auth, None, other),
+        })?;
+    if let Some(want) = reference.digest()
+        && !want.eq_ignore_ascii_case(&digest)
+    {
+        return Err(FetchError::DigestMismatch {
+            what: format!("{}'s manifest", source.text),
+            want: want.to_owned(),
+            got: digest,
         });
     }
     Ok((body, digest))
@@ -247,7 +309,7 @@ async fn manifest(
 /// Downloads `layer` into the store's partial file and yields its path
 /// once its digest is checked, resuming what an earlier try left.
 async fn download(
-    client: &Client,
+    registry: &Registry,
     store: &Store,
     source: &Source,
     auth: &RegistryAuth,
@@ -262,31 +324,32 @@ async fn download(
     } else {
         have
     };
-    let (stream, kept) = if have == layer.size && have > 0 {
+    let (answer, kept) = if have == layer.size && have > 0 {
         (None, have)
     } else {
-        let answer = client
-            .pull_blob_stream_partial(&source.reference, &layer.descriptor(), have, None)
+        // Logged in for each blob: a bearer token may not outlive a
+        // long layer before it.
+        let session = registry.session(source, auth).await?;
+        let (answer, partial) = session
+            .blob(&layer.digest, have)
             .await
-            .map_err(|e| registry_error(source, auth, Some(&layer.digest), e))?;
-        match answer {
-            BlobResponse::Partial(s) if have > 0 => (Some(s), have),
-            BlobResponse::Partial(s) | BlobResponse::Full(s) => (Some(s), 0),
-        }
+            .map_err(|e| read_error(source, auth, Some(&layer.digest), e))?;
+        (Some(answer), if partial { have } else { 0 })
     };
     counter.add(kept)?;
     let (chunks, sink) = super::fetch::disk_writer(path.clone(), kept);
     let mut received = kept;
     let streamed: Result<(), FetchError> = async {
-        let Some(mut stream) = stream else {
+        let Some(mut answer) = answer else {
             return Ok(());
         };
         let mut pending = bytes::BytesMut::new();
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|e| FetchError::Registry {
+        loop {
+            let chunk = answer.chunk().await.map_err(|e| FetchError::Registry {
                 registry: source.registry().to_owned(),
                 message: format!("reading blob {}: {}", layer.digest, error_chain(&e)),
             })?;
+            let Some(chunk) = chunk else { break };
             received += chunk.len() as u64;
             if received > layer.size {
                 return Err(FetchError::TooLarge {
@@ -318,7 +381,18 @@ async fn download(
     }
     let digest = written.map_err(io)?;
     let got = super::fetch::encode_hex(digest.as_ref());
-    if got != layer.hex() || received != layer.size {
+    if got == layer.hex() && received != layer.size {
+        // The bytes are the blob the digest names: the descriptor is wrong.
+        let _ = std::fs::remove_file(&path);
+        return Err(FetchError::InvalidLayer {
+            layer: layer.digest.clone(),
+            message: format!(
+                "the registry's blob is {received} bytes, but the manifest's descriptor says {}",
+                layer.size
+            ),
+        });
+    }
+    if got != layer.hex() {
         let _ = std::fs::remove_file(&path);
         return Err(FetchError::DigestMismatch {
             what: format!("{} blob", source.text),
@@ -432,6 +506,27 @@ fn tar_compression(media_type: &str) -> Option<&'static str> {
     } else {
         "none"
     })
+}
+
+/// Maps a read's errors to the artifact's reasons.
+fn read_error(
+    source: &Source,
+    auth: &RegistryAuth,
+    blob: Option<&str>,
+    e: ReadError,
+) -> FetchError {
+    match e {
+        ReadError::Registry(e) => registry_error(source, auth, blob, e),
+        ReadError::Redirect { uri, why } => FetchError::Redirect { uri, why },
+        ReadError::TooLarge { bytes } => FetchError::Registry {
+            registry: source.registry().to_owned(),
+            message: format!("an answer of more than {bytes} bytes where a small one was due"),
+        },
+        ReadError::Transfer(message) => FetchError::Registry {
+            registry: source.registry().to_owned(),
+            message,
+        },
+    }
 }
 
 /// Maps the client's errors to the artifact's reasons.
@@ -576,9 +671,6 @@ async fn place_all(
     progress: &Progress,
 ) -> Result<Fetched, FetchError> {
     let mut counter = Budget::new(declared, progress);
-    let client = registry.client()?;
-    // Logged in (or not) once for the layers that follow.
-    client.store_auth_if_needed(source.registry(), auth).await;
     let (mut resumed, mut shared) = (0u64, 0u64);
     let mut blobs: Vec<Blob> = Vec::new();
     let mut found_dir = false;
@@ -613,7 +705,7 @@ async fn place_all(
                     }
                     None => {
                         let (partial, kept) =
-                            download(&client, store, source, auth, layer, &mut counter).await?;
+                            download(registry, store, source, auth, layer, &mut counter).await?;
                         resumed += kept;
                         std::fs::rename(&partial, &path).map_err(io)?;
                         store.adopt(&path, &hex).map_err(io)?
@@ -630,7 +722,7 @@ async fn place_all(
                     bytes
                 } else {
                     let (partial, kept) =
-                        download(&client, store, source, auth, layer, &mut counter).await?;
+                        download(registry, store, source, auth, layer, &mut counter).await?;
                     resumed += kept;
                     let room = counter.limit.saturating_sub(counter.total);
                     let compression = tar_compression(&layer.media_type).unwrap_or("none");
@@ -1078,11 +1170,20 @@ mod tests {
         );
         let t = Source::parse("oci://reg.example/models/llama:v1").unwrap();
         assert_eq!(t.digest(), None);
+        // An IPv6 registry, bracketed as in a URL.
+        let v6 = Source::parse("oci://[::1]:5000/models/llama:v1").unwrap();
+        assert_eq!(v6.registry(), "[::1]:5000");
+        assert_eq!(v6.reference.repository(), "models/llama");
+        assert_eq!(v6.reference.tag(), Some("v1"));
+        assert!(v6.is_allowed(&["oci://[::1]:5000/models".into()]));
         for bad in [
             "https://x/y",
             "oci://models/llama",
             "oci://reg.example",
             "oci://reg.example/UPPER",
+            "oci://[::1:5000/models/x",
+            "oci://[::zz]:5000/models/x",
+            "oci://[::1]x/models/x",
         ] {
             assert!(Source::parse(bad).is_err(), "{bad}");
         }

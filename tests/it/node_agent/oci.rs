@@ -592,6 +592,7 @@ async fn hostile_layers_write_nothing_outside_poison_no_blob_and_link_no_host_fi
     // 3. models itself leads out (through a link that is inside on its
     // own): whatever is there would be linked into the view.
     let host = tar_of(&[("d/d/s", "../.."), ("models", "d/d/s/..")], &[]);
+    let clash = tar_of(&[], &[("models/x/inside.txt", b"in")]);
     let pushed = [
         (
             "chain",
@@ -629,6 +630,29 @@ async fn hostile_layers_write_nothing_outside_poison_no_blob_and_link_no_host_fi
                 .await
                 .unwrap(),
         ),
+        (
+            // A titled file where the tar layer has a directory.
+            "clash",
+            reg.push(
+                "models/clash",
+                "v1",
+                &[(TAR, &clash, None), (OCTETS, b"file", Some("x"))],
+            )
+            .await
+            .unwrap(),
+        ),
+        (
+            // The right digest, a descriptor that says 100 bytes more.
+            "lies",
+            reg.push_edited(
+                "models/lies",
+                "v1",
+                &[(OCTETS, &victim, Some("lies.bin"))],
+                |m| m["layers"][0]["size"] = json!(victim.len() + 100),
+            )
+            .await
+            .unwrap(),
+        ),
     ];
     credentials(&h, &reg, PASSWORD).await;
     let _agent = agent(&h, &cache, "10Mi", &reg, true);
@@ -648,6 +672,8 @@ async fn hostile_layers_write_nothing_outside_poison_no_blob_and_link_no_host_fi
         ("poison", "placed through"),
         ("above", "outside the model's directory"),
         ("host", "climbs above"),
+        ("clash", "would replace a directory"),
+        ("lies", "the manifest's descriptor says 4196"),
     ] {
         h.request_nowait("gpu", name).await;
         let r = h.until_state("gpu", name, ModelState::Failed, 60).await;
@@ -697,4 +723,52 @@ async fn hostile_layers_write_nothing_outside_poison_no_blob_and_link_no_host_fi
                 .any(|p| n.starts_with(p))),
         "{names:?}"
     );
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_registry_redirect_outside_the_allowed_sources_is_not_followed() {
+    let mut reg = registry();
+    let h = Harness::start("oci-redirect").await;
+    let weights = bytes(64 << 10, 21);
+    let digest = reg
+        .push("models/r", "v1", &[(OCTETS, &weights, Some("r.bin"))])
+        .await
+        .unwrap();
+    // The registry sends every blob GET to a plain-http host on another
+    // port, which no --allowed-sources prefix names.
+    let (elsewhere, requests, _) = crate::support::artifact_server::serve_logged().await;
+    reg.redirect_blobs_to(&format!("http://{elsewhere}/"))
+        .unwrap();
+    credentials(&h, &reg, PASSWORD).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let _agent = agent(&h, &cache, "10Mi", &reg, true);
+    create(
+        &h,
+        "gpu",
+        "8Gi",
+        vec![model(
+            "r",
+            "1Gi",
+            Some(oci(&reg, &format!("models/r@{digest}"), "1Mi")),
+        )],
+        0,
+    )
+    .await;
+    h.request_nowait("gpu", "r").await;
+    let r = h.until_state("gpu", "r", ModelState::Failed, 60).await;
+    let message = status_of(&r, "r").message.clone().unwrap_or_default();
+    assert!(
+        message.contains("SourceNotAllowed")
+            && message.contains(&format!("to http://{elsewhere}/"))
+            && message.contains("neither the registry nor under an allowed source"),
+        "{message}"
+    );
+    assert_eq!(
+        requests.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "the redirect's target got no request"
+    );
+    assert!(!cached(&cache).iter().any(|n| n.contains("r-")));
 }
