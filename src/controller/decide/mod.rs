@@ -18,28 +18,39 @@
 //! still hold VRAM) leave room for it; a pod built for another size, node,
 //! GPU or template is replaced. Nothing here does I/O, so a reconcile with
 //! nothing new yields the previous status unchanged and no actions.
+//!
+//! By concern: [`gpu`] (whether the GPU is this residency's), [`requests`]
+//! (what is asked for and what waits), [`settle`] (each model's status and
+//! the residency's around them), [`resident`] (a resident model's pod
+//! through its life), [`warm`] (what sleeps and wakes), [`inventory`]
+//! (what the pods hold), [`decision`] (what is yielded, and the outcome of
+//! the calls written back into it).
 
 use super::artifacts::NodeArtifacts;
 use super::events::{EventReason, ModelEvent};
-use super::pods::{ModelPod, PodPhase, build_pod};
+use super::pods::{ModelPod, build_pod};
 use crate::api::{ModelResidency, ModelResidencyStatus, ModelState, ModelStatus};
 use crate::engine::{Bytes, Engine, ModelId, RefuseReason, Resize};
-use crate::quantity::{format_bytes, format_bytes_rounded, parse_bytes};
+use crate::quantity::format_bytes;
 use crate::residency::conditions::{ConditionSet, DEGRADED, READY, REFUSED};
-use crate::residency::gpu::{Budget, GpuView, Placement, assumed};
+use crate::residency::gpu::{Budget, GpuView, assumed};
 use crate::residency::reasons::{Reason, refusal_message};
 use crate::residency::state::{
-    InvalidSpec, Restored, Usage, Valid, ValidModel, declared_budget, later, recorded_time,
-    restore, validate_with_budget,
+    InvalidSpec, Restored, Valid, ValidModel, declared_budget, restore, validate_with_budget,
 };
-use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::Timestamp;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
+mod decision;
+mod gpu;
+mod inventory;
 mod requests;
+pub use decision::{Decision, PodCall, PodRef};
+mod resident;
 mod settle;
+mod warm;
 
 /// Everything the decision depends on.
 pub struct Observed<'a> {
@@ -95,154 +106,6 @@ impl<'a> Observed<'a> {
             rejected_templates: &NONE,
             artifacts: None,
         }
-    }
-}
-
-/// A pod to delete: its name, and the UID it must still have (a newer pod
-/// of the same name is not this one).
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct PodRef {
-    pub name: String,
-    pub uid: String,
-}
-
-impl From<&ModelPod> for PodRef {
-    fn from(p: &ModelPod) -> Self {
-        PodRef {
-            name: p.name.to_string(),
-            uid: p.uid.to_string(),
-        }
-    }
-}
-
-/// A sleep or a wake to ask of a model's pod.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PodCall {
-    pub model: String,
-    pub pod: PodRef,
-    /// Where the pod serves (`None`: it has no IP, so the call fails).
-    pub addr: Option<std::net::SocketAddr>,
-    pub wake: bool,
-    pub protocol: crate::residency::warm::Protocol,
-}
-
-/// What to do.
-#[derive(Debug)]
-pub struct Decision {
-    pub status: ModelResidencyStatus,
-    pub create: Vec<Pod>,
-    pub delete: Vec<PodRef>,
-    pub events: Vec<ModelEvent>,
-    /// When to look again even if nothing changes (a retry falls due).
-    pub requeue_after: Option<Duration>,
-    /// Seconds from pod creation to Ready of the models that became Loaded.
-    pub load_seconds: Vec<f64>,
-    /// Sleeps and wakes to ask of pods, after the pod deletes and creates
-    /// and before the status is written (their outcome changes it).
-    pub calls: Vec<PodCall>,
-    /// `None` when the spec is invalid and nothing was decided.
-    pub usage: Option<Usage>,
-}
-
-impl Decision {
-    /// The API server rejected the create of `model`'s pod (a template it
-    /// accepted in the dry run, refused by the real create: a quota, an
-    /// admission webhook). The status says so, whatever else was decided:
-    /// the model's load failed (`Failed`, `InvalidTemplate`, no VRAM held)
-    /// and a `LoadFailed` event is sent.
-    pub fn pod_rejected(&mut self, model: &str, message: &str) {
-        let Some(st) = self.status.model_mut(model) else {
-            return;
-        };
-        let size = st.size.as_deref().and_then(|s| parse_bytes(s).ok());
-        st.state = ModelState::Failed;
-        st.reason = Some(Reason::InvalidTemplate.into());
-        st.message =
-            Some(format!("{model} cannot load: the API server rejects its pod: {message}").into());
-        st.pod = None;
-        st.failures += 1;
-        let event = ModelEvent::about(
-            model,
-            EventReason::LoadFailed,
-            st.message.as_deref().unwrap_or_default().to_owned(),
-        );
-        self.events.push(event);
-        self.status.recount();
-        if let (Some(usage), Some(size)) = (&mut self.usage, size) {
-            usage.used = usage.used.saturating_sub(size);
-            usage.resident = self.status.resident;
-            self.status.used = Some(format_bytes_rounded(usage.used));
-        }
-    }
-}
-
-impl Decision {
-    /// What a sleep or wake request came to (`seconds`: how long it took;
-    /// `at`: now), in the status and events. A failed one deletes the pod
-    /// (the caller does) and is returned for that.
-    pub fn call_done(
-        &mut self,
-        call: &PodCall,
-        result: Result<(), String>,
-        seconds: f64,
-        at: Timestamp,
-    ) -> Option<PodRef> {
-        let model = call.model.as_str();
-        let st = self.status.model_mut(model)?;
-        let (reason, message, failed) = match (call.wake, result) {
-            (false, Ok(())) => {
-                st.reason = Some(Reason::Asleep.into());
-                st.slept_at = Some(at.to_string().into());
-                let m = format!("{model} sleeps (its server confirmed, {seconds:.2}s)");
-                st.message = Some(m.clone().into());
-                (EventReason::Slept, m, false)
-            }
-            (true, Ok(())) => {
-                st.state = ModelState::Loaded;
-                st.reason = None;
-                st.message = None;
-                st.loaded_at = Some(at.to_string().into());
-                st.wake_seconds = Some(crate::residency::warm::moving_average(
-                    st.wake_seconds,
-                    seconds,
-                ));
-                let m = format!("{model} is awake ({seconds:.2}s)");
-                (EventReason::Woken, m, false)
-            }
-            (false, Err(why)) => {
-                let m = format!("{model} could not sleep ({why}): its pod is deleted instead");
-                st.state = ModelState::Evicted;
-                st.reason = Some(Reason::SleepFailed.into());
-                st.message = Some(m.clone().into());
-                st.pod = None;
-                st.slept_at = None;
-                st.uses = 0;
-                st.value_base = None;
-                self.status.counters.evictions += 1;
-                (EventReason::SleepFailed, m, true)
-            }
-            (true, Err(why)) => {
-                let m =
-                    format!("{model} could not wake ({why}): its pod is deleted and it loads cold");
-                st.state = ModelState::Loading;
-                st.reason = Some(Reason::WakeFailed.into());
-                st.message = Some(m.clone().into());
-                st.pod = None;
-                (EventReason::WakeFailed, m, true)
-            }
-        };
-        // Counted with their Slept or Woken event, never taken back.
-        let c = &mut self.status.counters;
-        match (failed, call.wake) {
-            (false, false) => c.sleeps += 1,
-            (false, true) => c.wakes += 1,
-            // It loads cold in a new pod (its WakeFailed event says so).
-            (true, true) => c.loads += 1,
-            (true, false) => {}
-        }
-        self.events.push(ModelEvent::about(model, reason, message));
-        self.status.recount();
-        failed.then(|| call.pod.clone())
     }
 }
 
@@ -400,102 +263,6 @@ impl<'a> Decider<'a> {
         decider
     }
 
-    /// When the loading model `id` was admitted, as far as is known: its
-    /// last use, or its pod's creation when that is later (a request that
-    /// waited in the queue is admitted after its own time).
-    fn admitted_at(&self, id: ModelId) -> Option<Timestamp> {
-        let name = self.engine.name(id);
-        let now = self
-            .requested
-            .get(name)
-            .and_then(|t| t.last_used.as_deref());
-        let before = || self.prev_models.get(name)?.last_used.as_deref();
-        let used = recorded_time(now.or_else(before));
-        let created = self
-            .input
-            .pods
-            .iter()
-            .filter(|p| &*p.model == name && !p.deleting)
-            .filter_map(|p| recorded_time(p.created.as_deref()))
-            .max();
-        used.max(created)
-    }
-
-    /// A sleeping model whose pod is gone, finished, terminating, or Ready
-    /// again since its sleep (it restarted awake) is not resident.
-    fn drop_lost_sleepers(&mut self) {
-        for id in self.engine.residents() {
-            if !self.engine.is_asleep(id) {
-                continue;
-            }
-            let name = self.engine.name(id).to_owned();
-            let slept_at = self
-                .prev_models
-                .get(name.as_str())
-                .and_then(|p| recorded_time(p.slept_at.as_deref()));
-            let pod = self
-                .input
-                .pods
-                .iter()
-                .find(|p| *p.model == *name && p.phase == PodPhase::Live && !p.deleting);
-            // Pod times are whole seconds: Ready more than a second after
-            // the sleep is a restart.
-            let restarted = |ready: Timestamp| {
-                slept_at.is_some_and(|s| ready > later(s, Duration::from_secs(1)))
-            };
-            let kept = pod.is_some_and(|p| {
-                recorded_time(p.ready_since.as_deref()).is_some_and(|ready| !restarted(ready))
-            });
-            if kept {
-                continue;
-            }
-            self.engine.unload(id);
-            let message = format!(
-                "{name} was sleeping and its pod went away or restarted; it loads cold at its next request"
-            );
-            self.event(&name, EventReason::Unloaded, message.clone());
-            self.outcome(
-                &name,
-                ModelState::Unloaded,
-                Reason::SleepingPodLost,
-                message,
-            );
-        }
-    }
-
-    /// Loading models admitted longer than [`LOADING_PROTECTION`] ago (or
-    /// at no recorded time) may be evicted again.
-    fn end_old_protections(&mut self) {
-        let now = self.input.now;
-        for id in self.engine.residents() {
-            if !self.engine.is_loading(id) {
-                continue;
-            }
-            let expired = self
-                .admitted_at(id)
-                .is_none_or(|t| later(t, LOADING_PROTECTION) <= now);
-            if expired {
-                self.engine.set_loading(id, false);
-            }
-        }
-    }
-
-    /// How long until the first loading model's protection ends (when a
-    /// queued request may evict it).
-    fn next_protection_end(&self) -> Option<Duration> {
-        let now = self.input.now;
-        self.engine
-            .residents()
-            .into_iter()
-            .filter(|&id| self.engine.is_loading(id))
-            .filter_map(|id| self.admitted_at(id))
-            .map(|t| {
-                now.duration_until(later(t, LOADING_PROTECTION))
-                    .unsigned_abs()
-            })
-            .min()
-    }
-
     fn run(mut self) -> Decision {
         self.unload_removed();
         if let Some((reason, message)) = self.withheld() {
@@ -512,67 +279,6 @@ impl<'a> Decider<'a> {
 
     fn event(&mut self, model: &str, reason: EventReason, message: String) {
         self.events.push(ModelEvent::about(model, reason, message));
-    }
-
-    /// The GPU the pods are for, when it is this residency's.
-    fn placement(&self) -> Option<&'a Placement> {
-        match &self.input.gpu {
-            GpuView::Placed(p) => Some(p),
-            GpuView::Withheld(_) => None,
-        }
-    }
-
-    /// Where the models are, for messages: "node a GPU 0".
-    fn where_(&self) -> String {
-        match self.placement() {
-            Some(p) => format!("node {} GPU {}", p.node, p.device),
-            None => format!("GPU {}", self.input.residency.spec.device),
-        }
-    }
-
-    /// Why this residency may not use the GPU now, if it may not: another
-    /// residency holds it (devicePlugin and env mode), or in claim mode the
-    /// claim is not (yet) allocated to it.
-    fn withheld(&self) -> Option<(Reason, String)> {
-        if let Some(holder) = self.input.gpu_holder {
-            let message = format!(
-                "{} is held by the older residency {holder}; this one loads nothing until it is released",
-                self.where_()
-            );
-            return Some((Reason::GpuConflict, message));
-        }
-        match &self.input.gpu {
-            GpuView::Withheld(w) => Some((w.reason, w.message.clone())),
-            GpuView::Placed(_) => None,
-        }
-    }
-
-    /// The GPU is not this residency's: unload every resident model and
-    /// leave requests for when it is.
-    fn yield_gpu(&mut self, reason: Reason, message: String) {
-        let same = self
-            .previous
-            .conditions
-            .iter()
-            .any(|c| c.reason == reason.as_str() && c.message == message);
-        if !same {
-            self.events.push(ModelEvent {
-                model: None,
-                reason: if reason == Reason::GpuConflict {
-                    EventReason::GpuConflict
-                } else {
-                    EventReason::GpuUnavailable
-                },
-                message: message.clone(),
-            });
-        }
-        for id in self.engine.residents() {
-            let name = self.engine.name(id).to_owned();
-            self.engine.unload(id);
-            let why = format!("{name} unloaded: {message}");
-            self.event(&name, EventReason::Unloaded, why.clone());
-            self.outcome(&name, ModelState::Unloaded, reason, why);
-        }
     }
 
     fn outcome(&mut self, model: &str, state: ModelState, reason: Reason, message: String) {

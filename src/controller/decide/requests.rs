@@ -1,15 +1,17 @@
 //! Requests: the demand keys not processed yet, applied oldest first
 //! (request times from a clock that runs fast taken as now), and the idle
-//! unload that follows them.
+//! unload that follows them; a loading model is protected from eviction
+//! for [`LOADING_PROTECTION`] after it was admitted.
 
-use super::Decider;
+use super::{Decider, LOADING_PROTECTION};
 use crate::api::ModelState;
 use crate::controller::events::EventReason;
-use crate::engine::Admission;
+use crate::engine::{Admission, ModelId};
 use crate::quantity::format_bytes;
 use crate::residency::reasons::Reason;
 use crate::residency::state::{later, recorded_time};
 use k8s_openapi::jiff::Timestamp;
+use std::time::Duration;
 
 impl<'a> Decider<'a> {
     /// Demand entries not processed yet, oldest first. A time too far
@@ -200,5 +202,59 @@ impl<'a> Decider<'a> {
     fn processed(&mut self, model: &str, written: Timestamp) {
         let times = self.requested.entry(model.to_owned()).or_default();
         times.last_requested = Some(written.to_string().into());
+    }
+
+    /// When the loading model `id` was admitted, as far as is known: its
+    /// last use, or its pod's creation when that is later (a request that
+    /// waited in the queue is admitted after its own time).
+    pub(super) fn admitted_at(&self, id: ModelId) -> Option<Timestamp> {
+        let name = self.engine.name(id);
+        let now = self
+            .requested
+            .get(name)
+            .and_then(|t| t.last_used.as_deref());
+        let before = || self.prev_models.get(name)?.last_used.as_deref();
+        let used = recorded_time(now.or_else(before));
+        let created = self
+            .input
+            .pods
+            .iter()
+            .filter(|p| &*p.model == name && !p.deleting)
+            .filter_map(|p| recorded_time(p.created.as_deref()))
+            .max();
+        used.max(created)
+    }
+
+    /// Loading models admitted longer than [`LOADING_PROTECTION`] ago (or
+    /// at no recorded time) may be evicted again.
+    pub(super) fn end_old_protections(&mut self) {
+        let now = self.input.now;
+        for id in self.engine.residents() {
+            if !self.engine.is_loading(id) {
+                continue;
+            }
+            let expired = self
+                .admitted_at(id)
+                .is_none_or(|t| later(t, LOADING_PROTECTION) <= now);
+            if expired {
+                self.engine.set_loading(id, false);
+            }
+        }
+    }
+
+    /// How long until the first loading model's protection ends (when a
+    /// queued request may evict it).
+    pub(super) fn next_protection_end(&self) -> Option<Duration> {
+        let now = self.input.now;
+        self.engine
+            .residents()
+            .into_iter()
+            .filter(|&id| self.engine.is_loading(id))
+            .filter_map(|id| self.admitted_at(id))
+            .map(|t| {
+                now.duration_until(later(t, LOADING_PROTECTION))
+                    .unsigned_abs()
+            })
+            .min()
     }
 }

@@ -1,9 +1,10 @@
 //! The decide step without a cluster: fixed clock, hand-made pods.
 
-use super::settle::{RETRY_BASE, RETRY_CAP, retry_delay};
+use super::resident::{RETRY_BASE, RETRY_CAP, retry_delay};
 use super::*;
 use crate::api::{ByteQuantity, ModelResidencySpec, ModelSpec};
 use crate::controller::pods::{PodPhase, pod_name};
+use crate::quantity::parse_bytes;
 use k8s_openapi::jiff::SignedDuration;
 use kube::Resource;
 use serde_json::json;
@@ -896,7 +897,7 @@ fn an_evicted_model_sleeps_after_the_drain_and_its_request_wakes_it() {
         d.create.is_empty(),
         "b created while a still holds its full size"
     );
-    assert_eq!(d.requeue_after, Some(super::settle::SLEEP_DRAIN));
+    assert_eq!(d.requeue_after, Some(super::warm::SLEEP_DRAIN));
     assert_eq!(
         (d.status.counters.sleeps, d.status.counters.evictions),
         (0, 0),
