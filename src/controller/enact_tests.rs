@@ -5,8 +5,9 @@
 //! pin down the order and the shape of the requests.
 
 use super::decide::{Decision, PodRef};
+use super::enact::{Enacted, enact};
 use super::events::{EventReason, ModelEvent};
-use super::{Context, Enacted, Error, enact, error_delay};
+use super::{Context, Error, error_delay};
 use crate::api::{ModelResidency, ModelResidencyStatus};
 use crate::metrics::API_REQUESTS;
 use http::{Method, Request, Response, StatusCode};
