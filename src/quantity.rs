@@ -184,6 +184,14 @@ fn exact(bytes: Bytes, unit: u128, suffix: &str) -> Option<String> {
     ))
 }
 
+/// A duration as the spec writes one (`90s`, `10m`, `1h30m`, `500ms`,
+/// `0s`: a keepAlive, a sleep's timeout or delay); `None` if it is not one
+/// or is negative.
+pub fn parse_duration(s: &str) -> Option<std::time::Duration> {
+    let d: k8s_openapi::jiff::SignedDuration = s.trim().parse().ok()?;
+    std::time::Duration::try_from(d).ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -117,7 +117,7 @@ impl SleepBehaviour {
             let Some((key, value)) = part.split_once('=') else {
                 continue;
             };
-            let delay = crate::residency::state::parse_keep_alive(value.trim());
+            let delay = crate::quantity::parse_duration(value.trim());
             match (key.trim(), value.trim()) {
                 ("sleep", _) => b.sleep_delay = delay.unwrap_or(b.sleep_delay),
                 ("wake", _) => b.wake_delay = delay.unwrap_or(b.wake_delay),

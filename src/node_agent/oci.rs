@@ -658,24 +658,8 @@ pub async fn fetch(
     result
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn place_all(
-    registry: &Registry,
-    auth: &RegistryAuth,
-    store: &Store,
-    view: &Path,
-    source: &Source,
-    resolved: &Resolved,
-    layer_dir: &str,
-    declared: u64,
-    progress: &Progress,
-) -> Result<Fetched, FetchError> {
-    let mut counter = Budget::new(declared, progress);
-    let (mut resumed, mut shared) = (0u64, 0u64);
-    let mut blobs: Vec<Blob> = Vec::new();
-    let mut found_dir = false;
-    let mut any_tar = false;
-    // Every layer is checked for what it is before anything is fetched.
+/// Every layer checked for what it is before anything is fetched.
+fn check_layers(source: &Source, resolved: &Resolved) -> Result<(), FetchError> {
     for layer in &resolved.layers {
         if layer.title.is_none() && tar_compression(&layer.media_type).is_none() {
             return Err(FetchError::UnsupportedMediaType {
@@ -692,62 +676,119 @@ async fn place_all(
             });
         }
     }
+    Ok(())
+}
+
+/// One artifact's layers being placed into its view, and what that took.
+struct Placing<'a> {
+    registry: &'a Registry,
+    auth: &'a RegistryAuth,
+    store: &'a Store,
+    view: &'a Path,
+    source: &'a Source,
+    counter: Budget<'a>,
+    resumed: u64,
+    shared: u64,
+}
+
+impl Placing<'_> {
+    /// The layer's blob in the store, downloaded if it is not there yet,
+    /// as a partial file; `kept`: the bytes an earlier try left.
+    async fn download(&mut self, layer: &Layer) -> Result<PathBuf, FetchError> {
+        let (registry, store, source, auth) = (self.registry, self.store, self.source, self.auth);
+        let (partial, kept) =
+            download(registry, store, source, auth, layer, &mut self.counter).await?;
+        self.resumed += kept;
+        Ok(partial)
+    }
+
+    /// A titled layer: that file, linked from the store if it holds it.
+    async fn titled(&mut self, layer: &Layer, title: &str) -> Result<u64, FetchError> {
+        let hex = layer.hex();
+        let rel = inside_path(title).unwrap_or_default();
+        let path = place_in(self.view, &rel, &layer.digest)?;
+        if let Some(size) = self.store.link(hex, &path).map_err(io)? {
+            self.counter.add(size)?;
+            self.shared += size;
+            return Ok(size);
+        }
+        let partial = self.download(layer).await?;
+        std::fs::rename(&partial, &path).map_err(io)?;
+        self.store.adopt(&path, hex).map_err(io)
+    }
+
+    /// A tar layer: unpacked into the store once, its `layer_dir` linked
+    /// into the view. Its bytes, and whether it had that directory.
+    async fn tar(&mut self, layer: &Layer, layer_dir: &str) -> Result<(u64, bool), FetchError> {
+        let hex = layer.hex();
+        let unpacked = self.store.layer(hex);
+        let bytes = if unpacked.is_dir() {
+            let bytes = super::blobs::unique_usage(&unpacked).map_err(io)?;
+            self.counter.add(bytes)?;
+            self.shared += bytes;
+            bytes
+        } else {
+            let partial = self.download(layer).await?;
+            let room = self.counter.limit.saturating_sub(self.counter.total);
+            let compression = tar_compression(&layer.media_type).unwrap_or("none");
+            let (from, to, digest) = (partial.clone(), unpacked.clone(), layer.digest.clone());
+            let unpacked_bytes = tokio::task::spawn_blocking(move || {
+                unpack_layer(&from, &to, compression, room, &digest)
+            })
+            .await
+            .map_err(|e| FetchError::Io(e.to_string()))?;
+            let _ = std::fs::remove_file(&partial);
+            let bytes = unpacked_bytes?;
+            // The download was counted compressed; the layer holds its
+            // unpacked bytes.
+            self.counter.total = self.counter.total.saturating_sub(layer.size);
+            self.counter.add(bytes)?;
+            bytes
+        };
+        let found = self
+            .store
+            .link_layer(hex, layer_dir, self.view)
+            .map_err(|e| confined(e, &layer.digest))?;
+        Ok((bytes, found))
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn place_all(
+    registry: &Registry,
+    auth: &RegistryAuth,
+    store: &Store,
+    view: &Path,
+    source: &Source,
+    resolved: &Resolved,
+    layer_dir: &str,
+    declared: u64,
+    progress: &Progress,
+) -> Result<Fetched, FetchError> {
+    check_layers(source, resolved)?;
+    let mut placing = Placing {
+        registry,
+        auth,
+        store,
+        view,
+        source,
+        counter: Budget::new(declared, progress),
+        resumed: 0,
+        shared: 0,
+    };
+    let mut blobs: Vec<Blob> = Vec::new();
+    let (mut any_tar, mut found_dir) = (false, false);
     for layer in &resolved.layers {
-        let hex = layer.hex().to_owned();
         let size = match &layer.title {
-            Some(title) => {
-                let path = place_in(view, &inside_path(title).unwrap_or_default(), &layer.digest)?;
-                match store.link(&hex, &path).map_err(io)? {
-                    Some(size) => {
-                        counter.add(size)?;
-                        shared += size;
-                        size
-                    }
-                    None => {
-                        let (partial, kept) =
-                            download(registry, store, source, auth, layer, &mut counter).await?;
-                        resumed += kept;
-                        std::fs::rename(&partial, &path).map_err(io)?;
-                        store.adopt(&path, &hex).map_err(io)?
-                    }
-                }
-            }
+            Some(title) => placing.titled(layer, title).await?,
             None => {
                 any_tar = true;
-                let unpacked = store.layer(&hex);
-                let bytes = if unpacked.is_dir() {
-                    let bytes = super::blobs::unique_usage(&unpacked).map_err(io)?;
-                    counter.add(bytes)?;
-                    shared += bytes;
-                    bytes
-                } else {
-                    let (partial, kept) =
-                        download(registry, store, source, auth, layer, &mut counter).await?;
-                    resumed += kept;
-                    let room = counter.limit.saturating_sub(counter.total);
-                    let compression = tar_compression(&layer.media_type).unwrap_or("none");
-                    let (from, to, digest) =
-                        (partial.clone(), unpacked.clone(), layer.digest.clone());
-                    let unpacked_bytes = tokio::task::spawn_blocking(move || {
-                        unpack_layer(&from, &to, compression, room, &digest)
-                    })
-                    .await
-                    .map_err(|e| FetchError::Io(e.to_string()))?;
-                    let _ = std::fs::remove_file(&partial);
-                    let bytes = unpacked_bytes?;
-                    // The download was counted compressed; the layer
-                    // holds its unpacked bytes.
-                    counter.total = counter.total.saturating_sub(layer.size);
-                    counter.add(bytes)?;
-                    bytes
-                };
-                found_dir |= store
-                    .link_layer(&hex, layer_dir, view)
-                    .map_err(|e| confined(e, &layer.digest))?;
+                let (bytes, found) = placing.tar(layer, layer_dir).await?;
+                found_dir |= found;
                 bytes
             }
         };
-        let id = blob_id(&hex);
+        let id = blob_id(layer.hex());
         if !blobs.iter().any(|(b, _)| *b == id) {
             blobs.push((id, size));
         }
@@ -770,9 +811,9 @@ async fn place_all(
         });
     }
     Ok(Fetched {
-        bytes: counter.total,
-        resumed,
-        shared,
+        bytes: placing.counter.total,
+        resumed: placing.resumed,
+        shared: placing.shared,
         blobs,
         sha256: resolved.digest.trim_start_matches("sha256:").to_owned(),
     })

@@ -146,12 +146,14 @@ pub fn validate_with_budget(r: &ModelResidency, budget: Bytes) -> Result<Valid<'
     }
     let keep_alive = |field: String, value: &Option<String>| match value {
         None => Ok(None),
-        Some(v) => parse_keep_alive(v)
-            .map(Some)
-            .ok_or_else(|| InvalidSpec::KeepAlive {
-                field,
-                value: v.clone(),
-            }),
+        Some(v) => {
+            crate::quantity::parse_duration(v)
+                .map(Some)
+                .ok_or_else(|| InvalidSpec::KeepAlive {
+                    field,
+                    value: v.clone(),
+                })
+        }
     };
     let default_keep_alive = keep_alive("spec.keepAlive".into(), &spec.keep_alive)?;
     let mut seen = HashSet::new();
@@ -217,13 +219,6 @@ pub fn validate_with_budget(r: &ModelResidency, budget: Bytes) -> Result<Valid<'
         host_budget,
         eviction: spec.eviction.into(),
     })
-}
-
-/// A keepAlive duration (`90s`, `10m`, `1h30m`, `0s`); `None` if it is not
-/// one or is negative.
-pub fn parse_keep_alive(s: &str) -> Option<Duration> {
-    let d: SignedDuration = s.trim().parse().ok()?;
-    Duration::try_from(d).ok()
 }
 
 /// `t` plus `d`, or the last time there is when that is later (a keepAlive

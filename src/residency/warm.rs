@@ -4,8 +4,7 @@
 
 use crate::api::{ModelSpec, PodRequest, SleepPreset, SleepSpec};
 use crate::engine::{Bytes, Costs, Sleep};
-use crate::quantity::parse_bytes;
-use crate::residency::state::parse_keep_alive;
+use crate::quantity::{parse_bytes, parse_duration};
 use std::time::Duration;
 
 /// A load's cost when neither loadTime nor a measurement says it.
@@ -15,7 +14,7 @@ pub const DEFAULT_WAKE_SHARE: f64 = 1.0 / 20.0;
 
 /// Seconds in a duration like 45s, 2m or 500ms.
 pub fn seconds(s: &str) -> Option<f64> {
-    parse_keep_alive(s).map(|d| d.as_secs_f64())
+    parse_duration(s).map(|d| d.as_secs_f64())
 }
 
 /// How `model` (of `size` bytes) sleeps, checked: a sleepingSize smaller
@@ -162,7 +161,7 @@ pub fn protocol(spec: &SleepSpec) -> Protocol {
         timeout: r
             .timeout
             .as_deref()
-            .and_then(parse_keep_alive)
+            .and_then(parse_duration)
             .unwrap_or(DEFAULT_CALL_TIMEOUT),
     };
     Protocol {

@@ -237,17 +237,7 @@ impl<'a> Decider<'a> {
         let cost = self.engine.eviction() == crate::engine::Eviction::Cost;
         let mut models = models;
         if cost {
-            for m in &mut models {
-                if let Some(id) = self
-                    .engine
-                    .id(&m.name)
-                    .filter(|&id| self.engine.is_resident(id))
-                {
-                    let (uses, base) = self.engine.value_state(id);
-                    m.uses = uses;
-                    m.value_base = Some(base);
-                }
-            }
+            self.value_fields(&mut models);
         }
         let host_used = self.engine.host_used();
         let mut status = ModelResidencyStatus {
@@ -257,19 +247,7 @@ impl<'a> Decider<'a> {
             used: Some(format_bytes_rounded(used)),
             peak: Some(format_bytes_rounded(peak)),
             models,
-            counters: {
-                // Sleeps and wakes count when their server confirms them
-                // ([`Decision::call_done`]), each with its Slept or Woken
-                // event, so the counters never go down; a request that
-                // cancels a sleep not sent yet found its model awake: a hit.
-                let before = self.input.residency.status.as_ref();
-                let before = before.map(|s| s.counters).unwrap_or_default();
-                let mut c = self.engine.counters();
-                c.sleeps = before.sleeps;
-                c.wakes = before.wakes;
-                c.hits += self.cancelled_sleeps;
-                c
-            },
+            counters: self.counters(),
             conditions: set.finish(),
             host_used: (self.valid.host_budget > 0 || host_used > 0)
                 .then(|| format_bytes_rounded(host_used)),
@@ -296,5 +274,36 @@ impl<'a> Decider<'a> {
             calls: plan.calls,
             usage: Some(usage),
         }
+    }
+
+    /// Each resident model's value state, which `cost` eviction is restored
+    /// from.
+    fn value_fields(&self, models: &mut [ModelStatus]) {
+        for m in models {
+            let resident = self
+                .engine
+                .id(&m.name)
+                .filter(|&id| self.engine.is_resident(id));
+            if let Some(id) = resident {
+                let (uses, base) = self.engine.value_state(id);
+                m.uses = uses;
+                m.value_base = Some(base);
+            }
+        }
+    }
+
+    /// The engine's counters, but sleeps and wakes as they were: those
+    /// count when their server confirms them ([`Decision::call_done`]),
+    /// each with its Slept or Woken event, so the counters never go down.
+    /// A request that cancels a sleep not sent yet found its model awake:
+    /// a hit.
+    fn counters(&self) -> crate::api::Counters {
+        let before = self.input.residency.status.as_ref();
+        let before = before.map(|s| s.counters).unwrap_or_default();
+        let mut c = self.engine.counters();
+        c.sleeps = before.sleeps;
+        c.wakes = before.wakes;
+        c.hits += self.cancelled_sleeps;
+        c
     }
 }
