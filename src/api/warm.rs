@@ -10,12 +10,17 @@ use serde::{Deserialize, Serialize};
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SleepSpec {
-    /// The server's own endpoints: vllm (POST /sleep?level=N, POST
-    /// /wake_up, GET /is_sleeping; needs --enable-sleep-mode and
-    /// VLLM_SERVER_DEV_MODE=1) or sglang (POST /release_memory_occupation,
-    /// POST /resume_memory_occupation; no status endpoint, so the answer of
-    /// the call is the confirmation). Requests given below replace the
-    /// preset's.
+    /// The server's own endpoints. vllm (0.17 and later): POST
+    /// /sleep?level=N&mode=wait (the server finishes the requests it is
+    /// running first), POST /wake_up (at level 2 /wake_up?tags=weights,
+    /// POST /collective_rpc {"method":"reload_weights"}, /wake_up?tags=kv_cache),
+    /// GET /is_sleeping; the server needs VLLM_SERVER_DEV_MODE=1, and
+    /// --enable-sleep-mode for a sleep to free GPU memory. sglang: POST
+    /// /release_memory_occupation {} (tried again until the server is idle),
+    /// POST /resume_memory_occupation {}; no status endpoint, so the
+    /// answer is the confirmation; the server needs --enable-memory-saver
+    /// (and --enable-weights-cpu-backup for level 1). Requests given below
+    /// replace the preset's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preset: Option<SleepPreset>,
     /// 1: the weights go to host memory (wakes fast, holds hostMemory);
@@ -75,7 +80,13 @@ pub struct PodRequest {
     /// true while the server sleeps. Default is_sleeping.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
-    /// How long to wait for the answer, as a duration. Default 30s; the
+    /// A JSON body to send (as is, with Content-Type application/json).
+    /// Default: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    pub body: Option<String>,
+    /// How long to wait for the answer, as a duration. Default 30s (a
+    /// preset's sleep: 2m, since it waits for the requests running); the
     /// operator's --pod-call-timeout-max (default 2m) caps it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 32), extend("x-kubernetes-validations" = super::rules::duration()))]

@@ -130,16 +130,21 @@ pub async fn ask(call: &PodCall, limit: Duration) -> (Result<(), String>, f64) {
 async fn ask_and_confirm(call: &PodCall, limit: Duration) -> Result<(), String> {
     let addr = call.addr.ok_or("its pod has no IP yet")?;
     let p = &call.protocol;
-    let request = if call.wake { &p.wake } else { &p.sleep };
-    let answer = send(addr, request, limit).await?;
-    if !request.worked(answer.0) {
-        return Err(format!(
-            "{} {} answered {}: {}",
-            request.method,
-            request.path,
-            answer.0,
-            answer.1.chars().take(200).collect::<String>()
-        ));
+    let requests = if call.wake {
+        p.wake.as_slice()
+    } else {
+        std::slice::from_ref(&p.sleep)
+    };
+    for request in requests {
+        let (code, body) = send_until_it_works(addr, request, limit).await?;
+        if !request.worked(code) {
+            return Err(format!(
+                "{} {} answered {code}: {}",
+                request.method,
+                request.path,
+                body.chars().take(200).collect::<String>()
+            ));
+        }
     }
     let Some((status, field)) = &p.status else {
         return Ok(());
@@ -165,11 +170,36 @@ async fn ask_and_confirm(call: &PodCall, limit: Duration) -> Result<(), String> 
 /// sent 1.5 GiB) must not take the operator's memory.
 pub const ANSWER_LIMIT: usize = 16 << 10;
 
+/// How often a call that waits for its server to be idle is tried again.
+const IDLE_RETRY: Duration = Duration::from_millis(500);
+
+/// [`send`], and for a call that waits for its server to be idle, sent
+/// again while its answer says it did not work, within its timeout: the
+/// last answer.
+async fn send_until_it_works(
+    addr: SocketAddr,
+    call: &Call,
+    limit: Duration,
+) -> Result<(u16, String), String> {
+    if !call.until_idle {
+        return send(addr, call, limit).await;
+    }
+    let deadline = Instant::now() + call.timeout.clamp(Duration::from_millis(1), limit);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let answer = send(addr, call, left.min(limit)).await?;
+        if call.worked(answer.0) || left <= IDLE_RETRY {
+            return Ok(answer);
+        }
+        tokio::time::sleep(IDLE_RETRY).await;
+    }
+}
+
 async fn send(addr: SocketAddr, call: &Call, limit: Duration) -> Result<(u16, String), String> {
     let within = call.timeout.clamp(Duration::from_millis(1), limit);
     match tokio::time::timeout(
         within,
-        crate::http::send_capped(addr, &call.method, &call.path, "", ANSWER_LIMIT),
+        crate::http::send_capped(addr, &call.method, &call.path, &call.body, ANSWER_LIMIT),
     )
     .await
     {

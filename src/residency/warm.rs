@@ -99,7 +99,13 @@ pub struct Call {
     pub path: String,
     /// The status code that means it worked (`None`: any 2xx).
     pub expect_status: Option<u16>,
+    /// Sent as is (`""`: no body).
+    pub body: String,
     pub timeout: Duration,
+    /// Whether an answer that did not work is tried again (every half
+    /// second, within the timeout): a server that refuses while it still
+    /// runs requests (SGLang's release asserts the server is idle).
+    pub until_idle: bool,
 }
 
 impl Call {
@@ -116,7 +122,8 @@ impl Call {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Protocol {
     pub sleep: Call,
-    pub wake: Call,
+    /// In order; each must work before the next is sent.
+    pub wake: Vec<Call>,
     /// The status request and the JSON field that is true while it
     /// sleeps; `None` (sglang) when the calls' answers are the confirmation.
     pub status: Option<(Call, String)>,
@@ -125,27 +132,58 @@ pub struct Protocol {
 /// How long a sleep, wake or status request may take by default.
 pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How long a preset's sleep may take: it waits for the requests the
+/// server is running to finish (a long generation takes minutes), and past
+/// it the sleep fails, counted and evented, and the pod is deleted. The
+/// operator's --pod-call-timeout-max (default 2m) caps it.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(120);
+
 /// The requests a model's sleep spec means: its preset's (vllm when none
 /// is named), each replaced by one given explicitly.
 pub fn protocol(spec: &SleepSpec) -> Protocol {
     let level = spec.level.unwrap_or(1);
-    let call = |method: &str, path: String| Call {
+    let call = |method: &str, path: &str, body: &str| Call {
         method: method.into(),
-        path,
+        path: path.into(),
         expect_status: None,
+        body: body.into(),
         timeout: DEFAULT_CALL_TIMEOUT,
+        until_idle: false,
     };
     let (sleep, wake, status) = match spec.preset.unwrap_or(SleepPreset::Vllm) {
-        SleepPreset::Vllm => (
-            call("POST", format!("/sleep?level={level}")),
-            call("POST", "/wake_up".into()),
-            Some((call("GET", "/is_sleeping".into()), "is_sleeping".to_owned())),
-        ),
-        SleepPreset::Sglang => (
-            call("POST", "/release_memory_occupation".into()),
-            call("POST", "/resume_memory_occupation".into()),
-            None,
-        ),
+        SleepPreset::Vllm => {
+            // mode=wait (vLLM 0.17+): the running requests finish before
+            // it sleeps; the default, abort, ends them at once with a 200
+            // and finish_reason "abort", cut short.
+            let sleep = Call {
+                timeout: DRAIN_TIMEOUT,
+                ..call("POST", &format!("/sleep?level={level}&mode=wait"), "")
+            };
+            // At level 2 the weights were discarded: /wake_up restores the
+            // buffers only, and the server answers garbage until its
+            // weights are loaded again.
+            let wake = if level == 2 {
+                vec![
+                    call("POST", "/wake_up?tags=weights", ""),
+                    call("POST", "/collective_rpc", r#"{"method":"reload_weights"}"#),
+                    call("POST", "/wake_up?tags=kv_cache", ""),
+                ]
+            } else {
+                vec![call("POST", "/wake_up", "")]
+            };
+            let status = (call("GET", "/is_sleeping", ""), "is_sleeping".to_owned());
+            (sleep, wake, Some(status))
+        }
+        SleepPreset::Sglang => {
+            // Both need a JSON body (an empty one is 400 "Field required").
+            let sleep = Call {
+                timeout: DRAIN_TIMEOUT,
+                until_idle: true,
+                ..call("POST", "/release_memory_occupation", "{}")
+            };
+            let wake = vec![call("POST", "/resume_memory_occupation", "{}")];
+            (sleep, wake, None)
+        }
     };
     let given = |r: &PodRequest, default_method: &str| Call {
         // Admission allows only these three; an object stored before it
@@ -158,15 +196,17 @@ pub fn protocol(spec: &SleepSpec) -> Protocol {
             .into(),
         path: r.path.clone(),
         expect_status: r.expect_status,
+        body: r.body.clone().unwrap_or_default(),
         timeout: r
             .timeout
             .as_deref()
             .and_then(parse_duration)
             .unwrap_or(DEFAULT_CALL_TIMEOUT),
+        until_idle: false,
     };
     Protocol {
         sleep: spec.sleep.as_ref().map_or(sleep, |r| given(r, "POST")),
-        wake: spec.wake.as_ref().map_or(wake, |r| given(r, "POST")),
+        wake: spec.wake.as_ref().map_or(wake, |r| vec![given(r, "POST")]),
         status: match &spec.status {
             Some(r) => Some((
                 given(r, "GET"),
@@ -219,27 +259,55 @@ mod tests {
 
     #[test]
     fn presets_give_the_servers_endpoints_and_given_requests_replace_them() {
-        let mut s = spec("1Gi", Some(2), None);
+        let paths = |calls: &[Call]| -> Vec<String> {
+            calls
+                .iter()
+                .map(|c| format!("{} {} {}", c.method, c.path, c.body))
+                .collect()
+        };
+        // vLLM: the sleep waits for the running requests; level 1 wakes
+        // with one call, level 2 loads its weights again in between.
+        let mut s = spec("1Gi", None, None);
         let p = protocol(&s);
-        assert_eq!(p.sleep.path, "/sleep?level=2");
+        assert_eq!(p.sleep.path, "/sleep?level=1&mode=wait");
+        assert_eq!(p.sleep.timeout, DRAIN_TIMEOUT);
+        assert_eq!(paths(&p.wake), ["POST /wake_up "]);
+        s.level = Some(2);
+        let p = protocol(&s);
+        assert_eq!(p.sleep.path, "/sleep?level=2&mode=wait");
         assert_eq!(
-            (p.wake.method.as_str(), p.wake.path.as_str()),
-            ("POST", "/wake_up")
+            paths(&p.wake),
+            [
+                "POST /wake_up?tags=weights ",
+                r#"POST /collective_rpc {"method":"reload_weights"}"#,
+                "POST /wake_up?tags=kv_cache ",
+            ]
         );
         assert_eq!(p.status.as_ref().unwrap().0.path, "/is_sleeping");
+        // SGLang: a JSON body on both (an empty one is 400), the release
+        // tried again until the server is idle.
         s.preset = Some(SleepPreset::Sglang);
+        let p = protocol(&s);
+        assert_eq!(
+            paths(std::slice::from_ref(&p.sleep)),
+            ["POST /release_memory_occupation {}"]
+        );
+        assert!(p.sleep.until_idle);
+        assert_eq!(paths(&p.wake), ["POST /resume_memory_occupation {}"]);
+        assert!(p.status.is_none());
         s.wake = Some(PodRequest {
             method: None,
             path: "/up".into(),
             expect_status: Some(204),
             field: None,
+            body: Some(r#"{"all":true}"#.into()),
             timeout: Some("2s".into()),
         });
         let p = protocol(&s);
         assert_eq!(p.sleep.path, "/release_memory_occupation");
-        assert!(p.status.is_none());
-        assert_eq!(p.wake.timeout, Duration::from_secs(2));
-        assert!(p.wake.worked(204) && !p.wake.worked(200));
+        assert_eq!(paths(&p.wake), [r#"POST /up {"all":true}"#]);
+        assert_eq!(p.wake[0].timeout, Duration::from_secs(2));
+        assert!(p.wake[0].worked(204) && !p.wake[0].worked(200));
         assert!(p.sleep.worked(200));
         assert_eq!(
             says_asleep(r#"{"is_sleeping": true}"#, "is_sleeping"),

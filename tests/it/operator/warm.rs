@@ -402,3 +402,119 @@ async fn sleeps_that_never_answer_do_not_hold_other_residencies() {
         assert_eq!(reason(&r, "a"), "FallingAsleep", "{name}");
     }
 }
+
+/// The server-sent events of a streamed answer, and its last
+/// `finish_reason`.
+fn stream_of(a: &crate::support::http::Answer) -> (usize, Option<String>) {
+    let chunks: Vec<Value> = a
+        .body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let last = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["finish_reason"].as_str())
+        .next_back()
+        .map(str::to_owned);
+    let parts = chunks
+        .iter()
+        .filter(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .is_some_and(|t| !t.is_empty())
+        })
+        .count();
+    (parts, last)
+}
+
+/// A long generation for `a` in flight when `a` is chosen to sleep (b
+/// needs its room): the sleep waits for it, and it ends whole.
+async fn a_long_stream_survives_the_sleep(h: &Harness, sleep: Value) {
+    create(h, ("gpu", "0"), "sleep=50ms,wake=50ms", "8Gi", sleep).await;
+    let router = RouterUnderTest::start(
+        h,
+        Config {
+            recency_resolution: Duration::ZERO,
+            ..Config::default()
+        },
+    )
+    .await;
+    assert_served_by(&router.chat("a").await, "a");
+    // 150 chunks 20 ms apart: 3 s, longer than the 1 s the routers get to
+    // stop sending to a model chosen to sleep.
+    let long = json!({"model": "a", "stream": true, "max_tokens": 150,
+        "messages": [{"role": "user", "content": "a long answer"}]})
+    .to_string();
+    let streaming = router.post("/v1/chat/completions", &long);
+    let b_later = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        router.chat("b").await
+    };
+    let (a, b) = tokio::join!(streaming, b_later);
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        stream_of(&a),
+        (150, Some("stop".to_owned())),
+        "every chunk, then stop: {}",
+        a.body.chars().take(300).collect::<String>()
+    );
+    assert_served_by(&b, "b");
+    let r = h.converged("gpu").await;
+    assert_eq!(model(&r, "a").state, ModelState::Sleeping);
+    assert_eq!(reason(&r, "a"), "Asleep");
+    let c = r.status.as_ref().unwrap().counters;
+    assert_eq!((c.sleeps, c.evictions), (1, 0), "slept, not deleted: {c:?}");
+    let s = stats(h, "gpu", "a").await;
+    assert_eq!(s["aborted"], 0, "{s}");
+    assert_eq!(s["sleeps"], 1, "{s}");
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_long_generation_in_flight_finishes_whole_before_vllm_sleeps() {
+    let h = Harness::start("warm-drain").await;
+    a_long_stream_survives_the_sleep(&h, vllm()).await;
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn sglang_sleeps_with_a_body_once_idle() {
+    let h = Harness::start("warm-sglang").await;
+    a_long_stream_survives_the_sleep(&h, json!({"preset": "sglang", "sleepingSize": "1Gi"})).await;
+    // Its wake, with its body too.
+    let r = h.request("gpu", "a").await;
+    assert_eq!(model(&r, "a").state, ModelState::Loaded);
+    assert_eq!(r.status.as_ref().unwrap().counters.wakes, 1);
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_level_2_wake_loads_the_weights_again_before_it_serves() {
+    let h = Harness::start("warm-level2").await;
+    let level2 = json!({"preset": "vllm", "level": 2, "sleepingSize": "1Gi"});
+    create(&h, ("gpu", "0"), "sleep=50ms,wake=50ms", "8Gi", level2).await;
+    let router = RouterUnderTest::start(
+        &h,
+        Config {
+            recency_resolution: Duration::ZERO,
+            ..Config::default()
+        },
+    )
+    .await;
+    assert_served_by(&router.chat("a").await, "a");
+    assert_served_by(&router.chat("b").await, "b");
+    let r = h.converged("gpu").await;
+    assert_eq!(reason(&r, "a"), "Asleep");
+    // Woken by its next request: the answer is the model's, not garbage.
+    let a = router.chat("a").await;
+    assert_served_by(&a, "a");
+    assert!(!a.body.contains("garbage"), "{}", a.body);
+    let s = stats(&h, "gpu", "a").await;
+    assert_eq!(
+        (s["wakes"].as_u64(), s["garbage"].as_u64()),
+        (Some(1), Some(0)),
+        "{s}"
+    );
+}

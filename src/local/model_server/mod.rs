@@ -1,0 +1,241 @@
+//! The fake model server the kubelet stand-in runs for each pod it starts,
+//! so that tests and the demo carry real HTTP traffic to model pods.
+//!
+//! What it fakes: an OpenAI-compatible model server that has "loaded" its
+//! model. It listens on the pod's own loopback address (127.0.0.0/8 is all
+//! local, so every pod can use the same container port) from the moment
+//! the stand-in marks the pod Ready until the pod is deleted or failed, and
+//! answers:
+//! - `POST /v1/embeddings`: one 8-number vector per input, in OpenAI's
+//!   embedding list shape;
+//! - `POST /v1/completions`: a text completion (`choices[].text`);
+//! - any other `POST /v1/...` and `POST /v2/models/<name>/...`: a chat
+//!   completion (`choices[].message`);
+//! - each of them names the model and the pod (`model`, `pod`, and the
+//!   text `"<model> on <pod>"`), with the `id`, `created` and `usage` an
+//!   OpenAI client reads; with `"stream": true` in the body, three
+//!   server-sent-event chunks of the same kind `stream_delay` apart, then
+//!   `data: [DONE]`;
+//! - `max_tokens` in the body sets how many chunks a stream has (default
+//!   3); a request naming another `model` gets vLLM's 404;
+//! - `GET /v1/models`: the one model; `GET /health` (and `/healthz`): ok.
+//! - vLLM's sleep mode endpoints, as vLLM 0.32 behaves ([`sleep`]);
+//!   SGLang's release and resume, as SGLang 0.5.23's HTTP app answers.
+//!   The pod annotation `kubelet-standin.residency.dev/sleep` declares the
+//!   delays and faults: `sleep=200ms,wake=50ms`, and `mode=missing` (no
+//!   sleep endpoints: 404), `mode=lies` (answers 200 and does not sleep)
+//!   or `mode=slow` (the sleep never answers).
+//! - `GET /fake/stats`: `{"asleep", "sleep_requests", "sleeps", "wakes",
+//!   "inference_while_asleep", "aborted", "garbage"}`, for tests to check
+//!   that nothing was sent to a sleeping server, cut short, or answered
+//!   without its weights (`sleep_requests` counts those received, answered
+//!   or not).
+//!
+//! Every response carries `x-model-pod: <pod>`. What it still fakes: no
+//! inference happens (the text names the model and the pod); every pod
+//! answers chat, completions and embeddings (vLLM serves embeddings only
+//! from a pooling model, and then no chat); any other `POST /v1/...` or
+//! `/v2/models/...` is a chat (vLLM: 404); no batching, limits, GPU
+//! memory, `/metrics`; a sleep frees nothing (there is nothing to free),
+//! and a level-2 wake without its reload answers text marked as garbage
+//! rather than random tokens.
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, combinators::BoxBody};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use std::convert::Infallible;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+/// The largest request body the fake server reads.
+const MAX_BODY: usize = 1 << 20;
+
+/// A loopback address no other pod of this process has: 127.1.0.0/16 and
+/// up (127.0.0.0/16 is left to everything else), starting at an offset of
+/// this process's own, so two local clusters on one machine seldom meet
+/// (and the kubelet stand-in skips an address that is taken).
+pub fn next_pod_ip() -> Ipv4Addr {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let start = (std::process::id() % 1024) << 13;
+    let n = (start + NEXT.fetch_add(1, Ordering::Relaxed)) % ((1 << 23) - 1) + 1;
+    Ipv4Addr::from(0x7f01_0000 + n)
+}
+
+/// Who a fake server says it is.
+#[derive(Clone, Debug)]
+pub struct Identity {
+    pub model: String,
+    pub pod: String,
+}
+
+/// Pod annotation declaring the fake server's sleep delays and faults
+/// (module docs).
+pub const SLEEP_ANNOTATION: &str = "kubelet-standin.residency.dev/sleep";
+
+/// How a fake server sleeps and wakes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SleepBehaviour {
+    pub sleep_delay: Duration,
+    pub wake_delay: Duration,
+    pub mode: SleepMode,
+}
+
+impl Default for SleepBehaviour {
+    fn default() -> Self {
+        SleepBehaviour {
+            sleep_delay: Duration::from_millis(20),
+            wake_delay: Duration::from_millis(20),
+            mode: SleepMode::Honest,
+        }
+    }
+}
+
+/// The faults a fake server's sleep endpoints can have.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SleepMode {
+    Honest,
+    /// No sleep endpoints (404).
+    Missing,
+    /// Answers 200 to a sleep and does not sleep.
+    Lies,
+    /// A sleep never answers.
+    Slow,
+}
+
+impl SleepBehaviour {
+    /// Reads the annotation's `key=value` list; unknown keys or values are
+    /// ignored (a stand-in, not an API).
+    pub fn parse(text: &str) -> Self {
+        let mut b = SleepBehaviour::default();
+        for part in text.split(',') {
+            let Some((key, value)) = part.split_once('=') else {
+                continue;
+            };
+            let delay = crate::quantity::parse_duration(value.trim());
+            match (key.trim(), value.trim()) {
+                ("sleep", _) => b.sleep_delay = delay.unwrap_or(b.sleep_delay),
+                ("wake", _) => b.wake_delay = delay.unwrap_or(b.wake_delay),
+                ("mode", "missing") => b.mode = SleepMode::Missing,
+                ("mode", "lies") => b.mode = SleepMode::Lies,
+                ("mode", "slow") => b.mode = SleepMode::Slow,
+                _ => {}
+            }
+        }
+        b
+    }
+}
+
+mod openai;
+mod sleep;
+
+use sleep::SleepState;
+
+/// One fake server: who it is, how it sleeps, what it is doing.
+#[derive(Debug)]
+struct Server {
+    id: Identity,
+    sleep: SleepBehaviour,
+    state: SleepState,
+    stream_delay: Duration,
+}
+
+/// A running fake model server; stops when dropped.
+#[derive(Debug)]
+pub struct FakeModelServer {
+    pub addr: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl Drop for FakeModelServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl FakeModelServer {
+    /// Binds `addr` and serves until dropped.
+    pub async fn start(
+        addr: SocketAddr,
+        identity: Identity,
+        stream_delay: Duration,
+        sleep: SleepBehaviour,
+    ) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(addr).await?;
+        let addr = listener.local_addr()?;
+        let server = Arc::new(Server {
+            id: identity,
+            sleep,
+            state: SleepState::default(),
+            stream_delay,
+        });
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                };
+                let server = server.clone();
+                tokio::spawn(async move {
+                    let service = service_fn(move |req| {
+                        let server = server.clone();
+                        async move {
+                            let answer = match sleep::endpoint(req, &server).await {
+                                Ok(answer) => answer,
+                                Err(req) => openai::answer(req, &server).await,
+                            };
+                            Ok::<_, Infallible>(answer)
+                        }
+                    });
+                    let _ = http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Ok(FakeModelServer { addr, task })
+    }
+}
+
+type Body = BoxBody<Bytes, Infallible>;
+
+fn full(body: impl Into<Bytes>) -> Body {
+    Full::new(body.into()).boxed()
+}
+
+fn respond(
+    status: StatusCode,
+    content_type: &'static str,
+    body: Body,
+    pod: &str,
+) -> Response<Body> {
+    let mut response = Response::new(body);
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static(content_type),
+    );
+    if let Ok(pod) = header::HeaderValue::from_str(pod) {
+        headers.insert("x-model-pod", pod);
+    }
+    response
+}
+
+const JSON: &str = "application/json";
+
+/// A request's body, at most [`MAX_BODY`] bytes.
+async fn read_body(req: Request<Incoming>) -> Option<Bytes> {
+    http_body_util::Limited::new(req.into_body(), MAX_BODY)
+        .collect()
+        .await
+        .ok()
+        .map(|b| b.to_bytes())
+}
