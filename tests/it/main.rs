@@ -16,5 +16,6 @@ mod node_agent;
 mod operator;
 mod operator_api;
 mod process;
+mod real_servers;
 mod router;
 mod support;

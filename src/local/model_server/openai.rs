@@ -209,6 +209,9 @@ fn stream(server: Arc<Server>, kind: Kind, chunks: u64, garbage: bool) -> Body {
                 return;
             }
         }
+        // The end marker a delay later too: four events for three chunks,
+        // evenly apart (tests time the spread of a streamed answer).
+        tokio::time::sleep(server.stream_delay).await;
         let done = Bytes::from_static(b"data: [DONE]\n\n");
         let _ = frames.send(Ok(Frame::data(done))).await;
     });

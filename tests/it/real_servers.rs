@@ -1,0 +1,279 @@
+//! The fake model server against a real vLLM (0.32.0 for CPU, from PyPI,
+//! serving a tiny random-weight Llama made locally: `scripts/vllm.sh`),
+//! on the warm tier's contract: the same scenario, with the operator's own
+//! sleep and wake calls (`residency::warm::protocol`, `pod_calls::ask`),
+//! against both, and the same observable sequence asserted of both. On
+//! CPU vLLM refuses `--enable-sleep-mode`; with `VLLM_SERVER_DEV_MODE=1`
+//! its sleep endpoints are real (the scheduler pauses, requests are held,
+//! `mode` is honoured, level 2 needs `reload_weights`) and only the memory
+//! release is a no-op.
+
+use crate::support::http::{Answer, free_port, send};
+use model_residency::controller::decide::{PodCall, PodRef};
+use model_residency::controller::pod_calls::ask;
+use model_residency::local::model_server::{FakeModelServer, Identity, SleepBehaviour};
+use model_residency::residency::warm::protocol;
+use serde_json::{Value, json};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The model name both servers serve.
+const MODEL: &str = "tiny";
+
+/// A real vLLM server on loopback, killed when dropped.
+struct Vllm {
+    child: Child,
+    addr: SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Vllm {
+    fn drop(&mut self) {
+        // Its engine and worker are its children: the whole group goes
+        // (the group is the child's own: it was started with process_group(0)).
+        if let Ok(pgid) = i32::try_from(self.child.id())
+            && pgid > 1
+        {
+            // SAFETY: a signal to a process group this test made.
+            unsafe {
+                libc::kill(-pgid, libc::SIGKILL);
+            }
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Vllm {
+    async fn start() -> Vllm {
+        let python = std::env::var("MODEL_RESIDENCY_VLLM_PYTHON").expect(
+            "MODEL_RESIDENCY_VLLM_PYTHON is not set: run scripts/test.sh, which installs vLLM for CPU (scripts/vllm.sh)",
+        );
+        let venv = std::path::Path::new(&python)
+            .parent()
+            .unwrap()
+            .parent()
+            .unwrap();
+        let model = venv.join("models/tiny-llama");
+        let dir = tempfile::tempdir().unwrap();
+        let log = std::fs::File::create(dir.path().join("vllm.log")).unwrap();
+        let port = free_port();
+        let mut cmd = Command::new(&python);
+        cmd.args([
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--host",
+            "127.0.0.1",
+        ])
+        .args(["--port", &port.to_string(), "--model"])
+        .arg(&model)
+        .args([
+            "--served-model-name",
+            MODEL,
+            "--enforce-eager",
+            "--max-model-len",
+            "2048",
+        ])
+        .env("VLLM_SERVER_DEV_MODE", "1")
+        .env("VLLM_CPU_KVCACHE_SPACE", "1")
+        .env("VLLM_CACHE_ROOT", dir.path().join("cache"))
+        .env("HF_HUB_OFFLINE", "1")
+        .env("TRANSFORMERS_OFFLINE", "1")
+        .env("VLLM_NO_USAGE_STATS", "1")
+        .env("DO_NOT_TRACK", "1")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log);
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let child = cmd.spawn().expect("starting vLLM");
+        let vllm = Vllm {
+            child,
+            addr: ([127, 0, 0, 1], port).into(),
+            _dir: dir,
+        };
+        // 18 s on a quiet machine, 100 s and more under load.
+        let t0 = Instant::now();
+        loop {
+            let probe = model_residency::http::send(vllm.addr, "GET", "/health", "");
+            if tokio::time::timeout(Duration::from_secs(2), probe)
+                .await
+                .is_ok_and(|a| a.is_ok_and(|a| a.status == 200))
+            {
+                eprintln!("vLLM up in {:.1} s", t0.elapsed().as_secs_f64());
+                return vllm;
+            }
+            if t0.elapsed() > Duration::from_secs(300) {
+                let log =
+                    std::fs::read_to_string(vllm._dir.path().join("vllm.log")).unwrap_or_default();
+                panic!(
+                    "vLLM did not answer /health within 300 s; its log ends:\n{}",
+                    tail(&log)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+}
+
+fn tail(log: &str) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(30)..].join("\n")
+}
+
+/// The operator's call for the vLLM preset at `level`.
+fn call(addr: SocketAddr, level: u8, wake: bool) -> PodCall {
+    let spec =
+        serde_json::from_value(json!({"preset": "vllm", "level": level, "sleepingSize": "1Gi"}))
+            .unwrap();
+    PodCall {
+        model: MODEL.into(),
+        pod: PodRef {
+            name: "p".into(),
+            uid: "u".into(),
+        },
+        addr: Some(addr),
+        wake,
+        protocol: protocol(&spec),
+    }
+}
+
+async fn operator_asks(addr: SocketAddr, level: u8, wake: bool) {
+    let (result, seconds) = ask(&call(addr, level, wake), Duration::from_secs(120)).await;
+    let what = if wake { "wake" } else { "sleep" };
+    result.unwrap_or_else(|e| panic!("the operator's level-{level} {what}: {e}"));
+    eprintln!("level-{level} {what} confirmed in {seconds:.3} s");
+}
+
+fn chat(max_tokens: u32, stream: bool) -> String {
+    let mut body = json!({"model": MODEL, "max_tokens": max_tokens, "ignore_eos": true,
+        "stream": stream, "messages": [{"role": "user", "content": "the model"}]});
+    if stream {
+        // vLLM sends several tokens in one chunk at times: its last chunk
+        // counts them (the fake sends one per chunk and no usage).
+        body["stream_options"] = json!({"include_usage": true});
+    }
+    body.to_string()
+}
+
+/// A streamed answer's last `finish_reason` and how many tokens it
+/// carried (its usage chunk's count, else its chunks of text).
+fn finished(a: &Answer) -> (Option<String>, u64) {
+    let chunks: Vec<Value> = a
+        .body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str(d).ok())
+        .collect();
+    let reason = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["finish_reason"].as_str())
+        .next_back()
+        .map(str::to_owned);
+    let usage = chunks
+        .iter()
+        .find_map(|c| c["usage"]["completion_tokens"].as_u64());
+    let text = chunks
+        .iter()
+        .filter(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .is_some_and(|t| !t.is_empty())
+        })
+        .count() as u64;
+    (reason, usage.unwrap_or(text))
+}
+
+/// What the warm-tier scenario showed of one server.
+#[derive(Debug, PartialEq)]
+struct Seen {
+    /// The long generation ended normally (not "abort"), every token sent.
+    long_whole: bool,
+    /// The sleep was answered only after the generation ended.
+    slept_after_it: bool,
+    /// A request sent while asleep was still unanswered a second later.
+    held_while_asleep: bool,
+    /// ...and answered 200 once woken.
+    answered_after_wake: bool,
+    /// A level-2 sleep and the preset's wake: the next answer is a 200 that
+    /// is not the fake's garbage mark.
+    level_2_serves: bool,
+}
+
+/// The scenario: a long generation in flight when the operator's sleep is
+/// sent; a request while asleep; the wake; a level-2 sleep and wake.
+async fn scenario(addr: SocketAddr, long_tokens: u32) -> Seen {
+    let long = tokio::spawn(async move {
+        let a = send(
+            addr,
+            "POST",
+            "/v1/chat/completions",
+            &chat(long_tokens, true),
+        )
+        .await;
+        (a, Instant::now())
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !long.is_finished(),
+        "the long generation must still run when the sleep is sent"
+    );
+    operator_asks(addr, 1, false).await;
+    let slept = Instant::now();
+    let (a, ended) = long.await.unwrap();
+    let (reason, text) = finished(&a);
+    eprintln!("long generation: {} {reason:?}, {text} tokens", a.status);
+    let long_whole = a.status == 200
+        && matches!(reason.as_deref(), Some("stop" | "length"))
+        && text == u64::from(long_tokens);
+    let held =
+        tokio::spawn(
+            async move { send(addr, "POST", "/v1/chat/completions", &chat(8, false)).await },
+        );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let held_while_asleep = !held.is_finished();
+    operator_asks(addr, 1, true).await;
+    let answered_after_wake = tokio::time::timeout(Duration::from_secs(30), held)
+        .await
+        .is_ok_and(|a| a.unwrap().status == 200);
+    operator_asks(addr, 2, false).await;
+    operator_asks(addr, 2, true).await;
+    let after = send(addr, "POST", "/v1/chat/completions", &chat(8, false)).await;
+    Seen {
+        long_whole,
+        // The client reads the last bytes a moment after the server sent them.
+        slept_after_it: slept + Duration::from_millis(50) >= ended,
+        held_while_asleep,
+        answered_after_wake,
+        level_2_serves: after.status == 200 && !after.body.contains("garbage"),
+    }
+}
+
+#[tokio::test]
+#[ignore = "needs vLLM for CPU: scripts/test.sh provides it (scripts/vllm.sh) and runs it with --include-ignored"]
+async fn the_fake_and_a_real_vllm_keep_the_warm_tiers_contract_alike() {
+    let all = Seen {
+        long_whole: true,
+        slept_after_it: true,
+        held_while_asleep: true,
+        answered_after_wake: true,
+        level_2_serves: true,
+    };
+    let fake = FakeModelServer::start(
+        ([127, 0, 0, 1], 0).into(),
+        Identity {
+            model: MODEL.into(),
+            pod: "fake".into(),
+        },
+        Duration::from_millis(2),
+        SleepBehaviour::default(),
+    )
+    .await
+    .unwrap();
+    // 1,000 chunks 2 ms apart: 2 s.
+    assert_eq!(scenario(fake.addr, 1000).await, all, "the fake");
+    let vllm = Vllm::start().await;
+    // 1,500 tokens of the tiny model: seconds on two cores.
+    assert_eq!(scenario(vllm.addr, 1500).await, all, "real vLLM");
+}
