@@ -362,6 +362,10 @@ fn the_demo_runs_end_to_end() {
         "answer: \"llama on seed-gpu-llama-",
         "model_residency_node_agent_fetches_total{result=\"Fetched\"} 1",
         "-> /models/llama (readOnly true)",
+        // The warm tier: a sleep, then a wake on the same pod.
+        "Step W3: chat-a again: a wake on the same pod",
+        "(the same pod); its wake, asked and confirmed",
+        "warm-gpu: loads 2 | sleeps 1 | wakes 1",
         "exited: exit status: 0",
         "== Done in",
     ] {

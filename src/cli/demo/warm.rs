@@ -44,7 +44,7 @@ pub(super) async fn warm_tier(
     router: &str,
 ) -> Result<(), Failure> {
     say(&format!(
-        "The warm tier: {NAME} on the node's second GPU, a 10Gi budget with 16Gi of host memory for sleeping models; chat-a (6Gi) sleeps at 1Gi by the vllm preset (its fake server sleeps in 100 ms and wakes in 300 ms), chat-b (6Gi) cannot sleep"
+        "The warm tier: {NAME} on the node's second GPU, a 10Gi budget with 16Gi of host memory for sleeping models; chat-a (6Gi) sleeps at 1Gi by the vllm preset (its fake server sleeps in 100 ms and wakes in 50 ms; a cold load here is the stand-in's 0.05 s per GiB, 0.3 s), chat-b (6Gi) cannot sleep"
     ));
     let template = |annotations: serde_json::Value| {
         serde_json::json!({"metadata": {"annotations": annotations},
@@ -59,7 +59,7 @@ pub(super) async fn warm_tier(
             "models": [
                 {"name": "chat-a", "size": "6Gi",
                  "sleep": {"preset": "vllm", "sleepingSize": "1Gi"},
-                 "template": template(serde_json::json!({SLEEP_ANNOTATION: "sleep=100ms,wake=300ms"}))},
+                 "template": template(serde_json::json!({SLEEP_ANNOTATION: "sleep=100ms,wake=50ms"}))},
                 {"name": "chat-b", "size": "6Gi", "template": template(serde_json::json!({}))},
             ]},
     }))
@@ -102,11 +102,10 @@ pub(super) async fn warm_tier(
     let woken = until(api, "chat-a", "awake", |m| m.wake_seconds.is_some()).await?;
     let same = first.pod == woken.pod;
     println!(
-        "   chat-a's pod before and after: {} and {} ({}); cold load {:.2} s, wake {:.2} s",
+        "   chat-a's pod before and after: {} and {} ({}); its wake, asked and confirmed: {:.2} s",
         first.pod.as_deref().unwrap_or("-"),
         woken.pod.as_deref().unwrap_or("-"),
         if same { "the same pod" } else { "a new pod" },
-        woken.load_seconds.unwrap_or_default(),
         woken.wake_seconds.unwrap_or_default(),
     );
     let r = api.get(NAME).await.map_err(fail("read warm-gpu"))?;
