@@ -41,7 +41,10 @@
 //!   GPU holder pod, `residency.dev/gpu-holder`, gets none: it serves
 //!   nothing). An
 //!   address another process holds is skipped for the next one; a pod whose
-//!   server cannot listen at all is marked `Failed`, never Ready.
+//!   server cannot listen at all is marked `Failed`, never Ready. A pod
+//!   annotated `kubelet-standin.residency.dev/served-at: <loopback IPv4>`
+//!   gets that address as its IP and no fake server: a real model server
+//!   the test started there (a real vLLM) is its container.
 //! - **Finishing deletions.** A bound pod whose `deletionTimestamp` is set is
 //!   deleted with grace period 0, as the kubelet does once containers stop
 //!   (`terminating_delay` later). Finalizers are left alone.
@@ -63,6 +66,10 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::task::JoinHandle;
+
+/// Pod annotation naming the loopback address a real server the test
+/// started listens on (at the pod's port): the pod's IP, and no fake.
+pub const SERVED_AT_ANNOTATION: &str = "kubelet-standin.residency.dev/served-at";
 
 /// Pod annotation that makes the stand-in fail the pod with this message.
 pub const FAIL_ANNOTATION: &str = "kubelet-standin.residency.dev/fail";
@@ -526,6 +533,19 @@ const BIND_TRIES: usize = 8;
 async fn serve(pod: &Pod, servers: &Servers, stream_delay: Duration) -> Result<Ipv4Addr, String> {
     let port = crate::residency::labels::serving_port(pod);
     let meta = &pod.metadata;
+    let served_at = meta
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(SERVED_AT_ANNOTATION));
+    if let Some(at) = served_at {
+        // Only loopback: a test's traffic stays on this machine.
+        return match at.parse::<Ipv4Addr>() {
+            Ok(ip) if ip.is_loopback() => Ok(ip),
+            _ => Err(format!(
+                "{SERVED_AT_ANNOTATION} {at:?} is not a loopback IPv4 address"
+            )),
+        };
+    }
     let pod_name = meta.name.clone().unwrap_or_default();
     let model = meta
         .labels

@@ -275,38 +275,10 @@ fn tree_links(dir: &Path) -> io::Result<(u64, bool)> {
     Ok((bytes, linked))
 }
 
-/// The bytes the regular files under `dir` take, each inode once (files
-/// linked from several artifacts count once).
-pub fn unique_usage(dir: &Path) -> io::Result<u64> {
+/// Calls `each` once per inode under `dir` (a file linked from several
+/// places, once), directories included, never following a link.
+fn each_inode(dir: &Path, mut each: impl FnMut(&std::fs::Metadata)) -> io::Result<()> {
     let mut seen = HashSet::new();
-    let mut total = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let entries = match std::fs::read_dir(&d) {
-            Ok(e) => e,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(e),
-        };
-        for entry in entries {
-            let entry = entry?;
-            let meta = entry.path().symlink_metadata()?;
-            if meta.is_dir() {
-                stack.push(entry.path());
-            } else if meta.is_file() && seen.insert((meta.dev(), meta.ino())) {
-                total += meta.len();
-            }
-        }
-    }
-    Ok(total)
-}
-
-/// What `dir` really takes on the disk: the blocks allocated to its
-/// files, directories and links, each inode once. A layer of many tiny
-/// files or empty directories takes far more than its bytes (the black-box
-/// round: 61.4k of bytes, 331 MB of disk); the node reports this.
-pub fn allocated(dir: &Path) -> io::Result<u64> {
-    let mut seen = HashSet::new();
-    let mut total = 0u64;
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
         let entries = match std::fs::read_dir(&d) {
@@ -321,11 +293,33 @@ pub fn allocated(dir: &Path) -> io::Result<u64> {
                 stack.push(path);
             }
             if seen.insert((meta.dev(), meta.ino())) {
-                // st_blocks is in 512-byte units whatever the block size.
-                total += meta.blocks() * 512;
+                each(&meta);
             }
         }
     }
+    Ok(())
+}
+
+/// The bytes of the regular files under `dir`, each file once however
+/// many names it has.
+pub fn unique_usage(dir: &Path) -> io::Result<u64> {
+    let mut total = 0;
+    each_inode(dir, |meta| {
+        if meta.is_file() {
+            total += meta.len();
+        }
+    })?;
+    Ok(total)
+}
+
+/// What `dir` really takes on the disk: the blocks allocated to its
+/// files, directories and links, each inode once. A layer of many tiny
+/// files or empty directories takes far more than its bytes (the black-box
+/// round: 61.4k of bytes, 331 MB of disk); the node reports this.
+pub fn allocated(dir: &Path) -> io::Result<u64> {
+    let mut total = 0;
+    // st_blocks is in 512-byte units whatever the block size.
+    each_inode(dir, |meta| total += meta.blocks() * 512)?;
     Ok(total)
 }
 

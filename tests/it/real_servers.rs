@@ -2,18 +2,19 @@
 //! serving a tiny random-weight Llama made locally: `scripts/vllm.sh`),
 //! on the warm tier's contract: the same scenario, with the operator's own
 //! sleep and wake calls (`residency::warm::protocol`, `pod_calls::ask`),
-//! against both, and the same observable sequence asserted of both. On
+//! against both, and the same observable sequence asserted of both; then
+//! real vLLM as a model pod through the router and the operator. On
 //! CPU vLLM refuses `--enable-sleep-mode`; with `VLLM_SERVER_DEV_MODE=1`
 //! its sleep endpoints are real (the scheduler pauses, requests are held,
 //! `mode` is honoured, level 2 needs `reload_weights`) and only the memory
 //! release is a no-op.
 
-use crate::support::http::{Answer, free_port, send};
+use crate::support::http::{free_port, send, streamed};
 use model_residency::controller::decide::{PodCall, PodRef};
 use model_residency::controller::pod_calls::ask;
 use model_residency::local::model_server::{FakeModelServer, Identity, SleepBehaviour};
 use model_residency::residency::warm::protocol;
-use serde_json::{Value, json};
+use serde_json::json;
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -156,35 +157,6 @@ fn chat(max_tokens: u32, stream: bool) -> String {
     body.to_string()
 }
 
-/// A streamed answer's last `finish_reason` and how many tokens it
-/// carried (its usage chunk's count, else its chunks of text).
-fn finished(a: &Answer) -> (Option<String>, u64) {
-    let chunks: Vec<Value> = a
-        .body
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .filter_map(|d| serde_json::from_str(d).ok())
-        .collect();
-    let reason = chunks
-        .iter()
-        .filter_map(|c| c["choices"][0]["finish_reason"].as_str())
-        .next_back()
-        .map(str::to_owned);
-    let usage = chunks
-        .iter()
-        .find_map(|c| c["usage"]["completion_tokens"].as_u64());
-    let text = chunks
-        .iter()
-        .filter(|c| {
-            c["choices"][0]["delta"]["content"]
-                .as_str()
-                .is_some_and(|t| !t.is_empty())
-        })
-        .count() as u64;
-    (reason, usage.unwrap_or(text))
-}
-
 /// What the warm-tier scenario showed of one server.
 #[derive(Debug, PartialEq)]
 struct Seen {
@@ -222,7 +194,7 @@ async fn scenario(addr: SocketAddr, long_tokens: u32) -> Seen {
     operator_asks(addr, 1, false).await;
     let slept = Instant::now();
     let (a, ended) = long.await.unwrap();
-    let (reason, text) = finished(&a);
+    let (reason, text) = streamed(&a);
     eprintln!("long generation: {} {reason:?}, {text} tokens", a.status);
     let long_whole = a.status == 200
         && matches!(reason.as_deref(), Some("stop" | "length"))
@@ -276,4 +248,86 @@ async fn the_fake_and_a_real_vllm_keep_the_warm_tiers_contract_alike() {
     let vllm = Vllm::start().await;
     // 1,500 tokens of the tiny model: seconds on two cores.
     assert_eq!(scenario(vllm.addr, 1500).await, all, "real vLLM");
+    // The same server as a model pod, through the router and the operator.
+    through_the_router(&vllm).await;
+}
+
+/// Real vLLM as model `tiny`'s pod (the stand-in gives the pod vLLM's
+/// address and starts no fake), beside a fake model `b` that needs its
+/// room: a long generation streamed through the router when `b` is asked
+/// for; `tiny` sleeps only once it has ended, whole; a request for `tiny`
+/// is held by the router through the wake, on the same pod.
+async fn through_the_router(vllm: &Vllm) {
+    use crate::support::operator::Harness;
+    use crate::support::router::RouterUnderTest;
+    use model_residency::api::{ModelResidency, ModelState};
+    use model_residency::local::kubelet::SERVED_AT_ANNOTATION;
+    let h = Harness::start("real-vllm").await;
+    let port = vllm.addr.port();
+    let r: ModelResidency = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": "gpu"},
+        "spec": {"nodeName": h.node, "device": "0", "gpu": {"mode": "env"}, "budget": "10Gi",
+            "warm": {"hostBudget": "8Gi"},
+            "models": [
+                {"name": MODEL, "size": "6Gi", "sleep": {"preset": "vllm", "sleepingSize": "1Gi"},
+                 "template": {"metadata": {"annotations": {SERVED_AT_ANNOTATION: "127.0.0.1"}},
+                    "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
+                        "ports": [{"containerPort": port}]}]}}},
+                {"name": "b", "size": "6Gi",
+                 "template": {"spec": {"containers": [{"name": "server", "image": "example/b:1"}]}}},
+            ]},
+    }))
+    .unwrap();
+    h.api.create(&Default::default(), &r).await.unwrap();
+    let router = RouterUnderTest::start(
+        &h,
+        model_residency::router::Config {
+            recency_resolution: Duration::ZERO,
+            ..Default::default()
+        },
+    )
+    .await;
+    let first = router.post("/v1/chat/completions", &chat(8, false)).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let pod = |r: &ModelResidency| {
+        let status = r.status.as_ref().unwrap();
+        let m = status.models.iter().find(|m| &*m.name == MODEL).unwrap();
+        (m.state, m.reason.clone(), m.pod.clone())
+    };
+    let (_, _, loaded_on) = pod(&h.converged("gpu").await);
+    let body = chat(1500, true);
+    let long = router.post("/v1/chat/completions", &body);
+    let b_later = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        router.chat("b").await
+    };
+    let (a, b) = tokio::join!(long, b_later);
+    assert_eq!(b.status, 200, "{}", b.body);
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        streamed(&a),
+        (Some("length".to_owned()), 1500),
+        "the generation through the router, whole"
+    );
+    let r = h.converged("gpu").await;
+    assert_eq!(
+        pod(&r),
+        (
+            ModelState::Sleeping,
+            Some("Asleep".into()),
+            loaded_on.clone()
+        )
+    );
+    let c = r.status.as_ref().unwrap().counters;
+    assert_eq!((c.sleeps, c.evictions), (1, 0), "{c:?}");
+    // Asleep: the router holds the request through the wake (b makes room).
+    let again = router.post("/v1/chat/completions", &chat(8, false)).await;
+    assert_eq!(again.status, 200, "{}", again.body);
+    let r = h.converged("gpu").await;
+    assert_eq!(pod(&r), (ModelState::Loaded, None, loaded_on));
+    let c = r.status.as_ref().unwrap().counters;
+    assert_eq!((c.sleeps, c.wakes, c.loads), (1, 1, 2), "{c:?}");
+    let s = send(vllm.addr, "GET", "/is_sleeping", "").await;
+    assert_eq!(s.body, r#"{"is_sleeping":false}"#);
 }

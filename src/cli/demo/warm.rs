@@ -4,7 +4,7 @@
 //! answer vLLM's sleep endpoints as vLLM does, with the delays the pod
 //! annotation declares.
 
-use super::{Failure, NAMESPACE, ask, fail, kubectl, say};
+use super::{Failure, NAMESPACE, ask, fail, http_get, kubectl, say};
 use kube::api::{Api, PostParams};
 use model_residency::api::{ModelResidency, ModelStatus};
 use model_residency::local::model_server::SLEEP_ANNOTATION;
@@ -67,6 +67,18 @@ pub(super) async fn warm_tier(
     api.create(&PostParams::default(), &r)
         .await
         .map_err(fail("create warm-gpu"))?;
+    // The router learns of a new residency from its watch: wait until it
+    // lists the model (a request before that is a 404).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !http_get(router, "/v1/models")
+        .await
+        .is_some_and(|(_, body)| body.contains("\"chat-a\""))
+    {
+        if Instant::now() > deadline {
+            return Err(Failure::other("the router did not list chat-a within 30 s"));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     say("Step W1: chat-a is not loaded: a cold load (its pod starts and becomes Ready).");
     ask(router, "chat-a").await?;
     let first = until(api, "chat-a", "Loaded", |m| {

@@ -403,32 +403,6 @@ async fn sleeps_that_never_answer_do_not_hold_other_residencies() {
     }
 }
 
-/// The server-sent events of a streamed answer, and its last
-/// `finish_reason`.
-fn stream_of(a: &crate::support::http::Answer) -> (usize, Option<String>) {
-    let chunks: Vec<Value> = a
-        .body
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
-    let last = chunks
-        .iter()
-        .filter_map(|c| c["choices"][0]["finish_reason"].as_str())
-        .next_back()
-        .map(str::to_owned);
-    let parts = chunks
-        .iter()
-        .filter(|c| {
-            c["choices"][0]["delta"]["content"]
-                .as_str()
-                .is_some_and(|t| !t.is_empty())
-        })
-        .count();
-    (parts, last)
-}
-
 /// A long generation for `a` in flight when `a` is chosen to sleep (b
 /// needs its room): the sleep waits for it, and it ends whole.
 async fn a_long_stream_survives_the_sleep(h: &Harness, sleep: Value) {
@@ -455,8 +429,8 @@ async fn a_long_stream_survives_the_sleep(h: &Harness, sleep: Value) {
     let (a, b) = tokio::join!(streaming, b_later);
     assert_eq!(a.status, 200, "{}", a.body);
     assert_eq!(
-        stream_of(&a),
-        (150, Some("stop".to_owned())),
+        crate::support::http::streamed(&a),
+        (Some("stop".to_owned()), 150),
         "every chunk, then stop: {}",
         a.body.chars().take(300).collect::<String>()
     );

@@ -20,3 +20,34 @@ pub async fn send(addr: SocketAddr, method: &str, path: &str, body: &str) -> Ans
         .await
         .unwrap_or_else(|e| panic!("{method} http://{addr}{path}: {e}"))
 }
+
+/// What a streamed OpenAI answer came to: its last `finish_reason`, and
+/// how many tokens it carried (its usage chunk's count when it sent one,
+/// as vLLM does on `stream_options.include_usage`; else its chunks of
+/// text, one token each as the fake sends them).
+pub fn streamed(a: &Answer) -> (Option<String>, u64) {
+    let chunks: Vec<serde_json::Value> = a
+        .body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str(d).ok())
+        .collect();
+    let reason = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["finish_reason"].as_str())
+        .next_back()
+        .map(str::to_owned);
+    let usage = chunks
+        .iter()
+        .find_map(|c| c["usage"]["completion_tokens"].as_u64());
+    let text = chunks
+        .iter()
+        .filter(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .is_some_and(|t| !t.is_empty())
+        })
+        .count() as u64;
+    (reason, usage.unwrap_or(text))
+}
