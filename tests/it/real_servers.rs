@@ -280,14 +280,7 @@ async fn through_the_router(vllm: &Vllm) {
     }))
     .unwrap();
     h.api.create(&Default::default(), &r).await.unwrap();
-    let router = RouterUnderTest::start(
-        &h,
-        model_residency::router::Config {
-            recency_resolution: Duration::ZERO,
-            ..Default::default()
-        },
-    )
-    .await;
+    let router = RouterUnderTest::exact(&h).await;
     let first = router.post("/v1/chat/completions", &chat(8, false)).await;
     assert_eq!(first.status, 200, "{}", first.body);
     let pod = |r: &ModelResidency| {

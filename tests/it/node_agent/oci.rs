@@ -69,6 +69,14 @@ fn oci(registry: &LocalRegistry, repo_and_ref: &str, size: &str) -> serde_json::
     json!({"source": format!("oci://{}/{repo_and_ref}", registry.host()), "size": size})
 }
 
+/// A residency `gpu` whose one model `r` is `models/r@<digest>` of
+/// `size`, and a request for it.
+async fn request_r(h: &Harness, registry: &LocalRegistry, digest: &str, size: &str) {
+    let artifact = oci(registry, &format!("models/r@{digest}"), size);
+    create(h, "gpu", "8Gi", vec![model("r", "1Gi", Some(artifact))], 0).await;
+    h.request_nowait("gpu", "r").await;
+}
+
 /// Waits until `model` is Loaded; the directory its pod mounts.
 async fn loaded_dir(h: &Harness, model: &str) -> std::path::PathBuf {
     let r = h.until_state("gpu", model, ModelState::Loaded, 60).await;
@@ -492,19 +500,7 @@ async fn a_blob_an_agent_was_killed_in_the_middle_of_resumes_where_it_stopped() 
     let partial = cache.join(".blobs/partial").join(&hex);
     std::fs::create_dir_all(partial.parent().unwrap()).unwrap();
     std::fs::write(&partial, &weights[..1 << 20]).unwrap();
-    create(
-        &h,
-        "gpu",
-        "8Gi",
-        vec![model(
-            "r",
-            "1Gi",
-            Some(oci(&reg, &format!("models/r@{d}"), "3Mi")),
-        )],
-        0,
-    )
-    .await;
-    h.request_nowait("gpu", "r").await;
+    request_r(&h, &reg, &d, "3Mi").await;
     h.until_state("gpu", "r", ModelState::Fetching, 30).await;
     // The model is resident (Fetching) when the agent comes back.
     let agent = agent(&h, &cache, "10Mi", &reg, true);
@@ -744,19 +740,7 @@ async fn a_registry_redirect_outside_the_allowed_sources_is_not_followed() {
     let dir = tempfile::tempdir().unwrap();
     let cache = dir.path().join("cache");
     let _agent = agent(&h, &cache, "10Mi", &reg, true);
-    create(
-        &h,
-        "gpu",
-        "8Gi",
-        vec![model(
-            "r",
-            "1Gi",
-            Some(oci(&reg, &format!("models/r@{digest}"), "1Mi")),
-        )],
-        0,
-    )
-    .await;
-    h.request_nowait("gpu", "r").await;
+    request_r(&h, &reg, &digest, "1Mi").await;
     let r = h.until_state("gpu", "r", ModelState::Failed, 60).await;
     let message = status_of(&r, "r").message.clone().unwrap_or_default();
     assert!(

@@ -12,7 +12,6 @@ use kube::api::PostParams;
 use model_residency::api::{ModelResidency, ModelState};
 use model_residency::controller::pods::pod_name;
 use model_residency::local::model_server::SLEEP_ANNOTATION;
-use model_residency::router::Config;
 use serde_json::{Value, json};
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -185,14 +184,7 @@ async fn a_sleep_endpoint_that_is_missing_slow_or_lies_deletes_the_pod_instead()
 async fn the_router_holds_a_request_through_the_wake_and_never_sends_to_a_sleeping_pod() {
     let h = Harness::start("warm-route").await;
     create(&h, ("gpu", "0"), "sleep=200ms,wake=300ms", "8Gi", vllm()).await;
-    let router = RouterUnderTest::start(
-        &h,
-        Config {
-            recency_resolution: Duration::ZERO,
-            ..Config::default()
-        },
-    )
-    .await;
+    let router = RouterUnderTest::exact(&h).await;
     assert_served_by(&router.chat("a").await, "a");
     let (_, first) = addr_of(&h, "gpu", "a").await;
     // Both, at once, through the router: they take turns, a sleeping and
@@ -407,14 +399,7 @@ async fn sleeps_that_never_answer_do_not_hold_other_residencies() {
 /// needs its room): the sleep waits for it, and it ends whole.
 async fn a_long_stream_survives_the_sleep(h: &Harness, sleep: Value) {
     create(h, ("gpu", "0"), "sleep=50ms,wake=50ms", "8Gi", sleep).await;
-    let router = RouterUnderTest::start(
-        h,
-        Config {
-            recency_resolution: Duration::ZERO,
-            ..Config::default()
-        },
-    )
-    .await;
+    let router = RouterUnderTest::exact(h).await;
     assert_served_by(&router.chat("a").await, "a");
     // 150 chunks 20 ms apart: 3 s, longer than the 1 s the routers get to
     // stop sending to a model chosen to sleep.
@@ -469,14 +454,7 @@ async fn a_level_2_wake_loads_the_weights_again_before_it_serves() {
     let h = Harness::start("warm-level2").await;
     let level2 = json!({"preset": "vllm", "level": 2, "sleepingSize": "1Gi"});
     create(&h, ("gpu", "0"), "sleep=50ms,wake=50ms", "8Gi", level2).await;
-    let router = RouterUnderTest::start(
-        &h,
-        Config {
-            recency_resolution: Duration::ZERO,
-            ..Config::default()
-        },
-    )
-    .await;
+    let router = RouterUnderTest::exact(&h).await;
     assert_served_by(&router.chat("a").await, "a");
     assert_served_by(&router.chat("b").await, "b");
     let r = h.converged("gpu").await;

@@ -37,6 +37,16 @@ impl RouterUnderTest {
         RouterUnderTest { addr, router, task }
     }
 
+    /// A router that writes every hit's recency at once (resolution 0), so
+    /// a test sees each request's effect without waiting for a tick.
+    pub async fn exact(h: &Harness) -> Self {
+        let config = Config {
+            recency_resolution: std::time::Duration::ZERO,
+            ..Config::default()
+        };
+        Self::start(h, config).await
+    }
+
     /// `POST /v1/chat/completions` for `model`.
     pub async fn chat(&self, model: &str) -> Answer {
         let body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}]});
