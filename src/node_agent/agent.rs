@@ -1155,31 +1155,7 @@ pub async fn run(
     std::fs::create_dir_all(&config.cache_dir)
         .map_err(|source| AgentError::CreateCacheDir { dir: dir(), source })?;
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
-    let secrets = match (&config.registry.credentials, &config.registry.namespace) {
-        (Some(_), Some(ns)) => Some(Api::namespaced(client.clone(), ns)),
-        _ => None,
-    };
-    let mut agent = Agent {
-        downloads: Arc::new(Semaphore::new(config.max_concurrent_downloads.max(1))),
-        client: fetch::client().map_err(AgentError::HttpClient)?,
-        registry: Registry::new(
-            config.registry.ca_pem.clone(),
-            config.allowed_sources.clone(),
-        )
-        .map_err(AgentError::HttpClient)?,
-        secrets,
-        resolved: HashMap::new(),
-        resolving: HashSet::new(),
-        store: blobs::Store::new(&config.cache_dir),
-        collect_due: true,
-        layer_sizes: Default::default(),
-        on_disk: None,
-        disk_changed: true,
-        config: config.clone(),
-        entries: HashMap::new(),
-        done: done_tx,
-        metrics: metrics.clone(),
-    };
+    let mut agent = Agent::new(&client, &config, done_tx, metrics.clone())?;
     agent
         .scan()
         .map_err(|source| AgentError::ReadCacheDir { dir: dir(), source })?;
@@ -1191,54 +1167,13 @@ pub async fn run(
         );
     }
     let caches: Api<NodeModelCache> = Api::all(client.clone());
-    // Last uses survive a restart through the object.
-    if let Ok(Some(previous)) = caches.get_opt(&config.node).await {
-        for a in previous.status.iter().flat_map(|s| s.artifacts.iter()) {
-            if let Some(e) = agent.entries.get_mut(&a.key) {
-                e.last_use = recorded_time(a.last_use.as_deref());
-            }
-        }
-    }
-    let changed = Arc::new(Notify::new());
-    let (store, writer): (Store<ModelResidency>, _) = reflector::store();
-    // Only this node's residencies, selected by the API server (the CRD
-    // declares spec.nodeName and status.gpu.node selectable): a node agent
-    // on each of a thousand nodes no longer holds and re-lists every
-    // residency. Two watches: those that name the node, and those (claim
-    // mode, no spec.nodeName) whose claim the scheduler allocated here.
-    let watch = tokio::spawn(reflect(
-        writer,
-        Api::<ModelResidency>::all(client.clone()),
-        watcher::Config::default().fields(&format!("spec.nodeName={}", config.node)),
-        changed.clone(),
-        "node agent's residency watch",
-    ));
-    let (placed, writer): (Store<ModelResidency>, _) = reflector::store();
-    let placed_watch = tokio::spawn(reflect(
-        writer,
-        Api::<ModelResidency>::all(client.clone()),
-        watcher::Config::default().fields(&format!("status.gpu.node={}", config.node)),
-        changed.clone(),
-        "node agent's allocated-residency watch",
-    ));
-    // The model pods on this node: what they mount stays on the disk.
-    let (pods, writer): (Store<Pod>, _) = reflector::store();
-    let pod_watch = tokio::spawn(reflect(
-        writer,
-        Api::<Pod>::all(client),
-        watcher::Config::default()
-            .fields(&format!("spec.nodeName={}", config.node))
-            .labels(crate::residency::labels::MODEL_LABEL),
-        changed.clone(),
-        "node agent's pod watch",
-    ));
-    let _ = store.wait_until_ready().await;
-    let _ = placed.wait_until_ready().await;
-    let _ = pods.wait_until_ready().await;
+    agent.restore_last_uses(&caches).await;
+    let watches = NodeWatches::start(client, &config.node).await;
     let mut last = None;
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        agent.step(&residencies_of(&store, &placed), &pods.state());
+        let residencies = residencies_of(&watches.named, &watches.placed);
+        agent.step(&residencies, &watches.pods.state());
         let used = agent.used();
         agent.refresh_on_disk();
         let status = agent.status(used);
@@ -1253,16 +1188,133 @@ pub async fn run(
             Duration::from_secs(60)
         };
         tokio::select! {
-            _ = changed.notified() => {}
+            _ = watches.changed.notified() => {}
             Some(done) = done_rx.recv() => agent.done(done),
             _ = tokio::time::sleep(tick) => {}
             _ = &mut shutdown => break,
         }
     }
-    watch.abort();
-    placed_watch.abort();
-    pod_watch.abort();
     Ok(())
+}
+
+impl Agent {
+    fn new(
+        client: &kube::Client,
+        config: &AgentConfig,
+        done: mpsc::UnboundedSender<Done>,
+        metrics: Arc<AgentMetrics>,
+    ) -> Result<Agent, AgentError> {
+        let secrets = match (&config.registry.credentials, &config.registry.namespace) {
+            (Some(_), Some(ns)) => Some(Api::namespaced(client.clone(), ns)),
+            _ => None,
+        };
+        let registry = Registry::new(
+            config.registry.ca_pem.clone(),
+            config.allowed_sources.clone(),
+        )
+        .map_err(AgentError::HttpClient)?;
+        Ok(Agent {
+            downloads: Arc::new(Semaphore::new(config.max_concurrent_downloads.max(1))),
+            client: fetch::client().map_err(AgentError::HttpClient)?,
+            registry,
+            secrets,
+            resolved: HashMap::new(),
+            resolving: HashSet::new(),
+            store: blobs::Store::new(&config.cache_dir),
+            collect_due: true,
+            layer_sizes: Default::default(),
+            on_disk: None,
+            disk_changed: true,
+            config: config.clone(),
+            entries: HashMap::new(),
+            done,
+            metrics,
+        })
+    }
+
+    /// Last uses survive a restart through the node's object.
+    async fn restore_last_uses(&mut self, caches: &Api<NodeModelCache>) {
+        if let Ok(Some(previous)) = caches.get_opt(&self.config.node).await {
+            for a in previous.status.iter().flat_map(|s| s.artifacts.iter()) {
+                if let Some(e) = self.entries.get_mut(&a.key) {
+                    e.last_use = recorded_time(a.last_use.as_deref());
+                }
+            }
+        }
+    }
+}
+
+/// What the agent watches of its node, each change a notification; the
+/// watches stop when it is dropped.
+struct NodeWatches {
+    /// Residencies that name the node (`spec.nodeName`).
+    named: Store<ModelResidency>,
+    /// Residencies whose claim the scheduler allocated here (claim mode,
+    /// no `spec.nodeName`; `status.gpu.node`).
+    placed: Store<ModelResidency>,
+    /// The model pods on the node: what they mount stays on the disk.
+    pods: Store<Pod>,
+    changed: Arc<Notify>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl NodeWatches {
+    /// Starts the watches and waits for their first lists. Only this
+    /// node's objects, selected by the API server (the CRD declares
+    /// spec.nodeName and status.gpu.node selectable): a node agent on each
+    /// of a thousand nodes does not hold and re-list every residency.
+    async fn start(client: kube::Client, node: &str) -> NodeWatches {
+        let changed = Arc::new(Notify::new());
+        let residencies = || Api::<ModelResidency>::all(client.clone());
+        let (named, writer) = reflector::store();
+        let by_name = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
+        let named_task = tokio::spawn(reflect(
+            writer,
+            residencies(),
+            by_name,
+            changed.clone(),
+            "node agent's residency watch",
+        ));
+        let (placed, writer) = reflector::store();
+        let by_claim = watcher::Config::default().fields(&format!("status.gpu.node={node}"));
+        let placed_task = tokio::spawn(reflect(
+            writer,
+            residencies(),
+            by_claim,
+            changed.clone(),
+            "node agent's allocated-residency watch",
+        ));
+        let (pods, writer) = reflector::store();
+        let model_pods = watcher::Config::default()
+            .fields(&format!("spec.nodeName={node}"))
+            .labels(crate::residency::labels::MODEL_LABEL);
+        let pod_task = tokio::spawn(reflect(
+            writer,
+            Api::<Pod>::all(client.clone()),
+            model_pods,
+            changed.clone(),
+            "node agent's pod watch",
+        ));
+        let watches = NodeWatches {
+            named,
+            placed,
+            pods,
+            changed,
+            tasks: vec![named_task, placed_task, pod_task],
+        };
+        let _ = watches.named.wait_until_ready().await;
+        let _ = watches.placed.wait_until_ready().await;
+        let _ = watches.pods.wait_until_ready().await;
+        watches
+    }
+}
+
+impl Drop for NodeWatches {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@
 //!   scheduler asserts the server is idle), and answers `null` when it
 //!   worked.
 
-use super::{JSON, Server, SleepMode, full, read_body, respond};
+use super::{JSON, Server, SleepBehaviour, SleepMode, full, read_body, respond};
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::{Value, json};
@@ -143,42 +143,8 @@ pub(super) async fn endpoint(
     let method = req.method().clone();
     Ok(match (method, path.as_str()) {
         (Method::POST, "/sleep") => {
-            state.sleep_requests.fetch_add(1, Ordering::SeqCst);
-            if b.mode == SleepMode::Slow {
-                std::future::pending::<()>().await;
-            }
-            if b.mode == SleepMode::Lies {
-                tokio::time::sleep(b.sleep_delay).await;
-                return Ok(ok(json!({"status": "sleeping"})));
-            }
-            let level = query(q.as_deref(), "level")
-                .first()
-                .copied()
-                .unwrap_or("1")
-                .to_owned();
-            let mode = query(q.as_deref(), "mode")
-                .first()
-                .copied()
-                .unwrap_or("abort")
-                .to_owned();
-            if !["abort", "wait", "keep"].contains(&mode.as_str()) {
-                let error = json!({"error": {"message": "Input should be 'abort', 'wait' or 'keep'", "param": "query.mode", "code": 400}});
-                return Ok(answer(StatusCode::BAD_REQUEST, error));
-            }
-            // Paused from here: new requests wait for the wake.
-            state.asleep.store(true, Ordering::SeqCst);
-            if mode == "abort" {
-                state.aborts.fetch_add(1, Ordering::SeqCst);
-            }
-            if mode == "wait" {
-                state.until_idle().await;
-            }
-            tokio::time::sleep(b.sleep_delay).await;
-            if level == "2" {
-                state.weights_lost.store(true, Ordering::SeqCst);
-            }
-            state.sleeps.fetch_add(1, Ordering::SeqCst);
-            ok(json!({"status": "sleeping", "level": level}))
+            let (status, body) = vllm_sleep(b, state, q.as_deref()).await;
+            answer(status, body)
         }
         (Method::POST, "/wake_up") => {
             tokio::time::sleep(b.wake_delay).await;
@@ -205,26 +171,8 @@ pub(super) async fn endpoint(
         ) => {
             let release = path == "/release_memory_occupation";
             let body = read_body(req).await.unwrap_or_default();
-            if serde_json::from_slice::<Value>(&body).is_err() {
-                let error = json!({"object": "error", "message": "1 validation error:\n  {'type': 'missing', 'loc': ('body',), 'msg': 'Field required', 'input': None}", "code": 400});
-                return Ok(answer(StatusCode::BAD_REQUEST, error));
-            }
-            if release {
-                state.sleep_requests.fetch_add(1, Ordering::SeqCst);
-                if state.running.load(Ordering::SeqCst) > 0 {
-                    let error = json!({"error": {"message": "release_memory_occupation should be called only when server is idle."}});
-                    return Ok(answer(StatusCode::BAD_REQUEST, error));
-                }
-                tokio::time::sleep(b.sleep_delay).await;
-                if b.mode != SleepMode::Lies {
-                    state.asleep.store(true, Ordering::SeqCst);
-                    state.sleeps.fetch_add(1, Ordering::SeqCst);
-                }
-            } else {
-                tokio::time::sleep(b.wake_delay).await;
-                state.wake();
-            }
-            ok(Value::Null)
+            let (status, body) = sglang(b, state, release, &body).await;
+            answer(status, body)
         }
         (Method::GET, "/fake/stats") => ok(json!({
             "asleep": state.asleep(),
@@ -240,3 +188,72 @@ pub(super) async fn endpoint(
 }
 
 use super::Body;
+
+/// vLLM's `POST /sleep?level=N&mode=M` (module docs): the answer's status
+/// and body.
+async fn vllm_sleep(b: SleepBehaviour, state: &SleepState, q: Option<&str>) -> (StatusCode, Value) {
+    state.sleep_requests.fetch_add(1, Ordering::SeqCst);
+    if b.mode == SleepMode::Slow {
+        std::future::pending::<()>().await;
+    }
+    if b.mode == SleepMode::Lies {
+        tokio::time::sleep(b.sleep_delay).await;
+        return (StatusCode::OK, json!({"status": "sleeping"}));
+    }
+    let level = query(q, "level").first().copied().unwrap_or("1").to_owned();
+    let mode = query(q, "mode")
+        .first()
+        .copied()
+        .unwrap_or("abort")
+        .to_owned();
+    if !["abort", "wait", "keep"].contains(&mode.as_str()) {
+        let error = json!({"error": {"message": "Input should be 'abort', 'wait' or 'keep'", "param": "query.mode", "code": 400}});
+        return (StatusCode::BAD_REQUEST, error);
+    }
+    // Paused from here: new requests wait for the wake.
+    state.asleep.store(true, Ordering::SeqCst);
+    if mode == "abort" {
+        state.aborts.fetch_add(1, Ordering::SeqCst);
+    }
+    if mode == "wait" {
+        state.until_idle().await;
+    }
+    tokio::time::sleep(b.sleep_delay).await;
+    if level == "2" {
+        state.weights_lost.store(true, Ordering::SeqCst);
+    }
+    state.sleeps.fetch_add(1, Ordering::SeqCst);
+    (
+        StatusCode::OK,
+        json!({"status": "sleeping", "level": level}),
+    )
+}
+
+/// SGLang's release (`release`) or resume, with the request's `body`.
+async fn sglang(
+    b: SleepBehaviour,
+    state: &SleepState,
+    release: bool,
+    body: &[u8],
+) -> (StatusCode, Value) {
+    if serde_json::from_slice::<Value>(body).is_err() {
+        let error = json!({"object": "error", "message": "1 validation error:\n  {'type': 'missing', 'loc': ('body',), 'msg': 'Field required', 'input': None}", "code": 400});
+        return (StatusCode::BAD_REQUEST, error);
+    }
+    if !release {
+        tokio::time::sleep(b.wake_delay).await;
+        state.wake();
+        return (StatusCode::OK, Value::Null);
+    }
+    state.sleep_requests.fetch_add(1, Ordering::SeqCst);
+    if state.running.load(Ordering::SeqCst) > 0 {
+        let error = json!({"error": {"message": "release_memory_occupation should be called only when server is idle."}});
+        return (StatusCode::BAD_REQUEST, error);
+    }
+    tokio::time::sleep(b.sleep_delay).await;
+    if b.mode != SleepMode::Lies {
+        state.asleep.store(true, Ordering::SeqCst);
+        state.sleeps.fetch_add(1, Ordering::SeqCst);
+    }
+    (StatusCode::OK, Value::Null)
+}
