@@ -667,21 +667,7 @@ async fn download_one(
     };
     let range = (have > 0).then(|| format!("bytes={have}-"));
     let response = get_following(client, &f.uri, range, allowed).await?;
-    let start = match response.status() {
-        http::StatusCode::OK => Start::Whole,
-        http::StatusCode::PARTIAL_CONTENT
-            if have > 0 && range_starts_at(response.headers(), have) =>
-        {
-            Start::At(have)
-        }
-        http::StatusCode::RANGE_NOT_SATISFIABLE if have > 0 => Start::Complete(have),
-        status => {
-            return Err(FetchError::Status {
-                uri: f.uri.clone(),
-                status: status.as_u16(),
-            });
-        }
-    };
+    let start = start_of(&response, have, &f.uri)?;
     let kept = match start {
         Start::Whole => 0,
         Start::At(n) | Start::Complete(n) => n,
@@ -723,27 +709,65 @@ async fn download_one(
         .map_err(|e| FetchError::Io(e.to_string()))?;
     received?;
     let digest = written.map_err(io)?;
-    if let Some(want) = &f.sha256
-        && digest.as_ref() != want.as_slice()
-    {
-        if kept > 0 {
-            // The kept part and the rest do not belong together (the
-            // source changed, or the kept part was damaged): start this
-            // file over on the next try.
-            let _ = tokio::fs::remove_file(&path).await;
-            return Err(transfer(format!(
+    if let Some(want) = &f.sha256 {
+        checksum_is(f, &path, want, &digest, kept).await?;
+    }
+    Ok((digest, kept))
+}
+
+/// Where an answer to a GET from `have` bytes on starts the file.
+fn start_of(
+    response: &http::Response<hyper::body::Incoming>,
+    have: u64,
+    uri: &str,
+) -> Result<Start, FetchError> {
+    Ok(match response.status() {
+        http::StatusCode::OK => Start::Whole,
+        http::StatusCode::PARTIAL_CONTENT
+            if have > 0 && range_starts_at(response.headers(), have) =>
+        {
+            Start::At(have)
+        }
+        http::StatusCode::RANGE_NOT_SATISFIABLE if have > 0 => Start::Complete(have),
+        status => {
+            return Err(FetchError::Status {
+                uri: uri.to_owned(),
+                status: status.as_u16(),
+            });
+        }
+    })
+}
+
+/// Whether the file's `digest` is the declared `want`; a resumed file
+/// whose parts do not belong together starts over on the next try.
+async fn checksum_is(
+    f: &Checked,
+    path: &Path,
+    want: &[u8],
+    digest: &ring::digest::Digest,
+    kept: u64,
+) -> Result<(), FetchError> {
+    if digest.as_ref() == want {
+        return Ok(());
+    }
+    if kept > 0 {
+        // The kept part and the rest do not belong together (the source
+        // changed, or the kept part was damaged).
+        let _ = tokio::fs::remove_file(path).await;
+        return Err(FetchError::Transfer {
+            uri: f.uri.clone(),
+            message: format!(
                 "sha256 is {}, expected {}, after resuming at byte {kept}: the file starts over",
                 encode_hex(digest.as_ref()),
                 encode_hex(want)
-            )));
-        }
-        return Err(FetchError::ChecksumMismatch {
-            uri: f.uri.clone(),
-            want: encode_hex(want),
-            got: encode_hex(digest.as_ref()),
+            ),
         });
     }
-    Ok((digest, kept))
+    Err(FetchError::ChecksumMismatch {
+        uri: f.uri.clone(),
+        want: encode_hex(want),
+        got: encode_hex(digest.as_ref()),
+    })
 }
 
 /// A blocking thread that writes the chunks it is sent to `path`, hashing

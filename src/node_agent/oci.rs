@@ -339,38 +339,10 @@ async fn download(
     counter.add(kept)?;
     let (chunks, sink) = super::fetch::disk_writer(path.clone(), kept);
     let mut received = kept;
-    let streamed: Result<(), FetchError> = async {
-        let Some(mut answer) = answer else {
-            return Ok(());
-        };
-        let mut pending = bytes::BytesMut::new();
-        loop {
-            let chunk = answer.chunk().await.map_err(|e| FetchError::Registry {
-                registry: source.registry().to_owned(),
-                message: format!("reading blob {}: {}", layer.digest, error_chain(&e)),
-            })?;
-            let Some(chunk) = chunk else { break };
-            received += chunk.len() as u64;
-            if received > layer.size {
-                return Err(FetchError::TooLarge {
-                    declared: layer.size,
-                    got: received,
-                });
-            }
-            counter.add(chunk.len() as u64)?;
-            pending.extend_from_slice(&chunk);
-            if pending.len() >= super::fetch::WRITE_CHUNK
-                && chunks.send(pending.split().freeze()).await.is_err()
-            {
-                break;
-            }
-        }
-        if !pending.is_empty() {
-            let _ = chunks.send(pending.split().freeze()).await;
-        }
-        Ok(())
-    }
-    .await;
+    let streamed = match answer {
+        Some(answer) => stream_blob(answer, &chunks, source, layer, counter, &mut received).await,
+        None => Ok(()),
+    };
     drop(chunks);
     let written = sink.await.map_err(|e| FetchError::Io(e.to_string()))?;
     if let Err(e) = streamed {
@@ -380,10 +352,61 @@ async fn download(
         return Err(e);
     }
     let digest = written.map_err(io)?;
-    let got = super::fetch::encode_hex(digest.as_ref());
+    let checked = blob_is(
+        layer,
+        source,
+        &super::fetch::encode_hex(digest.as_ref()),
+        received,
+    );
+    if checked.is_err() {
+        let _ = std::fs::remove_file(&path);
+    }
+    checked.map(|()| (path, kept))
+}
+
+/// The blob's bytes from `answer` into the disk writer's `chunks`, in
+/// writes of [`super::fetch::WRITE_CHUNK`], never more than its
+/// descriptor's size; `received` counts them.
+async fn stream_blob(
+    mut answer: reqwest::Response,
+    chunks: &tokio::sync::mpsc::Sender<bytes::Bytes>,
+    source: &Source,
+    layer: &Layer,
+    counter: &mut Budget<'_>,
+    received: &mut u64,
+) -> Result<(), FetchError> {
+    let mut pending = bytes::BytesMut::new();
+    loop {
+        let chunk = answer.chunk().await.map_err(|e| FetchError::Registry {
+            registry: source.registry().to_owned(),
+            message: format!("reading blob {}: {}", layer.digest, error_chain(&e)),
+        })?;
+        let Some(chunk) = chunk else { break };
+        *received += chunk.len() as u64;
+        if *received > layer.size {
+            return Err(FetchError::TooLarge {
+                declared: layer.size,
+                got: *received,
+            });
+        }
+        counter.add(chunk.len() as u64)?;
+        pending.extend_from_slice(&chunk);
+        if pending.len() >= super::fetch::WRITE_CHUNK
+            && chunks.send(pending.split().freeze()).await.is_err()
+        {
+            break;
+        }
+    }
+    if !pending.is_empty() {
+        let _ = chunks.send(pending.split().freeze()).await;
+    }
+    Ok(())
+}
+
+/// Whether the `received` bytes hashing to `got` are the layer's blob.
+fn blob_is(layer: &Layer, source: &Source, got: &str, received: u64) -> Result<(), FetchError> {
     if got == layer.hex() && received != layer.size {
         // The bytes are the blob the digest names: the descriptor is wrong.
-        let _ = std::fs::remove_file(&path);
         return Err(FetchError::InvalidLayer {
             layer: layer.digest.clone(),
             message: format!(
@@ -393,14 +416,13 @@ async fn download(
         });
     }
     if got != layer.hex() {
-        let _ = std::fs::remove_file(&path);
         return Err(FetchError::DigestMismatch {
             what: format!("{} blob", source.text),
             want: layer.digest.clone(),
             got: format!("sha256:{got} ({received} of {} bytes)", layer.size),
         });
     }
-    Ok((path, kept))
+    Ok(())
 }
 
 fn parse_manifest(source: &Source, body: &[u8]) -> Result<serde_json::Value, FetchError> {

@@ -68,7 +68,7 @@ pub async fn find(r: &ModelResidency, owner: &OwnerReference, ctx: &Context) -> 
     let ns = r.namespace().ok_or(Error::Incomplete("namespace"))?;
     let claim = claim_of(r);
     let ours = r.spec.gpu.existing_claim.is_none();
-    let mut status = GpuStatus {
+    let status = GpuStatus {
         mode: GpuMode::Claim,
         node: r.spec.node_name.clone(),
         claim: Some(claim.clone()),
@@ -130,6 +130,18 @@ pub async fn find(r: &ModelResidency, owner: &OwnerReference, ctx: &Context) -> 
         let (reason, message) = why_unallocated(r, &claim, &pods, &holder, ctx).await;
         return Ok(withheld(reason, message, &status));
     };
+    Ok(placed_by(r, claim, allocation, ctx, status))
+}
+
+/// Where an allocated claim puts the residency: the device's node,
+/// UUID and memory (from its ResourceSlice), or why it cannot be used.
+fn placed_by(
+    r: &ModelResidency,
+    claim: String,
+    allocation: &inventory::Allocation,
+    ctx: &Context,
+    mut status: GpuStatus,
+) -> Found {
     let device = ctx.gpus.device(allocation);
     let node = allocation
         .node
@@ -144,7 +156,7 @@ pub async fn find(r: &ModelResidency, owner: &OwnerReference, ctx: &Context) -> 
             "ResourceClaim {claim} is allocated device {} of pool {}, which is on no single node; model pods need one",
             allocation.device, allocation.pool
         );
-        return Ok(withheld(Reason::GpuUnavailable, message, &status));
+        return withheld(Reason::GpuUnavailable, message, &status);
     };
     let memory = device.as_ref().and_then(|d| d.memory);
     if memory.is_none() && r.spec.budget.is_none() {
@@ -152,15 +164,15 @@ pub async fn find(r: &ModelResidency, owner: &OwnerReference, ctx: &Context) -> 
             "spec.budget is omitted and the allocated device {} publishes no memory capacity (is its ResourceSlice there?)",
             allocation.device
         );
-        return Ok(withheld(Reason::GpuPending, message, &status));
+        return withheld(Reason::GpuPending, message, &status);
     }
-    Ok(Found::placed(Placement {
+    Found::placed(Placement {
         node,
         device: r.spec.device.clone(),
         access: Access::Claim { claim },
         memory,
         status,
-    }))
+    })
 }
 
 async fn create_claim(
