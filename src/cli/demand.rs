@@ -135,15 +135,35 @@ pub fn render_status(r: &ModelResidency) -> String {
         100.0 * used as f64 / budget as f64,
         format_bytes(engine.peak()),
     );
-    let by_name = |n: &str| status.model(n);
-    out += "resident, least recently used first:\n";
+    out += &residents(&engine, &status);
+    out += &not_resident(&engine, &status);
+    let c = status.counters;
+    out += &format!(
+        "counters: hits {} loads {} evictions {} refusals {} unloads {}\n",
+        c.hits, c.loads, c.evictions, c.refusals, c.unloads
+    );
+    for c in &status.conditions {
+        out += &format!(
+            "condition {}={} ({}): {}\n",
+            c.type_, c.status, c.reason, c.message
+        );
+    }
+    out
+}
+
+/// The status view's resident models, least recently used first.
+fn residents(
+    engine: &model_residency::engine::Engine,
+    status: &model_residency::api::ModelResidencyStatus,
+) -> String {
+    let mut out = String::from("resident, least recently used first:\n");
     let residents = engine.residents();
     if residents.is_empty() {
         out += "  (none)\n";
     }
     for id in &residents {
         let name = engine.name(*id);
-        let m = by_name(name);
+        let m = status.model(name);
         out += &format!(
             "  {:<20} {:>10}  {:<8} {}{}\n",
             name,
@@ -159,7 +179,15 @@ pub fn render_status(r: &ModelResidency) -> String {
             },
         );
     }
-    out += "not resident, and what loading it would do:\n";
+    out
+}
+
+/// The status view's other models, and what loading each would do.
+fn not_resident(
+    engine: &model_residency::engine::Engine,
+    status: &model_residency::api::ModelResidencyStatus,
+) -> String {
+    let mut out = String::from("not resident, and what loading it would do:\n");
     let mut any = false;
     for id in engine.models() {
         if engine.is_resident(id) {
@@ -167,7 +195,8 @@ pub fn render_status(r: &ModelResidency) -> String {
         }
         any = true;
         let name = engine.name(id);
-        let state = by_name(name)
+        let state = status
+            .model(name)
             .map(|m| m.state)
             .unwrap_or(ModelState::Unloaded);
         let plan = match engine.plan_load(id) {
@@ -192,17 +221,6 @@ pub fn render_status(r: &ModelResidency) -> String {
     }
     if !any {
         out += "  (none)\n";
-    }
-    let c = status.counters;
-    out += &format!(
-        "counters: hits {} loads {} evictions {} refusals {} unloads {}\n",
-        c.hits, c.loads, c.evictions, c.refusals, c.unloads
-    );
-    for c in &status.conditions {
-        out += &format!(
-            "condition {}={} ({}): {}\n",
-            c.type_, c.status, c.reason, c.message
-        );
     }
     out
 }
