@@ -286,16 +286,7 @@ async fn gpu_events(
         Ok(_) => ctx.gpus.set_served(true),
         Err(e) => {
             tracing::info!(error = %e, "ResourceClaims (resource.k8s.io/v1) are not served or not readable: residencies in claim mode wait with Ready=False");
-            let why = match e {
-                kube::Error::Api(s) if s.code == 404 => {
-                    "this cluster serves no resource.k8s.io/v1 ResourceClaims (Kubernetes 1.34 or later with DRA): set spec.gpu.mode to devicePlugin or env".to_owned()
-                }
-                kube::Error::Api(s) if s.code == 403 => format!(
-                    "the operator may not list resourceclaims.resource.k8s.io ({}): its ClusterRole needs the claim rules of the chart's (docs/gpu.md); restart it after",
-                    s.message
-                ),
-                e => format!("the operator could not list ResourceClaims at start ({e}); restart it"),
-            };
+            let why = claims_unserved(e);
             ctx.gpus.set_unserved(why);
             return futures::stream::empty().boxed();
         }
@@ -313,17 +304,7 @@ async fn gpu_events(
                         // The claim-mode residencies on the slice's node,
                         // and those not placed yet (a device may have come).
                         watcher::Event::Apply(slice) | watcher::Event::Delete(slice) => {
-                            let node = slice.spec.node_name.as_deref();
-                            slice_store
-                                .state()
-                                .iter()
-                                .filter(|r| r.spec.gpu.mode == crate::api::GpuMode::Claim)
-                                .filter(|r| {
-                                    let placed = crate::residency::gpu::node_of(r);
-                                    placed.is_none() || node.is_none() || placed == node
-                                })
-                                .map(|r| ObjectRef::from_obj(&**r))
-                                .collect()
+                            near_slice(&slice_store, slice.spec.node_name.as_deref())
                         }
                         _ => Vec::new(),
                     }
@@ -347,15 +328,7 @@ async fn gpu_events(
                         // A claim the operator made names its residency.
                         Some(name) => vec![ObjectRef::new(&name).within(&ns)],
                         // Someone else's: the residencies that name it.
-                        None => residencies
-                            .state()
-                            .iter()
-                            .filter(|r| r.metadata.namespace.as_deref() == Some(ns.as_str()))
-                            .filter(|r| {
-                                r.spec.gpu.existing_claim.as_deref() == Some(claim.as_str())
-                            })
-                            .map(|r| ObjectRef::from_obj(&**r))
-                            .collect(),
+                        None => naming_claim(&residencies, &ns, &claim),
                     })
                     .collect(),
                 Err(e) => {
@@ -366,6 +339,54 @@ async fn gpu_events(
             futures::stream::iter(touched)
         });
     futures::stream::select(slice_events, claim_events).boxed()
+}
+
+/// Why claim mode cannot work, from the error of the first claim list.
+fn claims_unserved(e: &kube::Error) -> String {
+    match e {
+        kube::Error::Api(s) if s.code == 404 => {
+            "this cluster serves no resource.k8s.io/v1 ResourceClaims (Kubernetes 1.34 or later with DRA): set spec.gpu.mode to devicePlugin or env".to_owned()
+        }
+        kube::Error::Api(s) if s.code == 403 => format!(
+            "the operator may not list resourceclaims.resource.k8s.io ({}): its ClusterRole needs the claim rules of the chart's (docs/gpu.md); restart it after",
+            s.message
+        ),
+        e => format!("the operator could not list ResourceClaims at start ({e}); restart it"),
+    }
+}
+
+/// The claim-mode residencies a ResourceSlice on `node` may concern:
+/// those placed there, and those not placed yet (a device may have come).
+fn near_slice(
+    residencies: &reflector::Store<ModelResidency>,
+    node: Option<&str>,
+) -> Vec<ObjectRef<ModelResidency>> {
+    residencies
+        .state()
+        .iter()
+        .filter(|r| r.spec.gpu.mode == crate::api::GpuMode::Claim)
+        .filter(|r| {
+            let placed = crate::residency::gpu::node_of(r);
+            placed.is_none() || node.is_none() || placed == node
+        })
+        .map(|r| ObjectRef::from_obj(&**r))
+        .collect()
+}
+
+/// The residencies of namespace `ns` that name `claim` as their existing
+/// claim.
+fn naming_claim(
+    residencies: &reflector::Store<ModelResidency>,
+    ns: &str,
+    claim: &str,
+) -> Vec<ObjectRef<ModelResidency>> {
+    residencies
+        .state()
+        .iter()
+        .filter(|r| r.metadata.namespace.as_deref() == Some(ns))
+        .filter(|r| r.spec.gpu.existing_claim.as_deref() == Some(claim))
+        .map(|r| ObjectRef::from_obj(&**r))
+        .collect()
 }
 
 /// Sets `synced` once the residency store and the pod cache hold their
