@@ -187,7 +187,7 @@ async fn send_until_it_works(
     let deadline = Instant::now() + call.timeout.clamp(Duration::from_millis(1), limit);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let answer = send(addr, call, left.min(limit)).await?;
+        let answer = send(addr, call, left).await?;
         if call.worked(answer.0) || left <= IDLE_RETRY {
             return Ok(answer);
         }

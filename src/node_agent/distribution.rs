@@ -36,24 +36,23 @@ pub enum ReadError {
     Transfer(String),
 }
 
-/// The http client for one registry's reads: the system's roots plus the
-/// agent's CA bundle, and the redirect rule above.
-pub fn client(
-    ca_pem: Option<&[u8]>,
-    registry: &str,
-    allowed: &[String],
-) -> Result<reqwest::Client, String> {
+/// The http client for the registry reads: the system's roots plus the
+/// agent's CA bundle, and the redirect rule above. One for every registry:
+/// the redirect rule takes the registry from the request that began the
+/// chain, and its connections are pooled across reads.
+pub fn client(ca_pem: Option<&[u8]>, allowed: &[String]) -> Result<reqwest::Client, String> {
     // The tree's TLS is ring's; reqwest (and oci-client through it) takes
     // the process's provider and panics if none was installed yet.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let own = format!("https://{registry}/");
     let allowed = allowed.to_vec();
     let policy = reqwest::redirect::Policy::custom(move |attempt| {
         if attempt.previous().len() > MAX_REDIRECTS {
             return attempt.error(format!("more than {MAX_REDIRECTS} times"));
         }
         let next = attempt.url().as_str().to_owned();
-        if followed(&next, &own, &allowed) {
+        // The chain's first URL is the registry's own request.
+        let first = attempt.previous().first().map_or("", |u| u.as_str());
+        if followed(&next, first, &allowed) {
             attempt.follow()
         } else {
             let why = format!(
@@ -78,10 +77,16 @@ pub fn client(
     builder.build().map_err(|e| e.to_string())
 }
 
-/// Whether a redirect to `next` is followed: on the registry's own https
-/// origin, or under an allowed http(s) prefix.
-fn followed(next: &str, own: &str, allowed: &[String]) -> bool {
-    if next.starts_with(own) {
+/// Whether a redirect to `next` is followed in a chain that began at
+/// `first` (a registry read): on that registry's own https origin, or
+/// under an allowed http(s) prefix.
+fn followed(next: &str, first: &str, allowed: &[String]) -> bool {
+    let own = first
+        .parse::<http::Uri>()
+        .ok()
+        .filter(|u| u.scheme_str() == Some("https"))
+        .and_then(|u| u.authority().map(|a| format!("https://{a}/")));
+    if own.is_some_and(|own| next.starts_with(&own)) {
         return true;
     }
     let Ok(uri) = next.parse::<http::Uri>() else {
@@ -293,7 +298,7 @@ mod tests {
     async fn a_manifest_without_end_is_read_to_its_limit_and_no_further() {
         let (base, sent) = endless_server().await;
         let session = Session {
-            http: client(None, "127.0.0.1", &[]).unwrap(),
+            http: client(None, &[]).unwrap(),
             base,
             authorization: None,
         };
@@ -310,7 +315,8 @@ mod tests {
 
     #[test]
     fn redirects_are_followed_to_the_registry_or_allowed_http_sources_only() {
-        let own = "https://reg.example:5000/";
+        // The read that began the chain.
+        let own = "https://reg.example:5000/v2/x/manifests/v1";
         let allowed = [
             "oci://reg.example:5000/models".to_owned(),
             "https://cdn.example/blobs".to_owned(),

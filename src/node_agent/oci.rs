@@ -172,14 +172,15 @@ pub struct Resolved {
     pub layers: Vec<Layer>,
 }
 
-/// The registry client's settings. A client is made for each resolve and
-/// each fetch: oci-client keeps the first credentials it is given for a
-/// registry, so a shared one would never see an edited Secret.
+/// The registry clients. oci-client's (which logs in) is made for each
+/// session: it keeps the first credentials it is given for a registry, so
+/// a shared one would never see an edited Secret.
 #[derive(Clone)]
 pub struct Registry {
     ca_pem: Option<Vec<u8>>,
-    /// `--allowed-sources`: where a registry's redirect may lead.
-    allowed: Vec<String>,
+    /// The reads themselves (redirects only under `--allowed-sources`),
+    /// one pooled client for every registry.
+    http: reqwest::Client,
 }
 
 impl Registry {
@@ -187,13 +188,13 @@ impl Registry {
     /// registries with private certificates), following redirects only
     /// under `allowed`.
     pub fn new(ca_pem: Option<Vec<u8>>, allowed: Vec<String>) -> Result<Registry, FetchError> {
-        let registry = Registry { ca_pem, allowed };
-        distribution::client(registry.ca_pem.as_deref(), "check", &[]).map_err(|why| {
+        let http = distribution::client(ca_pem.as_deref(), &allowed).map_err(|why| {
             FetchError::BadReference {
                 reference: "the registry CA bundle".into(),
                 why,
             }
         })?;
+        let registry = Registry { ca_pem, http };
         registry.client()?;
         Ok(registry)
     }
@@ -224,14 +225,7 @@ impl Registry {
 
     /// Logs in to `source`'s repository for the reads that follow.
     async fn session(&self, source: &Source, auth: &RegistryAuth) -> Result<Session, FetchError> {
-        let registry = source.reference.resolve_registry();
-        let http = distribution::client(self.ca_pem.as_deref(), registry, &self.allowed).map_err(
-            |message| FetchError::Registry {
-                registry: registry.to_owned(),
-                message,
-            },
-        )?;
-        Session::open(http, &self.client()?, &source.reference, auth)
+        Session::open(self.http.clone(), &self.client()?, &source.reference, auth)
             .await
             .map_err(|e| read_error(source, auth, None, e))
     }

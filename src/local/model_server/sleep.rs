@@ -17,7 +17,7 @@
 //!   scheduler asserts the server is idle), and answers `null` when it
 //!   worked.
 
-use super::{JSON, Server, SleepBehaviour, SleepMode, full, read_body, respond};
+use super::{Body, JSON, Server, SleepBehaviour, SleepMode, full, read_body, respond};
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::{Value, json};
@@ -186,8 +186,6 @@ pub(super) async fn endpoint(
         _ => return Err(req),
     })
 }
-
-use super::Body;
 
 /// vLLM's `POST /sleep?level=N&mode=M` (module docs): the answer's status
 /// and body.
