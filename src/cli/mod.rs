@@ -1,5 +1,7 @@
 //! Command-line surface: argument definitions and dispatch.
 
+#[cfg(feature = "local")]
+mod container;
 mod demand;
 #[cfg(feature = "local")]
 mod demo;
@@ -40,6 +42,19 @@ enum Command {
     /// try the operator by hand.
     #[cfg(feature = "local")]
     LocalCluster(local_cluster::Args),
+    /// Serve as the fake model server in a container (the local model
+    /// server image's entrypoint on a real node; docs/local-cluster.md).
+    #[cfg(feature = "local")]
+    FakeModelServer(container::FakeModelServerArgs),
+    /// Wait for SIGTERM: the local pause image's entrypoint (pod sandboxes).
+    #[cfg(feature = "local")]
+    #[command(hide = true)]
+    Pause,
+    /// Run a command in network, mount and PID namespaces of its own, with
+    /// a bridge for pods (the real node's lane; docs/local-cluster.md).
+    #[cfg(feature = "local")]
+    #[command(hide = true)]
+    Lane(container::LaneArgs),
     /// Run the controller (watches ModelResidencies and their model pods).
     Run(operator::Args),
     /// Run the request router: proxies model requests to the model pods,
@@ -133,6 +148,12 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
         Command::Demo(args) => demo::run(args),
         #[cfg(feature = "local")]
         Command::LocalCluster(args) => local_cluster::run(args),
+        #[cfg(feature = "local")]
+        Command::FakeModelServer(args) => container::fake_model_server(args),
+        #[cfg(feature = "local")]
+        Command::Pause => container::pause(),
+        #[cfg(feature = "local")]
+        Command::Lane(args) => container::lane(args),
         Command::Run(args) => {
             args.logging.init();
             one_arena();

@@ -158,6 +158,18 @@ impl Context {
         )
     }
 
+    /// [`Self::new`] whose GPU holder pods run `image` (a local cluster's
+    /// own pause image on a real node).
+    pub fn with_holder_image(client: kube::Client, image: &str) -> Arc<Self> {
+        Self::with_options(
+            client,
+            Arc::default(),
+            DEFAULT_MAX_SKEW,
+            Default::default(),
+            image.into(),
+        )
+    }
+
     pub fn with_options(
         client: kube::Client,
         metrics: Arc<Metrics>,

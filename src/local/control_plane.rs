@@ -37,6 +37,19 @@ const BINARIES: [&str; 4] = [
     "kube-scheduler",
 ];
 const ADMIN_TOKEN: &str = "model-residency-admin-token";
+/// The real node's kubelet's token (user `system:node:<name>`, group
+/// `system:nodes`, as the Node authorizer wants).
+const KUBELET_TOKEN: &str = "model-residency-kubelet-token";
+
+/// What a control plane is started for.
+#[derive(Clone, Debug, Default)]
+pub struct PlaneOptions {
+    /// A real kubelet will register this node ([`super::real_node`]): the
+    /// API server authorizes it as a node (Node,RBAC), reaches it at its
+    /// InternalIP, and the node lifecycle controller runs (the stand-in's
+    /// nodes send no heartbeats, so it is off for them).
+    pub real_node: Option<String>,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControlPlaneError {
@@ -117,6 +130,8 @@ pub struct ControlPlane {
     janitor: Option<Child>,
     /// Time from start to `/readyz` answering `ok`.
     pub startup: Duration,
+    /// Started for a real kubelet ([`PlaneOptions::real_node`]).
+    real_node: bool,
 }
 
 /// A child process started by this module.
@@ -243,11 +258,18 @@ impl ControlPlane {
     /// Starts etcd, kube-apiserver and kube-controller-manager and waits for
     /// `/readyz` (blocking, for up to a minute).
     pub fn start() -> Result<Self, ControlPlaneError> {
+        Self::start_with(PlaneOptions::default())
+    }
+
+    /// [`Self::start`] for what `options` says.
+    pub fn start_with(options: PlaneOptions) -> Result<Self, ControlPlaneError> {
         let assets = find_assets()?;
         let t0 = Instant::now();
-        // etcd fsyncs every write; on tmpfs that costs nothing.
+        // etcd fsyncs every write; on tmpfs that costs nothing. In a lane,
+        // the lane's directory: the janitor dies with the lane, and the
+        // lane removes its directory.
         let base = Path::new("/dev/shm");
-        let dir = if base.is_dir() {
+        let dir = if base.is_dir() && super::lane::current().is_none() {
             tempfile::Builder::new()
                 .prefix("model-residency-cp.")
                 .tempdir_in(base)?
@@ -262,10 +284,13 @@ impl ControlPlane {
         let apiserver_port = free_port()?;
 
         // Credentials: a static admin token and a service-account key.
-        fs::write(
-            d.join("tokens.csv"),
-            format!("{ADMIN_TOKEN},admin,admin,\"system:masters\"\n"),
-        )?;
+        let mut tokens = format!("{ADMIN_TOKEN},admin,admin,\"system:masters\"\n");
+        if let Some(node) = &options.real_node {
+            tokens += &format!(
+                "{KUBELET_TOKEN},system:node:{node},system:node:{node},\"system:nodes\"\n"
+            );
+        }
+        fs::write(d.join("tokens.csv"), tokens)?;
         let status = Command::new("openssl")
             .args(["genrsa", "-out"])
             .arg(d.join("sa.key"))
@@ -296,6 +321,7 @@ impl ControlPlane {
             kubeconfig,
             dir,
             startup: Duration::ZERO,
+            real_node: options.real_node.is_some(),
         };
         plane.start_janitor()?;
         plane.start_apiserver()?;
@@ -303,10 +329,14 @@ impl ControlPlane {
         let kubeconfig = format!("--kubeconfig={}", plane.kubeconfig.display());
         // No serving (--secure-port=0): parallel control planes must not
         // share ports.
+        let mut controllers =
+            "garbage-collector-controller,namespace-controller,resourceclaim-controller".to_owned();
+        if plane.real_node {
+            controllers += ",node-lifecycle-controller";
+        }
         let manager = [
             kubeconfig.clone(),
-            "--controllers=garbage-collector-controller,namespace-controller,resourceclaim-controller"
-                .into(),
+            format!("--controllers={controllers}"),
             "--leader-elect=false".into(),
             "--use-service-account-credentials=false".into(),
             "--secure-port=0".into(),
@@ -342,7 +372,13 @@ impl ControlPlane {
             // Service's endpoints.
             "--endpoint-reconciler-type=none".into(),
             format!("--token-auth-file={}", d.join("tokens.csv").display()),
-            "--authorization-mode=RBAC".into(),
+            if self.real_node {
+                "--authorization-mode=Node,RBAC".into()
+            } else {
+                "--authorization-mode=RBAC".into()
+            },
+            // The real node's kubelet is reached at its lane address.
+            "--kubelet-preferred-address-types=InternalIP".into(),
             format!("--service-account-key-file={}", d.join("sa.key").display()),
             format!(
                 "--service-account-signing-key-file={}",
@@ -492,6 +528,12 @@ impl ControlPlane {
     }
 
     /// The kubeconfig file, for kubectl (`KUBECONFIG=...`).
+    /// Writes a kubeconfig for the real node's kubelet (its node token).
+    pub fn write_kubelet_kubeconfig(&self, path: &Path) -> std::io::Result<()> {
+        let admin = fs::read_to_string(&self.kubeconfig)?;
+        fs::write(path, admin.replace(ADMIN_TOKEN, KUBELET_TOKEN))
+    }
+
     pub fn kubeconfig(&self) -> &Path {
         &self.kubeconfig
     }

@@ -252,7 +252,7 @@ async fn register_node(nodes: &Api<Node>, node: &FakeNode) -> Result<(), kube::E
 
 /// The DeviceClass of the NVIDIA DRA driver's chart, when it is missing
 /// (left alone when present: a test may share the control plane).
-async fn install_device_class(client: &kube::Client) -> Result<(), kube::Error> {
+pub async fn install_device_class(client: &kube::Client) -> Result<(), kube::Error> {
     use k8s_openapi::api::resource::v1::DeviceClass;
     let classes: Api<DeviceClass> = Api::all(client.clone());
     let class: DeviceClass = serde_json::from_value(json!({

@@ -3,8 +3,11 @@
 //! the one part that cannot run here.
 
 pub mod control_plane;
+pub mod images;
 pub mod kubelet;
+pub mod lane;
 pub mod model_server;
+pub mod real_node;
 pub mod registry;
 
 use crate::api::{ModelDemand, ModelResidency, NodeModelCache};

@@ -13,6 +13,7 @@ mod dockerfile;
 mod docs;
 mod model_demand;
 mod node_agent;
+mod on_real_node;
 mod operator;
 mod operator_api;
 mod process;

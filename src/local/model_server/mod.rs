@@ -133,8 +133,11 @@ impl SleepBehaviour {
     }
 }
 
+mod container;
 mod openai;
 mod sleep;
+
+pub use container::{Options as ContainerOptions, run_in_container};
 
 use sleep::SleepState;
 
@@ -176,32 +179,76 @@ impl FakeModelServer {
             state: SleepState::default(),
             stream_delay,
         });
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                };
-                let server = server.clone();
-                tokio::spawn(async move {
-                    let service = service_fn(move |req| {
-                        let server = server.clone();
-                        async move {
-                            let answer = match sleep::endpoint(req, &server).await {
-                                Ok(answer) => answer,
-                                Err(req) => openai::answer(req, &server).await,
-                            };
-                            Ok::<_, Infallible>(answer)
-                        }
-                    });
-                    let _ = http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
-            }
-        });
+        let task = tokio::spawn(serve(listener, server, None));
         Ok(FakeModelServer { addr, task })
     }
+}
+
+/// Accepts connections and answers them until `stop` says so (if ever);
+/// then stops accepting, lets every connection finish what it is answering
+/// (hyper's graceful shutdown closes idle keep-alives) and returns once all
+/// have, or after `drain`, whichever is first.
+async fn serve(listener: TcpListener, server: Arc<Server>, stop: Option<Stop>) {
+    let (mut stopping, drain) = match stop {
+        Some(s) => (s.signal, s.drain),
+        None => (tokio::sync::watch::channel(false).1, Duration::ZERO),
+    };
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = stopped(&mut stopping) => break,
+        };
+        let Ok((stream, _)) = accepted else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let server = server.clone();
+        let mut stopping = stopping.clone();
+        connections.spawn(async move {
+            let service = service_fn(move |req| {
+                let server = server.clone();
+                async move {
+                    let answer = match sleep::endpoint(req, &server).await {
+                        Ok(answer) => answer,
+                        Err(req) => match container::endpoint(req, &server).await {
+                            Ok(answer) => answer,
+                            Err(req) => openai::answer(req, &server).await,
+                        },
+                    };
+                    Ok::<_, Infallible>(answer)
+                }
+            });
+            let conn = http1::Builder::new().serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = stopped(&mut stopping) => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.await;
+                }
+            }
+        });
+        // Finished connections' results are not kept.
+        while connections.try_join_next().is_some() {}
+    }
+    drop(listener);
+    let _ = tokio::time::timeout(drain, async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
+}
+
+/// Resolves once the stop signal is up (the guard `wait_for` hands back
+/// is not held across an await: it is not Send).
+async fn stopped(rx: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+/// When a server stops, and how long it gives what it is answering.
+struct Stop {
+    signal: tokio::sync::watch::Receiver<bool>,
+    drain: Duration,
 }
 
 type Body = BoxBody<Bytes, Infallible>;

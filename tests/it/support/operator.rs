@@ -30,9 +30,13 @@ pub struct Harness {
     /// spec.gpu.mode of the residencies `create` makes (default: the
     /// spec's default, claim).
     pub gpu_mode: Option<&'static str>,
+    /// The model pods' template (`server_template`'s by default; the real
+    /// node's runs the local fake-model-server image).
+    pub template: fn(&str) -> serde_json::Value,
     last_time: Mutex<Timestamp>,
-    next_device: std::sync::atomic::AtomicU32,
-    _kubelet: FakeKubelet,
+    pub next_device: std::sync::atomic::AtomicU32,
+    /// The stand-in, unless the node is real.
+    _kubelet: Option<FakeKubelet>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
 }
@@ -46,6 +50,11 @@ impl Drop for Harness {
             task.abort();
         }
     }
+}
+
+/// The stand-in's model pod template: any image (nothing is pulled).
+pub fn server_template(model: &str) -> serde_json::Value {
+    json!({"spec": {"containers": [{"name": "server", "image": format!("example/{model}:1")}]}})
 }
 
 /// A model for `Harness::create`: (name, size, pinned).
@@ -73,7 +82,18 @@ impl Harness {
         let kubelet = FakeKubelet::start(env.client.clone(), config)
             .await
             .unwrap();
-        let ctx = Context::new(env.client.clone());
+        Self::with(env, node, Some(kubelet), Context::new)
+    }
+
+    /// An operator (made by `context`) for `env`'s namespace, on `node`
+    /// (played by `kubelet`, or a real node's).
+    pub fn with(
+        env: TestEnv,
+        node: String,
+        kubelet: Option<FakeKubelet>,
+        context: fn(kube::Client) -> Arc<Context>,
+    ) -> Harness {
+        let ctx = context(env.client.clone());
         let mut h = Harness {
             api: Api::namespaced(env.client.clone(), &env.namespace),
             pods: Api::namespaced(env.client.clone(), &env.namespace),
@@ -81,6 +101,7 @@ impl Harness {
             node,
             env,
             gpu_mode: None,
+            template: server_template,
             last_time: Mutex::new(Timestamp::UNIX_EPOCH),
             next_device: Default::default(),
             _kubelet: kubelet,
@@ -149,9 +170,7 @@ impl Harness {
         let models: Vec<_> = models
             .iter()
             .map(|(n, size, pinned)| {
-                json!({"name": n, "size": size, "pinned": pinned, "template": {"spec": {
-                    "containers": [{"name": "server", "image": format!("example/{n}:1")}]
-                }}})
+                json!({"name": n, "size": size, "pinned": pinned, "template": (self.template)(n)})
             })
             .collect();
         let mut spec =

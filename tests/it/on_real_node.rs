@@ -1,0 +1,325 @@
+//! The real-node lane: the operator and the router against the real
+//! kubelet v1.37.2 on containerd v2.4.2 and runc, pods in containers with
+//! addresses of their own on the lane's bridge, GPUs from our DRA kubelet
+//! plugin through CDI (support/lane.rs). `scripts/test.sh` runs these
+//! inside `model-residency lane`, one at a time.
+//!
+//! Each test checks something a node that lied would get wrong: a
+//! container's id and pid, the environment CDI injected, a read-only mount
+//! seen from inside, a drain after a real SIGTERM, a process killed under
+//! the kubelet.
+
+use crate::support::cluster::eventually;
+use crate::support::http::send;
+use crate::support::lane::{NODE, cluster, real_harness};
+use crate::support::operator::Harness;
+use crate::support::router::{RouterUnderTest, assert_served_by, json_of};
+use k8s_openapi::api::core::v1::Pod;
+use model_residency::api::ModelState;
+use serde_json::Value;
+use std::net::SocketAddr;
+
+/// A pod's container id (`containerd://...`), IP and phase.
+fn container_of(pod: &Pod) -> (String, String, String) {
+    let status = pod.status.clone().unwrap_or_default();
+    let id = status
+        .container_statuses
+        .iter()
+        .flatten()
+        .find_map(|c| c.container_id.clone())
+        .unwrap_or_default();
+    (
+        id,
+        status.pod_ip.unwrap_or_default(),
+        status.phase.unwrap_or_default(),
+    )
+}
+
+/// What the fake server in `pod`'s container says about itself.
+async fn inside(pod: &Pod, path: &str) -> Value {
+    let (_, ip, _) = container_of(pod);
+    let addr: SocketAddr = format!("{ip}:8080").parse().expect("a pod IP");
+    let a = send(addr, "GET", path, "").await;
+    assert_eq!(a.status, 200, "{path} on {ip}: {}", a.body);
+    serde_json::from_str(&a.body).unwrap()
+}
+
+/// The one live model pod of `model` in residency `name`.
+async fn model_pod(h: &Harness, name: &str, model: &str) -> Pod {
+    let pod = model_residency::controller::pods::pod_name(name, model);
+    eventually(60, &format!("{pod} Running and Ready"), || async {
+        let p = h.pods.get_opt(&pod).await.ok()??;
+        let ready = p
+            .status
+            .as_ref()?
+            .conditions
+            .iter()
+            .flatten()
+            .any(|c| c.type_ == "Ready" && c.status == "True");
+        (ready && p.metadata.deletion_timestamp.is_none()).then_some(p)
+    })
+    .await
+}
+
+#[tokio::test]
+#[ignore = "needs the real node's lane (scripts/test.sh runs it)"]
+async fn the_seeds_requests_run_in_real_containers_through_the_router() {
+    let h = real_harness("real-node-seed", 1).await;
+    let wide = h.env.kubectl(&["get", "nodes", "-o", "wide"]);
+    let wide = String::from_utf8_lossy(&wide.stdout);
+    assert!(
+        wide.lines().any(|l| l.starts_with(NODE)
+            && l.contains(" Ready ")
+            && l.contains("containerd://2.4.2")),
+        "kubectl get nodes -o wide:\n{wide}"
+    );
+    // The seed's policy on room for two: A, B, A, C evicts B (the least
+    // recently used), as the engine's first case.
+    h.create(
+        "seed",
+        "40Gi",
+        &[
+            ("a", "20Gi", false),
+            ("b", "20Gi", false),
+            ("c", "20Gi", false),
+        ],
+    )
+    .await;
+    let router = RouterUnderTest::exact(&h).await;
+    let mut containers = Vec::new();
+    for model in ["a", "b", "a", "c"] {
+        let answer = router.chat(model).await;
+        assert_served_by(&answer, model);
+        let pod = model_pod(&h, "seed", model).await;
+        let (id, ip, phase) = container_of(&pod);
+        assert!(
+            id.starts_with("containerd://"),
+            "{model}: container id {id:?}"
+        );
+        assert!(
+            ip.starts_with("10.88."),
+            "{model}: pod IP {ip} is not on the lane's bridge"
+        );
+        assert_eq!(phase, "Running");
+        containers.push((model, id));
+    }
+    // The second request for a was a hit on the same container.
+    assert_eq!(containers[0], containers[2]);
+    let r = h.converged("seed").await;
+    let resident: Vec<_> = r
+        .status
+        .unwrap()
+        .models
+        .into_iter()
+        .filter(|m| m.state == ModelState::Loaded)
+        .map(|m| m.name.to_string())
+        .collect();
+    assert_eq!(resident.len(), 2, "{resident:?}");
+    assert!(
+        !resident.contains(&"b".to_string()),
+        "b was the LRU: {resident:?}"
+    );
+    eventually(60, "b's pod to be gone from the node", || async {
+        let b = model_residency::controller::pods::pod_name("seed", "b");
+        h.pods.get_opt(&b).await.ok()?.is_none().then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+#[ignore = "needs the real node's lane (scripts/test.sh runs it)"]
+async fn the_gpu_claim_is_shared_by_the_holder_and_the_model_pods_through_cdi() {
+    let h = real_harness("real-node-claim", 1).await;
+    h.create(
+        "shared",
+        "80Gi",
+        &[("x", "20Gi", false), ("y", "20Gi", false)],
+    )
+    .await;
+    let router = RouterUnderTest::exact(&h).await;
+    assert_served_by(&router.chat("x").await, "x");
+    assert_served_by(&router.chat("y").await, "y");
+    let r = h.placed("shared").await;
+    let gpu = r.status.unwrap().gpu.unwrap();
+    let device = gpu.device.clone().unwrap();
+    // The uuid the plugin published for that device, from its slice.
+    let slices: kube::Api<k8s_openapi::api::resource::v1::ResourceSlice> =
+        kube::Api::all(h.env.client.clone());
+    let uuid = slices
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|s| s.spec.node_name.as_deref() == Some(NODE))
+        .flat_map(|s| s.spec.devices.unwrap_or_default())
+        .find(|d| d.name == device)
+        .and_then(|d| d.attributes?.get("uuid")?.string.clone())
+        .expect("the device's uuid");
+    let mut claims = Vec::new();
+    for model in ["x", "y"] {
+        let pod = model_pod(&h, "shared", model).await;
+        let seen = inside(&pod, "/fake/container").await;
+        assert_eq!(
+            seen["env"]["NVIDIA_VISIBLE_DEVICES"], uuid,
+            "{model}: the CDI spec's env in the container: {seen}"
+        );
+        assert_eq!(seen["env"]["FAKE_GPU_DEVICES"], device.as_str());
+        claims.push(seen["env"]["FAKE_GPU_CLAIM"].clone());
+    }
+    assert_eq!(claims[0], claims[1], "one claim for both model pods");
+    // The holder keeps the claim with them, in a container of its own.
+    let holders = h
+        .pods
+        .list(&kube::api::ListParams::default().labels("residency.dev/gpu-holder"))
+        .await
+        .unwrap()
+        .items;
+    assert_eq!(holders.len(), 1);
+    let (id, _, phase) = container_of(&holders[0]);
+    assert!(
+        id.starts_with("containerd://") && phase == "Running",
+        "{id} {phase}"
+    );
+    let claim_name = holders[0]
+        .spec
+        .as_ref()
+        .unwrap()
+        .resource_claims
+        .as_ref()
+        .unwrap()[0]
+        .resource_claim_name
+        .clone()
+        .unwrap();
+    assert_eq!(
+        claims[0],
+        format!("{}/{claim_name}", h.env.namespace).as_str()
+    );
+}
+
+#[tokio::test]
+#[ignore = "needs the real node's lane (scripts/test.sh runs it)"]
+async fn an_unloaded_pod_finishes_its_stream_after_sigterm_and_gets_nothing_new() {
+    let h = real_harness("real-node-drain", 1).await;
+    h.create("drain", "80Gi", &[("long", "20Gi", false)]).await;
+    let router = RouterUnderTest::exact(&h).await;
+    assert_served_by(&router.chat("long").await, "long");
+    let pod = model_pod(&h, "drain", "long").await;
+    let uid = pod.metadata.uid.clone().unwrap();
+    // 150 chunks 20 ms apart: about 3 s of stream, begun before the unload.
+    let body = r#"{"model":"long","stream":true,"max_tokens":150,"messages":[]}"#;
+    let addr = router.addr;
+    let stream =
+        tokio::spawn(async move { send(addr, "POST", "/v1/chat/completions", body).await });
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    model_residency::residency::demand::unload(&h.api, "drain", "long")
+        .await
+        .unwrap();
+    eventually(30, "the pod to be terminating", || async {
+        let p = h.pods.get_opt(&pod_name(&pod)).await.ok()??;
+        p.metadata.deletion_timestamp.is_some().then_some(())
+    })
+    .await;
+    // Nothing new reaches the draining pod: the router holds the request
+    // for a new load instead (answered by another pod, or still held).
+    let next = tokio::spawn({
+        let addr = router.addr;
+        async move {
+            send(
+                addr,
+                "POST",
+                "/v1/chat/completions",
+                r#"{"model":"long","messages":[]}"#,
+            )
+            .await
+        }
+    });
+    let answer = stream.await.unwrap();
+    assert_eq!(answer.status, 200);
+    let chunks = answer.body.matches("data: {").count();
+    assert_eq!(
+        chunks,
+        150,
+        "the whole stream, not cut by SIGTERM: {}",
+        answer.body.len()
+    );
+    assert!(answer.body.contains("data: [DONE]"));
+    let next = next.await.unwrap();
+    if next.status == 200 {
+        let served_by = json_of(&next)["pod"].clone();
+        let new = h.pods.get_opt(served_by.as_str().unwrap()).await.unwrap();
+        assert_ne!(
+            new.and_then(|p| p.metadata.uid),
+            Some(uid.clone()),
+            "a new pod served it"
+        );
+    }
+    // The container's own log says it got SIGTERM and drained.
+    let logs = h.env.kubectl(&["logs", &pod_name(&pod)]);
+    let logs =
+        String::from_utf8_lossy(&logs.stdout).into_owned() + &String::from_utf8_lossy(&logs.stderr);
+    if logs.contains("got SIGTERM") {
+        assert!(logs.contains("drained"), "{logs}");
+    }
+}
+
+fn pod_name(pod: &Pod) -> String {
+    pod.metadata.name.clone().unwrap_or_default()
+}
+
+#[tokio::test]
+#[ignore = "needs the real node's lane (scripts/test.sh runs it)"]
+async fn a_container_killed_under_the_kubelet_is_seen_and_its_model_loaded_again() {
+    let h = real_harness("real-node-kill", 1).await;
+    h.create("kill", "80Gi", &[("victim", "20Gi", false)]).await;
+    let router = RouterUnderTest::exact(&h).await;
+    assert_served_by(&router.chat("victim").await, "victim");
+    let pod = model_pod(&h, "kill", "victim").await;
+    let (id, _, _) = container_of(&pod);
+    let id = id.trim_start_matches("containerd://").to_owned();
+    let killed = cluster()
+        .node
+        .ctr(["tasks", "kill", "--signal", "SIGKILL", &id]);
+    assert!(
+        killed.status.success(),
+        "ctr tasks kill: {}",
+        String::from_utf8_lossy(&killed.stderr)
+    );
+    // The kubelet sees the exit (137) and fails the pod (restartPolicy
+    // Never: the operator reloads); the operator sees it and loads again.
+    let failed = eventually(60, "the kubelet to report the killed container", || async {
+        let p = h.pods.get_opt(&pod_name(&pod)).await.ok()??;
+        let terminated = p
+            .status
+            .as_ref()?
+            .container_statuses
+            .iter()
+            .flatten()
+            .find_map(|c| c.state.as_ref()?.terminated.clone())?;
+        Some(terminated)
+    })
+    .await;
+    assert_eq!(failed.exit_code, 137, "{failed:?}");
+    // The operator's view: the load failed (the pod did), retried after
+    // its backoff; the router says so meanwhile, then serves the new pod.
+    let mut answers = Vec::new();
+    for _ in 0..40 {
+        let answer = router.chat("victim").await;
+        let ok = answer.status == 200;
+        answers.push(answer);
+        if ok {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
+    let last = answers.last().unwrap();
+    assert_served_by(last, "victim");
+    if let Some(refused) = answers.iter().find(|a| a.status != 200) {
+        assert_eq!(refused.status, 503, "{}", refused.body);
+        assert!(refused.body.contains("pod Failed"), "{}", refused.body);
+    }
+    let again = model_pod(&h, "kill", "victim").await;
+    assert_ne!(again.metadata.uid, pod.metadata.uid, "a new pod serves it");
+    let (new_id, _, _) = container_of(&again);
+    assert_ne!(new_id.trim_start_matches("containerd://"), id);
+}

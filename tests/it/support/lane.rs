@@ -1,0 +1,128 @@
+//! The real-node lane's cluster: one control plane and one real node
+//! (kubelet, containerd, runc, the fake-GPU DRA plugin) shared by the
+//! binary's real-node tests, which `scripts/test.sh` runs inside
+//! `model-residency lane` one at a time (they share the node's GPUs and
+//! its one kubelet). Each test gets a namespace and GPUs of its own.
+//!
+//! Outside a lane these tests fail with the reason (they are `#[ignore]`d,
+//! so a plain `cargo test` counts them as skipped).
+
+use super::cluster::TestEnv;
+use super::operator::Harness;
+use model_residency::controller::Context;
+use model_residency::local::control_plane::{ControlPlane, PlaneOptions};
+use model_residency::local::images::{MODEL_SERVER_IMAGE, PAUSE_IMAGE};
+use model_residency::local::real_node::{RealNode, RealNodeOptions};
+use serde_json::json;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// The real node's name.
+pub const NODE: &str = "real-node";
+/// Its GPUs (fake devices: as many as the lane's tests use, one or two each).
+pub const GPUS: u32 = 12;
+
+pub struct RealCluster {
+    pub plane: ControlPlane,
+    pub node: RealNode,
+}
+
+static CLUSTER: OnceLock<Result<RealCluster, String>> = OnceLock::new();
+
+/// The lane's cluster, started on first use.
+pub fn cluster() -> &'static RealCluster {
+    let started = CLUSTER.get_or_init(|| {
+        std::thread::spawn(start)
+            .join()
+            .unwrap_or_else(|_| Err("starting the real node panicked".into()))
+    });
+    match started {
+        Ok(c) => c,
+        Err(e) => panic!("the real node could not start: {e}"),
+    }
+}
+
+fn start() -> Result<RealCluster, String> {
+    let plane = ControlPlane::start_with(PlaneOptions {
+        real_node: Some(NODE.into()),
+    })
+    .map_err(|e| e.to_string())?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let node = runtime.block_on(async {
+        let client = plane.client().await.map_err(|e| e.to_string())?;
+        let options = RealNodeOptions {
+            name: NODE.into(),
+            gpus: GPUS,
+            gpu_memory: 80 << 30,
+            binary: env!("CARGO_BIN_EXE_model-residency").into(),
+        };
+        RealNode::start(&plane, &client, options)
+            .await
+            .map_err(|e| e.to_string())
+    })?;
+    eprintln!(
+        "real node {NODE} Ready {:.1} s after its start (control plane {:.1} s)",
+        node.startup.as_secs_f64(),
+        plane.startup.as_secs_f64()
+    );
+    Ok(RealCluster { plane, node })
+}
+
+/// A namespace of the test's own on the lane's cluster.
+pub async fn real_env(test: &str) -> TestEnv {
+    let plane = &cluster().plane;
+    let client = plane.client().await.expect("admin client");
+    let namespace = test.replace('_', "-").chars().take(60).collect::<String>();
+    let ns: kube::Api<k8s_openapi::api::core::v1::Namespace> = kube::Api::all(client.clone());
+    let body = serde_json::from_value(json!({"metadata": {"name": namespace}})).unwrap();
+    ns.create(&Default::default(), &body)
+        .await
+        .expect("create test namespace");
+    TestEnv {
+        client,
+        namespace,
+        plane,
+    }
+}
+
+/// An operator for the test's namespace on the real node: model pods run
+/// the local fake-model-server image, GPU holders the local pause image,
+/// and the test's residencies get GPUs no other test of the lane uses.
+pub async fn real_harness(test: &str, gpus: u32) -> Harness {
+    static NEXT_GPU: AtomicU32 = AtomicU32::new(0);
+    let env = real_env(test).await;
+    env.install_crds();
+    let first = NEXT_GPU.fetch_add(gpus, Ordering::Relaxed);
+    assert!(
+        first + gpus <= GPUS,
+        "the lane's tests want more than {GPUS} GPUs"
+    );
+    let mut h = Harness::with(env, NODE.into(), None, |client| {
+        Context::with_holder_image(client, PAUSE_IMAGE)
+    });
+    h.template = real_template;
+    h.next_device = AtomicU32::new(first);
+    h
+}
+
+/// A model pod that runs the fake model server in a container: its model
+/// and pod name from the downward API, Ready by its own `/health`, ten
+/// seconds to drain.
+pub fn real_template(_model: &str) -> serde_json::Value {
+    json!({"spec": {
+        "terminationGracePeriodSeconds": 10,
+        "containers": [{
+            "name": "server", "image": MODEL_SERVER_IMAGE, "imagePullPolicy": "Never",
+            "args": ["--stream-delay-ms", "20", "--drain-secs", "8"],
+            "env": [
+                {"name": "MODEL_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['residency.dev/model']"}}},
+                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            ],
+            "ports": [{"containerPort": 8080}],
+            "readinessProbe": {"httpGet": {"path": "/health", "port": 8080}, "periodSeconds": 1},
+        }],
+    }})
+}
