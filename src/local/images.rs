@@ -1,7 +1,7 @@
 //! The real node's images, made locally (nothing is pulled from outside):
 //! one layer holding this project's own binary (stripped of its debug
 //! information when `strip` is there) with the shared libraries `ldd` lists
-//! for it, and two images on that layer: the fake model server
+//! for it and the system's CA bundle, and two images on that layer: the fake model server
 //! ([`MODEL_SERVER_IMAGE`], entrypoint `model-residency fake-model-server`)
 //! and the pod sandbox and GPU holder image ([`PAUSE_IMAGE`], entrypoint
 //! `model-residency pause`). Both are written as one OCI image layout tar
@@ -59,7 +59,7 @@ pub fn shared_libraries(binary: &Path) -> std::io::Result<Vec<PathBuf>> {
 }
 
 /// Writes the layer tar to `out`: the binary at [`BINARY_IN_IMAGE`], each
-/// library at its own path (links followed: a container has no host to
+/// library (and the CA bundle) at its own path (links followed: a container has no host to
 /// point into), and the empty directories a container's runtime mounts
 /// over.
 fn write_layer(binary: &Path, libraries: &[PathBuf], out: &Path) -> std::io::Result<Blob> {
@@ -108,7 +108,14 @@ pub fn write_layout(binary: &Path, scratch: &Path, out: &Path) -> std::io::Resul
     if !strip.is_ok_and(|s| s.success()) {
         std::fs::copy(binary, &stripped)?;
     }
-    let libraries = shared_libraries(binary)?;
+    let mut libraries = shared_libraries(binary)?;
+    // The system's CA bundle, as a distroless base has it: a client with
+    // native roots (the node agent's kube client) refuses to start without
+    // one, even for a server it does not verify.
+    let bundle = Path::new("/etc/ssl/certs/ca-certificates.crt");
+    if bundle.is_file() {
+        libraries.push(bundle.to_owned());
+    }
     let layer_path = scratch.join("layer.tar");
     let layer = write_layer(&stripped, &libraries, &layer_path)?;
     let mut blobs: Vec<(String, Vec<u8>)> = Vec::new();

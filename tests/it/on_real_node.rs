@@ -220,6 +220,19 @@ async fn an_unloaded_pod_finishes_its_stream_after_sigterm_and_gets_nothing_new(
         p.metadata.deletion_timestamp.is_some().then_some(())
     })
     .await;
+    // The container's own log, followed from now until it exits: the
+    // kubelet sent it SIGTERM, and it drained before it went.
+    let follow = {
+        let kubectl = model_residency::local::control_plane::kubectl();
+        let (kubeconfig, ns) = (h.env.plane.kubeconfig().to_owned(), h.env.namespace.clone());
+        let pod = pod_name(&pod);
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new(kubectl)
+                .env("KUBECONFIG", kubeconfig)
+                .args(["-n", &ns, "logs", "-f", &pod])
+                .output()
+        })
+    };
     // Nothing new reaches the draining pod: the router holds the request
     // for a new load instead (answered by another pod, or still held).
     let next = tokio::spawn({
@@ -244,6 +257,17 @@ async fn an_unloaded_pod_finishes_its_stream_after_sigterm_and_gets_nothing_new(
         answer.body.len()
     );
     assert!(answer.body.contains("data: [DONE]"));
+    let logs = tokio::time::timeout(std::time::Duration::from_secs(30), follow)
+        .await
+        .expect("the container to exit within its grace period")
+        .unwrap()
+        .expect("kubectl logs -f");
+    let logs = String::from_utf8_lossy(&logs.stdout);
+    let (term, drained) = (logs.find("got SIGTERM"), logs.find("drained; exiting"));
+    assert!(
+        term.is_some() && drained > term,
+        "the container's log:\n{logs}"
+    );
     let next = next.await.unwrap();
     if next.status == 200 {
         let served_by = json_of(&next)["pod"].clone();
@@ -253,13 +277,8 @@ async fn an_unloaded_pod_finishes_its_stream_after_sigterm_and_gets_nothing_new(
             Some(uid.clone()),
             "a new pod served it"
         );
-    }
-    // The container's own log says it got SIGTERM and drained.
-    let logs = h.env.kubectl(&["logs", &pod_name(&pod)]);
-    let logs =
-        String::from_utf8_lossy(&logs.stdout).into_owned() + &String::from_utf8_lossy(&logs.stderr);
-    if logs.contains("got SIGTERM") {
-        assert!(logs.contains("drained"), "{logs}");
+    } else {
+        assert_eq!(next.status, 503, "{}", next.body);
     }
 }
 
@@ -322,4 +341,156 @@ async fn a_container_killed_under_the_kubelet_is_seen_and_its_model_loaded_again
     assert_ne!(again.metadata.uid, pod.metadata.uid, "a new pod serves it");
     let (new_id, _, _) = container_of(&again);
     assert_ne!(new_id.trim_start_matches("containerd://"), id);
+}
+
+#[tokio::test]
+#[ignore = "needs the real node's lane (scripts/test.sh runs it)"]
+async fn the_warm_tier_sleeps_and_wakes_the_same_container() {
+    let h = real_harness("real-node-warm", 1).await;
+    let mut template = crate::support::lane::real_template("a");
+    template["spec"]["containers"][0]["env"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({"name": "FAKE_SLEEP", "value": "sleep=100ms,wake=50ms"}));
+    let r: model_residency::api::ModelResidency = serde_json::from_value(serde_json::json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": "warm"},
+        "spec": {
+            "nodeName": NODE, "device": h.next_device.load(std::sync::atomic::Ordering::Relaxed).to_string(),
+            "budget": "10Gi", "warm": {"hostBudget": "8Gi"},
+            "models": [
+                {"name": "a", "size": "6Gi", "sleep": {"preset": "vllm", "sleepingSize": "1Gi"}, "template": template},
+                {"name": "b", "size": "6Gi", "template": crate::support::lane::real_template("b")},
+            ],
+        },
+    }))
+    .unwrap();
+    h.api.create(&Default::default(), &r).await.unwrap();
+    h.placed("warm").await;
+    let router = RouterUnderTest::exact(&h).await;
+    assert_served_by(&router.chat("a").await, "a");
+    let first = model_pod(&h, "warm", "a").await;
+    let before = inside(&first, "/fake/container").await;
+    // b needs the room: a sleeps in its container instead of going.
+    assert_served_by(&router.chat("b").await, "b");
+    h.until_state("warm", "a", ModelState::Sleeping, 60).await;
+    assert_eq!(inside(&first, "/fake/stats").await["asleep"], true);
+    // a again: woken in the same container (same id, same process).
+    assert_served_by(&router.chat("a").await, "a");
+    let now = model_pod(&h, "warm", "a").await;
+    assert_eq!(
+        container_of(&now).0,
+        container_of(&first).0,
+        "the same container"
+    );
+    assert_eq!(now.metadata.uid, first.metadata.uid);
+    let after = inside(&now, "/fake/container").await;
+    assert_eq!(after["pid"], before["pid"], "the same process");
+    let stats = inside(&now, "/fake/stats").await;
+    assert_eq!(
+        (stats["sleeps"].as_u64(), stats["wakes"].as_u64()),
+        (Some(1), Some(1)),
+        "{stats}"
+    );
+    let restarts = now.status.unwrap().container_statuses.unwrap()[0].restart_count;
+    assert_eq!(restarts, 0);
+}
+
+#[tokio::test]
+#[ignore = "needs the real node's lane (scripts/test.sh runs it)"]
+async fn the_node_agent_runs_as_a_pod_and_the_artifact_is_read_only_in_the_model_container() {
+    use crate::support::artifact_server::{serve, sha256_hex, weights};
+    let h = real_harness("real-node-artifact", 1).await;
+    let (addr, requests) = serve().await;
+    // The agent as a DaemonSet's pod would run it: host network (the API
+    // server is on the lane's loopback), its cache a hostPath that the
+    // model pods' hostPath mounts then share, on the real node.
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    std::fs::create_dir_all(&cache).unwrap();
+    let cache = cache.display().to_string();
+    let kubeconfig = h.env.plane.kubeconfig().display().to_string();
+    let port = crate::support::http::free_port();
+    let agent: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "node-agent"},
+        "spec": {
+            "nodeName": NODE, "hostNetwork": true, "terminationGracePeriodSeconds": 1,
+            "containers": [{
+                "name": "agent", "image": model_residency::local::images::MODEL_SERVER_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["/model-residency", "node-agent", "--node", NODE, "--disk-budget", "10Mi",
+                            "--cache-dir", cache, "--allowed-sources", format!("http://{addr}/"),
+                            "--http-addr", format!("127.0.0.1:{port}")],
+                "env": [{"name": "KUBECONFIG", "value": "/etc/lane/kubeconfig"}, {"name": "RUST_LOG", "value": "info"}],
+                "readinessProbe": {"httpGet": {"host": "127.0.0.1", "path": "/readyz", "port": port}, "periodSeconds": 1},
+                "volumeMounts": [{"name": "cache", "mountPath": cache},
+                                 {"name": "kubeconfig", "mountPath": "/etc/lane/kubeconfig", "readOnly": true}],
+            }],
+            "volumes": [{"name": "cache", "hostPath": {"path": cache, "type": "Directory"}},
+                        {"name": "kubeconfig", "hostPath": {"path": kubeconfig, "type": "File"}}],
+        },
+    }))
+    .unwrap();
+    h.pods.create(&Default::default(), &agent).await.unwrap();
+    let ready = tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        loop {
+            let p = h.pods.get("node-agent").await.unwrap();
+            let conditions = p.status.and_then(|s| s.conditions).unwrap_or_default();
+            if conditions
+                .iter()
+                .any(|c| c.type_ == "Ready" && c.status == "True")
+            {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    if ready.is_err() {
+        let describe = h.env.kubectl(&["describe", "pod", "node-agent"]);
+        let logs = h.env.kubectl(&["logs", "node-agent"]);
+        panic!(
+            "the node agent's pod not Ready in 60 s:\n{}\n{}{}",
+            String::from_utf8_lossy(&describe.stdout),
+            String::from_utf8_lossy(&logs.stdout),
+            String::from_utf8_lossy(&logs.stderr)
+        );
+    }
+    let artifact = serde_json::json!({"files": [{"uri": format!("http://{addr}/weights.bin"),
+        "sha256": sha256_hex(&weights())}], "size": "1Mi"});
+    let mut w = serde_json::json!({"name": "w", "size": "20Gi", "template": crate::support::lane::real_template("w")});
+    w["artifact"] = artifact;
+    let r: model_residency::api::ModelResidency = serde_json::from_value(serde_json::json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": "art"},
+        "spec": {"nodeName": NODE, "device": h.next_device.load(std::sync::atomic::Ordering::Relaxed).to_string(),
+                 "budget": "40Gi", "models": [w]},
+    }))
+    .unwrap();
+    h.api.create(&Default::default(), &r).await.unwrap();
+    h.placed("art").await;
+    let router = RouterUnderTest::exact(&h).await;
+    assert_served_by(&router.chat("w").await, "w");
+    let pod = model_pod(&h, "art", "w").await;
+    // Read inside the container, through the kubelet's real bind mount.
+    let file = inside(&pod, "/fake/file?path=/models/w/weights.bin").await;
+    assert_eq!(file["sha256"], sha256_hex(&weights()).as_str(), "{file}");
+    assert_eq!(file["bytes"], weights().len());
+    assert_eq!(file["writable"], false, "{file}");
+    assert!(
+        file["write_error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("Read-only file system"),
+        "{file}"
+    );
+    assert_eq!(
+        requests.load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "fetched once"
+    );
+    h.pods
+        .delete("node-agent", &Default::default())
+        .await
+        .unwrap();
 }
