@@ -25,8 +25,10 @@ mod warm;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, PostParams};
 use model_residency::api::{ModelResidency, ModelState};
-use model_residency::local::control_plane::ControlPlane;
+use model_residency::local::control_plane::{ControlPlane, PlaneOptions};
+use model_residency::local::images::{MODEL_SERVER_IMAGE, PAUSE_IMAGE, model_server_template};
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
+use model_residency::local::real_node::{RealNode, RealNodeOptions};
 use model_residency::residency::demand;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -50,6 +52,49 @@ pub struct Args {
     /// Seconds the stand-in kubelet takes to "load" each GiB of a model.
     #[arg(long, default_value_t = 0.05)]
     load_secs_per_gib: f64,
+    /// Which node runs the pods: `real` (the real kubelet and containerd,
+    /// in a lane of their own: scripts/real-node.sh builds them), `stand-in`
+    /// (the kubelet stand-in), or `auto`: real when it can run here (root,
+    /// the real node's binaries built), the stand-in otherwise, saying why.
+    #[arg(long, value_enum, default_value_t = NodeKind::Auto)]
+    node: NodeKind,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeKind {
+    Auto,
+    Real,
+    StandIn,
+}
+
+/// Why a real node cannot run here, if it cannot.
+fn real_node_unavailable() -> Option<String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("a real node needs root (namespaces, mounts, cgroups)".into());
+    }
+    if let Err(e) = model_residency::local::real_node::find_binaries() {
+        return Some(e.to_string());
+    }
+    None
+}
+
+/// Runs this demo again inside a lane, for the real node: its own network,
+/// mount and PID namespaces (src/local/lane.rs).
+fn in_a_lane() -> Result<(), Failure> {
+    let mut command: Vec<std::ffi::OsString> =
+        vec![std::env::current_exe().map_err(Failure::other)?.into()];
+    command.extend(std::env::args_os().skip(1));
+    command.extend(["--node".into(), "real".into()]);
+    let status = model_residency::local::lane::run(&command).map_err(Failure::other)?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(Failure {
+            message: format!("the demo on the real node {status}"),
+            code: 1,
+        })
+    }
 }
 
 fn fail(what: &str) -> impl Fn(kube::Error) -> Failure + '_ {
@@ -60,6 +105,17 @@ fn fail(what: &str) -> impl Fn(kube::Error) -> Failure + '_ {
 }
 
 pub fn run(args: Args) -> Result<(), Failure> {
+    let in_lane = model_residency::local::lane::current().is_some();
+    let real = match (args.node, real_node_unavailable()) {
+        (NodeKind::StandIn, _) => false,
+        (_, None) if !in_lane => return in_a_lane(),
+        (_, None) => true,
+        (NodeKind::Real, Some(why)) => return Err(Failure::other(why)),
+        (NodeKind::Auto, Some(why)) => {
+            say(&format!("The demo runs on the kubelet stand-in: {why}"));
+            false
+        }
+    };
     let manifest = std::fs::read_to_string(&args.manifest)
         .map_err(|e| Failure::bad_input(format!("{}: {e}", args.manifest.display())))?;
     let residency: ModelResidency = serde_saphyr::from_str(&manifest)
@@ -67,7 +123,11 @@ pub fn run(args: Args) -> Result<(), Failure> {
     say(
         "Starting a local Kubernetes control plane (etcd, kube-apiserver, kube-scheduler, kube-controller-manager)...",
     );
-    let plane = ControlPlane::start().map_err(|e| Failure {
+    let node = demo_node(&residency);
+    let options = PlaneOptions {
+        real_node: real.then(|| node.clone()),
+    };
+    let plane = ControlPlane::start_with(options).map_err(|e| Failure {
         message: e.to_string(),
         code: 1,
     })?;
@@ -87,13 +147,23 @@ pub fn run(args: Args) -> Result<(), Failure> {
             code: 1,
         })?;
     let started = Instant::now();
-    let result = runtime.block_on(story(&plane, residency, args.load_secs_per_gib));
+    let node = if real {
+        Node::Real
+    } else {
+        Node::StandIn(args.load_secs_per_gib)
+    };
+    let result = runtime.block_on(story(&plane, residency, node));
     runtime.shutdown_timeout(Duration::from_secs(2));
     drop(plane);
     if result.is_ok() {
         say(&format!(
-            "Done in {:.0} s. The control plane, the operator and the stand-in kubelet are stopped and their files removed.",
-            started.elapsed().as_secs_f64()
+            "Done in {:.0} s. The control plane, the operator and the {} are stopped and their files removed.",
+            started.elapsed().as_secs_f64(),
+            if real {
+                "real node (its containers with it)"
+            } else {
+                "stand-in kubelet"
+            }
         ));
     }
     result
@@ -149,16 +219,82 @@ fn demo_node(r: &ModelResidency) -> String {
         .unwrap_or_else(|| "gpu-node-1".into())
 }
 
+/// The node the demo's pods run on.
+#[derive(Clone, Copy, Debug)]
+enum Node {
+    /// The real kubelet and containerd (in the demo's lane).
+    Real,
+    /// The kubelet stand-in, with its seconds of "loading" per GiB.
+    StandIn(f64),
+}
+
+/// Whichever node runs, kept until the demo ends.
+enum RunningNode {
+    #[allow(dead_code)] // held for its Drop
+    Real(RealNode),
+    #[allow(dead_code)] // held for its Drop
+    StandIn(FakeKubelet),
+}
+
+/// Starts the demo's node: two GPUs (the residency's claim takes one,
+/// `gpus` shows the other free; the warm tier's residency then takes it).
+async fn start_node(
+    plane: &ControlPlane,
+    client: &kube::Client,
+    name: &str,
+    node: Node,
+) -> Result<RunningNode, Failure> {
+    match node {
+        Node::Real => {
+            say(&format!(
+                "Starting a real node {name}: the kubelet {} on containerd {} and runc, pods on a bridge of the demo's own network namespace, its two GPUs published by a DRA kubelet plugin (fake devices: this machine has none); images made from this binary",
+                model_residency::local::control_plane::KUBERNETES_VERSION,
+                model_residency::local::real_node::CONTAINERD_VERSION
+            ));
+            let options = RealNodeOptions {
+                name: name.to_owned(),
+                gpus: 2,
+                gpu_memory: 80 << 30,
+                binary: std::env::current_exe().map_err(Failure::other)?,
+            };
+            let real = RealNode::start(plane, client, options)
+                .await
+                .map_err(Failure::other)?;
+            println!(
+                "   node {name} Ready in {:.1} s",
+                real.startup.as_secs_f64()
+            );
+            kubectl(plane.kubeconfig(), &["get", "nodes", "-o", "wide"]);
+            Ok(RunningNode::Real(real))
+        }
+        Node::StandIn(secs_per_gib) => {
+            say(&format!(
+                "Registering fake GPU node {name} with the kubelet stand-in (pods become Ready after {secs_per_gib} s per GiB)"
+            ));
+            let mut config = KubeletConfig::instant(&[name]);
+            config.nodes[0].gpus = 2;
+            config.load_delay = Duration::from_millis(100);
+            config.delay_per_gib = Duration::from_secs_f64(secs_per_gib.max(0.0));
+            config.terminating_delay = Duration::from_millis(200);
+            let kubelet = FakeKubelet::start(client.clone(), config)
+                .await
+                .map_err(fail("register the node"))?;
+            Ok(RunningNode::StandIn(kubelet))
+        }
+    }
+}
+
 async fn story(
     plane: &ControlPlane,
-    residency: ModelResidency,
-    secs_per_gib: f64,
+    mut residency: ModelResidency,
+    node_kind: Node,
 ) -> Result<(), Failure> {
     let client = plane.client().await.map_err(|e| Failure {
         message: e.to_string(),
         code: 1,
     })?;
     let kc = plane.kubeconfig();
+    let real = matches!(node_kind, Node::Real);
 
     say("Installing the ModelResidency CRD (model-residency crd | kubectl apply -f -)");
     model_residency::local::install_crd(&client)
@@ -166,20 +302,16 @@ async fn story(
         .map_err(fail("install the CRD"))?;
 
     let node = demo_node(&residency);
-    say(&format!(
-        "Registering fake GPU node {node} with the kubelet stand-in (pods become Ready after {secs_per_gib} s per GiB)"
-    ));
-    let mut config = KubeletConfig::instant(&[&node]);
-    // Two GPUs: the residency's claim takes one, `gpus` shows the other free.
-    config.nodes[0].gpus = 2;
-    config.load_delay = Duration::from_millis(100);
-    config.delay_per_gib = Duration::from_secs_f64(secs_per_gib.max(0.0));
-    config.terminating_delay = Duration::from_millis(200);
-    let _kubelet = FakeKubelet::start(client.clone(), config)
-        .await
-        .map_err(fail("register the node"))?;
+    let _node = start_node(plane, &client, &node, node_kind).await?;
+    if real {
+        // The manifest's images are examples; on a real node every model
+        // runs the local fake model server image instead.
+        for model in &mut residency.spec.models {
+            model.template = serde_json::from_value(model_server_template(8080, None)).ok();
+        }
+    }
 
-    let operator = start_operator(plane).await?;
+    let operator = start_operator(plane, real).await?;
 
     let namespaces: Api<Namespace> = Api::all(client.clone());
     let ns: Namespace =
@@ -275,7 +407,7 @@ async fn story(
     }
 
     let (node_agent, disk) = disk_tier(plane, &api, &name, &residency, &router.addr).await?;
-    warm::warm_tier(&api, kc, &demo_node(&residency), &router.addr).await?;
+    warm::warm_tier(&api, kc, &demo_node(&residency), &router.addr, real).await?;
 
     say("What the router serves (curl /v1/models)");
     println!("$ curl -s http://{}/v1/models", router.addr);
@@ -553,8 +685,11 @@ async fn disk_tier(
         .first()
         .map(|m| serde_json::to_value(&m.template).unwrap_or_default())
         .unwrap_or_default();
-    template["spec"]["containers"][0]["image"] = "ghcr.io/example/llama-server:1.0".into();
-    template["spec"]["containers"][0]["args"] = serde_json::json!(["--model", "llama"]);
+    // The stand-in runs any image; a real node keeps the local one.
+    if template["spec"]["containers"][0]["image"] != MODEL_SERVER_IMAGE {
+        template["spec"]["containers"][0]["image"] = "ghcr.io/example/llama-server:1.0".into();
+        template["spec"]["containers"][0]["args"] = serde_json::json!(["--model", "llama"]);
+    }
     let model = serde_json::json!({
         "name": "llama", "size": "2000Mi", "template": template,
         "artifact": source.artifact,
@@ -864,16 +999,15 @@ async fn spawn_as(
 }
 
 /// `model-residency run --leader-elect`, as the chart's ServiceAccount.
-async fn start_operator(plane: &ControlPlane) -> Result<Process, Failure> {
+async fn start_operator(plane: &ControlPlane, real: bool) -> Result<Process, Failure> {
     install_rbac(plane)?;
     say("Starting the operator: model-residency run --leader-elect, as the chart's ServiceAccount");
-    spawn_as(
-        plane,
-        "operator",
-        "model-residency",
-        &["run", "--leader-elect", "--lease-namespace", OPERATOR_NS],
-    )
-    .await
+    let mut args = vec!["run", "--leader-elect", "--lease-namespace", OPERATOR_NS];
+    if real {
+        // The GPU holder runs the local pause image (nothing is pulled).
+        args.extend(["--gpu-holder-image", PAUSE_IMAGE]);
+    }
+    spawn_as(plane, "operator", "model-residency", &args).await
 }
 
 /// `model-residency route`, as the chart's router ServiceAccount. A zero

@@ -21,6 +21,32 @@ pub const PAUSE_IMAGE: &str = "localhost/model-residency/pause:dev";
 /// Where the binary is inside both images.
 pub const BINARY_IN_IMAGE: &str = "/model-residency";
 
+/// A model pod template that runs the fake model server from
+/// [`MODEL_SERVER_IMAGE`] on a real node: its model and pod name from the
+/// downward API (the operator labels each model pod with its model), Ready
+/// by its own `/health` on `port`, its sleep delays and faults from
+/// `sleep` (`sleep=100ms,wake=50ms`; the stand-in's annotation says the
+/// same), ten seconds to drain (eight of them for answers in progress).
+pub fn model_server_template(port: u16, sleep: Option<&str>) -> serde_json::Value {
+    let mut env = vec![
+        json!({"name": "MODEL_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['residency.dev/model']"}}}),
+        json!({"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}),
+    ];
+    if let Some(sleep) = sleep {
+        env.push(json!({"name": "FAKE_SLEEP", "value": sleep}));
+    }
+    json!({"spec": {
+        "terminationGracePeriodSeconds": 10,
+        "containers": [{
+            "name": "server", "image": MODEL_SERVER_IMAGE, "imagePullPolicy": "Never",
+            "args": ["--listen", format!("0.0.0.0:{port}"), "--stream-delay-ms", "20", "--drain-secs", "8"],
+            "env": env,
+            "ports": [{"containerPort": port}],
+            "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 1},
+        }],
+    }})
+}
+
 const LAYER_TYPE: &str = "application/vnd.oci.image.layer.v1.tar";
 const CONFIG_TYPE: &str = "application/vnd.oci.image.config.v1+json";
 const MANIFEST_TYPE: &str = "application/vnd.oci.image.manifest.v1+json";

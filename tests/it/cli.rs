@@ -374,4 +374,15 @@ fn the_demo_runs_end_to_end() {
             "{want:?} not in the demo's output:\n{text}"
         );
     }
+    // On the real node when scripts/test.sh provisioned it; otherwise on
+    // the stand-in, saying why.
+    let which = if std::env::var_os("MODEL_RESIDENCY_REAL_NODE").is_some() {
+        "containerd://2.4.2"
+    } else {
+        "The demo runs on the kubelet stand-in: "
+    };
+    assert!(
+        text.contains(which),
+        "{which:?} not in the demo's output:\n{text}"
+    );
 }

@@ -347,11 +347,8 @@ async fn a_container_killed_under_the_kubelet_is_seen_and_its_model_loaded_again
 #[ignore = "needs the real node's lane (scripts/test.sh runs it)"]
 async fn the_warm_tier_sleeps_and_wakes_the_same_container() {
     let h = real_harness("real-node-warm", 1).await;
-    let mut template = crate::support::lane::real_template("a");
-    template["spec"]["containers"][0]["env"]
-        .as_array_mut()
-        .unwrap()
-        .push(serde_json::json!({"name": "FAKE_SLEEP", "value": "sleep=100ms,wake=50ms"}));
+    let template =
+        model_residency::local::images::model_server_template(8080, Some("sleep=100ms,wake=50ms"));
     let r: model_residency::api::ModelResidency = serde_json::from_value(serde_json::json!({
         "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
         "metadata": {"name": "warm"},

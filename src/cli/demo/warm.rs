@@ -42,11 +42,24 @@ pub(super) async fn warm_tier(
     kc: &Path,
     node: &str,
     router: &str,
+    real: bool,
 ) -> Result<(), Failure> {
+    let cold = if real {
+        "a cold load here is a container's start and its readiness probe"
+    } else {
+        "a cold load here is the stand-in's 0.05 s per GiB, 0.3 s"
+    };
     say(&format!(
-        "The warm tier: {NAME} on the node's second GPU, a 10Gi budget with 16Gi of host memory for sleeping models; chat-a (6Gi) sleeps at 1Gi by the vllm preset (its fake server sleeps in 100 ms and wakes in 50 ms; a cold load here is the stand-in's 0.05 s per GiB, 0.3 s), chat-b (6Gi) cannot sleep"
+        "The warm tier: {NAME} on the node's second GPU, a 10Gi budget with 16Gi of host memory for sleeping models; chat-a (6Gi) sleeps at 1Gi by the vllm preset (its fake server sleeps in 100 ms and wakes in 50 ms; {cold}), chat-b (6Gi) cannot sleep"
     ));
+    // On a real node, the local fake model server image (its sleep from
+    // its environment); on the stand-in, vLLM's image, never pulled (its
+    // fake server's sleep from the annotation).
     let template = |annotations: serde_json::Value| {
+        if real {
+            let sleep = annotations[SLEEP_ANNOTATION].as_str();
+            return model_residency::local::images::model_server_template(8000, sleep);
+        }
         serde_json::json!({"metadata": {"annotations": annotations},
             "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
                 "ports": [{"containerPort": 8000}]}]}})

@@ -11,7 +11,7 @@ use super::cluster::TestEnv;
 use super::operator::Harness;
 use model_residency::controller::Context;
 use model_residency::local::control_plane::{ControlPlane, PlaneOptions};
-use model_residency::local::images::{MODEL_SERVER_IMAGE, PAUSE_IMAGE};
+use model_residency::local::images::{PAUSE_IMAGE, model_server_template};
 use model_residency::local::real_node::{RealNode, RealNodeOptions};
 use serde_json::json;
 use std::sync::OnceLock;
@@ -108,21 +108,7 @@ pub async fn real_harness(test: &str, gpus: u32) -> Harness {
     h
 }
 
-/// A model pod that runs the fake model server in a container: its model
-/// and pod name from the downward API, Ready by its own `/health`, ten
-/// seconds to drain.
+/// A model pod that runs the fake model server in a container.
 pub fn real_template(_model: &str) -> serde_json::Value {
-    json!({"spec": {
-        "terminationGracePeriodSeconds": 10,
-        "containers": [{
-            "name": "server", "image": MODEL_SERVER_IMAGE, "imagePullPolicy": "Never",
-            "args": ["--stream-delay-ms", "20", "--drain-secs", "8"],
-            "env": [
-                {"name": "MODEL_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['residency.dev/model']"}}},
-                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-            ],
-            "ports": [{"containerPort": 8080}],
-            "readinessProbe": {"httpGet": {"path": "/health", "port": 8080}, "periodSeconds": 1},
-        }],
-    }})
+    model_server_template(8080, None)
 }
