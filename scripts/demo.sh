@@ -14,6 +14,11 @@ export HELM
 # The local OCI registry the disk step pulls llama's weights from.
 bash scripts/registry.sh >/dev/null \
   || echo "note: no docker-registry; the disk step fetches from an http store instead" >&2
+# The real node (kubelet, containerd, the fake-GPU DRA plugin; about 2.5
+# minutes after the control plane's build, cached): the demo runs its pods
+# there, or on the kubelet stand-in when it cannot (it says why).
+MODEL_RESIDENCY_REAL_NODE=$(bash scripts/real-node.sh install) && export MODEL_RESIDENCY_REAL_NODE \
+  || echo "note: no real node; the demo runs on the kubelet stand-in" >&2
 bash scripts/build-tools.sh
 echo "[demo] building model-residency (release)..." >&2
 cargo build --release --locked --quiet
