@@ -189,10 +189,14 @@ impl FakeModelServer {
 /// (hyper's graceful shutdown closes idle keep-alives) and returns once all
 /// have, or after `drain`, whichever is first.
 async fn serve(listener: TcpListener, server: Arc<Server>, stop: Option<Stop>) {
+    // Without a stop, a signal that never comes: its sender lives as long
+    // as the server (a dropped sender would end `wait_for` at once).
+    let (never, unstoppable) = tokio::sync::watch::channel(false);
     let (mut stopping, drain) = match stop {
         Some(s) => (s.signal, s.drain),
-        None => (tokio::sync::watch::channel(false).1, Duration::ZERO),
+        None => (unstoppable, Duration::ZERO),
     };
+    let _never = never;
     let mut connections = tokio::task::JoinSet::new();
     loop {
         let accepted = tokio::select! {
@@ -285,4 +289,74 @@ async fn read_body(req: Request<Incoming>) -> Option<Bytes> {
         .await
         .ok()
         .map(|b| b.to_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::http::send;
+
+    fn server() -> Arc<Server> {
+        Arc::new(Server {
+            id: Identity {
+                model: "m".into(),
+                pod: "p".into(),
+            },
+            sleep: SleepBehaviour::default(),
+            state: SleepState::default(),
+            stream_delay: Duration::from_millis(10),
+        })
+    }
+
+    #[tokio::test]
+    async fn a_server_without_a_stop_keeps_serving() {
+        let s = FakeModelServer::start(
+            "127.0.0.1:0".parse().unwrap(),
+            Identity {
+                model: "m".into(),
+                pod: "p".into(),
+            },
+            Duration::from_millis(10),
+            SleepBehaviour::default(),
+        )
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        for _ in 0..3 {
+            let a = send(s.addr, "GET", "/health", "").await.unwrap();
+            assert_eq!(a.status, 200);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stop_finishes_the_stream_in_flight_and_accepts_nothing_new() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let stop = Stop {
+            signal: rx,
+            drain: Duration::from_secs(10),
+        };
+        let serving = tokio::spawn(serve(listener, server(), Some(stop)));
+        let body = r#"{"model":"m","stream":true,"max_tokens":30}"#;
+        let stream =
+            tokio::spawn(async move { send(addr, "POST", "/v1/chat/completions", body).await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        tx.send(true).unwrap();
+        let answer = stream.await.unwrap().unwrap();
+        assert_eq!(
+            answer.body.matches("data: {").count(),
+            30,
+            "{}",
+            answer.body
+        );
+        tokio::time::timeout(Duration::from_secs(5), serving)
+            .await
+            .expect("the server returns once drained")
+            .unwrap();
+        assert!(
+            send(addr, "GET", "/health", "").await.is_err(),
+            "no longer accepting"
+        );
+    }
 }
