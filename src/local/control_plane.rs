@@ -265,42 +265,13 @@ impl ControlPlane {
     pub fn start_with(options: PlaneOptions) -> Result<Self, ControlPlaneError> {
         let assets = find_assets()?;
         let t0 = Instant::now();
-        // etcd fsyncs every write; on tmpfs that costs nothing. In a lane,
-        // the lane's directory: the janitor dies with the lane, and the
-        // lane removes its directory.
-        let base = Path::new("/dev/shm");
-        let dir = if base.is_dir() && super::lane::current().is_none() {
-            tempfile::Builder::new()
-                .prefix("model-residency-cp.")
-                .tempdir_in(base)?
-        } else {
-            tempfile::Builder::new()
-                .prefix("model-residency-cp.")
-                .tempdir()?
-        };
+        let dir = plane_dir()?;
         let d = dir.path();
         let etcd_port = free_port()?;
         let peer_port = free_port()?;
         let apiserver_port = free_port()?;
 
-        // Credentials: a static admin token and a service-account key.
-        let mut tokens = format!("{ADMIN_TOKEN},admin,admin,\"system:masters\"\n");
-        if let Some(node) = &options.real_node {
-            tokens += &format!(
-                "{KUBELET_TOKEN},system:node:{node},system:node:{node},\"system:nodes\"\n"
-            );
-        }
-        fs::write(d.join("tokens.csv"), tokens)?;
-        let status = Command::new("openssl")
-            .args(["genrsa", "-out"])
-            .arg(d.join("sa.key"))
-            .arg("2048")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()?;
-        if !status.success() {
-            return Err(std::io::Error::other("openssl genrsa failed").into());
-        }
+        write_credentials(d, &options)?;
         let kubeconfig = d.join("kubeconfig");
         write_kubeconfig(&kubeconfig, apiserver_port)?;
 
@@ -326,12 +297,20 @@ impl ControlPlane {
         plane.start_janitor()?;
         plane.start_apiserver()?;
         plane.wait_ready(Duration::from_secs(60))?;
-        let kubeconfig = format!("--kubeconfig={}", plane.kubeconfig.display());
+        plane.start_managers()?;
+        plane.start_janitor()?;
+        plane.startup = t0.elapsed();
+        Ok(plane)
+    }
+
+    /// Starts kube-controller-manager and kube-scheduler.
+    fn start_managers(&mut self) -> Result<(), ControlPlaneError> {
+        let kubeconfig = format!("--kubeconfig={}", self.kubeconfig.display());
         // No serving (--secure-port=0): parallel control planes must not
         // share ports.
         let mut controllers =
             "garbage-collector-controller,namespace-controller,resourceclaim-controller".to_owned();
-        if plane.real_node {
+        if self.real_node {
             controllers += ",node-lifecycle-controller";
         }
         let manager = [
@@ -343,20 +322,18 @@ impl ControlPlane {
             "--concurrent-gc-syncs=5".into(),
         ];
         // Each binary is named as its process is.
-        let (assets, dir) = (plane.assets.clone(), plane.dir.path().to_owned());
+        let (assets, dir) = (self.assets.clone(), self.dir.path().to_owned());
         let start = |name: &'static str, args: &[String]| {
             start_process(name, &assets.join(name), args, &dir)
         };
-        plane.controller_manager = start("kube-controller-manager", &manager)?;
+        self.controller_manager = start("kube-controller-manager", &manager)?;
         let scheduler = [
             kubeconfig,
             "--leader-elect=false".into(),
             "--secure-port=0".into(),
         ];
-        plane.scheduler = start("kube-scheduler", &scheduler)?;
-        plane.start_janitor()?;
-        plane.startup = t0.elapsed();
-        Ok(plane)
+        self.scheduler = start("kube-scheduler", &scheduler)?;
+        Ok(())
     }
 
     fn start_apiserver(&mut self) -> Result<(), ControlPlaneError> {
@@ -597,6 +574,43 @@ impl Drop for ControlPlane {
             let _ = j.wait();
         }
     }
+}
+
+/// The control plane's directory: etcd fsyncs every write, and on tmpfs
+/// that costs nothing. In a lane, under the lane's directory instead: the
+/// janitor dies with the lane, and the lane removes its directory.
+fn plane_dir() -> std::io::Result<tempfile::TempDir> {
+    let base = Path::new("/dev/shm");
+    let builder = tempfile::Builder::new()
+        .prefix("model-residency-cp.")
+        .clone();
+    if base.is_dir() && super::lane::current().is_none() {
+        builder.tempdir_in(base)
+    } else {
+        builder.tempdir()
+    }
+}
+
+/// Credentials: a static admin token (and the real node's kubelet's) and a
+/// service-account key.
+fn write_credentials(d: &Path, options: &PlaneOptions) -> Result<(), ControlPlaneError> {
+    let mut tokens = format!("{ADMIN_TOKEN},admin,admin,\"system:masters\"\n");
+    if let Some(node) = &options.real_node {
+        tokens +=
+            &format!("{KUBELET_TOKEN},system:node:{node},system:node:{node},\"system:nodes\"\n");
+    }
+    fs::write(d.join("tokens.csv"), tokens)?;
+    let status = Command::new("openssl")
+        .args(["genrsa", "-out"])
+        .arg(d.join("sa.key"))
+        .arg("2048")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()?;
+    if !status.success() {
+        return Err(std::io::Error::other("openssl genrsa failed").into());
+    }
+    Ok(())
 }
 
 fn etcd_args(dir: &Path, port: u16, peer: u16) -> Vec<String> {

@@ -371,19 +371,40 @@ async fn run(client: kube::Client, config: Arc<KubeletConfig>) {
                 continue;
             }
         };
-        let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) else {
+        let Some(work) = Work::of(pod, &names) else {
             continue;
         };
-        if !names.contains(node) {
+        if !busy.lock().expect("busy lock").insert(work.key()) {
             continue;
         }
-        let (Some(uid), Some(name), Some(ns)) = (
-            pod.metadata.uid.clone(),
-            pod.metadata.name.clone(),
-            pod.metadata.namespace.clone(),
-        ) else {
-            continue;
-        };
+        let (client, busy) = (client.clone(), busy.clone());
+        let (config, servers) = (config.clone(), servers.clone());
+        tokio::spawn(async move {
+            let key = work.key();
+            work.act(client, &config, &servers).await;
+            busy.lock().expect("busy lock").remove(&key);
+        });
+    }
+}
+
+/// What the stand-in has to do for a pod of its nodes: start it (it is
+/// Pending) or finish its deletion.
+struct Work {
+    pod: Pod,
+    uid: String,
+    name: String,
+    namespace: String,
+    deleting: bool,
+}
+
+impl Work {
+    /// The work `pod` asks for, if it is bound to one of `nodes` and is
+    /// Pending or being deleted.
+    fn of(pod: Pod, nodes: &HashSet<String>) -> Option<Work> {
+        let node = pod.spec.as_ref()?.node_name.as_deref()?;
+        if !nodes.contains(node) {
+            return None;
+        }
         let deleting = pod.metadata.deletion_timestamp.is_some();
         let pending = pod
             .status
@@ -391,58 +412,61 @@ async fn run(client: kube::Client, config: Arc<KubeletConfig>) {
             .and_then(|s| s.phase.as_deref())
             .is_none_or(|p| p == "Pending");
         if !(deleting || pending) {
-            continue;
+            return None;
         }
-        let key = format!("{uid}/{deleting}");
-        if !busy.lock().expect("busy lock").insert(key.clone()) {
-            continue;
+        Some(Work {
+            uid: pod.metadata.uid.clone()?,
+            name: pod.metadata.name.clone()?,
+            namespace: pod.metadata.namespace.clone()?,
+            deleting,
+            pod,
+        })
+    }
+
+    /// One piece of work per pod and kind at a time.
+    fn key(&self) -> String {
+        format!("{}/{}", self.uid, self.deleting)
+    }
+
+    async fn act(self, client: kube::Client, config: &KubeletConfig, servers: &Servers) {
+        let api: Api<Pod> = Api::namespaced(client.clone(), &self.namespace);
+        if self.deleting {
+            tokio::time::sleep(config.terminating_delay).await;
+            servers.lock().expect("servers lock").remove(&self.uid);
+        } else {
+            // As the kubelet: no container starts before its claims are
+            // allocated and reserved for the pod.
+            let waited = tokio::time::Instant::now();
+            while let Err(why) = claims_ready(&client, &self.pod).await {
+                if waited.elapsed() > CLAIM_WAIT {
+                    tracing::warn!(pod = %self.name, "kubelet stand-in: {why}; not started");
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            tokio::time::sleep(load_time(config, &self.pod)).await;
         }
-        let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
-        let client = client.clone();
-        let busy = busy.clone();
-        let config = config.clone();
-        let servers = servers.clone();
-        tokio::spawn(async move {
-            if deleting {
-                tokio::time::sleep(config.terminating_delay).await;
-                servers.lock().expect("servers lock").remove(&uid);
+        // A kubelet keeps at it: an action the API server did not take (it
+        // was restarting, say) is tried again, since the watch may not
+        // bring the pod up again (it resumes, it does not relist).
+        for attempt in 1.. {
+            let result = if self.deleting {
+                finish_deletion(&api, &self.name, &self.uid).await
             } else {
-                // As the kubelet: no container starts before its claims
-                // are allocated and reserved for the pod.
-                let waited = tokio::time::Instant::now();
-                while let Err(why) = claims_ready(&client, &pod).await {
-                    if waited.elapsed() > CLAIM_WAIT {
-                        tracing::warn!(pod = %name, "kubelet stand-in: {why}; not started");
-                        busy.lock().expect("busy lock").remove(&key);
-                        return;
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                start_pod(&api, &self.pod, servers, config.stream_delay).await
+            };
+            match result {
+                Ok(()) => break,
+                Err(e) if attempt < ACTION_ATTEMPTS => {
+                    tracing::debug!(pod = %self.name, error = %e, attempt, "kubelet stand-in action failed; retrying");
+                    tokio::time::sleep(ACTION_RETRY).await;
                 }
-                tokio::time::sleep(load_time(&config, &pod)).await;
-            }
-            // A kubelet keeps at it: an action the API server did not take
-            // (it was restarting, say) is tried again, since the watch may
-            // not bring the pod up again (it resumes, it does not relist).
-            for attempt in 1.. {
-                let result = if deleting {
-                    finish_deletion(&api, &name, &uid).await
-                } else {
-                    start_pod(&api, &pod, &servers, config.stream_delay).await
-                };
-                match result {
-                    Ok(()) => break,
-                    Err(e) if attempt < ACTION_ATTEMPTS => {
-                        tracing::debug!(pod = %name, error = %e, attempt, "kubelet stand-in action failed; retrying");
-                        tokio::time::sleep(ACTION_RETRY).await;
-                    }
-                    Err(e) => {
-                        tracing::warn!(pod = %name, error = %e, "kubelet stand-in action given up");
-                        break;
-                    }
+                Err(e) => {
+                    tracing::warn!(pod = %self.name, error = %e, "kubelet stand-in action given up");
+                    break;
                 }
             }
-            busy.lock().expect("busy lock").remove(&key);
-        });
+        }
     }
 }
 

@@ -103,47 +103,8 @@ pub fn unique_bytes<'b>(artifacts: impl IntoIterator<Item = &'b [Blob]>) -> Byte
 
 /// Plans the disk within `budget` given what is `held` and what is `wanted`.
 pub fn plan(budget: Bytes, held: &[Held], wanted: &[Wanted]) -> Plan {
-    let mut plan = Plan::default();
-    let wants: HashMap<&str, &Wanted> = wanted.iter().map(|w| (w.key.as_str(), w)).collect();
+    let mut planner = Planner::new(budget, held, wanted);
     let on_disk: HashSet<&str> = held.iter().map(|h| h.key.as_str()).collect();
-    // Free to go once no pod mounts it: what no one requires and no pinned
-    // model owns.
-    let unrequired = |h: &&Held| {
-        wants
-            .get(h.key.as_str())
-            .is_none_or(|w| w.want != Want::Required && !w.pinned)
-    };
-    // Evictable now, least recently used first. Unwanted before
-    // prefetch-wanted at equal age.
-    let mut evictable: Vec<&Held> = held
-        .iter()
-        .filter(unrequired)
-        .filter(|h| !h.in_use)
-        .collect();
-    let mounted: HashSet<&str> = held
-        .iter()
-        .filter(unrequired)
-        .filter(|h| h.in_use)
-        .map(|h| h.key.as_str())
-        .collect();
-    evictable.sort_by(|a, b| {
-        let wanted = |h: &Held| wants.contains_key(h.key.as_str());
-        (wanted(a), a.last_use, &a.key).cmp(&(wanted(b), b.last_use, &b.key))
-    });
-    // The disk after the plan so far: held artifacts not evicted, and the
-    // fetched ones; its use is the union of their blobs.
-    let mut gone: HashSet<&str> = HashSet::new();
-    let mut fetched: Vec<&Wanted> = Vec::new();
-    let use_without = |gone: &HashSet<&str>, fetched: &[&Wanted], extra: &[Blob]| {
-        unique_bytes(
-            held.iter()
-                .filter(|h| !gone.contains(h.key.as_str()))
-                .map(|h| h.blobs.as_slice())
-                .chain(fetched.iter().map(|w| w.blobs.as_slice()))
-                .chain(std::iter::once(extra)),
-        )
-    };
-    let mut evicted = 0;
     // Newest request first, within each kind.
     let mut missing: Vec<&Wanted> = wanted
         .iter()
@@ -157,56 +118,144 @@ pub fn plan(budget: Bytes, held: &[Held], wanted: &[Wanted]) -> Plan {
         ))
     });
     for w in missing {
-        // Evict LRU first; prefetch only what no one wants.
-        let may_evict = |h: &Held| w.want == Want::Required || !wants.contains_key(h.key.as_str());
-        let mut trial = gone.clone();
-        let mut after = use_without(&trial, &fetched, &w.blobs);
-        let mut take = evicted;
-        while after > budget && take < evictable.len() && may_evict(evictable[take]) {
-            trial.insert(evictable[take].key.as_str());
-            take += 1;
-            after = use_without(&trial, &fetched, &w.blobs);
-        }
-        if after > budget {
-            let needs = format_bytes(unique_bytes([w.blobs.as_slice()]));
-            let mut freed = trial.clone();
-            freed.extend(mounted.iter().copied());
-            if w.want == Want::Required && use_without(&freed, &fetched, &w.blobs) <= budget {
-                let mut keys: Vec<&str> = mounted.iter().copied().collect();
-                keys.sort();
-                plan.waiting.push((
-                    w.key.clone(),
-                    format!(
-                        "{} needs {needs} on disk; room comes free when no pod mounts {} any more",
-                        w.key,
-                        keys.join(", ")
-                    ),
-                ));
-            } else if w.want == Want::Required {
-                let mut all_evictable = gone.clone();
-                all_evictable.extend(evictable[evicted..].iter().map(|h| h.key.as_str()));
-                let pinned_or_required = use_without(&all_evictable, &fetched, &[]);
-                plan.refused.push((
-                    w.key.clone(),
-                    format!(
-                        "{} needs {needs} on disk; the disk budget is {} and required or pinned artifacts hold {}",
-                        w.key,
-                        format_bytes(budget),
-                        format_bytes(pinned_or_required)
-                    ),
-                ));
-            }
-            continue;
-        }
-        for h in &evictable[evicted..take] {
-            plan.evict.push(h.key.clone());
-        }
-        gone = trial;
-        evicted = take;
-        fetched.push(w);
-        plan.fetch.push(w.key.clone());
+        planner.place(w);
     }
-    plan
+    planner.plan
+}
+
+/// The plan as it is made: what the disk holds after the decisions so far.
+struct Planner<'a> {
+    budget: Bytes,
+    held: &'a [Held],
+    wants: HashMap<&'a str, &'a Wanted>,
+    /// Evictable now (nobody requires them, no pod mounts them), least
+    /// recently used first; unwanted before prefetch-wanted at equal age.
+    evictable: Vec<&'a Held>,
+    /// Free to go but still mounted by a pod.
+    mounted: HashSet<&'a str>,
+    /// Evicted so far (the first `evicted` of `evictable`).
+    gone: HashSet<&'a str>,
+    evicted: usize,
+    fetched: Vec<&'a Wanted>,
+    plan: Plan,
+}
+
+impl<'a> Planner<'a> {
+    fn new(budget: Bytes, held: &'a [Held], wanted: &'a [Wanted]) -> Self {
+        let wants: HashMap<&str, &Wanted> = wanted.iter().map(|w| (w.key.as_str(), w)).collect();
+        // Free to go once no pod mounts it: what no one requires and no
+        // pinned model owns.
+        let unrequired = |h: &&Held| {
+            wants
+                .get(h.key.as_str())
+                .is_none_or(|w| w.want != Want::Required && !w.pinned)
+        };
+        let mut evictable: Vec<&Held> = held
+            .iter()
+            .filter(unrequired)
+            .filter(|h| !h.in_use)
+            .collect();
+        evictable.sort_by(|a, b| {
+            let wanted = |h: &Held| wants.contains_key(h.key.as_str());
+            (wanted(a), a.last_use, &a.key).cmp(&(wanted(b), b.last_use, &b.key))
+        });
+        let mounted = held
+            .iter()
+            .filter(unrequired)
+            .filter(|h| h.in_use)
+            .map(|h| h.key.as_str())
+            .collect();
+        Planner {
+            budget,
+            held,
+            wants,
+            evictable,
+            mounted,
+            gone: HashSet::new(),
+            evicted: 0,
+            fetched: Vec::new(),
+            plan: Plan::default(),
+        }
+    }
+
+    /// The disk's use without the `gone` artifacts, with the fetched ones
+    /// and `extra`: the union of their blobs.
+    fn use_without(&self, gone: &HashSet<&str>, extra: &[Blob]) -> Bytes {
+        unique_bytes(
+            self.held
+                .iter()
+                .filter(|h| !gone.contains(h.key.as_str()))
+                .map(|h| h.blobs.as_slice())
+                .chain(self.fetched.iter().map(|w| w.blobs.as_slice()))
+                .chain(std::iter::once(extra)),
+        )
+    }
+
+    /// Fetches `w` if evicting least recently used artifacts makes its
+    /// room (only unwanted ones for a prefetch); else says why a required
+    /// one waits or is refused.
+    fn place(&mut self, w: &'a Wanted) {
+        let may_evict =
+            |h: &Held| w.want == Want::Required || !self.wants.contains_key(h.key.as_str());
+        let mut trial = self.gone.clone();
+        let mut after = self.use_without(&trial, &w.blobs);
+        let mut take = self.evicted;
+        while after > self.budget && take < self.evictable.len() && may_evict(self.evictable[take])
+        {
+            trial.insert(self.evictable[take].key.as_str());
+            take += 1;
+            after = self.use_without(&trial, &w.blobs);
+        }
+        if after > self.budget {
+            if w.want == Want::Required {
+                self.no_room(w, trial);
+            }
+            return;
+        }
+        for h in &self.evictable[self.evicted..take] {
+            self.plan.evict.push(h.key.clone());
+        }
+        self.gone = trial;
+        self.evicted = take;
+        self.fetched.push(w);
+        self.plan.fetch.push(w.key.clone());
+    }
+
+    /// A required artifact without room: it waits when the artifacts still
+    /// mounted would make it, else it is refused with the sizes.
+    fn no_room(&mut self, w: &Wanted, mut freed: HashSet<&'a str>) {
+        let needs = format_bytes(unique_bytes([w.blobs.as_slice()]));
+        freed.extend(self.mounted.iter().copied());
+        if self.use_without(&freed, &w.blobs) <= self.budget {
+            let mut keys: Vec<&str> = self.mounted.iter().copied().collect();
+            keys.sort();
+            self.plan.waiting.push((
+                w.key.clone(),
+                format!(
+                    "{} needs {needs} on disk; room comes free when no pod mounts {} any more",
+                    w.key,
+                    keys.join(", ")
+                ),
+            ));
+            return;
+        }
+        let mut all_evictable = self.gone.clone();
+        all_evictable.extend(
+            self.evictable[self.evicted..]
+                .iter()
+                .map(|h| h.key.as_str()),
+        );
+        let pinned_or_required = self.use_without(&all_evictable, &[]);
+        self.plan.refused.push((
+            w.key.clone(),
+            format!(
+                "{} needs {needs} on disk; the disk budget is {} and required or pinned artifacts hold {}",
+                w.key,
+                format_bytes(self.budget),
+                format_bytes(pinned_or_required)
+            ),
+        ));
+    }
 }
 
 #[cfg(test)]

@@ -58,23 +58,10 @@ pub fn plan(
     let (r_name, model) = (&md.spec.residency, &md.spec.model);
     let selector = Some(format!("{RESIDENCY_LABEL}={r_name},{MODEL_LABEL}={model}"));
     if let Some(holder) = held_by {
-        // One key, one writer: a second ModelDemand for the same model
-        // would undo the first's request (or remove the key it holds when
-        // deleted). It writes nothing and keeps no request time, so it
-        // starts afresh if it takes over.
-        let mut set = ConditionSet::new(&previous.conditions, md.metadata.generation, now);
-        let message = format!(
-            "ModelDemand {holder:?} already drives {model} on {r_name}; this one is ignored while that one exists"
+        return (
+            KeyWrite::Keep,
+            duplicate(md, &previous, holder, selector, now),
         );
-        set.set(READY, false, "DuplicateModelDemand", message);
-        let status = ModelDemandStatus {
-            replicas: 0,
-            selector,
-            observed_generation: md.metadata.generation,
-            conditions: set.finish(),
-            ..ModelDemandStatus::default()
-        };
-        return (KeyWrite::Keep, status);
     }
     let wanted = md.spec.replicas >= 1;
     // The request time of a standing request: set when replicas went to 1,
@@ -112,12 +99,52 @@ pub fn plan(
         status.conditions = set.finish();
         return (KeyWrite::Keep, status);
     };
-    let key = r.spec.demand.get(model);
     let known = r.spec.models.iter().any(|m| &m.name == model);
     let own = same_key
         .then_some(previous.requested_at.as_deref())
         .flatten();
-    let write = match (requested_at, key) {
+    let write = key_write(requested_at, r.spec.demand.get(model), own, known);
+    mirror_the_model(&mut status, &mut set, r, model, known);
+    status.conditions = set.finish();
+    (write, status)
+}
+
+/// The status of a second ModelDemand for a model another one drives.
+/// One key, one writer: it would undo the first's request (or remove the
+/// key it holds when deleted). It writes nothing and keeps no request
+/// time, so it starts afresh if it takes over.
+fn duplicate(
+    md: &ModelDemand,
+    previous: &ModelDemandStatus,
+    holder: &str,
+    selector: Option<String>,
+    now: Timestamp,
+) -> ModelDemandStatus {
+    let (r_name, model) = (&md.spec.residency, &md.spec.model);
+    let mut set = ConditionSet::new(&previous.conditions, md.metadata.generation, now);
+    let message = format!(
+        "ModelDemand {holder:?} already drives {model} on {r_name}; this one is ignored while that one exists"
+    );
+    set.set(READY, false, "DuplicateModelDemand", message);
+    ModelDemandStatus {
+        replicas: 0,
+        selector,
+        observed_generation: md.metadata.generation,
+        conditions: set.finish(),
+        ..ModelDemandStatus::default()
+    }
+}
+
+/// What to do with the residency's demand key, which holds `key`: this
+/// ModelDemand asks at `requested_at` (or not at all), its own last
+/// request was `own`, and the model is `known` to the registry.
+fn key_write(
+    requested_at: Option<Timestamp>,
+    key: Option<&String>,
+    own: Option<&str>,
+    known: bool,
+) -> KeyWrite {
+    match (requested_at, key) {
         // 0 withdraws this ModelDemand's own request, not anyone else's.
         (None, Some(t)) if holds_own_request(t, own) => KeyWrite::Remove,
         (None, _) => KeyWrite::Keep,
@@ -128,10 +155,7 @@ pub fn plan(
             Ok(t) if t >= at => KeyWrite::Keep,
             _ => KeyWrite::Set(at),
         },
-    };
-    mirror_the_model(&mut status, &mut set, r, model, known);
-    status.conditions = set.finish();
-    (write, status)
+    }
 }
 
 /// The ModelDemand's status and `Ready` condition as the residency sees

@@ -144,7 +144,33 @@ pub fn validate_with_budget(r: &ModelResidency, budget: Bytes) -> Result<Valid<'
     {
         return Err(InvalidSpec::NodeName(node.clone()));
     }
-    let keep_alive = |field: String, value: &Option<String>| match value {
+    let default_keep_alive = keep_alive("spec.keepAlive".into(), &spec.keep_alive)?;
+    let mut seen = HashSet::new();
+    let mut models = Vec::with_capacity(spec.models.len());
+    for m in &spec.models {
+        if !seen.insert(m.name.as_str()) {
+            return Err(InvalidSpec::DuplicateModel(m.name.clone()));
+        }
+        models.push(validate_model(m, default_keep_alive)?);
+    }
+    let demand = requests(spec)?;
+    let host_budget = match &spec.warm {
+        Some(w) => parse_bytes(&w.host_budget.0)
+            .map_err(|e| InvalidSpec::Warm(format!("spec.warm.hostBudget: {e}")))?,
+        None => 0,
+    };
+    Ok(Valid {
+        budget,
+        models,
+        demand,
+        host_budget,
+        eviction: spec.eviction.into(),
+    })
+}
+
+/// A keepAlive (or loadTime) duration, named by `field` in the error.
+fn keep_alive(field: String, value: &Option<String>) -> Result<Option<Duration>, InvalidSpec> {
+    match value {
         None => Ok(None),
         Some(v) => {
             crate::quantity::parse_duration(v)
@@ -154,44 +180,47 @@ pub fn validate_with_budget(r: &ModelResidency, budget: Bytes) -> Result<Valid<'
                     value: v.clone(),
                 })
         }
-    };
-    let default_keep_alive = keep_alive("spec.keepAlive".into(), &spec.keep_alive)?;
-    let mut seen = HashSet::new();
-    let mut models = Vec::with_capacity(spec.models.len());
-    for m in &spec.models {
-        if !seen.insert(m.name.as_str()) {
-            return Err(InvalidSpec::DuplicateModel(m.name.clone()));
-        }
-        let size = parse_bytes(&m.size.0).map_err(|problem| InvalidSpec::Size {
-            model: m.name.clone(),
-            problem,
-        })?;
-        if size == 0 {
-            return Err(InvalidSpec::ZeroSize(m.name.clone()));
-        }
-        let own = keep_alive(format!("spec.models[{}].keepAlive", m.name), &m.keep_alive)?;
-        if let Some(t) = &m.load_time
-            && crate::residency::warm::seconds(t).is_none()
-        {
-            return Err(InvalidSpec::KeepAlive {
-                field: format!("spec.models[{}].loadTime", m.name),
-                value: t.clone(),
-            });
-        }
-        let sleep = match &m.sleep {
-            Some(s) => Some(
-                crate::residency::warm::sleep_figures(&m.name, s, size)
-                    .map_err(InvalidSpec::Warm)?,
-            ),
-            None => None,
-        };
-        models.push(ValidModel {
-            spec: m,
-            size,
-            keep_alive: own.or(default_keep_alive),
-            sleep,
+    }
+}
+
+/// One registry entry: its size, keepAlive (its own or the residency's),
+/// load time and sleep figures.
+fn validate_model(
+    m: &ModelSpec,
+    default_keep_alive: Option<Duration>,
+) -> Result<ValidModel<'_>, InvalidSpec> {
+    let size = parse_bytes(&m.size.0).map_err(|problem| InvalidSpec::Size {
+        model: m.name.clone(),
+        problem,
+    })?;
+    if size == 0 {
+        return Err(InvalidSpec::ZeroSize(m.name.clone()));
+    }
+    let own = keep_alive(format!("spec.models[{}].keepAlive", m.name), &m.keep_alive)?;
+    if let Some(t) = &m.load_time
+        && crate::residency::warm::seconds(t).is_none()
+    {
+        return Err(InvalidSpec::KeepAlive {
+            field: format!("spec.models[{}].loadTime", m.name),
+            value: t.clone(),
         });
     }
+    let sleep = match &m.sleep {
+        Some(s) => Some(
+            crate::residency::warm::sleep_figures(&m.name, s, size).map_err(InvalidSpec::Warm)?,
+        ),
+        None => None,
+    };
+    Ok(ValidModel {
+        spec: m,
+        size,
+        keep_alive: own.or(default_keep_alive),
+        sleep,
+    })
+}
+
+/// spec.demand as requests, oldest first.
+fn requests(spec: &crate::api::ModelResidencySpec) -> Result<Vec<Request<'_>>, InvalidSpec> {
     let mut demand = Vec::with_capacity(spec.demand.len());
     for (model, time) in &spec.demand {
         let at = time
@@ -207,18 +236,7 @@ pub fn validate_with_budget(r: &ModelResidency, budget: Bytes) -> Result<Valid<'
         });
     }
     demand.sort();
-    let host_budget = match &spec.warm {
-        Some(w) => parse_bytes(&w.host_budget.0)
-            .map_err(|e| InvalidSpec::Warm(format!("spec.warm.hostBudget: {e}")))?,
-        None => 0,
-    };
-    Ok(Valid {
-        budget,
-        models,
-        demand,
-        host_budget,
-        eviction: spec.eviction.into(),
-    })
+    Ok(demand)
 }
 
 /// `t` plus `d`, or the last time there is when that is later (a keepAlive
