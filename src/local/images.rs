@@ -104,8 +104,17 @@ fn write_layer(binary: &Path, libraries: &[PathBuf], out: &Path) -> std::io::Res
         tar.append_path_with_name(lib, inside)?;
     }
     tar.into_inner()?.flush()?;
+    let (sha256, size) = file_sha256(out)?;
+    Ok(Blob {
+        digest: format!("sha256:{sha256}"),
+        size,
+    })
+}
+
+/// A file's sha256 (hex) and size, read once.
+pub fn file_sha256(path: &Path) -> std::io::Result<(String, u64)> {
     let mut digest = Context::new(&SHA256);
-    let mut file = File::open(out)?;
+    let mut file = File::open(path)?;
     let mut buf = vec![0; 1 << 20];
     let mut size = 0u64;
     loop {
@@ -116,10 +125,7 @@ fn write_layer(binary: &Path, libraries: &[PathBuf], out: &Path) -> std::io::Res
         digest.update(&buf[..n]);
         size += n as u64;
     }
-    Ok(Blob {
-        digest: format!("sha256:{}", hex(digest.finish().as_ref())),
-        size,
-    })
+    Ok((hex(digest.finish().as_ref()), size))
 }
 
 /// Writes both images as one OCI image layout tar at `out`, from `binary`

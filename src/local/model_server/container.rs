@@ -19,7 +19,6 @@ use super::{Body, Identity, JSON, Server, SleepBehaviour, Stop, full, respond, s
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::json;
-use std::io::Read;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -126,24 +125,7 @@ pub(super) async fn endpoint(
 
 /// A file's sha256 and size, and whether it opens for writing.
 fn file_facts(path: &str) -> std::io::Result<serde_json::Value> {
-    let mut file = std::fs::File::open(path)?;
-    let mut digest = ring::digest::Context::new(&ring::digest::SHA256);
-    let mut buf = vec![0; 1 << 16];
-    let mut size = 0u64;
-    loop {
-        let n = file.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        digest.update(&buf[..n]);
-        size += n as u64;
-    }
-    let sha256: String = digest
-        .finish()
-        .as_ref()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let (sha256, size) = crate::local::images::file_sha256(std::path::Path::new(path))?;
     let write = std::fs::OpenOptions::new().append(true).open(path);
     Ok(json!({
         "sha256": sha256,

@@ -48,17 +48,22 @@ pub async fn test_env(test: &str) -> TestEnv {
         test.replace('_', "-").chars().take(50).collect::<String>(),
         SEQ.fetch_add(1, Ordering::Relaxed)
     );
-    let ns: kube::Api<k8s_openapi::api::core::v1::Namespace> = kube::Api::all(client.clone());
-    let body: k8s_openapi::api::core::v1::Namespace =
-        serde_json::from_value(serde_json::json!({"metadata": {"name": namespace}})).unwrap();
-    ns.create(&Default::default(), &body)
-        .await
-        .expect("create test namespace");
+    create_namespace(&client, &namespace).await;
     TestEnv {
         client,
         namespace,
         plane,
     }
+}
+
+/// Creates namespace `name` (a test's own).
+pub async fn create_namespace(client: &kube::Client, name: &str) {
+    let ns: kube::Api<k8s_openapi::api::core::v1::Namespace> = kube::Api::all(client.clone());
+    let body: k8s_openapi::api::core::v1::Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).unwrap();
+    ns.create(&Default::default(), &body)
+        .await
+        .expect("create test namespace");
 }
 
 impl TestEnv {

@@ -13,7 +13,6 @@ use model_residency::controller::Context;
 use model_residency::local::control_plane::{ControlPlane, PlaneOptions};
 use model_residency::local::images::{PAUSE_IMAGE, model_server_template};
 use model_residency::local::real_node::{RealNode, RealNodeOptions};
-use serde_json::json;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -76,11 +75,7 @@ pub async fn real_env(test: &str) -> TestEnv {
     let plane = &cluster().plane;
     let client = plane.client().await.expect("admin client");
     let namespace = test.replace('_', "-").chars().take(60).collect::<String>();
-    let ns: kube::Api<k8s_openapi::api::core::v1::Namespace> = kube::Api::all(client.clone());
-    let body = serde_json::from_value(json!({"metadata": {"name": namespace}})).unwrap();
-    ns.create(&Default::default(), &body)
-        .await
-        .expect("create test namespace");
+    super::cluster::create_namespace(&client, &namespace).await;
     TestEnv {
         client,
         namespace,
