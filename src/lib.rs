@@ -21,9 +21,10 @@
 //!
 //! Shared plumbing: [`cluster`] (API handles, status writes, watch
 //! backoff), [`http`] (admin endpoints, a small client), [`metrics`],
-//! [`panic_guard`]; `local` (feature `local`): a local control plane,
-//! kubelet stand-in, fake model server and registry (tests, benchmarks,
-//! demo), not in the operator image.
+//! [`panic_guard`]; `local` (feature `local`): a local control plane, a
+//! real node in a lane of its own, the kubelet stand-in, the fake model
+//! server, local images and a registry (tests, benchmarks, demo), not in
+//! the operator image.
 
 pub mod api;
 pub mod cluster;
