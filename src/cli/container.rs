@@ -86,6 +86,23 @@ pub struct LaneArgs {
     command: Vec<OsString>,
 }
 
+/// Runs this very command again inside a lane, with `extra` arguments
+/// added (`--node real`), and waits for it.
+pub fn rerun_in_lane(extra: &[&str]) -> Result<(), Failure> {
+    let mut command: Vec<OsString> = vec![std::env::current_exe().map_err(Failure::other)?.into()];
+    command.extend(std::env::args_os().skip(1));
+    command.extend(extra.iter().map(OsString::from));
+    let status = model_residency::local::lane::run(&command).map_err(Failure::other)?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(Failure {
+            message: format!("in its lane, {status}"),
+            code: 1,
+        })
+    }
+}
+
 /// Runs the command in a lane; exits with its status.
 pub fn lane(args: LaneArgs) -> Result<(), Failure> {
     let status = model_residency::local::lane::run(&args.command)

@@ -79,24 +79,6 @@ fn real_node_unavailable() -> Option<String> {
     None
 }
 
-/// Runs this demo again inside a lane, for the real node: its own network,
-/// mount and PID namespaces (src/local/lane.rs).
-fn in_a_lane() -> Result<(), Failure> {
-    let mut command: Vec<std::ffi::OsString> =
-        vec![std::env::current_exe().map_err(Failure::other)?.into()];
-    command.extend(std::env::args_os().skip(1));
-    command.extend(["--node".into(), "real".into()]);
-    let status = model_residency::local::lane::run(&command).map_err(Failure::other)?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(Failure {
-            message: format!("the demo on the real node {status}"),
-            code: 1,
-        })
-    }
-}
-
 fn fail(what: &str) -> impl Fn(kube::Error) -> Failure + '_ {
     move |e| Failure {
         message: format!("{what}: {e}"),
@@ -108,7 +90,7 @@ pub fn run(args: Args) -> Result<(), Failure> {
     let in_lane = model_residency::local::lane::current().is_some();
     let real = match (args.node, real_node_unavailable()) {
         (NodeKind::StandIn, _) => false,
-        (_, None) if !in_lane => return in_a_lane(),
+        (_, None) if !in_lane => return super::container::rerun_in_lane(&["--node", "real"]),
         (_, None) => true,
         (NodeKind::Real, Some(why)) => return Err(Failure::other(why)),
         (NodeKind::Auto, Some(why)) => {

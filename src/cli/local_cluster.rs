@@ -22,9 +22,17 @@ pub struct Args {
     /// Seconds a pod takes to become Ready, per GiB of its model.
     #[arg(long, default_value_t = 0.2)]
     load_secs_per_gib: f64,
+    /// Run the first node as a real node (the kubelet and containerd, in a
+    /// lane of their own: docs/local-cluster.md) instead of the stand-in;
+    /// needs root and `bash scripts/real-node.sh`.
+    #[arg(long)]
+    real_node: bool,
 }
 
 pub fn run(args: Args) -> Result<(), Failure> {
+    if args.real_node {
+        return real_node(args);
+    }
     let plane = ControlPlane::start().map_err(|e| Failure {
         message: e.to_string(),
         code: 1,
@@ -84,6 +92,63 @@ pub fn run(args: Args) -> Result<(), Failure> {
              kubectl get mres -n models"
         );
         let _ = tokio::signal::ctrl_c().await;
+        Ok(())
+    })
+}
+
+/// `local-cluster --real-node`: in a lane, the control plane and one real
+/// node, until Ctrl-C; a shell enters the lane with nsenter to use them.
+fn real_node(args: Args) -> Result<(), Failure> {
+    use model_residency::local::real_node::{RealNode, RealNodeOptions};
+    if model_residency::local::lane::current().is_none() {
+        return super::container::rerun_in_lane(&[]);
+    }
+    let name = args
+        .nodes
+        .first()
+        .cloned()
+        .unwrap_or_else(|| "node-a".into());
+    let gpu = args.gpus.iter().find(|g| g.name == name);
+    let options = RealNodeOptions {
+        name: name.clone(),
+        gpus: gpu.map_or(2, |g| g.gpus),
+        gpu_memory: gpu.map_or(80 << 30, |g| g.gpu_memory),
+        binary: std::env::current_exe().map_err(Failure::other)?,
+    };
+    let plane = ControlPlane::start_with(model_residency::local::control_plane::PlaneOptions {
+        real_node: Some(name.clone()),
+    })
+    .map_err(Failure::other)?;
+    let runtime = tokio::runtime::Runtime::new().map_err(Failure::other)?;
+    runtime.block_on(async {
+        let client = plane.client().await.map_err(Failure::other)?;
+        model_residency::local::install_crd(&client)
+            .await
+            .map_err(|e| Failure::other(format!("install the CRDs: {e}")))?;
+        let node = RealNode::start(&plane, &client, options)
+            .await
+            .map_err(Failure::other)?;
+        let enter = model_residency::local::lane::entry_pid()
+            .map(|pid| format!("nsenter --target {pid} --net --mount"))
+            .unwrap_or_else(|| "nsenter (the lane's pid was not found)".into());
+        println!(
+            "local control plane (Kubernetes {}) and real node {name} (containerd {}) ready in {:.1} s, in a lane of their own",
+            plane.version(),
+            model_residency::local::real_node::CONTAINERD_VERSION,
+            plane.startup.as_secs_f64() + node.startup.as_secs_f64()
+        );
+        println!("enter the lane from another shell (as root): {enter} bash");
+        println!("export KUBECONFIG={}", plane.kubeconfig().display());
+        println!(
+            "model pods run the local image {} (model-residency fake-model-server), GPU holders {}: \
+             run the operator with --gpu-holder-image {}",
+            model_residency::local::images::MODEL_SERVER_IMAGE,
+            model_residency::local::images::PAUSE_IMAGE,
+            model_residency::local::images::PAUSE_IMAGE
+        );
+        println!("(Ctrl-C stops it; its containers, mounts and files go with it)");
+        let _ = tokio::signal::ctrl_c().await;
+        drop(node);
         Ok(())
     })
 }

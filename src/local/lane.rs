@@ -34,6 +34,21 @@ pub const NODE_IP: &str = "10.88.0.1";
 /// The pods' subnet on the bridge.
 pub const POD_SUBNET: &str = "10.88.0.0/16";
 
+/// The file in the lane's directory that holds the pid to enter it by.
+const PID_FILE: &str = "lane.pid";
+
+/// The pid (in the machine's view) whose network and mount namespaces are
+/// the lane's, for `nsenter`, when this process runs in a lane.
+pub fn entry_pid() -> Option<u32> {
+    current()?;
+    let dir = std::env::var_os("TMPDIR")?;
+    std::fs::read_to_string(Path::new(&dir).join(PID_FILE))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// The id of the lane this process runs in, if it does.
 pub fn current() -> Option<String> {
     std::env::var(LANE_ENV).ok().filter(|id| is_lane_id(id))
@@ -62,7 +77,7 @@ pub fn run(command: &[OsString]) -> std::io::Result<ExitStatus> {
          set +e; \"$@\" & child=$!; trap 'kill -TERM $child' TERM INT; \
          wait $child; status=$?; wait $child 2>/dev/null; exit $status"
     );
-    let status = Command::new("unshare")
+    let mut child = Command::new("unshare")
         .args([
             "--net",
             "--mount",
@@ -80,8 +95,12 @@ pub fn run(command: &[OsString]) -> std::io::Result<ExitStatus> {
         .args(command)
         .env(LANE_ENV, &id)
         .env("TMPDIR", dir.path())
-        .status()
+        .spawn()
         .map_err(|e| std::io::Error::new(e.kind(), format!("cannot run unshare: {e}")))?;
+    // unshare itself is in the lane's network and mount namespaces: a
+    // shell enters them by its pid (`nsenter --target PID --net --mount`).
+    let _ = std::fs::write(dir.path().join(PID_FILE), child.id().to_string());
+    let status = child.wait()?;
     remove_cgroups(Path::new("/sys/fs/cgroup"), &id);
     drop(dir);
     Ok(status)
