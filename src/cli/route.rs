@@ -47,6 +47,12 @@ pub struct Args {
     /// steadily it comes (then 408 and the connection is closed).
     #[arg(long, env = "BODY_DEADLINE", default_value = "5m", value_parser = parse_duration)]
     body_deadline: Duration,
+    /// Which Ready copy of a model gets a request: `least-in-flight` (the
+    /// fewest requests this router proxies to it now), or `prefix-hash`
+    /// (the same prompt prefix to the same copy, for KV-cache reuse, within
+    /// 1.25x the mean load; docs/serving.md).
+    #[arg(long, env = "BALANCE", value_enum, default_value_t = model_residency::router::balance::Strategy::LeastInFlight)]
+    balance: model_residency::router::balance::Strategy,
     /// Serving threads, each with its own runtime, listener (SO_REUSEPORT on
     /// --http-addr) and connections to model pods (default: the cores this
     /// process may use).
@@ -88,6 +94,7 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         max_body: args.max_body,
         body_timeout: args.body_timeout,
         body_deadline: args.body_deadline,
+        balance: args.balance,
     };
     let workers = match args.workers {
         Some(n) => usize::from(n),

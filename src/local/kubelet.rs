@@ -52,7 +52,8 @@
 //! Pods on other nodes, and unbound pods, are never touched.
 
 use super::model_server::{
-    FakeModelServer, Identity, SLEEP_ANNOTATION, SleepBehaviour, next_pod_ip,
+    FakeModelServer, Identity, PREFIX_CACHE_ANNOTATION, PrefixCache, SLEEP_ANNOTATION,
+    SleepBehaviour, next_pod_ip,
 };
 use crate::quantity::parse_bytes;
 use crate::residency::labels::{GPU_HOLDER_LABEL, MODEL_LABEL, SIZE_ANNOTATION};
@@ -587,8 +588,14 @@ async fn serve(pod: &Pod, servers: &Servers, stream_delay: Duration) -> Result<I
         .and_then(|a| a.get(SLEEP_ANNOTATION))
         .map(|t| SleepBehaviour::parse(t))
         .unwrap_or_default();
+    let prefix = meta
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(PREFIX_CACHE_ANNOTATION))
+        .cloned();
     let candidates = std::iter::repeat_with(next_pod_ip).take(BIND_TRIES);
-    match listen_on_one_of(candidates, port, identity, stream_delay, sleep).await {
+    let behaviour = (sleep, prefix);
+    match listen_on_one_of(candidates, port, identity, stream_delay, behaviour).await {
         Ok(server) => {
             let ip = match server.addr.ip() {
                 std::net::IpAddr::V4(ip) => ip,
@@ -612,12 +619,14 @@ async fn listen_on_one_of(
     port: u16,
     identity: Identity,
     stream_delay: Duration,
-    sleep: SleepBehaviour,
+    (sleep, prefix): (SleepBehaviour, Option<String>),
 ) -> Result<FakeModelServer, String> {
     let mut last = String::from("no address to try");
     for ip in candidates {
         let addr = SocketAddr::from((ip, port));
-        match FakeModelServer::start(addr, identity.clone(), stream_delay, sleep).await {
+        let cache = prefix.as_deref().map(PrefixCache::parse);
+        match FakeModelServer::start_with(addr, identity.clone(), stream_delay, sleep, cache).await
+        {
             Ok(server) => return Ok(server),
             Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
                 last = format!("the model server cannot listen on {addr}: {e}");

@@ -34,6 +34,7 @@ impl Router {
         model: &str,
         mut rx: watch::Receiver<Arc<Snapshot>>,
         avoid: Option<&str>,
+        key: Option<&str>,
     ) -> Result<Endpoint, Refusal> {
         let _pending = self.enter_pending(model)?;
         self.metrics
@@ -56,7 +57,7 @@ impl Router {
                 return Err(shutting_down());
             }
             let snap = rx.borrow_and_update().clone();
-            if let Some(endpoint) = self.step(&snap, model, avoid, &mut held).await? {
+            if let Some(endpoint) = self.step(&snap, model, (avoid, key), &mut held).await? {
                 let labels = super::metrics::HoldLabels { kind };
                 let waited = start.elapsed().as_secs_f64();
                 self.metrics.hold.get_or_create(&labels).observe(waited);
@@ -85,7 +86,7 @@ impl Router {
         &self,
         snap: &Snapshot,
         model: &str,
-        avoid: Option<&str>,
+        (avoid, key): (Option<&str>, Option<&str>),
         held: &mut Held,
     ) -> Result<Option<Endpoint>, Refusal> {
         let Some(view) = snap.models.get(model) else {
@@ -93,7 +94,7 @@ impl Router {
                 "the model `{model}` was removed from every registry while the request waited"
             )));
         };
-        if let Some(e) = self.least_busy(&view.ready, avoid) {
+        if let Some(e) = self.choose(&view.ready, avoid, key) {
             return Ok(Some(e));
         }
         let refused_here = match self.at_its_homes(snap, &view.homes, model, held)? {

@@ -15,6 +15,7 @@
 //! - [`errors`]: the OpenAI-shaped answers when it cannot proxy;
 //! - [`catalog`]: what it answers itself (model list, readiness).
 
+pub mod balance;
 pub mod catalog;
 pub mod errors;
 mod hold;
@@ -71,6 +72,8 @@ pub struct Config {
     /// The longest a request's whole body may take (then 408): a client
     /// that trickles a byte just inside `body_timeout` is cut off too.
     pub body_deadline: Duration,
+    /// Which Ready copy of a model gets a request ([`balance`]).
+    pub balance: balance::Strategy,
 }
 
 impl Default for Config {
@@ -85,6 +88,7 @@ impl Default for Config {
             max_body: 32 << 20,
             body_timeout: Duration::from_secs(60),
             body_deadline: Duration::from_secs(300),
+            balance: balance::Strategy::LeastInFlight,
         }
     }
 }
@@ -363,10 +367,15 @@ impl Router {
         start: Instant,
     ) -> Result<Response<ProxyBody>, Refusal> {
         let mut gone: Option<Arc<str>> = None;
+        // The prompt's prefix is read only when the strategy uses it.
+        let key = match self.config.balance {
+            balance::Strategy::PrefixHash => balance::prompt_prefix(&body),
+            balance::Strategy::LeastInFlight => None,
+        };
         // At most two tries: a pod that went away before the request was
         // sent is re-resolved once.
         loop {
-            let (endpoint, cold) = self.resolve(model, gone.as_deref()).await?;
+            let (endpoint, cold) = self.resolve(model, gone.as_deref(), key.as_deref()).await?;
             if !cold {
                 self.refresh(&endpoint).await;
             }
@@ -388,7 +397,12 @@ impl Router {
 
     /// A Ready pod for `model` (not `avoid`): at once if there is one, else
     /// after holding the request through a load. `cold` says it was held.
-    async fn resolve(&self, model: &str, avoid: Option<&str>) -> Result<(Endpoint, bool), Refusal> {
+    async fn resolve(
+        &self,
+        model: &str,
+        avoid: Option<&str>,
+        key: Option<&str>,
+    ) -> Result<(Endpoint, bool), Refusal> {
         // The hit path only reads the latest snapshot; a receiver of its
         // own is made only for waiting.
         let mut snap = self.snapshot.borrow().clone();
@@ -410,22 +424,23 @@ impl Router {
                 echo(model)
             )));
         };
-        if let Some(e) = self.least_busy(&view.ready, avoid) {
+        if let Some(e) = self.choose(&view.ready, avoid, key) {
             return Ok((e, false));
         }
-        let endpoint = self.hold(model, self.snapshot.clone(), avoid).await?;
+        let endpoint = self.hold(model, self.snapshot.clone(), avoid, key).await?;
         Ok((endpoint, true))
     }
 
-    /// The Ready pod with the fewest requests in flight; a pod that could
-    /// not be reached (`avoid`) only if it is the only one still listed.
-    fn least_busy(&self, ready: &[Endpoint], avoid: Option<&str>) -> Option<Endpoint> {
-        ready
-            .iter()
-            .filter(|e| avoid != Some(&*e.pod))
-            .min_by_key(|e| e.in_flight.load(Ordering::Relaxed))
-            .or_else(|| ready.first())
-            .cloned()
+    /// The Ready copy for a request whose prompt starts with `key`, as the
+    /// balancing strategy says; a pod that could not be reached (`avoid`)
+    /// only if it is the only one still listed.
+    fn choose(
+        &self,
+        ready: &[Endpoint],
+        avoid: Option<&str>,
+        key: Option<&str>,
+    ) -> Option<Endpoint> {
+        balance::pick(self.config.balance, ready, avoid, key)
     }
 
     /// Writes a request for `key` at `at` (one merge patch).

@@ -36,6 +36,22 @@ pub struct Endpoint {
     pub in_flight: Arc<AtomicUsize>,
 }
 
+impl Endpoint {
+    /// An endpoint that is only a name and a counter (balancing's tests
+    /// and bench).
+    pub fn for_tests(pod: &str, in_flight: Arc<AtomicUsize>) -> Self {
+        Endpoint {
+            residency: 0,
+            pod: pod.into(),
+            addr: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            key: Arc::new((String::new(), String::new(), String::new())),
+            residency_header: HeaderValue::from_static("test"),
+            pod_header: HeaderValue::from_static("test"),
+            in_flight,
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct ModelView {
     /// Indexes into [`Snapshot::residencies`] whose registry lists it.

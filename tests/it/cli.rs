@@ -374,9 +374,11 @@ fn the_demo_runs_end_to_end() {
             "{want:?} not in the demo's output:\n{text}"
         );
     }
-    // On the real node when scripts/test.sh provisioned it; otherwise on
-    // the stand-in, saying why.
-    let which = if std::env::var_os("MODEL_RESIDENCY_REAL_NODE").is_some() {
+    // On the real node when its binaries are built here (scripts/test.sh
+    // provisions them) and we are root; otherwise on the stand-in, saying why.
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let which = if root && model_residency::local::real_node::find_binaries().is_ok() {
         "containerd://2.4.2"
     } else {
         "The demo runs on the kubelet stand-in: "

@@ -50,6 +50,7 @@ pub async fn run_in_container(options: Options) -> std::io::Result<()> {
         sleep: options.sleep,
         state: Default::default(),
         stream_delay: options.stream_delay,
+        prefix: None,
     });
     eprintln!(
         "fake model server for {} (pod {}) pid {} listening on {}",

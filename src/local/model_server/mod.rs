@@ -148,6 +148,73 @@ struct Server {
     sleep: SleepBehaviour,
     state: SleepState,
     stream_delay: Duration,
+    prefix: Option<PrefixCache>,
+}
+
+/// Pod annotation giving the fake server a KV cache of prompt prefixes
+/// (`slots=8,hit=5ms,miss=60ms`): a request whose prompt prefix (the
+/// router's key, [`crate::router::balance::prompt_prefix`]) is among the
+/// last `slots` it saw waits `hit` before it answers, any other `miss`, as
+/// a server with prefix caching prefills a cached prefix faster.
+pub const PREFIX_CACHE_ANNOTATION: &str = "kubelet-standin.residency.dev/prefix-cache";
+
+/// The fake's prefix cache (see [`PREFIX_CACHE_ANNOTATION`]).
+#[derive(Debug)]
+pub struct PrefixCache {
+    slots: usize,
+    hit: Duration,
+    miss: Duration,
+    /// Most recent last.
+    seen: std::sync::Mutex<std::collections::VecDeque<String>>,
+    hits: std::sync::atomic::AtomicU64,
+    misses: std::sync::atomic::AtomicU64,
+}
+
+impl PrefixCache {
+    /// Reads the annotation's `key=value` list (defaults: 8 slots, 5 ms, 60 ms).
+    pub fn parse(text: &str) -> Self {
+        let mut c = PrefixCache {
+            slots: 8,
+            hit: Duration::from_millis(5),
+            miss: Duration::from_millis(60),
+            seen: Default::default(),
+            hits: Default::default(),
+            misses: Default::default(),
+        };
+        for (key, value) in text.split(',').filter_map(|p| p.split_once('=')) {
+            let delay = crate::quantity::parse_duration(value.trim());
+            match key.trim() {
+                "slots" => c.slots = value.trim().parse().unwrap_or(c.slots),
+                "hit" => c.hit = delay.unwrap_or(c.hit),
+                "miss" => c.miss = delay.unwrap_or(c.miss),
+                _ => {}
+            }
+        }
+        c
+    }
+
+    /// How long a prompt with this prefix takes to prefill, counting it.
+    fn prefill(&self, prefix: &str) -> Duration {
+        let mut seen = self.seen.lock().expect("prefix cache lock");
+        let hit = if let Some(i) = seen.iter().position(|p| p == prefix) {
+            let p = seen.remove(i).expect("present");
+            seen.push_back(p);
+            true
+        } else {
+            seen.push_back(prefix.to_owned());
+            if seen.len() > self.slots {
+                seen.pop_front();
+            }
+            false
+        };
+        if hit {
+            self.hits.fetch_add(1, Ordering::Relaxed);
+            self.hit
+        } else {
+            self.misses.fetch_add(1, Ordering::Relaxed);
+            self.miss
+        }
+    }
 }
 
 /// A running fake model server; stops when dropped.
@@ -171,6 +238,17 @@ impl FakeModelServer {
         stream_delay: Duration,
         sleep: SleepBehaviour,
     ) -> std::io::Result<Self> {
+        Self::start_with(addr, identity, stream_delay, sleep, None).await
+    }
+
+    /// [`Self::start`] with a prefix cache.
+    pub async fn start_with(
+        addr: SocketAddr,
+        identity: Identity,
+        stream_delay: Duration,
+        sleep: SleepBehaviour,
+        prefix: Option<PrefixCache>,
+    ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let server = Arc::new(Server {
@@ -178,6 +256,7 @@ impl FakeModelServer {
             sleep,
             state: SleepState::default(),
             stream_delay,
+            prefix,
         });
         let task = tokio::spawn(serve(listener, server, None));
         Ok(FakeModelServer { addr, task })
@@ -305,6 +384,7 @@ mod tests {
             sleep: SleepBehaviour::default(),
             state: SleepState::default(),
             stream_delay: Duration::from_millis(10),
+            prefix: None,
         })
     }
 

@@ -48,6 +48,11 @@ pub(super) async fn answer(req: Request<Incoming>, server: &Arc<Server>) -> Resp
                 state.inference_while_asleep.fetch_add(1, Ordering::SeqCst);
                 state.until_awake().await;
             }
+            if let Some(cache) = &server.prefix
+                && let Some(prefix) = crate::router::balance::prompt_prefix(&body)
+            {
+                tokio::time::sleep(cache.prefill(&prefix)).await;
+            }
             let garbage = state.weights_lost();
             if garbage {
                 state.garbage.fetch_add(1, Ordering::SeqCst);

@@ -182,6 +182,8 @@ pub(super) async fn endpoint(
             "inference_while_asleep": state.inference_while_asleep.load(Ordering::SeqCst),
             "aborted": state.aborted.load(Ordering::SeqCst),
             "garbage": state.garbage.load(Ordering::SeqCst),
+            "prefix_hits": server.prefix.as_ref().map(|c| c.hits.load(Ordering::Relaxed)),
+            "prefix_misses": server.prefix.as_ref().map(|c| c.misses.load(Ordering::Relaxed)),
         })),
         _ => return Err(req),
     })
