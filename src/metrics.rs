@@ -16,7 +16,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetri
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use std::collections::HashMap;
@@ -139,6 +139,17 @@ pub struct Metrics {
     load_duration: Histogram,
     wake_duration: Histogram,
     sleep_duration: Histogram,
+    /// Per model: its copies (serving or loading), the copies its load
+    /// asks for, and 1 while a wanted copy has no GPU to go to.
+    pub copies: Family<ModelLabels, Gauge>,
+    pub copies_wanted: Family<ModelLabels, Gauge>,
+    pub copies_unplaced: Family<ModelLabels, Gauge>,
+}
+
+/// A model's name, as the copy metrics label it.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabels {
+    pub model: String,
 }
 
 impl Default for Metrics {
@@ -159,6 +170,9 @@ impl Metrics {
             load_duration: Histogram::new(exponential_buckets(0.1, 2.0, 14)),
             wake_duration: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
             sleep_duration: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
+            copies: Family::default(),
+            copies_wanted: Family::default(),
+            copies_unplaced: Family::default(),
             registry: Registry::default(),
         };
         registry.register_collector(Box::new(m.residencies.clone()));
@@ -192,6 +206,21 @@ impl Metrics {
             "model_sleep_duration_seconds",
             "Time from a sleep request to its confirmation",
             m.sleep_duration.clone(),
+        );
+        registry.register(
+            "model_copies",
+            "Copies of a model across its GPUs, serving or loading (with --router-metrics or --router-selector)",
+            m.copies.clone(),
+        );
+        registry.register(
+            "model_copies_wanted",
+            "Copies a model's requests in flight ask for, within its copies.min and copies.max",
+            m.copies_wanted.clone(),
+        );
+        registry.register(
+            "model_copies_unplaced",
+            "1 while a copy a model wants has no GPU to go to (every other GPU would evict a busy model, or is full of loads), else 0",
+            m.copies_unplaced.clone(),
         );
         Metrics { registry, ..m }
     }
@@ -326,6 +355,33 @@ pub fn exposition(registry: &Registry) -> String {
     prometheus_client::encoding::text::encode(&mut out, registry)
         .expect("writing to a String cannot fail");
     out
+}
+
+/// `metric`'s samples in an OpenMetrics exposition, summed by the value of
+/// their label `label` (what the operator reads of the routers' in-flight
+/// counts).
+pub fn by_label(exposition: &str, metric: &str, label: &str) -> HashMap<String, f64> {
+    let mut sums = HashMap::new();
+    let key = format!("{label}=\"");
+    for line in exposition.lines() {
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let Some((name, rest)) = series.split_once('{') else {
+            continue;
+        };
+        let (Some(start), Ok(value)) = (rest.find(&key), value.parse::<f64>()) else {
+            continue;
+        };
+        let tail = &rest[start + key.len()..];
+        let Some(end) = tail.find('"') else {
+            continue;
+        };
+        if name == metric && value.is_finite() {
+            *sums.entry(tail[..end].to_owned()).or_default() += value;
+        }
+    }
+    sums
 }
 
 /// The sum of `metric`'s samples in an OpenMetrics exposition whose labels

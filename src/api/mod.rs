@@ -3,6 +3,7 @@
 //! by `model-residency crd`; a test fails when the two drift apart.
 
 mod artifact;
+mod copies;
 mod demand_map;
 mod gpu;
 mod model_demand;
@@ -13,6 +14,7 @@ pub use artifact::{
     ArtifactFile, ArtifactSpec, ArtifactState, CachedArtifact, NodeModelCache, NodeModelCacheSpec,
     NodeModelCacheStatus,
 };
+pub use copies::CopiesSpec;
 pub use demand_map::DemandMap;
 pub use gpu::{
     DEFAULT_BUDGET_FRACTION, DEFAULT_DEVICE_CLASS, DEFAULT_GPU_RESOURCE, GpuMode, GpuSpec,
@@ -188,6 +190,9 @@ pub struct ModelSpec {
     /// next request wakes it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sleep: Option<Box<SleepSpec>>,
+    /// Copies of the model on other GPUs under load (see CopiesSpec).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copies: Option<Box<CopiesSpec>>,
 }
 
 /// A model's pod template, kept as its compact JSON text.

@@ -8,6 +8,8 @@ use super::process::{
     Logging, Threads, cluster_client, fatal, parse_duration, preflight, termination,
 };
 use model_residency::controller::Context;
+use model_residency::controller::copies::CopiesConfig;
+use model_residency::engine::copies::CopyPolicy;
 use model_residency::http::{Readiness, serve_admin};
 use model_residency::operator::lease::{LeaderElector, LeaseConfig};
 use std::net::SocketAddr;
@@ -63,9 +65,74 @@ pub struct Args {
     /// keeping its ResourceClaim allocated between loads; docs/gpu.md).
     #[arg(long, env = "GPU_HOLDER_IMAGE", default_value = model_residency::controller::gpu::objects::DEFAULT_HOLDER_IMAGE)]
     gpu_holder_image: String,
+    #[command(flatten)]
+    copies: CopiesArgs,
+}
+
+/// Copies of a model across its GPUs under load (docs/serving.md): off
+/// unless the routers are named, since their summed in-flight counts are
+/// the signal.
+#[derive(clap::Args, Debug)]
+struct CopiesArgs {
+    /// A router's address whose /metrics is read (repeatable; or
+    /// comma-separated in ROUTER_METRICS).
+    #[arg(long = "router-metrics", env = "ROUTER_METRICS", value_delimiter = ',')]
+    router_metrics: Vec<std::net::SocketAddr>,
+    /// A label selector of the router pods: each one's podIP:--router-port
+    /// /metrics is read (the chart sets it).
+    #[arg(long, env = "ROUTER_SELECTOR")]
+    router_selector: Option<String>,
+    /// The router pods' namespace (default: every namespace).
+    #[arg(long, env = "ROUTER_NAMESPACE")]
+    router_namespace: Option<String>,
+    /// The router pods' port.
+    #[arg(long, env = "ROUTER_PORT", default_value_t = 8080)]
+    router_port: u16,
+    /// How often the counts are read and copies decided.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    copies_tick: std::time::Duration,
+    /// The window the in-flight counts are averaged over.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    copies_window: std::time::Duration,
+    /// Requests in flight one copy should carry, for models whose
+    /// copies.targetInFlight is unset.
+    #[arg(long, default_value_t = 100)]
+    copies_target_in_flight: u32,
+    /// Time between two removals of a model's copies, and from an addition
+    /// to a removal, for models whose copies.scaleDownDelay is unset.
+    #[arg(long, default_value = "2m", value_parser = parse_duration)]
+    copies_scale_down_delay: std::time::Duration,
+    /// How long a copy is out of the routers before it is unloaded.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    copies_drain_grace: std::time::Duration,
+}
+
+impl CopiesArgs {
+    fn config(&self) -> Result<CopiesConfig, Failure> {
+        if self.copies_tick.is_zero() || self.copies_target_in_flight == 0 {
+            return Err(Failure::bad_input(
+                "--copies-tick and --copies-target-in-flight must be above zero",
+            ));
+        }
+        Ok(CopiesConfig {
+            routers: self.router_metrics.clone(),
+            router_selector: self.router_selector.clone(),
+            router_namespace: self.router_namespace.clone(),
+            router_port: self.router_port,
+            tick: self.copies_tick,
+            drain_grace: self.copies_drain_grace,
+            defaults: CopyPolicy {
+                target_in_flight: f64::from(self.copies_target_in_flight),
+                window: self.copies_window.as_secs_f64(),
+                scale_down_delay: self.copies_scale_down_delay.as_secs_f64(),
+                ..CopyPolicy::default()
+            },
+        })
+    }
 }
 
 pub async fn run(args: Args) -> Result<(), Failure> {
+    let copies = args.copies.config()?;
     let client = cluster_client().await?;
     preflight(
         &client,
@@ -102,9 +169,11 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         args.initial_list,
         args.gpu_holder_image.clone(),
     );
-    Arc::get_mut(&mut ctx)
-        .expect("a new context")
-        .pod_call_timeout_max = args.pod_call_timeout_max;
+    {
+        let fresh = Arc::get_mut(&mut ctx).expect("a new context");
+        fresh.pod_call_timeout_max = args.pod_call_timeout_max;
+        fresh.copies = copies;
+    }
     if !args.leader_elect {
         // Ready once the controller's first lists are in.
         model_residency::operator::run(ctx, args.namespace.clone(), stopped(stop_rx), ready).await;

@@ -9,6 +9,7 @@
 pub mod artifacts;
 pub mod cached;
 pub mod claims;
+pub mod copies;
 pub mod decide;
 mod enact;
 pub mod events;
@@ -145,6 +146,9 @@ pub struct Context {
     /// The longest one sleep, wake or status request may take, whatever
     /// its spec says (`--pod-call-timeout-max`).
     pub pod_call_timeout_max: Duration,
+    /// Copies of models under load: where the routers are (off when
+    /// none is named) and the policy's defaults.
+    pub copies: copies::CopiesConfig,
 }
 
 impl Context {
@@ -198,6 +202,7 @@ impl Context {
             gpu_holder_image,
             asking: Arc::default(),
             pod_call_timeout_max: pod_calls::DEFAULT_CALL_TIMEOUT_MAX,
+            copies: Default::default(),
         })
     }
 }

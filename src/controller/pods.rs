@@ -426,6 +426,7 @@ mod tests {
             template: Some(template.into()),
             load_time: None,
             sleep: None,
+            copies: None,
         }
     }
 

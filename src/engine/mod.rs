@@ -1,4 +1,5 @@
-//! The residency engine: which models one GPU holds, within its VRAM budget.
+//! The residency engine: which models one GPU holds, within its VRAM budget
+//! (and, in [`copies`], how many GPUs hold copies of one model).
 //!
 //! Pure policy, no kube, no async, no I/O. Everything else (the `simulate`
 //! command, the reconciler, the benchmarks, the property tests) drives this
@@ -25,6 +26,7 @@
 //! two intrusive recency lists (unpinned, pinned), so a hit is O(1) and each
 //! victim O(1) plus the loading models skipped on the way.
 
+pub mod copies;
 mod recency;
 mod warm;
 

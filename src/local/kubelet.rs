@@ -36,7 +36,9 @@
 //! - **Serving.** When it marks a pod Ready it starts a fake model server
 //!   for it ([`super::model_server`]) on a loopback address of the pod's own
 //!   (its `status.podIP`) and the first container's first `containerPort`
-//!   (8080 if none), and stops it when it finishes the pod's deletion. So
+//!   (8080 if none), and stops it when the pod is deleted as a server stops
+//!   on SIGTERM (nothing new accepted, what it answers finished within the
+//!   pod's termination grace), before it finishes the deletion. So
 //!   traffic to a model pod is real HTTP; what answers is not a model (a
 //!   GPU holder pod, `residency.dev/gpu-holder`, gets none: it serves
 //!   nothing). An
@@ -433,7 +435,12 @@ impl Work {
         let api: Api<Pod> = Api::namespaced(client.clone(), &self.namespace);
         if self.deleting {
             tokio::time::sleep(config.terminating_delay).await;
-            servers.lock().expect("servers lock").remove(&self.uid);
+            // As the kubelet: SIGTERM, then the pod's grace for what its
+            // server is answering, then the end.
+            let server = servers.lock().expect("servers lock").remove(&self.uid);
+            if let Some(server) = server {
+                server.shut_down(termination_grace(&self.pod)).await;
+            }
         } else {
             // As the kubelet: no container starts before its claims are
             // allocated and reserved for the pod.
@@ -469,6 +476,18 @@ impl Work {
             }
         }
     }
+}
+
+/// The pod's termination grace (30 s when unset, as the API server's
+/// default), at most a minute here.
+fn termination_grace(pod: &Pod) -> Duration {
+    let seconds = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.termination_grace_period_seconds)
+        .unwrap_or(30)
+        .clamp(0, 60);
+    Duration::from_secs(seconds as u64)
 }
 
 fn load_time(config: &KubeletConfig, pod: &Pod) -> Duration {

@@ -29,6 +29,10 @@ pub fn serving_port(pod: &Pod) -> u16 {
 
 /// Label on a model pod: the model it serves.
 pub const MODEL_LABEL: &str = "residency.dev/model";
+/// Label on a model pod: a copy being removed (set by the operator's copy
+/// scaler); routers stop choosing it, its requests in flight finish, then
+/// its demand key goes.
+pub const DRAINING_LABEL: &str = "residency.dev/draining";
 /// Label on a model pod: the ModelResidency that owns it.
 pub const RESIDENCY_LABEL: &str = "residency.dev/residency";
 /// Annotation on a model pod: the model's declared VRAM size in bytes.

@@ -1,7 +1,8 @@
 //! What every process knows of a residency: its spec validated and its
 //! state restored from status (`state`), the words its status uses
 //! (`reasons`), its conditions (`conditions`), the one write that requests
-//! or unloads a model (`demand`), where its GPU is and how its pods get it (`gpu`), and the names on its pods (`labels`).
+//! or unloads a model (`demand`), where its GPU is and how its pods get it (`gpu`), the names on its pods (`labels`),
+//! and where a model's load or its next copy goes (`placement`).
 //! The operator, the router, the node agent and the CLI all build on this;
 //! none of it knows the reconciler. No I/O but the demand merge patch.
 
@@ -9,6 +10,7 @@ pub mod conditions;
 pub mod demand;
 pub mod gpu;
 pub mod labels;
+pub mod placement;
 pub mod reasons;
 pub mod state;
 pub mod warm;

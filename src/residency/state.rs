@@ -413,6 +413,7 @@ mod tests {
                         template: None,
                         load_time: None,
                         sleep: None,
+                        copies: None,
                     })
                     .collect(),
                 prefetch: 0,

@@ -5,9 +5,9 @@
 //! loaded its model would keep every model it asks about resident.
 
 use super::errors::{Refusal, json_response};
-use super::placement::{Placement, place};
 use super::snapshot::Snapshot;
 use crate::api::{ModelResidency, ModelState};
+use crate::residency::placement::{Placement, place};
 use bytes::Bytes;
 use http::{Method, Response, StatusCode};
 use http_body_util::Full;

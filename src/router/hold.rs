@@ -5,10 +5,10 @@
 //! for again once, then the request fails with the reason.
 
 use super::errors::Refusal;
-use super::placement::{Placement, place};
 use super::snapshot::{Endpoint, Snapshot};
 use super::{ModelLabels, Router, key};
 use crate::api::{ModelResidency, ModelState};
+use crate::residency::placement::{Placement, place};
 use crate::residency::state::recorded_time;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;

@@ -49,6 +49,7 @@ pub struct RouterMetrics {
     pub hold: HoldHistograms,
     pub cold_starts: Family<ModelLabels, Counter>,
     pub pending: Family<ModelLabels, Gauge>,
+    pub in_flight: Family<ModelLabels, Gauge>,
     pub upstream_errors: Family<ModelLabels, Counter>,
     pub demand_writes: Family<WriteLabels, Counter>,
     pub demand_write_errors: Counter,
@@ -65,6 +66,7 @@ impl Default for RouterMetrics {
             hold: Family::new_with_constructor(hold_histogram),
             cold_starts: Family::default(),
             pending: Family::default(),
+            in_flight: Family::default(),
             upstream_errors: Family::default(),
             demand_writes: Family::default(),
             demand_write_errors: Counter::default(),
@@ -94,6 +96,11 @@ impl Default for RouterMetrics {
             "pending_requests",
             "Requests waiting for their model to load now",
             m.pending.clone(),
+        );
+        registry.register(
+            "in_flight_requests",
+            "Requests for a model from their arrival to the end of their answer, those held for a load or a wake included: the signal its copies scale on (summed over every router replica)",
+            m.in_flight.clone(),
         );
         registry.register(
             "upstream_errors",

@@ -9,7 +9,8 @@
 //!
 //! - [`target`]: which model a request names;
 //! - [`snapshot`]: what the watches show, per model;
-//! - [`placement`]: where a model resident nowhere is loaded;
+//! - [`balance`]: which of a model's copies serves a request;
+//! - [`crate::residency::placement`]: where a model resident nowhere is loaded;
 //! - [`recency`]: when traffic becomes a demand write;
 //! - [`proxy`]: sending on and streaming back;
 //! - [`errors`]: the OpenAI-shaped answers when it cannot proxy;
@@ -20,7 +21,6 @@ pub mod catalog;
 pub mod errors;
 mod hold;
 pub mod metrics;
-pub mod placement;
 pub mod proxy;
 pub mod recency;
 pub mod snapshot;
@@ -367,6 +367,15 @@ impl Router {
         start: Instant,
     ) -> Result<Response<ProxyBody>, Refusal> {
         let mut gone: Option<Arc<str>> = None;
+        // Counted from here to the end of its answer (the clone that
+        // `forward` keeps), for models this router serves only: a client
+        // cannot grow the label set at will.
+        let counted = self
+            .snapshot
+            .borrow()
+            .models
+            .contains_key(model)
+            .then(|| Arc::new(ModelInFlight::enter(&self.metrics, model)));
         // The prompt's prefix is read only when the strategy uses it.
         let key = match self.config.balance {
             balance::Strategy::PrefixHash => balance::prompt_prefix(&body),
@@ -379,7 +388,10 @@ impl Router {
             if !cold {
                 self.refresh(&endpoint).await;
             }
-            match self.forward(&endpoint, parts, body.clone(), start).await {
+            match self
+                .forward(&endpoint, parts, body.clone(), start, counted.clone())
+                .await
+            {
                 Err(proxy::SendError::Connect(e)) if gone.is_none() => {
                     tracing::debug!(pod = %endpoint.pod, error = %e, "pod unreachable; re-resolving");
                     gone = Some(endpoint.pod.clone());
@@ -497,8 +509,9 @@ impl Router {
         parts: &http::request::Parts,
         body: Bytes,
         start: Instant,
+        counted: Option<Arc<ModelInFlight>>,
     ) -> Result<Response<ProxyBody>, proxy::SendError> {
-        let guard = InFlight::enter(self.clone(), endpoint, start);
+        let guard = InFlight::enter(self.clone(), endpoint, start, counted);
         let answer = proxy::send(&proxy::thread_upstream(), endpoint.addr, parts, body).await?;
         let (head, incoming) = answer.into_parts();
         let body = if proxy::small_and_whole(&head.headers) {
@@ -555,16 +568,47 @@ struct InFlight {
     router: Arc<Router>,
     count: Arc<AtomicUsize>,
     start: Instant,
+    /// The model's count, released with the last of its holders.
+    _model: Option<Arc<ModelInFlight>>,
 }
 
 impl InFlight {
-    fn enter(router: Arc<Router>, endpoint: &Endpoint, start: Instant) -> Self {
+    fn enter(
+        router: Arc<Router>,
+        endpoint: &Endpoint,
+        start: Instant,
+        model: Option<Arc<ModelInFlight>>,
+    ) -> Self {
         endpoint.in_flight.fetch_add(1, Ordering::Relaxed);
         InFlight {
             router,
             count: endpoint.in_flight.clone(),
             start,
+            _model: model,
         }
+    }
+}
+
+/// A request counted in its model's `in_flight_requests`, from its
+/// arrival (held or not) until the end of its answer.
+struct ModelInFlight(prometheus_client::metrics::gauge::Gauge);
+
+impl ModelInFlight {
+    fn enter(metrics: &RouterMetrics, model: &str) -> Self {
+        let gauge = metrics
+            .in_flight
+            .get_or_create(&ModelLabels {
+                model: model.to_owned(),
+            })
+            .clone();
+        gauge.inc();
+        ModelInFlight(gauge)
+    }
+}
+
+impl Drop for ModelInFlight {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 

@@ -6,7 +6,7 @@
 
 use super::recency::Key;
 use crate::api::{ModelResidency, ModelState, ModelStatus};
-use crate::residency::labels::{MODEL_LABEL, RESIDENCY_LABEL, serving_port};
+use crate::residency::labels::{DRAINING_LABEL, MODEL_LABEL, RESIDENCY_LABEL, serving_port};
 use crate::residency::reasons::Reason;
 use http::HeaderValue;
 use k8s_openapi::api::core::v1::Pod;
@@ -176,7 +176,7 @@ fn asleep(r: &ModelResidency, model: &str) -> bool {
 
 /// A pod that serves traffic: a model pod of a watched residency (owned by
 /// it: labels alone can be forged by anyone who may create pods), Ready,
-/// not terminating, not asleep, with an IP. Its port is its first
+/// not terminating, not asleep, not draining, with an IP. Its port is its first
 /// container's first `containerPort`.
 fn endpoint<'p>(
     pod: &'p Pod,
@@ -187,6 +187,10 @@ fn endpoint<'p>(
         return None;
     }
     let labels = pod.metadata.labels.as_ref()?;
+    if labels.contains_key(DRAINING_LABEL) {
+        // A copy being removed: what it serves finishes, nothing new.
+        return None;
+    }
     let model = labels.get(MODEL_LABEL)?;
     let owner = pod
         .owner_references()

@@ -8,6 +8,7 @@
 mod chart;
 mod cli;
 mod control_plane;
+mod copies;
 mod crd;
 mod dockerfile;
 mod docs;

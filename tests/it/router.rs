@@ -160,10 +160,23 @@ async fn on_shutdown_held_requests_finish_within_the_grace_or_get_a_503() {
         (pending(&patient) == 5).then_some(())
     })
     .await;
+    // Held requests count as in flight for their model (what copies scale on).
+    let in_flight = |router: &RouterUnderTest| {
+        router.metric(
+            "model_residency_router_in_flight_requests",
+            r#"model="qwen""#,
+        )
+    };
+    assert_eq!(in_flight(&patient), 5);
     patient.router.drain(Duration::from_secs(20)).await;
     for a in join_all(served).await {
         assert_served_by(&a.unwrap(), "qwen");
     }
+    assert_eq!(
+        in_flight(&patient),
+        0,
+        "each answered request leaves the count"
+    );
     // A grace shorter than the load: each held request gets a 503 with
     // Retry-After once drain returns, none is dropped unanswered.
     let hasty = std::sync::Arc::new(RouterUnderTest::start(&h, Config::default()).await);

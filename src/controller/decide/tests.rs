@@ -46,6 +46,7 @@ fn residency(
                     ),
                     load_time: None,
                     sleep: None,
+                    copies: None,
                 })
                 .collect(),
             prefetch: 0,
@@ -329,6 +330,7 @@ fn demand_written_before_its_registry_entry_loads_once_the_model_is_added() {
         template: r.spec.models[0].template.clone(),
         load_time: None,
         sleep: None,
+        copies: None,
     });
     let d = run(&r, &[], 3);
     assert_eq!(state(&d, "new"), ModelState::Loading);

@@ -221,12 +221,15 @@ impl PrefixCache {
 #[derive(Debug)]
 pub struct FakeModelServer {
     pub addr: SocketAddr,
-    task: JoinHandle<()>,
+    task: Option<JoinHandle<()>>,
+    stop: tokio::sync::watch::Sender<bool>,
 }
 
 impl Drop for FakeModelServer {
     fn drop(&mut self) {
-        self.task.abort();
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
     }
 }
 
@@ -258,8 +261,30 @@ impl FakeModelServer {
             stream_delay,
             prefix,
         });
-        let task = tokio::spawn(serve(listener, server, None));
-        Ok(FakeModelServer { addr, task })
+        let (stop, signal) = tokio::sync::watch::channel(false);
+        let stopping = Stop {
+            signal,
+            // `shut_down`'s own bound is the one that counts.
+            drain: Duration::from_secs(3600),
+        };
+        let task = tokio::spawn(serve(listener, server, Some(stopping)));
+        Ok(FakeModelServer {
+            addr,
+            task: Some(task),
+            stop,
+        })
+    }
+
+    /// Stops as a server stops on SIGTERM: accepts nothing new, finishes
+    /// what it is answering, and is cut off after `grace` (as a kubelet
+    /// kills a container at the end of its termination grace).
+    pub async fn shut_down(mut self, grace: Duration) {
+        self.stop.send_replace(true);
+        if let Some(mut task) = self.task.take()
+            && tokio::time::timeout(grace, &mut task).await.is_err()
+        {
+            task.abort();
+        }
     }
 }
 

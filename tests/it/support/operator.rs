@@ -35,6 +35,8 @@ pub struct Harness {
     pub template: fn(&str) -> serde_json::Value,
     last_time: Mutex<Timestamp>,
     pub next_device: std::sync::atomic::AtomicU32,
+    /// The copy scaler's settings the operator starts with (off by default).
+    pub copies: model_residency::controller::copies::CopiesConfig,
     /// The stand-in, unless the node is real.
     _kubelet: Option<FakeKubelet>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
@@ -104,6 +106,7 @@ impl Harness {
             template: server_template,
             last_time: Mutex::new(Timestamp::UNIX_EPOCH),
             next_device: Default::default(),
+            copies: Default::default(),
             _kubelet: kubelet,
             stop: None,
             task: None,
@@ -123,6 +126,8 @@ impl Harness {
             self.ctx.initial_list,
             self.ctx.gpu_holder_image.clone(),
         );
+        let mut ctx = ctx;
+        Arc::get_mut(&mut ctx).expect("a new context").copies = self.copies.clone();
         self.ctx = ctx.clone();
         self.task = Some(tokio::spawn(async move {
             model_residency::operator::run(

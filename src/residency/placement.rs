@@ -126,61 +126,107 @@ fn newest_use(
         .max()
 }
 
+/// What loading `model` on one home would take.
+enum Appraisal {
+    /// No place for any load now (see [`unusable`]), or its spec is invalid.
+    Unusable(String),
+    /// Its GPU claim is being made or allocated.
+    WaitsForItsGpu,
+    /// The home does not list it.
+    NotListed,
+    /// It would refuse the load, saying why.
+    Refuses(String),
+    /// It can take the load (or holds the model already: `held`) at
+    /// `cost`, evicting (or putting to sleep) `victims`.
+    Takes {
+        held: bool,
+        cost: Cost,
+        victims: Vec<String>,
+    },
+}
+
+/// What loading `model` on `r` would take, the loads in `pending` (models
+/// requested there and not processed yet) counted as admitted, loading.
+fn appraise(model: &str, r: &ModelResidency, pending: &[&str]) -> Appraisal {
+    if let Some(why) = unusable(r) {
+        return Appraisal::Unusable(why.to_owned());
+    }
+    if waits_for_its_gpu(r) {
+        return Appraisal::WaitsForItsGpu;
+    }
+    let valid = match validate(r) {
+        Ok(v) => v,
+        Err(e) => return Appraisal::Unusable(format!("invalid spec: {e}")),
+    };
+    let empty = ModelResidencyStatus::default();
+    let status = r.status.as_ref().unwrap_or(&empty);
+    let mut engine = restore(&valid, status).engine;
+    let Some(id) = engine.id(model) else {
+        return Appraisal::NotListed;
+    };
+    for &m in pending.iter().filter(|&&m| m != model) {
+        let Some(m) = engine.id(m).filter(|&m| !engine.is_resident(m)) else {
+            continue;
+        };
+        if matches!(engine.request(m), Admission::Loaded { .. }) {
+            engine.set_loading(m, true);
+        }
+    }
+    let asleep = engine.is_asleep(id);
+    let plan = engine.plan_load(id);
+    let victims = match &plan {
+        Ok(Some(v)) => v.iter().map(|&v| engine.name(v).to_owned()).collect(),
+        _ => Vec::new(),
+    };
+    let cost = match plan {
+        Ok(Some(victims)) if asleep => Cost::Wakes(newest_use(&engine, status, &victims)),
+        Ok(None) => Cost::Queued(engine.loading_used()),
+        Ok(Some(victims)) if victims.is_empty() => Cost::Fits(std::cmp::Reverse(
+            engine.budget().saturating_sub(engine.used()),
+        )),
+        Ok(Some(victims)) => Cost::Evicts(newest_use(&engine, status, &victims)),
+        Err(reason) => return Appraisal::Refuses(refusal_message(model, &reason)),
+    };
+    Appraisal::Takes {
+        held: engine.is_resident(id) && !asleep,
+        cost,
+        victims,
+    }
+}
+
+/// `<namespace>/<name>`: how homes are told apart and ordered.
+fn key_of(r: &ModelResidency) -> String {
+    format!("{}/{}", r.namespace().unwrap_or_default(), r.name_any())
+}
+
 /// Chooses where to load `model` among `homes` (residencies whose registry
 /// lists it); `pending` are the loads requested (in request order), as
 /// `(i, m)`: model `m` on
 /// `homes[i]` is not processed yet.
 pub fn place(model: &str, homes: &[&ModelResidency], pending: &[(usize, &str)]) -> Placement {
-    let empty = ModelResidencyStatus::default();
     let mut best: Option<(Cost, String, usize)> = None;
     let mut refusals = Vec::new();
     let mut refusing = Vec::new();
     for (i, r) in homes.iter().enumerate() {
-        let key = format!("{}/{}", r.namespace().unwrap_or_default(), r.name_any());
-        if let Some(why) = unusable(r) {
-            refusals.push(format!("{key}: {why}"));
-            continue;
-        }
-        if waits_for_its_gpu(r) {
-            let cost = Cost::Pending(pending.iter().filter(|(j, _)| *j == i).count());
-            if best.as_ref().is_none_or(|(c, k, _)| (cost, &key) < (*c, k)) {
-                best = Some((cost, key, i));
-            }
-            continue;
-        }
-        let valid = match validate(r) {
-            Ok(v) => v,
-            Err(e) => {
-                refusals.push(format!("{key}: invalid spec: {e}"));
+        let key = key_of(r);
+        let here: Vec<&str> = pending
+            .iter()
+            .filter(|(j, _)| *j == i)
+            .map(|&(_, m)| m)
+            .collect();
+        let cost = match appraise(model, r, &here) {
+            Appraisal::Unusable(why) => {
+                refusals.push(format!("{key}: {why}"));
                 continue;
             }
-        };
-        let status = r.status.as_ref().unwrap_or(&empty);
-        let mut engine = restore(&valid, status).engine;
-        let Some(id) = engine.id(model) else {
-            continue;
-        };
-        for &(_, m) in pending.iter().filter(|(j, m)| *j == i && *m != model) {
-            let Some(m) = engine.id(m).filter(|&m| !engine.is_resident(m)) else {
-                continue;
-            };
-            if matches!(engine.request(m), Admission::Loaded { .. }) {
-                engine.set_loading(m, true);
-            }
-        }
-        let asleep = engine.is_asleep(id);
-        let cost = match engine.plan_load(id) {
-            Ok(Some(victims)) if asleep => Cost::Wakes(newest_use(&engine, status, &victims)),
-            Ok(None) => Cost::Queued(engine.loading_used()),
-            Ok(Some(victims)) if victims.is_empty() => Cost::Fits(std::cmp::Reverse(
-                engine.budget().saturating_sub(engine.used()),
-            )),
-            Ok(Some(victims)) => Cost::Evicts(newest_use(&engine, status, &victims)),
-            Err(reason) => {
-                refusals.push(format!("{key}: {}", refusal_message(model, &reason)));
+            Appraisal::WaitsForItsGpu => Cost::Pending(here.len()),
+            Appraisal::NotListed => continue,
+            Appraisal::Refuses(why) => {
+                refusals.push(format!("{key}: {why}"));
                 refusing.push(i);
                 continue;
             }
+            Appraisal::Takes { cost, .. } => cost,
         };
         if best.as_ref().is_none_or(|(c, k, _)| (cost, &key) < (*c, k)) {
             best = Some((cost, key, i));
@@ -195,6 +241,57 @@ pub fn place(model: &str, homes: &[&ModelResidency], pending: &[(usize, &str)]) 
             ),
             refusing,
         },
+    }
+}
+
+/// Where the next copy of `model` goes among `homes` (residencies whose
+/// registry lists it): one where it sleeps (a wake), else one where it fits
+/// (the most free VRAM first), else one where room is made from idle models
+/// only (`idle(home, name)`), whose evictions hurt least; never one that holds it
+/// awake already, would queue it behind loads, waits for its GPU claim, or
+/// would evict (or put to sleep) a model that is not idle. Ties by
+/// namespace/name. `Err` says why no home qualifies, home by home.
+pub fn place_copy(
+    model: &str,
+    homes: &[&ModelResidency],
+    idle: impl Fn(&ModelResidency, &str) -> bool,
+) -> Result<usize, String> {
+    let mut best: Option<(Cost, String, usize)> = None;
+    let mut why = Vec::new();
+    for (i, r) in homes.iter().enumerate() {
+        let key = key_of(r);
+        let (cost, victims) = match appraise(model, r, &[]) {
+            Appraisal::Takes { held: true, .. } | Appraisal::NotListed => continue,
+            Appraisal::Takes {
+                cost: cost @ (Cost::Wakes(_) | Cost::Fits(_) | Cost::Evicts(_)),
+                victims,
+                ..
+            } => (cost, victims),
+            Appraisal::Takes { .. } => {
+                why.push(format!("{key}: only behind models still loading"));
+                continue;
+            }
+            Appraisal::WaitsForItsGpu => {
+                why.push(format!("{key}: its GPU claim is not allocated yet"));
+                continue;
+            }
+            Appraisal::Unusable(w) | Appraisal::Refuses(w) => {
+                why.push(format!("{key}: {w}"));
+                continue;
+            }
+        };
+        if let Some(busy) = victims.iter().find(|v| !idle(r, v)) {
+            why.push(format!("{key}: only by evicting {busy}, which is not idle"));
+            continue;
+        }
+        if best.as_ref().is_none_or(|(c, k, _)| (cost, &key) < (*c, k)) {
+            best = Some((cost, key, i));
+        }
+    }
+    match best {
+        Some((_, _, i)) => Ok(i),
+        None if why.is_empty() => Err(format!("every GPU that lists {model} holds a copy")),
+        None => Err(why.join("; ")),
     }
 }
 
@@ -371,5 +468,31 @@ mod tests {
         // x full of loads on the way, y half: y, where c fits.
         let busy = [(0, "a"), (1, "a"), (0, "b")];
         assert_eq!(place("c", &[&x, &y], &busy), Placement::On(1));
+    }
+
+    #[test]
+    fn a_copy_goes_where_it_fits_then_where_only_idle_models_make_room() {
+        let models = [
+            ("chat", "4Gi", false),
+            ("a", "4Gi", false),
+            ("b", "4Gi", false),
+        ];
+        let holder = residency("holder", "8Gi", &models, &[("chat", T2)]);
+        let full = residency("full", "8Gi", &models, &[("a", T1), ("b", T2)]);
+        let half = residency("half", "8Gi", &models, &[("a", T1)]);
+        let idle = |_: &ModelResidency, _: &str| true;
+        // Never where it is already; where it fits before where it evicts.
+        assert_eq!(place_copy("chat", &[&holder, &full, &half], idle), Ok(2));
+        assert_eq!(place_copy("chat", &[&holder, &full], idle), Ok(1));
+        // Not at the cost of a model with requests in flight.
+        let busy_a = |_: &ModelResidency, m: &str| m != "a";
+        let why = place_copy("chat", &[&holder, &full], busy_a).unwrap_err();
+        assert_eq!(why, "ns/full: only by evicting a, which is not idle");
+        let why = place_copy("chat", &[&holder], idle).unwrap_err();
+        assert_eq!(why, "every GPU that lists chat holds a copy");
+        // A GPU too small says so.
+        let small = residency("small", "2Gi", &models, &[]);
+        let why = place_copy("chat", &[&small], idle).unwrap_err();
+        assert!(why.starts_with("ns/small: "), "{why}");
     }
 }

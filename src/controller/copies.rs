@@ -1,0 +1,595 @@
+//! Copies of a model across its GPUs, driven by load: once a tick, the
+//! routers' in-flight counts per model are read and summed (every replica:
+//! a count one replica decided alone would be wrong), each model's
+//! [`CopyScaler`] decides, and a step is carried out with demand keys:
+//!
+//! - **adding** a copy writes the model's demand key on the home that
+//!   [`place_copy`] chooses (a wake, room, or idle models only), so the
+//!   copy is an ordinary resident there: budget, eviction, warm tier;
+//! - **removing** one takes it out of the routers first (the pod's
+//!   [`DRAINING_LABEL`]: the routers stop choosing it), waits `drain_grace`
+//!   for their watches, then removes its demand key, and the residency
+//!   unloads it or puts it to sleep as it unloads any model (its server
+//!   finishes what it serves on SIGTERM). The label goes once the model is
+//!   no longer loaded there.
+//!
+//! Runs on the leader only (inside [`super::run`]). Off unless routers are
+//! named (`--router-metrics` or `--router-selector`). A round in which a
+//! router could not be read removes nothing: the sum would be too low.
+
+use crate::api::{ModelResidency, ModelState};
+use crate::controller::Context;
+use crate::engine::copies::{CopyPolicy, CopyScaler, Step};
+use crate::metrics::ModelLabels;
+use crate::residency::labels::DRAINING_LABEL;
+use crate::residency::placement::place_copy;
+use crate::residency::state::recorded_time;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::runtime::reflector::Store;
+use kube::{Resource, ResourceExt};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The routers' metric the copies follow.
+pub const IN_FLIGHT_METRIC: &str = "model_residency_router_in_flight_requests";
+
+/// Where the routers are and how the scaler runs.
+#[derive(Clone, Debug)]
+pub struct CopiesConfig {
+    /// Routers' `/metrics` addresses, read as they are.
+    pub routers: Vec<SocketAddr>,
+    /// A label selector of router pods (in `router_namespace`, or every
+    /// namespace) whose `podIP:router_port` serves `/metrics`.
+    pub router_selector: Option<String>,
+    pub router_namespace: Option<String>,
+    pub router_port: u16,
+    /// How often the counts are read and steps decided.
+    pub tick: Duration,
+    /// How long a copy is out of the routers before its demand key goes.
+    pub drain_grace: Duration,
+    /// What a model's `copies` leaves out.
+    pub defaults: CopyPolicy,
+}
+
+impl CopiesConfig {
+    /// Whether any router is named: the scaler runs only then.
+    pub fn enabled(&self) -> bool {
+        !self.routers.is_empty() || self.router_selector.is_some()
+    }
+}
+
+impl Default for CopiesConfig {
+    fn default() -> Self {
+        CopiesConfig {
+            routers: Vec::new(),
+            router_selector: None,
+            router_namespace: None,
+            router_port: 8080,
+            tick: Duration::from_secs(5),
+            drain_grace: Duration::from_secs(2),
+            defaults: CopyPolicy::default(),
+        }
+    }
+}
+
+/// The scaler's state across ticks.
+struct Scaler {
+    ctx: Arc<Context>,
+    store: Store<ModelResidency>,
+    config: CopiesConfig,
+    started: Instant,
+    models: HashMap<String, CopyScaler>,
+    /// `(namespace, residency, model)` copies being removed.
+    draining: Arc<Mutex<HashSet<(String, String, String)>>>,
+    /// Models whose wanted copy had no home at the last tick.
+    unplaced: HashSet<String>,
+}
+
+/// Runs until the task is dropped.
+pub async fn run(ctx: Arc<Context>, store: Store<ModelResidency>, config: CopiesConfig) {
+    let mut scaler = Scaler {
+        ctx,
+        store,
+        config,
+        started: Instant::now(),
+        models: HashMap::new(),
+        draining: Arc::default(),
+        unplaced: HashSet::new(),
+    };
+    scaler.release_stale_drains().await;
+    let mut ticks = tokio::time::interval(scaler.config.tick);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let (in_flight, complete) = scaler.read_routers().await;
+        scaler.round(&in_flight, complete).await;
+    }
+}
+
+/// A model's homes (residencies whose registry lists it), sorted by
+/// namespace/name, from the cache.
+fn homes_by_model(store: &Store<ModelResidency>) -> BTreeMap<String, Vec<Arc<ModelResidency>>> {
+    let mut residencies = store.state();
+    residencies.sort_by_key(|r| (r.namespace(), r.name_any()));
+    let mut homes: BTreeMap<String, Vec<Arc<ModelResidency>>> = BTreeMap::new();
+    for r in residencies {
+        for m in &r.spec.models {
+            homes.entry(m.name.clone()).or_default().push(r.clone());
+        }
+    }
+    homes
+}
+
+/// Whether `r` holds a serving (or soon serving) copy of `model`: it is
+/// requested there and loaded, loading, fetching or queued, or requested
+/// and not processed yet.
+fn holds_copy(r: &ModelResidency, model: &str) -> bool {
+    if r.spec.demand.get(model).is_none() {
+        return false;
+    }
+    let state = r
+        .status
+        .as_ref()
+        .and_then(|s| s.model(model))
+        .map(|m| m.state)
+        .unwrap_or_default();
+    matches!(
+        state,
+        ModelState::Loaded
+            | ModelState::Loading
+            | ModelState::Fetching
+            | ModelState::Queued
+            | ModelState::Unloaded
+    )
+}
+
+/// The model's policy: the first home's `copies`, the defaults for what
+/// it leaves out.
+fn policy_of(model: &str, homes: &[Arc<ModelResidency>], defaults: &CopyPolicy) -> CopyPolicy {
+    let spec = homes
+        .iter()
+        .find_map(|r| r.spec.models.iter().find(|m| m.name == model))
+        .and_then(|m| m.copies.as_deref());
+    let Some(c) = spec else {
+        return *defaults;
+    };
+    let delay = c
+        .scale_down_delay
+        .as_deref()
+        .and_then(crate::quantity::parse_duration)
+        .map_or(defaults.scale_down_delay, |d| d.as_secs_f64());
+    CopyPolicy {
+        min: c.min.unwrap_or(defaults.min),
+        max: c.max.unwrap_or(defaults.max),
+        target_in_flight: c
+            .target_in_flight
+            .map_or(defaults.target_in_flight, f64::from),
+        window: defaults.window,
+        scale_down_delay: delay,
+    }
+}
+
+impl Scaler {
+    /// Every router's in-flight counts, summed per model; `false` when one
+    /// could not be read.
+    async fn read_routers(&self) -> (HashMap<String, f64>, bool) {
+        let mut addrs = self.config.routers.clone();
+        let mut complete = true;
+        if let Some(selector) = &self.config.router_selector {
+            match self.router_pods(selector).await {
+                Ok(found) => addrs.extend(found),
+                Err(e) => {
+                    tracing::warn!(error = %e, "copies: cannot list the router pods");
+                    complete = false;
+                }
+            }
+        }
+        let mut sums: HashMap<String, f64> = HashMap::new();
+        for addr in addrs {
+            let read = tokio::time::timeout(
+                self.config.tick.min(Duration::from_secs(5)),
+                crate::http::send_capped(addr, "GET", "/metrics", "", 8 << 20),
+            )
+            .await;
+            match read {
+                Ok(Ok(a)) if a.status == 200 => {
+                    for (model, n) in crate::metrics::by_label(&a.body, IN_FLIGHT_METRIC, "model") {
+                        *sums.entry(model).or_default() += n;
+                    }
+                }
+                other => {
+                    tracing::debug!(%addr, answer = ?other.map(|r| r.map(|a| a.status)), "copies: a router did not answer");
+                    complete = false;
+                }
+            }
+        }
+        (sums, complete)
+    }
+
+    /// The Ready router pods' `/metrics` addresses.
+    async fn router_pods(&self, selector: &str) -> Result<Vec<SocketAddr>, kube::Error> {
+        let api: Api<Pod> =
+            crate::cluster::api_in(&self.ctx.client, self.config.router_namespace.as_deref());
+        let pods = api.list(&ListParams::default().labels(selector)).await?;
+        self.ctx.metrics.api_request("list", "pods");
+        Ok(pods
+            .items
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .filter_map(|p| p.status.as_ref()?.pod_ip.as_deref()?.parse().ok())
+            .map(|ip| SocketAddr::new(ip, self.config.router_port))
+            .collect())
+    }
+
+    /// One tick: every model's step.
+    async fn round(&mut self, in_flight: &HashMap<String, f64>, complete: bool) {
+        let now = self.started.elapsed().as_secs_f64();
+        let all = homes_by_model(&self.store);
+        // Models gone from every registry are forgotten.
+        self.models.retain(|m, _| all.contains_key(m));
+        for (model, homes) in all {
+            let policy = policy_of(&model, &homes, &self.config.defaults);
+            let copies: Vec<usize> = (0..homes.len())
+                .filter(|&i| holds_copy(&homes[i], &model) && !self.is_draining(&homes[i], &model))
+                .collect();
+            let load = in_flight.get(&model).copied().unwrap_or(0.0);
+            let scaler = self.models.entry(model.clone()).or_default();
+            scaler.observe(&policy, now, load);
+            let step = scaler.decide(&policy, now, copies.len() as u32);
+            let labels = ModelLabels {
+                model: model.clone(),
+            };
+            let metrics = &self.ctx.metrics;
+            metrics
+                .copies
+                .get_or_create(&labels)
+                .set(copies.len() as i64);
+            let wanted = if copies.is_empty() {
+                0
+            } else {
+                policy.wanted(scaler.mean())
+            };
+            metrics
+                .copies_wanted
+                .get_or_create(&labels)
+                .set(i64::from(wanted));
+            let done = match step {
+                Step::Hold => {
+                    self.set_unplaced(&model, &homes, None).await;
+                    false
+                }
+                Step::Add(n) => self.add(&model, &homes, n, in_flight, &policy).await,
+                Step::Remove if complete => self.remove(&model, &homes, &copies),
+                Step::Remove => false,
+            };
+            if done {
+                self.models
+                    .get_mut(&model)
+                    .expect("entered above")
+                    .changed(now);
+            }
+        }
+    }
+
+    fn is_draining(&self, r: &ModelResidency, model: &str) -> bool {
+        let key = (
+            r.namespace().unwrap_or_default(),
+            r.name_any(),
+            model.to_owned(),
+        );
+        self.draining.lock().expect("draining lock").contains(&key)
+    }
+
+    /// Adds up to `n` copies, one home each; whether any was added.
+    async fn add(
+        &mut self,
+        model: &str,
+        homes: &[Arc<ModelResidency>],
+        n: u32,
+        in_flight: &HashMap<String, f64>,
+        policy: &CopyPolicy,
+    ) -> bool {
+        let mut taken: HashSet<usize> = HashSet::new();
+        let mut added = 0;
+        let mut why = None;
+        for _ in 0..n {
+            let free: Vec<(usize, &ModelResidency)> = homes
+                .iter()
+                .enumerate()
+                .filter(|(i, r)| !taken.contains(i) && !self.is_draining(r, model))
+                .map(|(i, r)| (i, &**r))
+                .collect();
+            let candidates: Vec<&ModelResidency> = free.iter().map(|(_, r)| *r).collect();
+            let idle = |r: &ModelResidency, victim: &str| idle(r, victim, in_flight, policy);
+            let i = match place_copy(model, &candidates, idle) {
+                Ok(k) => free[k].0,
+                Err(e) => {
+                    why = Some(e);
+                    break;
+                }
+            };
+            taken.insert(i);
+            if self.request(&homes[i], model).await {
+                added += 1;
+            }
+        }
+        self.set_unplaced(model, homes, why).await;
+        added > 0
+    }
+
+    /// Writes `model`'s demand key on `r` now; whether it landed.
+    async fn request(&self, r: &ModelResidency, model: &str) -> bool {
+        let api: Api<ModelResidency> =
+            Api::namespaced(self.ctx.client.clone(), &r.namespace().unwrap_or_default());
+        let result =
+            crate::residency::demand::load(&api, &r.name_any(), model, Timestamp::now()).await;
+        self.ctx.metrics.api_request("patch", "modelresidencies");
+        match result {
+            Ok(_) => {
+                tracing::info!(residency = %r.name_any(), model, "copies: a copy added");
+                true
+            }
+            Err(e) => {
+                tracing::warn!(residency = %r.name_any(), model, error = %e, "copies: could not add a copy");
+                false
+            }
+        }
+    }
+
+    /// Says (a metric, and an event on the change) whether a wanted copy
+    /// has no home: `why` when it has none.
+    async fn set_unplaced(
+        &mut self,
+        model: &str,
+        homes: &[Arc<ModelResidency>],
+        why: Option<String>,
+    ) {
+        let labels = ModelLabels {
+            model: model.to_owned(),
+        };
+        let now_unplaced = why.is_some();
+        self.ctx
+            .metrics
+            .copies_unplaced
+            .get_or_create(&labels)
+            .set(i64::from(now_unplaced));
+        let was = if now_unplaced {
+            !self.unplaced.insert(model.to_owned())
+        } else {
+            !self.unplaced.remove(model)
+        };
+        if was == now_unplaced {
+            return;
+        }
+        let Some(first) = homes.first() else {
+            return;
+        };
+        let note = match why {
+            Some(why) => format!("{model} wants another copy and no GPU can take it: {why}"),
+            None => format!("{model}'s copies are where its load wants them again"),
+        };
+        publish(&self.ctx, first, now_unplaced, note).await;
+    }
+
+    /// Starts removing one copy: the least recently requested (the routers
+    /// refresh each copy's demand time as it serves), ties the last by
+    /// namespace/name. Whether one was started.
+    fn remove(&mut self, model: &str, homes: &[Arc<ModelResidency>], copies: &[usize]) -> bool {
+        let last_request =
+            |i: usize| recorded_time(homes[i].spec.demand.get(model).map(String::as_str));
+        let Some(&i) = copies
+            .iter()
+            .min_by_key(|&&i| (last_request(i), std::cmp::Reverse(i)))
+        else {
+            return false;
+        };
+        let r = homes[i].clone();
+        let key = (
+            r.namespace().unwrap_or_default(),
+            r.name_any(),
+            model.to_owned(),
+        );
+        self.draining
+            .lock()
+            .expect("draining lock")
+            .insert(key.clone());
+        let (ctx, grace, draining) = (
+            self.ctx.clone(),
+            self.config.drain_grace,
+            self.draining.clone(),
+        );
+        tokio::spawn(async move {
+            drain_and_remove(&ctx, &key, grace).await;
+            draining.lock().expect("draining lock").remove(&key);
+        });
+        true
+    }
+
+    /// Labels left by a removal this process did not finish (a restart, a
+    /// new leader) are taken off: the copy is decided again from scratch.
+    async fn release_stale_drains(&self) {
+        let api: Api<Pod> = crate::cluster::api_in(&self.ctx.client, None);
+        let Ok(pods) = api
+            .list(&ListParams::default().labels(DRAINING_LABEL))
+            .await
+        else {
+            return;
+        };
+        for pod in pods.items {
+            let ns = pod.namespace().unwrap_or_default();
+            set_draining(&self.ctx, &ns, &pod.name_any(), false).await;
+        }
+    }
+}
+
+/// Whether `victim` on `r` may be evicted for a copy: no request in flight
+/// for it anywhere, and not requested on `r` within the scale-down delay.
+fn idle(
+    r: &ModelResidency,
+    victim: &str,
+    in_flight: &HashMap<String, f64>,
+    policy: &CopyPolicy,
+) -> bool {
+    if in_flight.get(victim).is_some_and(|&n| n > 0.0) {
+        return false;
+    }
+    let last = recorded_time(r.spec.demand.get(victim).map(String::as_str));
+    let recent = last.is_some_and(|t| {
+        let age = Timestamp::now().duration_since(t);
+        age.as_secs_f64() < policy.scale_down_delay
+    });
+    !recent
+}
+
+/// Takes the copy out of the routers, waits `grace`, removes its demand
+/// key, and takes the label off once the model is no longer loaded there.
+async fn drain_and_remove(ctx: &Context, key: &(String, String, String), grace: Duration) {
+    let (ns, residency, model) = key;
+    let pod = crate::controller::pods::pod_name(residency, model);
+    set_draining(ctx, ns, &pod, true).await;
+    tokio::time::sleep(grace).await;
+    let api: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), ns);
+    ctx.metrics.api_request("patch", "modelresidencies");
+    match crate::residency::demand::unload(&api, residency, model).await {
+        Ok(_) => tracing::info!(%residency, %model, "copies: a copy removed"),
+        Err(e) => tracing::warn!(%residency, %model, error = %e, "copies: could not remove a copy"),
+    }
+    // Until the residency has acted (a pod deleted needs no label off; a
+    // sleeping one does: the routers skip it while it sleeps anyway).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        let state = api
+            .get_opt(residency)
+            .await
+            .ok()
+            .flatten()
+            .and_then(|r| Some(r.status?.model(model)?.state));
+        if state != Some(ModelState::Loaded) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    set_draining(ctx, ns, &pod, false).await;
+}
+
+/// An event on the model's first home: `warning` when a wanted copy has
+/// no home, normal when it has again.
+async fn publish(ctx: &Context, r: &ModelResidency, warning: bool, note: String) {
+    use kube::runtime::events::{Event, EventType, Recorder};
+    let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
+    let ev = Event {
+        type_: if warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
+        reason: if warning {
+            "CopyUnplaced"
+        } else {
+            "CopyPlaced"
+        }
+        .into(),
+        note: Some(note),
+        action: "ScaleCopies".into(),
+        secondary: None,
+    };
+    ctx.metrics.api_request("create", "events");
+    if let Err(e) = recorder.publish(&ev, &r.object_ref(&())).await {
+        tracing::warn!(error = %e, "copies: could not publish an event");
+    }
+}
+
+/// Sets or takes off the draining label of a model pod (one merge patch;
+/// a pod that is gone needs nothing).
+async fn set_draining(ctx: &Context, ns: &str, pod: &str, on: bool) {
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let value = if on {
+        serde_json::json!("true")
+    } else {
+        serde_json::Value::Null
+    };
+    let patch = serde_json::json!({"metadata": {"labels": {DRAINING_LABEL: value}}});
+    ctx.metrics.api_request("patch", "pods");
+    match api
+        .patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 404 => {}
+        Err(e) => tracing::warn!(%pod, error = %e, "copies: could not label the pod"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn residency(name: &str, copies: serde_json::Value) -> ModelResidency {
+        serde_json::from_value(json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+            "metadata": {"name": name, "namespace": "ns"},
+            "spec": {"nodeName": "n", "device": "0", "budget": "8Gi",
+                     "models": [{"name": "chat", "size": "4Gi", "copies": copies}],
+                     "demand": {"chat": "2026-12-03T00:00:00Z"}},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_models_policy_is_its_first_homes_with_the_flags_for_the_rest() {
+        let defaults = CopyPolicy::default();
+        let a = Arc::new(residency("a", json!({"max": 3, "scaleDownDelay": "45s"})));
+        let b = Arc::new(residency("b", json!({"max": 9, "targetInFlight": 7})));
+        let p = policy_of("chat", &[a, b.clone()], &defaults);
+        assert_eq!(
+            (p.min, p.max, p.target_in_flight, p.scale_down_delay),
+            (1, 3, 100.0, 45.0)
+        );
+        let p = policy_of("chat", &[b], &defaults);
+        assert_eq!((p.max, p.target_in_flight), (9, 7.0));
+    }
+
+    #[test]
+    fn a_copy_is_a_requested_model_that_serves_or_will() {
+        let mut r = residency("a", json!({}));
+        // Requested, not processed yet: a copy on its way.
+        assert!(holds_copy(&r, "chat"));
+        r.status = Some(
+            serde_json::from_value(json!({"models": [
+            {"name": "chat", "state": "Sleeping"}]}))
+            .unwrap(),
+        );
+        assert!(!holds_copy(&r, "chat"));
+        r.status = Some(
+            serde_json::from_value(json!({"models": [
+            {"name": "chat", "state": "Loaded"}]}))
+            .unwrap(),
+        );
+        assert!(holds_copy(&r, "chat"));
+        r.spec.demand = Default::default();
+        assert!(
+            !holds_copy(&r, "chat"),
+            "loaded but no longer requested: going"
+        );
+    }
+
+    #[test]
+    fn a_victim_is_idle_without_requests_in_flight_or_a_recent_request() {
+        let policy = CopyPolicy::default();
+        let mut r = residency("a", json!({}));
+        let quiet = HashMap::new();
+        // Requested long ago (the fixture's time), nothing in flight.
+        assert!(idle(&r, "chat", &quiet, &policy));
+        let busy = HashMap::from([("chat".to_owned(), 1.0)]);
+        assert!(!idle(&r, "chat", &busy, &policy));
+        r.spec
+            .demand
+            .insert("chat".into(), Timestamp::now().to_string());
+        assert!(!idle(&r, "chat", &quiet, &policy));
+    }
+}

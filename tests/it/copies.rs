@@ -1,0 +1,195 @@
+//! Copies of a model across its GPUs, driven by the routers' in-flight
+//! counts: the operator's copy scaler against the real control plane, the
+//! kubelet stand-in's fake model servers and an in-process router.
+
+use crate::support::cluster::eventually;
+use crate::support::operator::Harness;
+use crate::support::router::RouterUnderTest;
+use model_residency::api::{ModelResidency, ModelState};
+use model_residency::controller::copies::CopiesConfig;
+use model_residency::engine::copies::CopyPolicy;
+use model_residency::residency::labels::DRAINING_LABEL;
+use model_residency::router::Config;
+use serde_json::json;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+const GPUS: usize = 4;
+
+/// Four GPUs listing `chat` (at most 3 copies, 4 in flight each, a 6 s
+/// delay) and `other`.
+async fn four_gpus(h: &Harness) {
+    for i in 0..GPUS {
+        let r: ModelResidency = serde_json::from_value(json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+            "metadata": {"name": format!("gpu-{i}")},
+            "spec": {"nodeName": h.node, "device": i.to_string(), "budget": "8Gi", "gpu": {"mode": "env"},
+                "models": [
+                    {"name": "chat", "size": "4Gi", "template": (h.template)("chat"),
+                     "copies": {"max": 3, "targetInFlight": 4, "scaleDownDelay": "6s"}},
+                    {"name": "other", "size": "4Gi", "template": (h.template)("other")}]},
+        }))
+        .unwrap();
+        h.api.create(&Default::default(), &r).await.unwrap();
+    }
+}
+
+/// The residencies where `chat` is Loaded.
+async fn loaded(h: &Harness) -> Vec<String> {
+    let list = h.api.list(&Default::default()).await.unwrap();
+    list.items
+        .iter()
+        .filter(|r| {
+            r.status
+                .as_ref()
+                .and_then(|s| s.model("chat"))
+                .is_some_and(|m| m.state == ModelState::Loaded)
+        })
+        .map(kube::ResourceExt::name_any)
+        .collect()
+}
+
+/// `clients` loops of streamed requests (about 1 s each) until `stop`;
+/// each answer's status is counted in `ok` or `failed`.
+fn load(
+    addr: SocketAddr,
+    clients: usize,
+    stop: Arc<AtomicBool>,
+    tally: Arc<(AtomicUsize, AtomicUsize)>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..clients)
+        .map(|_| {
+            let (stop, tally) = (stop.clone(), tally.clone());
+            tokio::spawn(async move {
+                let body = json!({"model": "chat", "stream": true, "max_tokens": 50,
+                    "messages": [{"role": "user", "content": "hi"}]})
+                .to_string();
+                // Bounded: at most 200 requests a client.
+                for _ in 0..200 {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let a =
+                        model_residency::http::send(addr, "POST", "/v1/chat/completions", &body)
+                            .await;
+                    match a {
+                        Ok(a) if a.status == 200 && a.body.contains("[DONE]") => {
+                            tally.0.fetch_add(1, Ordering::Relaxed)
+                        }
+                        other => {
+                            let what = other
+                                .map(|a| (a.status, a.body.chars().take(300).collect::<String>()));
+                            eprintln!("a request failed: {what:?}");
+                            tally.1.fetch_add(1, Ordering::Relaxed)
+                        }
+                    };
+                }
+            })
+        })
+        .collect()
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn copies_follow_the_load_up_and_down_and_lose_no_request() {
+    let mut h = Harness::start("copies").await;
+    h.gpu_mode = Some("env");
+    four_gpus(&h).await;
+    let router = RouterUnderTest::start(&h, Config::default()).await;
+    // The operator reads this router's counts twice a second.
+    h.stop_operator().await;
+    h.copies = CopiesConfig {
+        routers: vec![router.addr],
+        tick: Duration::from_millis(500),
+        drain_grace: Duration::from_millis(300),
+        defaults: CopyPolicy {
+            window: 3.0,
+            ..CopyPolicy::default()
+        },
+        ..CopiesConfig::default()
+    };
+    h.start_operator();
+    // The first request loads one copy (the router's cold path).
+    assert_eq!(router.chat("chat").await.status, 200);
+    eventually(10, "one copy of chat", || async {
+        (loaded(&h).await.len() == 1).then_some(())
+    })
+    .await;
+
+    // 12 streams at once, 4 per copy wanted: three copies (the max), and
+    // `other` is left where it is.
+    let stop = Arc::new(AtomicBool::new(false));
+    let tally = Arc::new((AtomicUsize::new(0), AtomicUsize::new(0)));
+    let heavy = load(router.addr, 12, stop.clone(), tally.clone());
+    let t0 = Instant::now();
+    eventually(30, "three copies of chat", || async {
+        (loaded(&h).await.len() == 3).then_some(())
+    })
+    .await;
+    let up = t0.elapsed();
+    let copies = |h: &Harness| {
+        h.ctx
+            .metrics
+            .sum_where("model_residency_model_copies", r#"model="chat""#)
+    };
+    eventually(5, "the copies metric", || async {
+        (copies(&h) == 3).then_some(())
+    })
+    .await;
+    // Never a fourth: max 3.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(loaded(&h).await.len(), 3);
+    stop.store(true, Ordering::Relaxed);
+    futures::future::join_all(heavy).await;
+
+    // Two streams go on (one copy's worth): one copy less per 6 s, never
+    // the last, and every request answered whole while they go.
+    let stop = Arc::new(AtomicBool::new(false));
+    let light = load(router.addr, 2, stop.clone(), tally.clone());
+    let mut seen = vec![(Instant::now(), 3)];
+    let deadline = Instant::now() + Duration::from_secs(40);
+    while Instant::now() < deadline {
+        let n = loaded(&h).await.len();
+        if n != seen.last().unwrap().1 {
+            seen.push((Instant::now(), n));
+        }
+        if n == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // A moment more: nothing below one copy.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::Relaxed);
+    futures::future::join_all(light).await;
+    let counts: Vec<usize> = seen.iter().map(|s| s.1).collect();
+    assert_eq!(counts, [3, 2, 1], "one copy at a time");
+    let gap = seen[2].0 - seen[1].0;
+    assert!(
+        gap >= Duration::from_secs(5),
+        "removals {gap:?} apart, the delay is 6 s"
+    );
+    assert_eq!(
+        loaded(&h).await.len(),
+        1,
+        "the last copy stays while it has traffic"
+    );
+    let (ok, failed) = (
+        tally.0.load(Ordering::Relaxed),
+        tally.1.load(Ordering::Relaxed),
+    );
+    assert_eq!(failed, 0, "{failed} of {} requests failed", ok + failed);
+    // No pod is left out of the routers.
+    eventually(10, "no draining label left", || async {
+        let pods = h
+            .pods
+            .list(&kube::api::ListParams::default().labels(DRAINING_LABEL))
+            .await
+            .unwrap();
+        pods.items.is_empty().then_some(())
+    })
+    .await;
+    println!("copies: 1 -> 3 in {up:?}; {ok} streamed requests answered whole, 0 lost");
+}
