@@ -6,6 +6,8 @@ mod artifact;
 mod copies;
 mod demand_map;
 mod gpu;
+mod inference_pool;
+mod model_copies;
 mod model_demand;
 pub mod rules;
 mod warm;
@@ -20,6 +22,10 @@ pub use gpu::{
     DEFAULT_BUDGET_FRACTION, DEFAULT_DEVICE_CLASS, DEFAULT_GPU_RESOURCE, GpuMode, GpuSpec,
     GpuStatus, MIG_DEVICE_CLASS,
 };
+pub use inference_pool::{
+    EndpointPickerRef, InferencePool, InferencePoolSpec, PoolPort, PoolSelector,
+};
+pub use model_copies::{ModelCopies, ModelCopiesSpec, ModelCopiesStatus};
 pub use model_demand::{ModelDemand, ModelDemandSpec, ModelDemandStatus};
 pub use warm::{EvictionPolicy, PodRequest, SleepPreset, SleepSpec, WarmSpec};
 
@@ -510,11 +516,12 @@ pub fn model_demand_crd_yaml() -> String {
 }
 
 /// Every CRD of the project, as committed under `crds/` (file name, YAML).
-pub fn crd_files() -> [(&'static str, String); 3] {
+pub fn crd_files() -> [(&'static str, String); 4] {
     use kube::CustomResourceExt;
     [
         ("modelresidency.yaml", crd_yaml()),
         ("modeldemand.yaml", model_demand_crd_yaml()),
+        ("modelcopies.yaml", yaml_document(&ModelCopies::crd())),
         ("nodemodelcache.yaml", yaml_document(&NodeModelCache::crd())),
     ]
 }

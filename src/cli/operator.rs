@@ -7,8 +7,9 @@ use super::Failure;
 use super::process::{
     Logging, Threads, cluster_client, fatal, parse_duration, preflight, termination,
 };
+use model_residency::api::EndpointPickerRef;
 use model_residency::controller::Context;
-use model_residency::controller::copies::CopiesConfig;
+use model_residency::controller::copies::{CopiesConfig, PoolConfig};
 use model_residency::engine::copies::CopyPolicy;
 use model_residency::http::{Readiness, serve_admin};
 use model_residency::operator::lease::{LeaderElector, LeaseConfig};
@@ -105,6 +106,18 @@ struct CopiesArgs {
     /// How long a copy is out of the routers before it is unloaded.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     copies_drain_grace: std::time::Duration,
+    /// Keep one InferencePool (inference.networking.k8s.io/v1, the Gateway
+    /// API Inference Extension's CRD) per model and namespace, selecting
+    /// the model's serving copies.
+    #[arg(long, env = "INFERENCE_POOLS")]
+    inference_pools: bool,
+    /// The endpoint picker Service every InferencePool names (none: the
+    /// gateway picks; v1.5 of the extension made it optional).
+    #[arg(long, env = "ENDPOINT_PICKER")]
+    endpoint_picker: Option<String>,
+    /// The endpoint picker's port (the extension's default: 9002).
+    #[arg(long, env = "ENDPOINT_PICKER_PORT")]
+    endpoint_picker_port: Option<u16>,
 }
 
 impl CopiesArgs {
@@ -127,6 +140,15 @@ impl CopiesArgs {
                 scale_down_delay: self.copies_scale_down_delay.as_secs_f64(),
                 ..CopyPolicy::default()
             },
+            pools: self.inference_pools.then(|| PoolConfig {
+                endpoint_picker: self.endpoint_picker.clone().map(|name| EndpointPickerRef {
+                    group: None,
+                    kind: None,
+                    name,
+                    port_number: self.endpoint_picker_port,
+                    failure_mode: None,
+                }),
+            }),
         })
     }
 }

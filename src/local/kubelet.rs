@@ -54,8 +54,8 @@
 //! Pods on other nodes, and unbound pods, are never touched.
 
 use super::model_server::{
-    FakeModelServer, Identity, PREFIX_CACHE_ANNOTATION, PrefixCache, SLEEP_ANNOTATION,
-    SleepBehaviour, next_pod_ip,
+    BATCH_ANNOTATION, FakeModelServer, Identity, PREFIX_CACHE_ANNOTATION, PrefixCache,
+    SLEEP_ANNOTATION, SleepBehaviour, Tuning, next_pod_ip,
 };
 use crate::quantity::parse_bytes;
 use crate::residency::labels::{GPU_HOLDER_LABEL, MODEL_LABEL, SIZE_ANNOTATION};
@@ -612,8 +612,13 @@ async fn serve(pod: &Pod, servers: &Servers, stream_delay: Duration) -> Result<I
         .as_ref()
         .and_then(|a| a.get(PREFIX_CACHE_ANNOTATION))
         .cloned();
+    let batch = meta
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(BATCH_ANNOTATION))
+        .and_then(|b| b.trim().parse().ok());
     let candidates = std::iter::repeat_with(next_pod_ip).take(BIND_TRIES);
-    let behaviour = (sleep, prefix);
+    let behaviour = (sleep, prefix, batch);
     match listen_on_one_of(candidates, port, identity, stream_delay, behaviour).await {
         Ok(server) => {
             let ip = match server.addr.ip() {
@@ -638,13 +643,16 @@ async fn listen_on_one_of(
     port: u16,
     identity: Identity,
     stream_delay: Duration,
-    (sleep, prefix): (SleepBehaviour, Option<String>),
+    (sleep, prefix, batch): (SleepBehaviour, Option<String>, Option<u32>),
 ) -> Result<FakeModelServer, String> {
     let mut last = String::from("no address to try");
     for ip in candidates {
         let addr = SocketAddr::from((ip, port));
-        let cache = prefix.as_deref().map(PrefixCache::parse);
-        match FakeModelServer::start_with(addr, identity.clone(), stream_delay, sleep, cache).await
+        let tuning = Tuning {
+            prefix: prefix.as_deref().map(PrefixCache::parse),
+            batch,
+        };
+        match FakeModelServer::start_with(addr, identity.clone(), stream_delay, sleep, tuning).await
         {
             Ok(server) => return Ok(server),
             Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {

@@ -10,13 +10,13 @@ pub mod model_server;
 pub mod real_node;
 pub mod registry;
 
-use crate::api::{ModelDemand, ModelResidency, NodeModelCache};
+use crate::api::{ModelCopies, ModelDemand, ModelResidency, NodeModelCache};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use std::time::Duration;
 
-/// Installs (server-side applies) the ModelResidency, ModelDemand and
+/// Installs (server-side applies) the ModelResidency, ModelDemand, ModelCopies and
 /// NodeModelCache CRDs and waits until the API server serves the types,
 /// which comes a moment after creation.
 pub async fn install_crd(client: &kube::Client) -> Result<(), kube::Error> {
@@ -24,6 +24,7 @@ pub async fn install_crd(client: &kube::Client) -> Result<(), kube::Error> {
     for crd in [
         ModelResidency::crd(),
         ModelDemand::crd(),
+        ModelCopies::crd(),
         NodeModelCache::crd(),
     ] {
         let name = crd.metadata.name.clone().unwrap_or_default();
@@ -32,6 +33,7 @@ pub async fn install_crd(client: &kube::Client) -> Result<(), kube::Error> {
     }
     served::<ModelResidency>(client).await?;
     served::<ModelDemand>(client).await?;
+    served::<ModelCopies>(client).await?;
     served::<NodeModelCache>(client).await
 }
 

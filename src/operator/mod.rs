@@ -79,13 +79,12 @@ pub async fn run(
     let cache_events = node_cache_events(ctx.clone(), store.clone()).await;
     let gpu_events = gpu_events(ctx.clone(), namespace.as_deref(), store.clone()).await;
     let sync = tokio::spawn(mark_synced(store.clone(), ctx.clone(), synced));
-    let copies = ctx.copies.enabled().then(|| {
-        tokio::spawn(crate::controller::copies::run(
-            ctx.clone(),
-            store.clone(),
-            ctx.copies.clone(),
-        ))
-    });
+    let copies = tokio::spawn(crate::controller::copies::run(
+        ctx.clone(),
+        namespace.clone(),
+        store.clone(),
+        ctx.copies.clone(),
+    ));
     controller
         .reconcile_on(futures::stream::select(
             futures::stream::select(futures::stream::select(pod_events, claim_rx), asked_rx),
@@ -110,9 +109,7 @@ pub async fn run(
     // controller's did (an aborted run drops them with the lane).
     lane.finish().await;
     sync.abort();
-    if let Some(copies) = copies {
-        copies.abort();
-    }
+    copies.abort();
 }
 
 /// The residency watch: compacted into the cache, recording deletions and

@@ -33,6 +33,12 @@ pub const MODEL_LABEL: &str = "residency.dev/model";
 /// scaler); routers stop choosing it, its requests in flight finish, then
 /// its demand key goes.
 pub const DRAINING_LABEL: &str = "residency.dev/draining";
+/// Label on a model pod: `true` while it serves (Ready, awake, not
+/// draining), set and cleared by the operator with `--inference-pools`:
+/// the model's InferencePool selects it.
+pub const SERVING_LABEL: &str = "residency.dev/serving";
+/// Label on an InferencePool the operator keeps: the model it is for.
+pub const POOL_MODEL_LABEL: &str = "residency.dev/pool-model";
 /// Label on a model pod: the ModelResidency that owns it.
 pub const RESIDENCY_LABEL: &str = "residency.dev/residency";
 /// Annotation on a model pod: the model's declared VRAM size in bytes.

@@ -98,6 +98,7 @@ fn chart_lints_and_renders_hardened_least_privilege_manifests() {
     assert_eq!(
         names,
         [
+            "modelcopies.residency.dev",
             "modeldemands.residency.dev",
             "modelresidencies.residency.dev",
             "nodemodelcaches.residency.dev"
@@ -440,6 +441,10 @@ async fn the_operator_does_its_job_with_only_the_charts_rbac() {
             ("patch", "modelresidencies.residency.dev", true),
             ("patch", "modeldemands.residency.dev/status", true),
             ("watch", "modeldemands.residency.dev", true),
+            ("list", "modelcopies.residency.dev", true),
+            ("patch", "modelcopies.residency.dev/status", true),
+            ("patch", "modelcopies.residency.dev", false),
+            ("patch", "pods", true),
             ("update", "modelresidencies.residency.dev", false),
             ("delete", "modeldemands.residency.dev", false),
             ("delete", "modelresidencies.residency.dev", false),

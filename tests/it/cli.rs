@@ -196,6 +196,7 @@ fn crd_prints_the_committed_crd() {
     let committed: String = [
         "crds/modelresidency.yaml",
         "crds/modeldemand.yaml",
+        "crds/modelcopies.yaml",
         "crds/nodemodelcache.yaml",
     ]
     .iter()

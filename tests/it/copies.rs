@@ -193,3 +193,181 @@ async fn copies_follow_the_load_up_and_down_and_lose_no_request() {
     .await;
     println!("copies: 1 -> 3 in {up:?}; {ok} streamed requests answered whole, 0 lost");
 }
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn model_copies_scales_a_model_0_1_3_0_through_its_scale_subresource() {
+    use kube::api::{Api, Patch, PatchParams};
+    use model_residency::api::ModelCopies;
+    let mut h = Harness::start("copies-owned").await;
+    four_gpus(&h).await;
+    // No router: the built-in signal is off; the object owns the count.
+    h.stop_operator().await;
+    h.copies = CopiesConfig {
+        tick: Duration::from_millis(300),
+        drain_grace: Duration::from_millis(200),
+        ..CopiesConfig::default()
+    };
+    h.start_operator();
+    let api: Api<ModelCopies> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    let mc: ModelCopies = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelCopies",
+        "metadata": {"name": "chat"}, "spec": {"model": "chat", "replicas": 0}}))
+    .unwrap();
+    api.create(&Default::default(), &mc).await.unwrap();
+    for n in [1usize, 3, 0] {
+        let scale = json!({"spec": {"replicas": n}});
+        api.patch_scale("chat", &PatchParams::default(), &Patch::Merge(&scale))
+            .await
+            .unwrap();
+        eventually(30, &format!("{n} copies, Ready in status"), || async {
+            let ready = api.get_scale("chat").await.ok()?.status?.replicas;
+            (loaded(&h).await.len() == n && ready == n as i32).then_some(())
+        })
+        .await;
+    }
+    let scale = api.get_scale("chat").await.unwrap();
+    assert_eq!(
+        scale.status.unwrap().selector.as_deref(),
+        Some("residency.dev/model=chat"),
+        "HPA finds the model's pods by it"
+    );
+    // Asking for more copies than GPUs list the model: all four, and the
+    // status says why not five.
+    api.patch_scale(
+        "chat",
+        &PatchParams::default(),
+        &Patch::Merge(&json!({"spec": {"replicas": 5}})),
+    )
+    .await
+    .unwrap();
+    let message = eventually(30, "four copies and a message", || async {
+        let status = api.get("chat").await.ok()?.status?;
+        (loaded(&h).await.len() == 4 && status.replicas == 4).then_some(status.message?)
+    })
+    .await;
+    assert!(message.contains("holds a copy"), "{message}");
+}
+
+/// The selector's pods: those carrying every label of the pool's selector.
+async fn selected(h: &Harness, pool: &model_residency::api::InferencePool) -> Vec<String> {
+    let selector: Vec<String> = pool
+        .spec
+        .selector
+        .match_labels
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    let params = kube::api::ListParams::default().labels(&selector.join(","));
+    let mut names: Vec<String> = h
+        .pods
+        .list(&params)
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .map(kube::ResourceExt::name_any)
+        .collect();
+    names.sort();
+    names
+}
+
+/// The model pods of the residencies where `chat` is Loaded.
+async fn serving_pods(h: &Harness) -> Vec<String> {
+    let mut names: Vec<String> = loaded(h)
+        .await
+        .iter()
+        .map(|r| model_residency::controller::pods::pod_name(r, "chat"))
+        .collect();
+    names.sort();
+    names
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn inference_pools_select_exactly_the_copies_that_serve() {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::CustomResourceExt;
+    use kube::api::{Api, Patch, PatchParams};
+    use model_residency::api::{InferencePool, ModelCopies};
+    // The extension's CRD, from the published v1 fields (our type's).
+    let mut h = Harness::start("copies-pools").await;
+    let crds: Api<CustomResourceDefinition> = Api::all(h.env.client.clone());
+    let mut crd = InferencePool::crd();
+    // k8s.io groups need it; the extension's own CRD carries this one.
+    crd.metadata.annotations = Some(
+        [(
+            "api-approved.kubernetes.io".to_owned(),
+            "https://github.com/kubernetes-sigs/gateway-api-inference-extension/pull/1173"
+                .to_owned(),
+        )]
+        .into(),
+    );
+    crds.patch(
+        "inferencepools.inference.networking.k8s.io",
+        &PatchParams::apply("test").force(),
+        &Patch::Apply(&crd),
+    )
+    .await
+    .unwrap();
+    four_gpus(&h).await;
+    h.stop_operator().await;
+    h.copies = CopiesConfig {
+        tick: Duration::from_millis(300),
+        drain_grace: Duration::from_millis(200),
+        pools: Some(Default::default()),
+        ..CopiesConfig::default()
+    };
+    h.start_operator();
+    let pools: Api<InferencePool> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    let copies: Api<ModelCopies> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    let mc: ModelCopies = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelCopies",
+        "metadata": {"name": "chat"}, "spec": {"model": "chat", "replicas": 2}}))
+    .unwrap();
+    copies.create(&Default::default(), &mc).await.unwrap();
+    for n in [2usize, 3, 1] {
+        copies
+            .patch_scale(
+                "chat",
+                &PatchParams::default(),
+                &Patch::Merge(&json!({"spec": {"replicas": n}})),
+            )
+            .await
+            .unwrap();
+        let (pool, serving) = eventually(30, &format!("the pool selecting {n} copies"), || async {
+            let pool = pools.get_opt("chat").await.ok()??;
+            let serving = serving_pods(&h).await;
+            (serving.len() == n && selected(&h, &pool).await == serving).then_some((pool, serving))
+        })
+        .await;
+        assert_eq!(pool.spec.target_ports[0].number, 8080);
+        assert_eq!(serving.len(), n);
+    }
+    // Every model has its pool, owned by the residencies that list it.
+    let other = pools.get("other").await.unwrap();
+    assert_eq!(
+        other.metadata.owner_references.as_ref().map(Vec::len),
+        Some(GPUS)
+    );
+    assert!(
+        selected(&h, &other).await.is_empty(),
+        "other serves nowhere"
+    );
+    // A model no residency lists any more loses its pool.
+    for i in 0..GPUS {
+        let patch = json!({"spec": {"models": [{"name": "chat", "size": "4Gi", "template": (h.template)("chat")}]}});
+        h.api
+            .patch(
+                &format!("gpu-{i}"),
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
+            .await
+            .unwrap();
+    }
+    eventually(30, "other's pool gone", || async {
+        pools.get_opt("other").await.ok()?.is_none().then_some(())
+    })
+    .await;
+}

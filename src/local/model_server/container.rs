@@ -51,6 +51,7 @@ pub async fn run_in_container(options: Options) -> std::io::Result<()> {
         state: Default::default(),
         stream_delay: options.stream_delay,
         prefix: None,
+        batch: None,
     });
     eprintln!(
         "fake model server for {} (pod {}) pid {} listening on {}",

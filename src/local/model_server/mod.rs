@@ -149,6 +149,34 @@ struct Server {
     state: SleepState,
     stream_delay: Duration,
     prefix: Option<PrefixCache>,
+    batch: Option<u32>,
+}
+
+impl Server {
+    /// The time between two chunks of a stream now: the stream delay, or
+    /// more with more streams running than the batch holds.
+    fn chunk_delay(&self) -> Duration {
+        let Some(batch) = self.batch.filter(|&b| b > 0) else {
+            return self.stream_delay;
+        };
+        let running = self.state.running().max(1);
+        self.stream_delay
+            .mul_f64((running as f64 / f64::from(batch)).max(1.0))
+    }
+}
+
+/// Pod annotation giving the fake server a GPU's batch (`16`): up to that
+/// many streams decode at the stream delay per chunk; with `n` more
+/// running, every chunk takes `n / batch` times as long, as a GPU's decode
+/// step grows once the batch is past what it holds. Benchmarks of copies
+/// use it: more copies, faster streams.
+pub const BATCH_ANNOTATION: &str = "kubelet-standin.residency.dev/batch";
+
+/// What a fake server does beyond its defaults.
+#[derive(Debug, Default)]
+pub struct Tuning {
+    pub prefix: Option<PrefixCache>,
+    pub batch: Option<u32>,
 }
 
 /// Pod annotation giving the fake server a KV cache of prompt prefixes
@@ -241,16 +269,16 @@ impl FakeModelServer {
         stream_delay: Duration,
         sleep: SleepBehaviour,
     ) -> std::io::Result<Self> {
-        Self::start_with(addr, identity, stream_delay, sleep, None).await
+        Self::start_with(addr, identity, stream_delay, sleep, Tuning::default()).await
     }
 
-    /// [`Self::start`] with a prefix cache.
+    /// [`Self::start`] with a prefix cache or a batch.
     pub async fn start_with(
         addr: SocketAddr,
         identity: Identity,
         stream_delay: Duration,
         sleep: SleepBehaviour,
-        prefix: Option<PrefixCache>,
+        tuning: Tuning,
     ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
@@ -259,7 +287,8 @@ impl FakeModelServer {
             sleep,
             state: SleepState::default(),
             stream_delay,
-            prefix,
+            prefix: tuning.prefix,
+            batch: tuning.batch,
         });
         let (stop, signal) = tokio::sync::watch::channel(false);
         let stopping = Stop {
@@ -410,6 +439,7 @@ mod tests {
             state: SleepState::default(),
             stream_delay: Duration::from_millis(10),
             prefix: None,
+            batch: None,
         })
     }
 
@@ -431,6 +461,32 @@ mod tests {
             let a = send(s.addr, "GET", "/health", "").await.unwrap();
             assert_eq!(a.status, 200);
         }
+    }
+
+    #[tokio::test]
+    async fn streams_past_the_batch_slow_down_in_proportion() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut s = Arc::try_unwrap(server()).unwrap();
+        s.batch = Some(2);
+        tokio::spawn(serve(listener, Arc::new(s), None));
+        let body = r#"{"model":"m","stream":true,"max_tokens":20}"#;
+        let t = std::time::Instant::now();
+        send(addr, "POST", "/v1/chat/completions", body)
+            .await
+            .unwrap();
+        let alone = t.elapsed();
+        // Eight at once on a batch of two: each chunk about 4x as long.
+        let t = std::time::Instant::now();
+        let all = (0..8).map(|_| send(addr, "POST", "/v1/chat/completions", body));
+        for a in futures::future::join_all(all).await {
+            assert!(a.unwrap().body.contains("[DONE]"));
+        }
+        let crowded = t.elapsed();
+        assert!(
+            crowded > alone * 2,
+            "alone {alone:?}, eight at once {crowded:?}"
+        );
     }
 
     #[tokio::test]

@@ -192,7 +192,7 @@ fn stream(server: Arc<Server>, kind: Kind, chunks: u64, garbage: bool) -> Body {
         let id = &server.id;
         for i in 0..chunks {
             if i > 0 {
-                tokio::time::sleep(server.stream_delay).await;
+                tokio::time::sleep(server.chunk_delay()).await;
             }
             if server.state.aborts() != aborts_at_start {
                 server.state.aborted.fetch_add(1, Ordering::SeqCst);

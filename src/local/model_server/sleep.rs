@@ -47,6 +47,11 @@ pub(super) struct SleepState {
 }
 
 impl SleepState {
+    /// Generations running now.
+    pub(super) fn running(&self) -> u64 {
+        self.running.load(Ordering::SeqCst)
+    }
+
     /// Waits until the server is awake (at once if it is).
     pub(super) async fn until_awake(&self) {
         loop {

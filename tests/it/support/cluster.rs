@@ -99,6 +99,7 @@ impl TestEnv {
                 "--timeout=30s",
                 "crd/modelresidencies.residency.dev",
                 "crd/modeldemands.residency.dev",
+                "crd/modelcopies.residency.dev",
                 "crd/nodemodelcaches.residency.dev",
             ]);
             assert!(out.status.success(), "kubectl wait: {}", stderr(&out));

@@ -20,15 +20,21 @@
 use crate::api::{ModelResidency, ModelState};
 use crate::controller::Context;
 use crate::engine::copies::{CopyPolicy, CopyScaler, Step};
+mod enact;
+mod owned;
+mod pools;
+
+pub use pools::PoolConfig;
+
 use crate::metrics::ModelLabels;
 use crate::residency::labels::DRAINING_LABEL;
 use crate::residency::placement::place_copy;
 use crate::residency::state::recorded_time;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::ResourceExt;
+use kube::api::{Api, ListParams};
 use kube::runtime::reflector::Store;
-use kube::{Resource, ResourceExt};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -53,11 +59,14 @@ pub struct CopiesConfig {
     pub drain_grace: Duration,
     /// What a model's `copies` leaves out.
     pub defaults: CopyPolicy,
+    /// InferencePools kept per model (`--inference-pools`), if at all.
+    pub pools: Option<PoolConfig>,
 }
 
 impl CopiesConfig {
-    /// Whether any router is named: the scaler runs only then.
-    pub fn enabled(&self) -> bool {
+    /// Whether any router is named: the built-in signal runs only then
+    /// (ModelCopies objects are served either way).
+    pub fn reads_routers(&self) -> bool {
         !self.routers.is_empty() || self.router_selector.is_some()
     }
 }
@@ -72,6 +81,7 @@ impl Default for CopiesConfig {
             tick: Duration::from_secs(5),
             drain_grace: Duration::from_secs(2),
             defaults: CopyPolicy::default(),
+            pools: None,
         }
     }
 }
@@ -79,6 +89,8 @@ impl Default for CopiesConfig {
 /// The scaler's state across ticks.
 struct Scaler {
     ctx: Arc<Context>,
+    /// The operator's namespace (`None`: every namespace).
+    namespace: Option<String>,
     store: Store<ModelResidency>,
     config: CopiesConfig,
     started: Instant,
@@ -90,9 +102,15 @@ struct Scaler {
 }
 
 /// Runs until the task is dropped.
-pub async fn run(ctx: Arc<Context>, store: Store<ModelResidency>, config: CopiesConfig) {
+pub async fn run(
+    ctx: Arc<Context>,
+    namespace: Option<String>,
+    store: Store<ModelResidency>,
+    config: CopiesConfig,
+) {
     let mut scaler = Scaler {
         ctx,
+        namespace,
         store,
         config,
         started: Instant::now(),
@@ -148,21 +166,24 @@ fn holds_copy(r: &ModelResidency, model: &str) -> bool {
 }
 
 /// The model's policy: the first home's `copies`, the defaults for what
-/// it leaves out.
-fn policy_of(model: &str, homes: &[Arc<ModelResidency>], defaults: &CopyPolicy) -> CopyPolicy {
-    let spec = homes
+/// it leaves out; `None` when it sets none (its copies are left alone:
+/// copies are opt-in per model, so demand written by hand or by
+/// per-residency ModelDemands on several GPUs is never undone).
+fn policy_of(
+    model: &str,
+    homes: &[Arc<ModelResidency>],
+    defaults: &CopyPolicy,
+) -> Option<CopyPolicy> {
+    let c = homes
         .iter()
         .find_map(|r| r.spec.models.iter().find(|m| m.name == model))
-        .and_then(|m| m.copies.as_deref());
-    let Some(c) = spec else {
-        return *defaults;
-    };
+        .and_then(|m| m.copies.as_deref())?;
     let delay = c
         .scale_down_delay
         .as_deref()
         .and_then(crate::quantity::parse_duration)
         .map_or(defaults.scale_down_delay, |d| d.as_secs_f64());
-    CopyPolicy {
+    Some(CopyPolicy {
         min: c.min.unwrap_or(defaults.min),
         max: c.max.unwrap_or(defaults.max),
         target_in_flight: c
@@ -170,7 +191,7 @@ fn policy_of(model: &str, homes: &[Arc<ModelResidency>], defaults: &CopyPolicy) 
             .map_or(defaults.target_in_flight, f64::from),
         window: defaults.window,
         scale_down_delay: delay,
-    }
+    })
 }
 
 impl Scaler {
@@ -231,8 +252,32 @@ impl Scaler {
         let all = homes_by_model(&self.store);
         // Models gone from every registry are forgotten.
         self.models.retain(|m, _| all.contains_key(m));
+        if let Some(pools) = &self.config.pools {
+            self.pools_round(&all, pools).await;
+        }
+        let owners = owned::list(self).await;
+        for mc in &owners {
+            let ns = mc.namespace();
+            let homes: Vec<Arc<ModelResidency>> = all
+                .get(&mc.spec.model)
+                .into_iter()
+                .flatten()
+                .filter(|r| r.namespace() == ns)
+                .cloned()
+                .collect();
+            self.owned_round(mc, &homes, in_flight).await;
+        }
+        if !self.config.reads_routers() {
+            return;
+        }
         for (model, homes) in all {
-            let policy = policy_of(&model, &homes, &self.config.defaults);
+            if owners.iter().any(|mc| mc.spec.model == model) {
+                // Its count is the ModelCopies' (HPA's, KEDA's).
+                continue;
+            }
+            let Some(policy) = policy_of(&model, &homes, &self.config.defaults) else {
+                continue;
+            };
             let copies: Vec<usize> = (0..homes.len())
                 .filter(|&i| holds_copy(&homes[i], &model) && !self.is_draining(&homes[i], &model))
                 .collect();
@@ -262,7 +307,11 @@ impl Scaler {
                     self.set_unplaced(&model, &homes, None).await;
                     false
                 }
-                Step::Add(n) => self.add(&model, &homes, n, in_flight, &policy).await,
+                Step::Add(n) => {
+                    let (added, why) = self.add(&model, &homes, n, in_flight, &policy).await;
+                    self.set_unplaced(&model, &homes, why).await;
+                    added
+                }
                 Step::Remove if complete => self.remove(&model, &homes, &copies),
                 Step::Remove => false,
             };
@@ -284,7 +333,8 @@ impl Scaler {
         self.draining.lock().expect("draining lock").contains(&key)
     }
 
-    /// Adds up to `n` copies, one home each; whether any was added.
+    /// Adds up to `n` copies, one home each: whether any was added, and
+    /// why a wanted one has no home.
     async fn add(
         &mut self,
         model: &str,
@@ -292,7 +342,7 @@ impl Scaler {
         n: u32,
         in_flight: &HashMap<String, f64>,
         policy: &CopyPolicy,
-    ) -> bool {
+    ) -> (bool, Option<String>) {
         let mut taken: HashSet<usize> = HashSet::new();
         let mut added = 0;
         let mut why = None;
@@ -313,31 +363,11 @@ impl Scaler {
                 }
             };
             taken.insert(i);
-            if self.request(&homes[i], model).await {
+            if enact::request(&self.ctx, &homes[i], model).await {
                 added += 1;
             }
         }
-        self.set_unplaced(model, homes, why).await;
-        added > 0
-    }
-
-    /// Writes `model`'s demand key on `r` now; whether it landed.
-    async fn request(&self, r: &ModelResidency, model: &str) -> bool {
-        let api: Api<ModelResidency> =
-            Api::namespaced(self.ctx.client.clone(), &r.namespace().unwrap_or_default());
-        let result =
-            crate::residency::demand::load(&api, &r.name_any(), model, Timestamp::now()).await;
-        self.ctx.metrics.api_request("patch", "modelresidencies");
-        match result {
-            Ok(_) => {
-                tracing::info!(residency = %r.name_any(), model, "copies: a copy added");
-                true
-            }
-            Err(e) => {
-                tracing::warn!(residency = %r.name_any(), model, error = %e, "copies: could not add a copy");
-                false
-            }
-        }
+        (added > 0, why)
     }
 
     /// Says (a metric, and an event on the change) whether a wanted copy
@@ -372,7 +402,7 @@ impl Scaler {
             Some(why) => format!("{model} wants another copy and no GPU can take it: {why}"),
             None => format!("{model}'s copies are where its load wants them again"),
         };
-        publish(&self.ctx, first, now_unplaced, note).await;
+        enact::publish(&self.ctx, first, now_unplaced, note).await;
     }
 
     /// Starts removing one copy: the least recently requested (the routers
@@ -403,7 +433,7 @@ impl Scaler {
             self.draining.clone(),
         );
         tokio::spawn(async move {
-            drain_and_remove(&ctx, &key, grace).await;
+            enact::drain_and_remove(&ctx, &key, grace).await;
             draining.lock().expect("draining lock").remove(&key);
         });
         true
@@ -421,7 +451,7 @@ impl Scaler {
         };
         for pod in pods.items {
             let ns = pod.namespace().unwrap_or_default();
-            set_draining(&self.ctx, &ns, &pod.name_any(), false).await;
+            enact::set_draining(&self.ctx, &ns, &pod.name_any(), false).await;
         }
     }
 }
@@ -445,85 +475,6 @@ fn idle(
     !recent
 }
 
-/// Takes the copy out of the routers, waits `grace`, removes its demand
-/// key, and takes the label off once the model is no longer loaded there.
-async fn drain_and_remove(ctx: &Context, key: &(String, String, String), grace: Duration) {
-    let (ns, residency, model) = key;
-    let pod = crate::controller::pods::pod_name(residency, model);
-    set_draining(ctx, ns, &pod, true).await;
-    tokio::time::sleep(grace).await;
-    let api: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), ns);
-    ctx.metrics.api_request("patch", "modelresidencies");
-    match crate::residency::demand::unload(&api, residency, model).await {
-        Ok(_) => tracing::info!(%residency, %model, "copies: a copy removed"),
-        Err(e) => tracing::warn!(%residency, %model, error = %e, "copies: could not remove a copy"),
-    }
-    // Until the residency has acted (a pod deleted needs no label off; a
-    // sleeping one does: the routers skip it while it sleeps anyway).
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while Instant::now() < deadline {
-        let state = api
-            .get_opt(residency)
-            .await
-            .ok()
-            .flatten()
-            .and_then(|r| Some(r.status?.model(model)?.state));
-        if state != Some(ModelState::Loaded) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-    set_draining(ctx, ns, &pod, false).await;
-}
-
-/// An event on the model's first home: `warning` when a wanted copy has
-/// no home, normal when it has again.
-async fn publish(ctx: &Context, r: &ModelResidency, warning: bool, note: String) {
-    use kube::runtime::events::{Event, EventType, Recorder};
-    let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
-    let ev = Event {
-        type_: if warning {
-            EventType::Warning
-        } else {
-            EventType::Normal
-        },
-        reason: if warning {
-            "CopyUnplaced"
-        } else {
-            "CopyPlaced"
-        }
-        .into(),
-        note: Some(note),
-        action: "ScaleCopies".into(),
-        secondary: None,
-    };
-    ctx.metrics.api_request("create", "events");
-    if let Err(e) = recorder.publish(&ev, &r.object_ref(&())).await {
-        tracing::warn!(error = %e, "copies: could not publish an event");
-    }
-}
-
-/// Sets or takes off the draining label of a model pod (one merge patch;
-/// a pod that is gone needs nothing).
-async fn set_draining(ctx: &Context, ns: &str, pod: &str, on: bool) {
-    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
-    let value = if on {
-        serde_json::json!("true")
-    } else {
-        serde_json::Value::Null
-    };
-    let patch = serde_json::json!({"metadata": {"labels": {DRAINING_LABEL: value}}});
-    ctx.metrics.api_request("patch", "pods");
-    match api
-        .patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-    {
-        Ok(_) => {}
-        Err(kube::Error::Api(s)) if s.code == 404 => {}
-        Err(e) => tracing::warn!(%pod, error = %e, "copies: could not label the pod"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -545,13 +496,16 @@ mod tests {
         let defaults = CopyPolicy::default();
         let a = Arc::new(residency("a", json!({"max": 3, "scaleDownDelay": "45s"})));
         let b = Arc::new(residency("b", json!({"max": 9, "targetInFlight": 7})));
-        let p = policy_of("chat", &[a, b.clone()], &defaults);
+        let p = policy_of("chat", &[a, b.clone()], &defaults).unwrap();
         assert_eq!(
             (p.min, p.max, p.target_in_flight, p.scale_down_delay),
             (1, 3, 100.0, 45.0)
         );
-        let p = policy_of("chat", &[b], &defaults);
+        let p = policy_of("chat", &[b], &defaults).unwrap();
         assert_eq!((p.max, p.target_in_flight), (9, 7.0));
+        // No copies set: the model's copies are left alone.
+        let none = Arc::new(residency("c", serde_json::Value::Null));
+        assert!(policy_of("chat", &[none], &defaults).is_none());
     }
 
     #[test]

@@ -1,0 +1,112 @@
+//! What the copy scaler writes: a copy's demand key, the draining label
+//! and the demand key's removal of a copy that goes, its events.
+
+use crate::api::{ModelResidency, ModelState};
+use crate::controller::Context;
+use crate::residency::labels::DRAINING_LABEL;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams};
+use kube::{Resource, ResourceExt};
+use std::time::{Duration, Instant};
+
+/// Writes `model`'s demand key on `r` now; whether it landed.
+pub(super) async fn request(ctx: &Context, r: &ModelResidency, model: &str) -> bool {
+    let api: Api<ModelResidency> =
+        Api::namespaced(ctx.client.clone(), &r.namespace().unwrap_or_default());
+    let result = crate::residency::demand::load(&api, &r.name_any(), model, Timestamp::now()).await;
+    ctx.metrics.api_request("patch", "modelresidencies");
+    match result {
+        Ok(_) => {
+            tracing::info!(residency = %r.name_any(), model, "copies: a copy added");
+            true
+        }
+        Err(e) => {
+            tracing::warn!(residency = %r.name_any(), model, error = %e, "copies: could not add a copy");
+            false
+        }
+    }
+}
+
+/// Takes the copy out of the routers, waits `grace`, removes its demand
+/// key, and takes the label off once the model is no longer loaded there.
+pub(super) async fn drain_and_remove(
+    ctx: &Context,
+    key: &(String, String, String),
+    grace: Duration,
+) {
+    let (ns, residency, model) = key;
+    let pod = crate::controller::pods::pod_name(residency, model);
+    set_draining(ctx, ns, &pod, true).await;
+    tokio::time::sleep(grace).await;
+    let api: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), ns);
+    ctx.metrics.api_request("patch", "modelresidencies");
+    match crate::residency::demand::unload(&api, residency, model).await {
+        Ok(_) => tracing::info!(%residency, %model, "copies: a copy removed"),
+        Err(e) => tracing::warn!(%residency, %model, error = %e, "copies: could not remove a copy"),
+    }
+    // Until the residency has acted (a pod deleted needs no label off; a
+    // sleeping one does: the routers skip it while it sleeps anyway).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        let state = api
+            .get_opt(residency)
+            .await
+            .ok()
+            .flatten()
+            .and_then(|r| Some(r.status?.model(model)?.state));
+        if state != Some(ModelState::Loaded) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    set_draining(ctx, ns, &pod, false).await;
+}
+
+/// An event on the model's first home: `warning` when a wanted copy has
+/// no home, normal when it has again.
+pub(super) async fn publish(ctx: &Context, r: &ModelResidency, warning: bool, note: String) {
+    use kube::runtime::events::{Event, EventType, Recorder};
+    let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
+    let ev = Event {
+        type_: if warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
+        reason: if warning {
+            "CopyUnplaced"
+        } else {
+            "CopyPlaced"
+        }
+        .into(),
+        note: Some(note),
+        action: "ScaleCopies".into(),
+        secondary: None,
+    };
+    ctx.metrics.api_request("create", "events");
+    if let Err(e) = recorder.publish(&ev, &r.object_ref(&())).await {
+        tracing::warn!(error = %e, "copies: could not publish an event");
+    }
+}
+
+/// Sets or takes off the draining label of a model pod (one merge patch;
+/// a pod that is gone needs nothing).
+pub(super) async fn set_draining(ctx: &Context, ns: &str, pod: &str, on: bool) {
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let value = if on {
+        serde_json::json!("true")
+    } else {
+        serde_json::Value::Null
+    };
+    let patch = serde_json::json!({"metadata": {"labels": {DRAINING_LABEL: value}}});
+    ctx.metrics.api_request("patch", "pods");
+    match api
+        .patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 404 => {}
+        Err(e) => tracing::warn!(%pod, error = %e, "copies: could not label the pod"),
+    }
+}

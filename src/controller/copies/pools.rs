@@ -1,0 +1,304 @@
+//! InferencePools (`--inference-pools`): one per model and namespace,
+//! named after the model, selecting exactly the copies that serve. Each
+//! tick the model pods' [`SERVING_LABEL`] is set on the pods that serve
+//! (the model Loaded on their residency, the pod Ready, not draining, not
+//! terminating) and taken off the others, and each pool is applied when it
+//! differs from what is there. A pool is owned (not controlled) by every
+//! residency listing its model, so it goes with the last of them; a model
+//! no residency lists any more loses its pool.
+
+use super::Scaler;
+use crate::api::{
+    EndpointPickerRef, InferencePool, InferencePoolSpec, ModelResidency, ModelState, PoolPort,
+    PoolSelector,
+};
+use crate::residency::labels::{
+    DRAINING_LABEL, MANAGER, MODEL_LABEL, POOL_MODEL_LABEL, RESIDENCY_LABEL, SERVING_LABEL,
+    serving_port,
+};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::{Resource, ResourceExt};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+/// What the pools say beyond their pods.
+#[derive(Clone, Debug, Default)]
+pub struct PoolConfig {
+    /// The endpoint picker every pool names (none: the gateway picks).
+    pub endpoint_picker: Option<EndpointPickerRef>,
+}
+
+/// Whether `pod` serves its model now, as `residency` says.
+fn serves(pod: &Pod, residency: Option<&ModelResidency>) -> bool {
+    let labels = pod.labels();
+    let (Some(model), Some(r)) = (labels.get(MODEL_LABEL), residency) else {
+        return false;
+    };
+    let loaded = r
+        .status
+        .as_ref()
+        .and_then(|s| s.model(model))
+        .is_some_and(|m| m.state == ModelState::Loaded);
+    let ready = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+    loaded
+        && ready
+        && !labels.contains_key(DRAINING_LABEL)
+        && pod.metadata.deletion_timestamp.is_none()
+}
+
+/// The pool `model` should have in `ns`, owned by its `homes` there.
+fn pool_for(
+    model: &str,
+    ns: &str,
+    homes: &[&Arc<ModelResidency>],
+    port: u16,
+    picker: Option<&EndpointPickerRef>,
+) -> InferencePool {
+    let mut pool = InferencePool::new(
+        model,
+        InferencePoolSpec {
+            selector: PoolSelector {
+                match_labels: BTreeMap::from([
+                    (MODEL_LABEL.to_owned(), model.to_owned()),
+                    (SERVING_LABEL.to_owned(), "true".to_owned()),
+                ]),
+            },
+            target_ports: vec![PoolPort { number: port }],
+            endpoint_picker_ref: picker.cloned(),
+        },
+    );
+    pool.metadata.namespace = Some(ns.to_owned());
+    pool.metadata.labels = Some(BTreeMap::from([(
+        POOL_MODEL_LABEL.to_owned(),
+        model.to_owned(),
+    )]));
+    pool.metadata.owner_references = Some(
+        homes
+            .iter()
+            .filter_map(|r| {
+                let mut o: OwnerReference = r.controller_owner_ref(&())?;
+                o.controller = Some(false);
+                o.block_owner_deletion = None;
+                Some(o)
+            })
+            .collect(),
+    );
+    pool
+}
+
+/// The port the model's pods serve on: a pod's, else the default.
+fn port_of(model: &str, ns: &str, pods: &[Pod]) -> u16 {
+    pods.iter()
+        .find(|p| {
+            p.namespace().as_deref() == Some(ns)
+                && p.labels().get(MODEL_LABEL).map(String::as_str) == Some(model)
+        })
+        .map_or(crate::residency::labels::DEFAULT_MODEL_PORT, serving_port)
+}
+
+impl Scaler {
+    /// One tick of the pools: the serving labels, then the pools.
+    pub(super) async fn pools_round(
+        &self,
+        all: &BTreeMap<String, Vec<Arc<ModelResidency>>>,
+        config: &PoolConfig,
+    ) {
+        let pods: Api<Pod> = crate::cluster::api_in(&self.ctx.client, self.namespace.as_deref());
+        self.ctx.metrics.api_request("list", "pods");
+        let pods = match pods.list(&ListParams::default().labels(MODEL_LABEL)).await {
+            Ok(list) => list.items,
+            Err(e) => {
+                tracing::warn!(error = %e, "pools: cannot list the model pods");
+                return;
+            }
+        };
+        let residencies: HashMap<(String, String), &ModelResidency> = all
+            .values()
+            .flatten()
+            .map(|r| ((r.namespace().unwrap_or_default(), r.name_any()), &**r))
+            .collect();
+        for pod in &pods {
+            let ns = pod.namespace().unwrap_or_default();
+            let owner = pod
+                .labels()
+                .get(RESIDENCY_LABEL)
+                .cloned()
+                .unwrap_or_default();
+            let want = serves(pod, residencies.get(&(ns.clone(), owner)).copied());
+            let has = pod.labels().get(SERVING_LABEL).map(String::as_str) == Some("true");
+            if want != has {
+                self.label_serving(&ns, &pod.name_any(), want).await;
+            }
+        }
+        self.apply_pools(all, &pods, config).await;
+    }
+
+    async fn label_serving(&self, ns: &str, pod: &str, on: bool) {
+        let api: Api<Pod> = Api::namespaced(self.ctx.client.clone(), ns);
+        let value = if on {
+            serde_json::json!("true")
+        } else {
+            serde_json::Value::Null
+        };
+        let patch = serde_json::json!({"metadata": {"labels": {SERVING_LABEL: value}}});
+        self.ctx.metrics.api_request("patch", "pods");
+        match api
+            .patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => tracing::warn!(%pod, error = %e, "pools: could not label a pod"),
+        }
+    }
+
+    /// Applies each model's pool where it differs, deletes the pools of
+    /// models no residency lists.
+    async fn apply_pools(
+        &self,
+        all: &BTreeMap<String, Vec<Arc<ModelResidency>>>,
+        pods: &[Pod],
+        config: &PoolConfig,
+    ) {
+        let api: Api<InferencePool> =
+            crate::cluster::api_in(&self.ctx.client, self.namespace.as_deref());
+        self.ctx.metrics.api_request("list", "inferencepools");
+        let existing = match api
+            .list(&ListParams::default().labels(POOL_MODEL_LABEL))
+            .await
+        {
+            Ok(list) => list.items,
+            Err(e) => {
+                tracing::warn!(error = %e, "pools: cannot list InferencePools (is the Gateway API Inference Extension's CRD installed?)");
+                return;
+            }
+        };
+        let mut wanted: Vec<InferencePool> = Vec::new();
+        for (model, homes) in all {
+            let mut by_ns: BTreeMap<String, Vec<&Arc<ModelResidency>>> = BTreeMap::new();
+            for r in homes {
+                by_ns
+                    .entry(r.namespace().unwrap_or_default())
+                    .or_default()
+                    .push(r);
+            }
+            for (ns, homes) in by_ns {
+                let port = port_of(model, &ns, pods);
+                wanted.push(pool_for(
+                    model,
+                    &ns,
+                    &homes,
+                    port,
+                    config.endpoint_picker.as_ref(),
+                ));
+            }
+        }
+        for pool in &wanted {
+            let ns = pool.namespace().unwrap_or_default();
+            let same = existing.iter().any(|e| {
+                e.namespace() == pool.namespace()
+                    && e.name_any() == pool.name_any()
+                    && e.spec == pool.spec
+                    && e.metadata.owner_references == pool.metadata.owner_references
+            });
+            if same {
+                continue;
+            }
+            let api: Api<InferencePool> = Api::namespaced(self.ctx.client.clone(), &ns);
+            self.ctx.metrics.api_request("patch", "inferencepools");
+            let params = PatchParams::apply(MANAGER);
+            if let Err(e) = api
+                .patch(&pool.name_any(), &params, &Patch::Apply(pool))
+                .await
+            {
+                tracing::warn!(pool = %pool.name_any(), error = %e, "pools: could not apply an InferencePool");
+            }
+        }
+        for old in &existing {
+            let kept = wanted
+                .iter()
+                .any(|w| w.namespace() == old.namespace() && w.name_any() == old.name_any());
+            if kept {
+                continue;
+            }
+            let api: Api<InferencePool> = Api::namespaced(
+                self.ctx.client.clone(),
+                &old.namespace().unwrap_or_default(),
+            );
+            self.ctx.metrics.api_request("delete", "inferencepools");
+            if let Err(e) = api.delete(&old.name_any(), &DeleteParams::default()).await {
+                tracing::warn!(pool = %old.name_any(), error = %e, "pools: could not delete an InferencePool");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn residency(state: &str) -> ModelResidency {
+        serde_json::from_value(json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+            "metadata": {"name": "gpu-0", "namespace": "ns", "uid": "u-0"},
+            "spec": {"nodeName": "n", "device": "0", "budget": "8Gi",
+                     "models": [{"name": "chat", "size": "4Gi"}]},
+            "status": {"models": [{"name": "chat", "state": state}]},
+        }))
+        .unwrap()
+    }
+
+    fn pod(labels: serde_json::Value, ready: &str) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": "ns", "labels": labels},
+            "status": {"conditions": [{"type": "Ready", "status": ready}]},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_pod_serves_while_loaded_ready_and_not_draining() {
+        let labels = json!({MODEL_LABEL: "chat", RESIDENCY_LABEL: "gpu-0"});
+        let loaded = residency("Loaded");
+        assert!(serves(&pod(labels.clone(), "True"), Some(&loaded)));
+        assert!(!serves(&pod(labels.clone(), "False"), Some(&loaded)));
+        // Asleep: its pod stays Ready and answers nothing but its wake.
+        assert!(!serves(
+            &pod(labels.clone(), "True"),
+            Some(&residency("Sleeping"))
+        ));
+        assert!(!serves(&pod(labels, "True"), None));
+        let draining =
+            json!({MODEL_LABEL: "chat", RESIDENCY_LABEL: "gpu-0", DRAINING_LABEL: "true"});
+        assert!(!serves(&pod(draining, "True"), Some(&loaded)));
+    }
+
+    #[test]
+    fn a_pool_selects_the_serving_copies_and_is_owned_by_every_home() {
+        let a = Arc::new(residency("Loaded"));
+        let picker = EndpointPickerRef {
+            group: None,
+            kind: None,
+            name: "epp".into(),
+            port_number: Some(9002),
+            failure_mode: None,
+        };
+        let pool = pool_for("chat", "ns", &[&a], 8000, Some(&picker));
+        let v = serde_json::to_value(&pool).unwrap();
+        assert_eq!(v["apiVersion"], "inference.networking.k8s.io/v1");
+        assert_eq!(
+            v["spec"],
+            json!({"selector": {"matchLabels": {MODEL_LABEL: "chat", SERVING_LABEL: "true"}},
+                   "targetPorts": [{"number": 8000}],
+                   "endpointPickerRef": {"name": "epp", "portNumber": 9002}})
+        );
+        assert_eq!(v["metadata"]["ownerReferences"][0]["controller"], false);
+    }
+}
