@@ -37,7 +37,7 @@ use std::net::SocketAddr;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::{arg, bench_args, create_namespace, runtime, start_plane, until_state};
+use support::{arg, bench_args, client_with, runtime, start_plane, until_state};
 
 const NS: &str = "bench-artifacts";
 const NODE: &str = "node-art";
@@ -155,9 +155,7 @@ async fn throughput(mib: usize, rounds: usize) {
 }
 
 async fn time_to_ready(plane: &ControlPlane, model_mib: usize) {
-    let client = plane.client().await.unwrap();
-    model_residency::local::install_crd(&client).await.unwrap();
-    create_namespace(&client, NS).await;
+    let client = client_with(plane, &[NS]).await;
     let _kubelet = FakeKubelet::start(client.clone(), KubeletConfig::instant(&[NODE]))
         .await
         .unwrap();

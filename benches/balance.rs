@@ -168,9 +168,7 @@ fn main() {
     let plane = start_plane();
     let rt = runtime();
     rt.block_on(async {
-        let client = plane.client().await.unwrap();
-        model_residency::local::install_crd(&client).await.unwrap();
-        create_namespace(&client, NS).await;
+        let client = client_with(&plane, &[NS]).await;
         let mut config = KubeletConfig::instant(&[NODE]);
         config.nodes[0].gpus = COPIES;
         let _kubelet = FakeKubelet::start(client.clone(), config).await.unwrap();

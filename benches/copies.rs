@@ -114,12 +114,7 @@ async fn copies_now(api: &Api<ModelResidency>) -> usize {
     let list = api.list(&Default::default()).await.unwrap();
     list.items
         .iter()
-        .filter(|r| {
-            r.status
-                .as_ref()
-                .and_then(|s| s.model("chat"))
-                .is_some_and(|m| m.state == ModelState::Loaded)
-        })
+        .filter(|r| r.model_state("chat") == ModelState::Loaded)
         .count()
 }
 
@@ -257,8 +252,7 @@ fn main() {
     let plane = start_plane();
     let rt = runtime();
     rt.block_on(async {
-        let client = plane.client().await.unwrap();
-        model_residency::local::install_crd(&client).await.unwrap();
+        let client = client_with(&plane, &[]).await;
         let mut config = KubeletConfig::instant(&[NODE]);
         config.nodes[0].gpus = GPUS;
         let _kubelet = FakeKubelet::start(client.clone(), config).await.unwrap();

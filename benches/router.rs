@@ -44,8 +44,8 @@ use std::process::{Child, Command};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use support::{
-    arg, bench_args, copy_as_floor, create_namespace, ms, percentile, poke, runtime, start_plane,
-    until_state, until_state_of, watch_poke,
+    arg, bench_args, client_with, copy_as_floor, create_namespace, ms, percentile, poke, runtime,
+    start_plane, until_state, until_state_of, watch_poke,
 };
 
 const NS: &str = "bench-router";
@@ -507,10 +507,7 @@ fn main() {
     let rt = runtime();
     let dir = tempfile::tempdir().unwrap();
     rt.block_on(async {
-        let client = plane.client().await.unwrap();
-        model_residency::local::install_crd(&client).await.unwrap();
-        create_namespace(&client, NS).await;
-        create_namespace(&client, FLOOR_NS).await;
+        let client = client_with(&plane, &[NS, FLOOR_NS]).await;
         create_namespace(&client, SHAPED_FLOOR_NS).await;
         let mut config = KubeletConfig::instant(&[NODE]);
         config.nodes[0].gpus = 2;

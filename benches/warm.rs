@@ -26,7 +26,7 @@ use serde_json::json;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 use support::{
-    arg, bench_args, create_namespace, ms, percentile, poke, runtime, start_plane, watch_poke,
+    arg, bench_args, client_with, ms, percentile, poke, runtime, start_plane, watch_poke,
 };
 
 const NS: &str = "bench-warm";
@@ -127,10 +127,7 @@ fn main() {
     let plane = start_plane();
     let rt = runtime();
     rt.block_on(async {
-        let client = plane.client().await.unwrap();
-        model_residency::local::install_crd(&client).await.unwrap();
-        create_namespace(&client, NS).await;
-        create_namespace(&client, FLOOR_NS).await;
+        let client = client_with(&plane, &[NS, FLOOR_NS]).await;
         let mut config = KubeletConfig::instant(&[NODE]);
         config.nodes[0].gpus = 2;
         config.load_delay = LOAD_DELAY;

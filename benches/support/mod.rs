@@ -41,6 +41,20 @@ pub fn arg(args: &[String], name: &str, default: &str) -> String {
         .unwrap_or_else(|| default.to_owned())
 }
 
+/// A client of `plane` with the project's CRDs installed and `namespaces`
+/// created: what every bench against the control plane starts with.
+pub async fn client_with(
+    plane: &model_residency::local::control_plane::ControlPlane,
+    namespaces: &[&str],
+) -> kube::Client {
+    let client = plane.client().await.unwrap();
+    model_residency::local::install_crd(&client).await.unwrap();
+    for ns in namespaces {
+        create_namespace(&client, ns).await;
+    }
+    client
+}
+
 pub async fn create_namespace(client: &kube::Client, name: &str) {
     let nss: Api<Namespace> = Api::all(client.clone());
     nss.create(
@@ -184,12 +198,7 @@ pub async fn until_state_of(
     let deadline = Instant::now() + within;
     loop {
         let r = api.get(residency).await.unwrap();
-        let state = r
-            .status
-            .as_ref()
-            .and_then(|s| s.model(model))
-            .map(|m| m.state);
-        if state == Some(want) {
+        if r.model_status(model).map(|m| m.state) == Some(want) {
             return;
         }
         assert!(Instant::now() < deadline, "{model} never became {want:?}");

@@ -356,6 +356,20 @@ fn is_zero_u64(n: &u64) -> bool {
     *n == 0
 }
 
+impl ModelResidency {
+    /// The model's entry in status, if status has one.
+    pub fn model_status(&self, model: &str) -> Option<&ModelStatus> {
+        self.status.as_ref()?.model(model)
+    }
+
+    /// The model's state as status says (Unloaded when it says nothing).
+    pub fn model_state(&self, model: &str) -> ModelState {
+        self.model_status(model)
+            .map(|m| m.state)
+            .unwrap_or_default()
+    }
+}
+
 impl ModelResidencyStatus {
     /// The status of the model named `name`, if it has one.
     pub fn model(&self, name: &str) -> Option<&ModelStatus> {

@@ -41,12 +41,7 @@ async fn loaded(h: &Harness) -> Vec<String> {
     let list = h.api.list(&Default::default()).await.unwrap();
     list.items
         .iter()
-        .filter(|r| {
-            r.status
-                .as_ref()
-                .and_then(|s| s.model("chat"))
-                .is_some_and(|m| m.state == ModelState::Loaded)
-        })
+        .filter(|r| r.model_state("chat") == ModelState::Loaded)
         .map(kube::ResourceExt::name_any)
         .collect()
 }

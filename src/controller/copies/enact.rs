@@ -54,7 +54,7 @@ pub(super) async fn drain_and_remove(
             .await
             .ok()
             .flatten()
-            .and_then(|r| Some(r.status?.model(model)?.state));
+            .map(|r| r.model_state(model));
         if state != Some(ModelState::Loaded) {
             break;
         }

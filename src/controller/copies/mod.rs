@@ -149,14 +149,8 @@ fn holds_copy(r: &ModelResidency, model: &str) -> bool {
     if r.spec.demand.get(model).is_none() {
         return false;
     }
-    let state = r
-        .status
-        .as_ref()
-        .and_then(|s| s.model(model))
-        .map(|m| m.state)
-        .unwrap_or_default();
     matches!(
-        state,
+        r.model_state(model),
         ModelState::Loaded
             | ModelState::Loading
             | ModelState::Fetching

@@ -27,10 +27,7 @@ pub(super) async fn list(scaler: &Scaler) -> Vec<ModelCopies> {
 
 /// Whether `r` serves `model` now: Loaded there.
 fn serves(r: &ModelResidency, model: &str) -> bool {
-    r.status
-        .as_ref()
-        .and_then(|s| s.model(model))
-        .is_some_and(|m| m.state == ModelState::Loaded)
+    r.model_state(model) == ModelState::Loaded
 }
 
 impl Scaler {

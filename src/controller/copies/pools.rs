@@ -36,11 +36,7 @@ fn serves(pod: &Pod, residency: Option<&ModelResidency>) -> bool {
     let (Some(model), Some(r)) = (labels.get(MODEL_LABEL), residency) else {
         return false;
     };
-    let loaded = r
-        .status
-        .as_ref()
-        .and_then(|s| s.model(model))
-        .is_some_and(|m| m.state == ModelState::Loaded);
+    let loaded = r.model_state(model) == ModelState::Loaded;
     let ready = pod
         .status
         .as_ref()
