@@ -3,8 +3,10 @@
 use super::Failure;
 use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
+use model_residency::engine::copies::CopyPolicy;
 use model_residency::quantity::parse_bytes;
 use model_residency::registry;
+use model_residency::simulate::fleet::{FleetOptions, replay_fleet};
 use model_residency::simulate::trace::TraceReader;
 use model_residency::simulate::{ReplayOptions, Report, replay_names, replay_trace};
 use std::io::IsTerminal;
@@ -54,6 +56,67 @@ pub struct Args {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Output::Text)]
     output: Output,
+    #[command(flatten)]
+    fleet: FleetArgs,
+}
+
+/// Several GPUs and copies of a model (the operator's copy policy); the
+/// trace's times are then seconds.
+#[derive(clap::Args, Debug)]
+struct FleetArgs {
+    /// GPUs, each with --budget and the whole registry; above 1 the trace
+    /// is replayed over all of them with copies (needs --trace).
+    #[arg(long, default_value_t = 1, requires = "trace")]
+    gpus: usize,
+    /// Seconds a request is in flight once served (with --gpus).
+    #[arg(long, default_value_t = 1.0, value_name = "SECONDS")]
+    service_seconds: f64,
+    /// Requests in flight one copy should carry (copies.targetInFlight).
+    #[arg(long, default_value_t = 100.0)]
+    copies_target: f64,
+    /// The most copies of a model (default: every GPU).
+    #[arg(long)]
+    copies_max: Option<u32>,
+    /// Seconds the in-flight counts are averaged over.
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    copies_window: f64,
+    /// Seconds between two removals (copies.scaleDownDelay).
+    #[arg(long, default_value_t = 120.0, value_name = "SECONDS")]
+    copies_delay: f64,
+    /// Seconds between two decisions of the copy policy.
+    #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
+    copies_tick: f64,
+}
+
+impl FleetArgs {
+    fn options(&self) -> Result<FleetOptions, Failure> {
+        let positive = [
+            ("--service-seconds", self.service_seconds),
+            ("--copies-target", self.copies_target),
+            ("--copies-window", self.copies_window),
+            ("--copies-delay", self.copies_delay),
+            ("--copies-tick", self.copies_tick),
+        ];
+        for (flag, value) in positive {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(Failure::bad_input(format!(
+                    "{flag} must be a positive number"
+                )));
+            }
+        }
+        Ok(FleetOptions {
+            gpus: self.gpus,
+            service: self.service_seconds,
+            tick: self.copies_tick,
+            policy: CopyPolicy {
+                max: self.copies_max.unwrap_or(u32::MAX),
+                target_in_flight: self.copies_target,
+                window: self.copies_window,
+                scale_down_delay: self.copies_delay,
+                ..CopyPolicy::default()
+            },
+        })
+    }
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -98,6 +161,27 @@ pub fn run(args: Args) -> Result<(), Failure> {
     if let Some(q) = &args.warm_budget {
         let host = parse_bytes(q).map_err(|e| Failure::bad_input(format!("--warm-budget: {e}")))?;
         engine.set_host_budget(host);
+    }
+    if args.fleet.gpus == 0 {
+        return Err(Failure::bad_input("--gpus must be at least 1"));
+    }
+    if let (Some(path), true) = (&args.trace, args.fleet.gpus > 1) {
+        if args.keep_alive.is_some() || args.recency_resolution.is_some() {
+            return Err(Failure::bad_input(
+                "--keep-alive and --recency-resolution replay one GPU: not with --gpus",
+            ));
+        }
+        let options = args.fleet.options()?;
+        let mut trace = TraceReader::open(path).map_err(Failure::bad_input)?;
+        let report = replay_fleet(&engine, &mut trace, options).map_err(Failure::bad_input)?;
+        match args.output {
+            Output::Text => print!("{}", report.to_text()),
+            Output::Json => println!(
+                "{}",
+                serde_json::to_string(&report).expect("report serializes")
+            ),
+        }
+        return Ok(());
     }
     let report = match &args.trace {
         Some(path) => {

@@ -1,6 +1,7 @@
 //! Replays request sequences through the engine and reports what happened:
 //! the `simulate` command's core, shared by the CLI and the benchmark.
 
+pub mod fleet;
 pub mod trace;
 
 use crate::engine::{Admission, Bytes, Engine, ModelId};

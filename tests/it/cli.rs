@@ -128,6 +128,81 @@ fn bad_input_exits_2_with_file_line_and_problem() {
 }
 
 #[test]
+fn simulate_over_several_gpus_adds_and_removes_copies() {
+    let dir = tempfile::tempdir().unwrap();
+    // chat 20 a second for 5 minutes, then once a minute for 20; a once a
+    // minute throughout.
+    let mut rows = vec![];
+    for s in 0..300 {
+        for k in 0..20 {
+            rows.push((f64::from(s) + f64::from(k) / 20.0, "chat"));
+        }
+    }
+    for m in 0..25 {
+        let t = f64::from(m * 60);
+        rows.push((t + 0.5, "a"));
+        if t >= 300.0 {
+            rows.push((t + 10.5, "chat"));
+        }
+    }
+    rows.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let trace = dir.path().join("t.csv");
+    let text: String = rows.iter().map(|(t, m)| format!("{t},{m}\n")).collect();
+    std::fs::write(&trace, format!("time,model\n{text}")).unwrap();
+    let registry = dir.path().join("r.yaml");
+    std::fs::write(
+        &registry,
+        "- {name: chat, size: 8Gi}\n- {name: a, size: 8Gi}\n",
+    )
+    .unwrap();
+    let (trace, registry) = (trace.to_str().unwrap(), registry.to_str().unwrap());
+    let out = run(&[
+        "simulate",
+        "--budget",
+        "16Gi",
+        "--registry",
+        registry,
+        "--trace",
+        trace,
+        "--gpus",
+        "3",
+        "--service-seconds",
+        "2",
+        "--copies-target",
+        "10",
+        "--output",
+        "json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    // 40 in flight, 10 a copy: as many as the three GPUs, then one again.
+    assert_eq!(report["most_copies"]["chat"], 3, "{report}");
+    assert_eq!(report["copies_added"], 2, "{report}");
+    assert_eq!(report["copies_removed"], 2, "{report}");
+    assert_eq!(report["over_budget_steps"], 0);
+    // A one-GPU option is refused with several.
+    let out = run(&[
+        "simulate",
+        "--budget",
+        "16Gi",
+        "--registry",
+        registry,
+        "--trace",
+        trace,
+        "--gpus",
+        "3",
+        "--keep-alive",
+        "60",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not with --gpus"));
+}
+
+#[test]
 fn simulate_reports_sleeps_wakes_and_waiting_with_the_warm_tier() {
     let args = |extra: &[&'static str]| {
         let mut a = vec![
