@@ -156,16 +156,22 @@ fn simulate_over_several_gpus_adds_and_removes_copies() {
     )
     .unwrap();
     let (trace, registry) = (trace.to_str().unwrap(), registry.to_str().unwrap());
-    let out = run(&[
-        "simulate",
-        "--budget",
-        "16Gi",
-        "--registry",
-        registry,
-        "--trace",
-        trace,
-        "--gpus",
-        "3",
+    let simulate = |extra: &[&str]| {
+        let mut args = vec![
+            "simulate",
+            "--budget",
+            "16Gi",
+            "--registry",
+            registry,
+            "--trace",
+            trace,
+            "--gpus",
+            "3",
+        ];
+        args.extend_from_slice(extra);
+        run(&args)
+    };
+    let out = simulate(&[
         "--service-seconds",
         "2",
         "--copies-target",
@@ -185,19 +191,7 @@ fn simulate_over_several_gpus_adds_and_removes_copies() {
     assert_eq!(report["copies_removed"], 2, "{report}");
     assert_eq!(report["over_budget_steps"], 0);
     // A one-GPU option is refused with several.
-    let out = run(&[
-        "simulate",
-        "--budget",
-        "16Gi",
-        "--registry",
-        registry,
-        "--trace",
-        trace,
-        "--gpus",
-        "3",
-        "--keep-alive",
-        "60",
-    ]);
+    let out = simulate(&["--keep-alive", "60"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not with --gpus"));
 }
