@@ -13,9 +13,17 @@
 //!   finishes what it serves on SIGTERM). The label goes once the model is
 //!   no longer loaded there.
 //!
-//! Runs on the leader only (inside [`super::run`]). Off unless routers are
-//! named (`--router-metrics` or `--router-selector`). A round in which a
-//! router could not be read removes nothing: the sum would be too low.
+//! Its reads (a list of ModelCopies each tick; of router pods and model
+//! pods when those are asked for) are not counted in
+//! `model_residency_api_requests_total`, which counts the reconciler's
+//! requests and whose steady-state figure is writes; its writes are.
+//!
+//! Runs on the leader only (inside [`super::run`]). The built-in signal is
+//! off unless routers are named (`--router-metrics` or `--router-selector`)
+//! and applies only to models with `spec.models[].copies`; a model a
+//! `ModelCopies` names is counted by it instead ([`owned`]); InferencePools
+//! are kept with `--inference-pools` ([`pools`]). A round in which a router
+//! could not be read removes nothing: the sum would be too low.
 
 use crate::api::{ModelResidency, ModelState};
 use crate::controller::Context;
@@ -230,7 +238,6 @@ impl Scaler {
         let api: Api<Pod> =
             crate::cluster::api_in(&self.ctx.client, self.config.router_namespace.as_deref());
         let pods = api.list(&ListParams::default().labels(selector)).await?;
-        self.ctx.metrics.api_request("list", "pods");
         Ok(pods
             .items
             .iter()

@@ -15,7 +15,6 @@ use std::sync::Arc;
 pub(super) async fn list(scaler: &Scaler) -> Vec<ModelCopies> {
     let api: Api<ModelCopies> =
         crate::cluster::api_in(&scaler.ctx.client, scaler.namespace.as_deref());
-    scaler.ctx.metrics.api_request("list", "modelcopies");
     match api.list(&ListParams::default()).await {
         Ok(list) => list.items,
         Err(e) => {

@@ -106,7 +106,6 @@ impl Scaler {
         config: &PoolConfig,
     ) {
         let pods: Api<Pod> = crate::cluster::api_in(&self.ctx.client, self.namespace.as_deref());
-        self.ctx.metrics.api_request("list", "pods");
         let pods = match pods.list(&ListParams::default().labels(MODEL_LABEL)).await {
             Ok(list) => list.items,
             Err(e) => {
@@ -164,7 +163,6 @@ impl Scaler {
     ) {
         let api: Api<InferencePool> =
             crate::cluster::api_in(&self.ctx.client, self.namespace.as_deref());
-        self.ctx.metrics.api_request("list", "inferencepools");
         let existing = match api
             .list(&ListParams::default().labels(POOL_MODEL_LABEL))
             .await
