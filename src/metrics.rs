@@ -357,27 +357,28 @@ pub fn exposition(registry: &Registry) -> String {
     out
 }
 
+/// `metric`'s samples in an OpenMetrics exposition: each one's label text
+/// (what stands between the braces, empty without) and value.
+fn samples<'e>(exposition: &'e str, metric: &'e str) -> impl Iterator<Item = (&'e str, f64)> {
+    exposition.lines().filter_map(move |line| {
+        let (series, value) = line.rsplit_once(' ')?;
+        let (name, labels) = series.split_once('{').unwrap_or((series, ""));
+        (name == metric).then(|| Some((labels, value.parse::<f64>().ok()?)))?
+    })
+}
+
 /// `metric`'s samples in an OpenMetrics exposition, summed by the value of
 /// their label `label` (what the operator reads of the routers' in-flight
 /// counts).
 pub fn by_label(exposition: &str, metric: &str, label: &str) -> HashMap<String, f64> {
     let mut sums = HashMap::new();
     let key = format!("{label}=\"");
-    for line in exposition.lines() {
-        let Some((series, value)) = line.rsplit_once(' ') else {
+    for (labels, value) in samples(exposition, metric) {
+        let Some(start) = labels.find(&key) else {
             continue;
         };
-        let Some((name, rest)) = series.split_once('{') else {
-            continue;
-        };
-        let (Some(start), Ok(value)) = (rest.find(&key), value.parse::<f64>()) else {
-            continue;
-        };
-        let tail = &rest[start + key.len()..];
-        let Some(end) = tail.find('"') else {
-            continue;
-        };
-        if name == metric && value.is_finite() {
+        let tail = &labels[start + key.len()..];
+        if let (Some(end), true) = (tail.find('"'), value.is_finite()) {
             *sums.entry(tail[..end].to_owned()).or_default() += value;
         }
     }
@@ -388,19 +389,25 @@ pub fn by_label(exposition: &str, metric: &str, label: &str) -> HashMap<String, 
 /// contain `labels` (for tests and benchmarks, which read metrics as a
 /// scraper would).
 pub fn sum_where(exposition: &str, metric: &str, labels: &str) -> u64 {
-    exposition
-        .lines()
-        .filter_map(|line| {
-            let (series, value) = line.rsplit_once(' ')?;
-            let (name, rest) = series.split_once('{').unwrap_or((series, ""));
-            (name == metric && rest.contains(labels)).then(|| value.parse::<f64>().ok())?
-        })
+    samples(exposition, metric)
+        .filter(|(l, _)| l.contains(labels))
+        .map(|(_, v)| v)
         .sum::<f64>() as u64
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn samples_are_summed_by_label_and_filtered_by_labels() {
+        let text = "# HELP m x\nm{model=\"a\",code=\"200\"} 2\nm{model=\"b\"} 1.5\nm{model=\"a\"} 3\nmm{model=\"a\"} 9\nm 4\n";
+        let sums = by_label(text, "m", "model");
+        assert_eq!(sums.len(), 2);
+        assert_eq!((sums["a"], sums["b"]), (5.0, 1.5));
+        assert_eq!(sum_where(text, "m", r#"model="a""#), 5);
+        assert_eq!(sum_where(text, "m", ""), 10);
+    }
 
     #[test]
     fn exports_status_and_counts_deltas() {

@@ -194,8 +194,9 @@ fn appraise(model: &str, r: &ModelResidency, pending: &[&str]) -> Appraisal {
     }
 }
 
-/// `<namespace>/<name>`: how homes are told apart and ordered.
-fn key_of(r: &ModelResidency) -> String {
+/// `<namespace>/<name>`: how homes are told apart and ordered (and how
+/// statuses and headers name a residency).
+pub fn residency_key(r: &ModelResidency) -> String {
     format!("{}/{}", r.namespace().unwrap_or_default(), r.name_any())
 }
 
@@ -208,7 +209,7 @@ pub fn place(model: &str, homes: &[&ModelResidency], pending: &[(usize, &str)]) 
     let mut refusals = Vec::new();
     let mut refusing = Vec::new();
     for (i, r) in homes.iter().enumerate() {
-        let key = key_of(r);
+        let key = residency_key(r);
         let here: Vec<&str> = pending
             .iter()
             .filter(|(j, _)| *j == i)
@@ -259,7 +260,7 @@ pub fn place_copy(
     let mut best: Option<(Cost, String, usize)> = None;
     let mut why = Vec::new();
     for (i, r) in homes.iter().enumerate() {
-        let key = key_of(r);
+        let key = residency_key(r);
         let (cost, victims) = match appraise(model, r, &[]) {
             Appraisal::Takes { held: true, .. } | Appraisal::NotListed => continue,
             Appraisal::Takes {

@@ -7,6 +7,7 @@
 use super::recency::Key;
 use crate::api::{ModelResidency, ModelState, ModelStatus};
 use crate::residency::labels::{DRAINING_LABEL, MODEL_LABEL, RESIDENCY_LABEL, serving_port};
+use crate::residency::placement::residency_key;
 use crate::residency::reasons::Reason;
 use http::HeaderValue;
 use k8s_openapi::api::core::v1::Pod;
@@ -92,7 +93,7 @@ impl Snapshot {
             };
             let (ns, name) = (pod.namespace().unwrap_or_default(), pod.name_any());
             let r = &residencies[i];
-            let residency = format!("{}/{}", r.namespace().unwrap_or_default(), r.name_any());
+            let residency = residency_key(r);
             let (Ok(residency_header), Ok(pod_header)) = (
                 HeaderValue::from_str(&residency),
                 HeaderValue::from_str(&name),
@@ -142,7 +143,7 @@ impl Snapshot {
     /// `<namespace>/<name>` of residency `i`.
     pub fn residency_name(&self, i: usize) -> String {
         let r = &self.residencies[i];
-        format!("{}/{}", r.namespace().unwrap_or_default(), r.name_any())
+        residency_key(r)
     }
 
     /// The model's entry in residency `i`'s status.

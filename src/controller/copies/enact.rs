@@ -7,6 +7,7 @@ use crate::residency::labels::DRAINING_LABEL;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 use std::time::{Duration, Instant};
 
@@ -32,12 +33,13 @@ pub(super) async fn request(ctx: &Context, r: &ModelResidency, model: &str) -> b
 /// key, and takes the label off once the model is no longer loaded there.
 pub(super) async fn drain_and_remove(
     ctx: &Context,
+    store: &Store<ModelResidency>,
     key: &(String, String, String),
     grace: Duration,
 ) {
     let (ns, residency, model) = key;
     let pod = crate::controller::pods::pod_name(residency, model);
-    set_draining(ctx, ns, &pod, true).await;
+    set_label(ctx, ns, &pod, DRAINING_LABEL, true).await;
     tokio::time::sleep(grace).await;
     let api: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), ns);
     ctx.metrics.api_request("patch", "modelresidencies");
@@ -45,22 +47,19 @@ pub(super) async fn drain_and_remove(
         Ok(_) => tracing::info!(%residency, %model, "copies: a copy removed"),
         Err(e) => tracing::warn!(%residency, %model, error = %e, "copies: could not remove a copy"),
     }
-    // Until the residency has acted (a pod deleted needs no label off; a
-    // sleeping one does: the routers skip it while it sleeps anyway).
+    // Until the residency has acted, as the operator's cache shows it (a
+    // pod deleted needs no label off; a sleeping one does: the routers
+    // skip it while it sleeps anyway).
+    let cached = ObjectRef::<ModelResidency>::new(residency).within(ns);
     let deadline = Instant::now() + Duration::from_secs(60);
     while Instant::now() < deadline {
-        let state = api
-            .get_opt(residency)
-            .await
-            .ok()
-            .flatten()
-            .map(|r| r.model_state(model));
+        let state = store.get(&cached).map(|r| r.model_state(model));
         if state != Some(ModelState::Loaded) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    set_draining(ctx, ns, &pod, false).await;
+    set_label(ctx, ns, &pod, DRAINING_LABEL, false).await;
 }
 
 /// An event on the model's first home: `warning` when a wanted copy has
@@ -90,16 +89,17 @@ pub(super) async fn publish(ctx: &Context, r: &ModelResidency, warning: bool, no
     }
 }
 
-/// Sets or takes off the draining label of a model pod (one merge patch;
-/// a pod that is gone needs nothing).
-pub(super) async fn set_draining(ctx: &Context, ns: &str, pod: &str, on: bool) {
+/// Sets `label` to "true" on a model pod, or takes it off (one merge
+/// patch; a pod that is gone needs nothing): the draining and serving
+/// labels.
+pub(super) async fn set_label(ctx: &Context, ns: &str, pod: &str, label: &str, on: bool) {
     let api: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
     let value = if on {
         serde_json::json!("true")
     } else {
         serde_json::Value::Null
     };
-    let patch = serde_json::json!({"metadata": {"labels": {DRAINING_LABEL: value}}});
+    let patch = serde_json::json!({"metadata": {"labels": {label: value}}});
     ctx.metrics.api_request("patch", "pods");
     match api
         .patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
@@ -107,6 +107,6 @@ pub(super) async fn set_draining(ctx: &Context, ns: &str, pod: &str, on: bool) {
     {
         Ok(_) => {}
         Err(kube::Error::Api(s)) if s.code == 404 => {}
-        Err(e) => tracing::warn!(%pod, error = %e, "copies: could not label the pod"),
+        Err(e) => tracing::warn!(%pod, label, error = %e, "copies: could not label the pod"),
     }
 }

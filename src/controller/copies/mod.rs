@@ -279,9 +279,7 @@ impl Scaler {
             let Some(policy) = policy_of(&model, &homes, &self.config.defaults) else {
                 continue;
             };
-            let copies: Vec<usize> = (0..homes.len())
-                .filter(|&i| holds_copy(&homes[i], &model) && !self.is_draining(&homes[i], &model))
-                .collect();
+            let copies = self.copies_of(&model, &homes);
             let load = in_flight.get(&model).copied().unwrap_or(0.0);
             let scaler = self.models.entry(model.clone()).or_default();
             scaler.observe(&policy, now, load);
@@ -323,6 +321,14 @@ impl Scaler {
                     .changed(now);
             }
         }
+    }
+
+    /// The indexes of `homes` holding a copy of `model` that is not being
+    /// removed.
+    fn copies_of(&self, model: &str, homes: &[Arc<ModelResidency>]) -> Vec<usize> {
+        (0..homes.len())
+            .filter(|&i| holds_copy(&homes[i], model) && !self.is_draining(&homes[i], model))
+            .collect()
     }
 
     fn is_draining(&self, r: &ModelResidency, model: &str) -> bool {
@@ -428,13 +434,14 @@ impl Scaler {
             .lock()
             .expect("draining lock")
             .insert(key.clone());
-        let (ctx, grace, draining) = (
+        let (ctx, store, grace, draining) = (
             self.ctx.clone(),
+            self.store.clone(),
             self.config.drain_grace,
             self.draining.clone(),
         );
         tokio::spawn(async move {
-            enact::drain_and_remove(&ctx, &key, grace).await;
+            enact::drain_and_remove(&ctx, &store, &key, grace).await;
             draining.lock().expect("draining lock").remove(&key);
         });
         true
@@ -443,7 +450,7 @@ impl Scaler {
     /// Labels left by a removal this process did not finish (a restart, a
     /// new leader) are taken off: the copy is decided again from scratch.
     async fn release_stale_drains(&self) {
-        let api: Api<Pod> = crate::cluster::api_in(&self.ctx.client, None);
+        let api: Api<Pod> = crate::cluster::api_in(&self.ctx.client, self.namespace.as_deref());
         let Ok(pods) = api
             .list(&ListParams::default().labels(DRAINING_LABEL))
             .await
@@ -452,7 +459,7 @@ impl Scaler {
         };
         for pod in pods.items {
             let ns = pod.namespace().unwrap_or_default();
-            enact::set_draining(&self.ctx, &ns, &pod.name_any(), false).await;
+            enact::set_label(&self.ctx, &ns, &pod.name_any(), DRAINING_LABEL, false).await;
         }
     }
 }

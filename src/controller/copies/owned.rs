@@ -4,7 +4,7 @@
 use super::{Scaler, enact, holds_copy};
 use crate::api::{ModelCopies, ModelCopiesStatus, ModelResidency, ModelState};
 use crate::residency::labels::MODEL_LABEL;
-use crate::residency::placement::{Placement, place};
+use crate::residency::placement::{Placement, place, residency_key};
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use std::collections::HashMap;
@@ -41,9 +41,7 @@ impl Scaler {
         in_flight: &HashMap<String, f64>,
     ) {
         let model = mc.spec.model.as_str();
-        let copies: Vec<usize> = (0..homes.len())
-            .filter(|&i| holds_copy(&homes[i], model) && !self.is_draining(&homes[i], model))
-            .collect();
+        let copies = self.copies_of(model, homes);
         let wanted = usize::try_from(mc.spec.replicas).unwrap_or(0);
         let mut why = None;
         if homes.is_empty() {
@@ -78,8 +76,6 @@ impl Scaler {
         message: Option<String>,
     ) {
         let model = mc.spec.model.as_str();
-        let key =
-            |r: &ModelResidency| format!("{}/{}", r.namespace().unwrap_or_default(), r.name_any());
         let ready = homes
             .iter()
             .filter(|r| serves(r, model) && !self.is_draining(r, model))
@@ -90,7 +86,7 @@ impl Scaler {
             residencies: homes
                 .iter()
                 .filter(|r| holds_copy(r, model))
-                .map(|r| key(r))
+                .map(|r| residency_key(r))
                 .collect(),
             message,
             observed_generation: mc.metadata.generation,

@@ -128,29 +128,10 @@ impl Scaler {
             let want = serves(pod, residencies.get(&(ns.clone(), owner)).copied());
             let has = pod.labels().get(SERVING_LABEL).map(String::as_str) == Some("true");
             if want != has {
-                self.label_serving(&ns, &pod.name_any(), want).await;
+                super::enact::set_label(&self.ctx, &ns, &pod.name_any(), SERVING_LABEL, want).await;
             }
         }
         self.apply_pools(all, &pods, config).await;
-    }
-
-    async fn label_serving(&self, ns: &str, pod: &str, on: bool) {
-        let api: Api<Pod> = Api::namespaced(self.ctx.client.clone(), ns);
-        let value = if on {
-            serde_json::json!("true")
-        } else {
-            serde_json::Value::Null
-        };
-        let patch = serde_json::json!({"metadata": {"labels": {SERVING_LABEL: value}}});
-        self.ctx.metrics.api_request("patch", "pods");
-        match api
-            .patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-        {
-            Ok(_) => {}
-            Err(kube::Error::Api(s)) if s.code == 404 => {}
-            Err(e) => tracing::warn!(%pod, error = %e, "pools: could not label a pod"),
-        }
     }
 
     /// Applies each model's pool where it differs, deletes the pools of
