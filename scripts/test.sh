@@ -61,6 +61,15 @@ if [ ${#run_ignored[@]} -gt 0 ] && provide MODEL_RESIDENCY_REAL_NODE scripts/rea
   real_node=true
 fi
 
+# KEDA (its operator and metrics server, built from the kedacore/keda/v2 Go
+# module and cached) and Prometheus (Debian) for the autoscaling test:
+# about 8 minutes of go build the first time, a second after. Not provisioned
+# (and not CI): that test is listed as skipped.
+skip_keda=()
+if [ ${#run_ignored[@]} -gt 0 ] && ! provide MODEL_RESIDENCY_KEDA scripts/keda.sh "KEDA and Prometheus"; then
+  skip_keda=(--skip autoscaling::)
+fi
+
 bash scripts/build-tools.sh
 cargo fmt --all -- --check
 cargo clippy --locked --all-targets -- -D warnings
@@ -72,7 +81,7 @@ status=0
 # in the main run they are skipped by name (a plain `cargo test` counts
 # them as ignored).
 if [ ${#run_ignored[@]} -gt 0 ]; then
-  cargo test --locked --no-fail-fast -- --include-ignored --skip on_real_node:: 2>&1 | tee "$log" || status=$?
+  cargo test --locked --no-fail-fast -- --include-ignored --skip on_real_node:: "${skip_keda[@]}" 2>&1 | tee "$log" || status=$?
   # The integration tests' binary (built by the run above).
   it=$(cargo test --locked --test it --no-run --message-format=json 2>/dev/null |
     grep '"kind":\["test"\],"crate_types":\["bin"\],"name":"it"' |
@@ -83,6 +92,9 @@ if [ ${#run_ignored[@]} -gt 0 ]; then
   else
     # Not provisioned (and not CI): listed as skipped.
     "$it" on_real_node:: 2>&1 | tee -a "$log" || status=1
+  fi
+  if [ ${#skip_keda[@]} -gt 0 ]; then
+    "$it" autoscaling:: 2>&1 | tee -a "$log" || status=1
   fi
 else
   cargo test --locked --no-fail-fast 2>&1 | tee "$log" || status=$?

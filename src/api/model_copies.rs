@@ -5,7 +5,8 @@
 //!
 //! Semantics: while a ModelCopies names a model, the copy scaler stands
 //! down for it (its in-flight signal is still read and exported) and keeps
-//! `spec.replicas` copies: 0 removes every copy (the last one too), 1 loads
+//! `spec.replicas` copies: 0 removes every copy (the last one once the
+//! routers count no request for the model: 0 never strands traffic), 1 loads
 //! the model where a request would (the router's placement), more adds
 //! copies where the scaler would (a wake, room, idle models only) and
 //! removes the least recently requested ones first, each drained before

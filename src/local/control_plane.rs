@@ -1,7 +1,9 @@
 //! A real, local Kubernetes control plane: etcd, kube-apiserver,
 //! kube-scheduler and kube-controller-manager (its garbage collector,
-//! namespace and resource-claim controllers) on free loopback ports, in a
-//! temporary directory.
+//! namespace, resource-claim and HPA controllers) on free loopback ports, in
+//! a temporary directory. The API server's aggregation layer is configured
+//! (a front proxy's CA and client certificate), so an extension API server
+//! such as KEDA's external metrics can be registered with an APIService.
 //!
 //! The binaries come from `scripts/control-plane.sh` (built once from the
 //! Kubernetes and etcd Go modules and cached) or from a directory named by
@@ -308,8 +310,11 @@ impl ControlPlane {
         let kubeconfig = format!("--kubeconfig={}", self.kubeconfig.display());
         // No serving (--secure-port=0): parallel control planes must not
         // share ports.
-        let mut controllers =
-            "garbage-collector-controller,namespace-controller,resourceclaim-controller".to_owned();
+        // The HPA controller scales what KEDA (or a user's HPA) asks for;
+        // with no HorizontalPodAutoscaler it does nothing.
+        let mut controllers = "garbage-collector-controller,namespace-controller,\
+                               resourceclaim-controller,horizontal-pod-autoscaler-controller"
+            .to_owned();
         if self.real_node {
             controllers += ",node-lifecycle-controller";
         }
@@ -320,6 +325,8 @@ impl ControlPlane {
             "--use-service-account-credentials=false".into(),
             "--secure-port=0".into(),
             "--concurrent-gc-syncs=5".into(),
+            // Every second, not every 15: tests watch a scale follow load.
+            "--horizontal-pod-autoscaler-sync-period=1s".into(),
         ];
         // Each binary is named as its process is.
         let (assets, dir) = (self.assets.clone(), self.dir.path().to_owned());
@@ -367,6 +374,25 @@ impl ControlPlane {
             "--allow-privileged=true".into(),
             "--profiling=false".into(),
             "--enable-priority-and-fairness=false".into(),
+            // The aggregation layer (for KEDA's external metrics API): the
+            // API server proxies as front-proxy-client, and extension API
+            // servers trust the request headers it sets.
+            format!(
+                "--requestheader-client-ca-file={}",
+                d.join("front-proxy-ca.crt").display()
+            ),
+            "--requestheader-allowed-names=front-proxy-client".into(),
+            "--requestheader-username-headers=X-Remote-User".into(),
+            "--requestheader-group-headers=X-Remote-Group".into(),
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-".into(),
+            format!(
+                "--proxy-client-cert-file={}",
+                d.join("front-proxy-client.crt").display()
+            ),
+            format!(
+                "--proxy-client-key-file={}",
+                d.join("front-proxy-client.key").display()
+            ),
         ];
         self.apiserver = start_process(
             "kube-apiserver",
@@ -600,16 +626,17 @@ fn write_credentials(d: &Path, options: &PlaneOptions) -> Result<(), ControlPlan
             &format!("{KUBELET_TOKEN},system:node:{node},system:node:{node},\"system:nodes\"\n");
     }
     fs::write(d.join("tokens.csv"), tokens)?;
-    let status = Command::new("openssl")
-        .args(["genrsa", "-out"])
-        .arg(d.join("sa.key"))
-        .arg("2048")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()?;
-    if !status.success() {
-        return Err(std::io::Error::other("openssl genrsa failed").into());
-    }
+    super::tls::openssl(d, &["genrsa", "-out", "sa.key", "2048"])?;
+    // The front proxy's CA and the client certificate the API server
+    // proxies to extension API servers with.
+    super::tls::issue_certificate(d, "front-proxy-ca", "front-proxy-ca", None, &[])?;
+    super::tls::issue_certificate(
+        d,
+        "front-proxy-client",
+        "front-proxy-client",
+        Some("front-proxy-ca"),
+        &["extendedKeyUsage=clientAuth"],
+    )?;
     Ok(())
 }
 

@@ -9,6 +9,7 @@ pub mod lane;
 pub mod model_server;
 pub mod real_node;
 pub mod registry;
+pub mod tls;
 
 use crate::api::{ModelCopies, ModelDemand, ModelResidency, NodeModelCache};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;

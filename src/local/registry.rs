@@ -24,17 +24,6 @@ pub struct LocalRegistry {
     process: Option<Child>,
 }
 
-fn run(cmd: &mut Command) -> Result<(), String> {
-    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "{cmd:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    Ok(())
-}
-
 /// The registry binary: `$MODEL_RESIDENCY_REGISTRY` or Debian's.
 fn binary() -> PathBuf {
     std::env::var_os("MODEL_RESIDENCY_REGISTRY")
@@ -59,63 +48,28 @@ impl LocalRegistry {
             .map_err(|e| e.to_string())?
             .port();
         let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-        let openssl = |args: &[&str]| run(Command::new("openssl").current_dir(d).args(args));
-        openssl(&[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "2",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-            "-subj",
-            "/CN=model-residency test CA",
-        ])?;
-        openssl(&[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-            "-subj",
-            "/CN=127.0.0.1",
-        ])?;
-        std::fs::write(
-            d.join("san.cnf"),
-            "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n",
-        )
-        .map_err(|e| e.to_string())?;
-        openssl(&[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "server.pem",
-            "-days",
-            "2",
-            "-extfile",
-            "san.cnf",
-        ])?;
+        let tls = |r: std::io::Result<()>| r.map_err(|e| e.to_string());
+        tls(super::tls::issue_certificate(
+            d,
+            "ca",
+            "model-residency test CA",
+            None,
+            &[],
+        ))?;
+        tls(super::tls::issue_certificate(
+            d,
+            "server",
+            "127.0.0.1",
+            Some("ca"),
+            &["subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        ))?;
         let htpasswd = Command::new("htpasswd")
             .args(["-Bbn", USER, PASSWORD])
             .output()
             .map_err(|e| format!("htpasswd (apache2-utils): {e}"))?;
         std::fs::write(d.join("htpasswd"), htpasswd.stdout).map_err(|e| e.to_string())?;
         let config = format!(
-            "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {root}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n  tls:\n    certificate: {d}/server.pem\n    key: {d}/server.key\nauth:\n  htpasswd:\n    realm: model-residency-test\n    path: {d}/htpasswd\n",
+            "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {root}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n  tls:\n    certificate: {d}/server.crt\n    key: {d}/server.key\nauth:\n  htpasswd:\n    realm: model-residency-test\n    path: {d}/htpasswd\n",
             root = d.join("storage").display(),
             d = d.display(),
         );
@@ -136,7 +90,7 @@ impl LocalRegistry {
 
     /// The CA certificate (PEM) the registry's certificate is signed by.
     pub fn ca_file(&self) -> PathBuf {
-        self.dir.path().join("ca.pem")
+        self.dir.path().join("ca.crt")
     }
 
     /// Where the registry keeps its blobs (a test removes one to make a

@@ -20,7 +20,7 @@ const GPUS: usize = 4;
 
 /// Four GPUs listing `chat` (at most 3 copies, 4 in flight each, a 6 s
 /// delay) and `other`.
-async fn four_gpus(h: &Harness) {
+pub(crate) async fn four_gpus(h: &Harness) {
     for i in 0..GPUS {
         let r: ModelResidency = serde_json::from_value(json!({
             "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
@@ -37,7 +37,7 @@ async fn four_gpus(h: &Harness) {
 }
 
 /// The residencies where `chat` is Loaded.
-async fn loaded(h: &Harness) -> Vec<String> {
+pub(crate) async fn loaded(h: &Harness) -> Vec<String> {
     let list = h.api.list(&Default::default()).await.unwrap();
     list.items
         .iter()
@@ -48,7 +48,7 @@ async fn loaded(h: &Harness) -> Vec<String> {
 
 /// `clients` loops of streamed requests (about 1 s each) until `stop`;
 /// each answer's status is counted in `ok` or `failed`.
-fn load(
+pub(crate) fn load(
     addr: SocketAddr,
     clients: usize,
     stop: Arc<AtomicBool>,

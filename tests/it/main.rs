@@ -5,6 +5,7 @@
 //! `--include-ignored`. The pure property and fuzz tests keep binaries of
 //! their own (`tests/engine_*.rs`, `tests/decide_fuzz.rs`).
 
+mod autoscaling;
 mod chart;
 mod cli;
 mod control_plane;

@@ -266,7 +266,7 @@ impl Scaler {
                 .filter(|r| r.namespace() == ns)
                 .cloned()
                 .collect();
-            self.owned_round(mc, &homes, in_flight).await;
+            self.owned_round(mc, &homes, in_flight, complete).await;
         }
         if !self.config.reads_routers() {
             return;

@@ -33,12 +33,17 @@ impl Scaler {
     /// One tick for a model `mc` owns: one step towards `spec.replicas`
     /// (adding all that are missing at once, removing one at a time, each
     /// drained), then its status. `homes` are the model's homes in `mc`'s
-    /// namespace.
+    /// namespace. The last copy stays while the routers count requests for
+    /// the model, or while one of them went unread (`complete` false): 0
+    /// stops the model once it is idle, as a ModelDemand at 0 never vetoes
+    /// traffic (a request to the router loads a copy on its own, and an
+    /// autoscaler's 0 can trail that request by its polling interval).
     pub(super) async fn owned_round(
         &mut self,
         mc: &ModelCopies,
         homes: &[Arc<ModelResidency>],
         in_flight: &HashMap<String, f64>,
+        complete: bool,
     ) {
         let model = mc.spec.model.as_str();
         let copies = self.copies_of(model, homes);
@@ -60,7 +65,18 @@ impl Scaler {
             let policy = self.config.defaults;
             why = self.add(model, homes, missing, in_flight, &policy).await.1;
         } else if copies.len() > wanted {
-            self.remove(model, homes, &copies);
+            let requests = in_flight.get(model).copied().unwrap_or(0.0);
+            if wanted == 0 && copies.len() == 1 && (requests > 0.0 || !complete) {
+                why = Some(if complete {
+                    format!(
+                        "the last copy stays while {requests} requests for {model} are in flight"
+                    )
+                } else {
+                    format!("the last copy stays while a router's count of {model} is unread")
+                });
+            } else {
+                self.remove(model, homes, &copies);
+            }
         }
         self.set_unplaced(model, homes, why.clone()).await;
         self.write_status(mc, homes, why).await;

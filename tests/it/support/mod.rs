@@ -5,6 +5,7 @@
 pub mod artifact_server;
 pub mod cluster;
 pub mod http;
+pub mod keda;
 pub mod lane;
 pub mod operator;
 pub mod reference;
