@@ -8,6 +8,7 @@ use crate::support::router::RouterUnderTest;
 use model_residency::api::{ModelResidency, ModelState};
 use model_residency::controller::copies::CopiesConfig;
 use model_residency::engine::copies::CopyPolicy;
+use model_residency::local::model_server::SLEEP_ANNOTATION;
 use model_residency::residency::labels::DRAINING_LABEL;
 use model_residency::router::Config;
 use serde_json::json;
@@ -305,7 +306,25 @@ async fn inference_pools_select_exactly_the_copies_that_serve() {
     )
     .await
     .unwrap();
-    four_gpus(&h).await;
+    // Four GPUs whose chat can sleep (the warm tier), with a big model
+    // that takes a copy's room.
+    for i in 0..GPUS {
+        let mut chat = (h.template)("chat");
+        chat["metadata"]["annotations"] = json!({SLEEP_ANNOTATION: "sleep=30ms,wake=30ms"});
+        let r: ModelResidency = serde_json::from_value(json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+            "metadata": {"name": format!("gpu-{i}")},
+            "spec": {"nodeName": h.node, "device": i.to_string(), "budget": "8Gi",
+                "gpu": {"mode": "env"}, "warm": {"hostBudget": "8Gi"},
+                "models": [
+                    {"name": "chat", "size": "4Gi", "template": chat,
+                     "sleep": {"preset": "vllm", "sleepingSize": "1Gi"}},
+                    {"name": "other", "size": "4Gi", "template": (h.template)("other")},
+                    {"name": "big", "size": "6Gi", "template": (h.template)("big")}]},
+        }))
+        .unwrap();
+        h.api.create(&Default::default(), &r).await.unwrap();
+    }
     h.stop_operator().await;
     h.copies = CopiesConfig {
         tick: Duration::from_millis(300),
@@ -338,6 +357,31 @@ async fn inference_pools_select_exactly_the_copies_that_serve() {
         .await;
         assert_eq!(pool.spec.target_ports[0].number, 8080);
         assert_eq!(serving.len(), n);
+        if n == 2 {
+            // big takes one copy's GPU: that copy sleeps on its pod, out of
+            // the pool, and the operator adds one elsewhere (2 asked for).
+            let home = serving_pods(&h).await[0].clone();
+            let home = loaded(&h)
+                .await
+                .into_iter()
+                .find(|r| model_residency::controller::pods::pod_name(r, "chat") == home)
+                .unwrap();
+            h.request(&home, "big").await;
+            eventually(30, "the pool without the sleeping copy", || async {
+                let pool = pools.get_opt("chat").await.ok()??;
+                let serving = serving_pods(&h).await;
+                let asleep =
+                    h.api.get(&home).await.ok()?.model_state("chat") == ModelState::Sleeping;
+                let chosen = selected(&h, &pool).await;
+                (asleep && serving.len() == 2 && chosen == serving).then_some(())
+            })
+            .await;
+            let pod = model_residency::controller::pods::pod_name(&home, "chat");
+            assert!(
+                h.pods.get_opt(&pod).await.unwrap().is_some(),
+                "the sleeping copy keeps its pod"
+            );
+        }
     }
     // Every model has its pool, owned by the residencies that list it.
     let other = pools.get("other").await.unwrap();
