@@ -67,6 +67,11 @@ pub struct Snapshot {
     /// Sorted by namespace/name.
     pub residencies: Vec<Arc<ModelResidency>>,
     pub models: HashMap<String, ModelView>,
+    /// Copies being removed (their pod labelled draining): no request is
+    /// sent to them, and no recency is written for them, since a write
+    /// after the copy scaler took their demand key away would ask for the
+    /// copy again.
+    pub draining: std::collections::HashSet<Key>,
 }
 
 impl Snapshot {
@@ -84,15 +89,29 @@ impl Snapshot {
                 models.entry(m.name.clone()).or_default().homes.push(i);
             }
         }
+        let mut draining = std::collections::HashSet::new();
         for pod in pods {
-            let Some((i, model, addr)) = endpoint(pod, &by_uid, &residencies) else {
+            let Some((i, model)) = owner(pod, &by_uid, &residencies) else {
+                continue;
+            };
+            let r = &residencies[i];
+            if pod.labels().contains_key(DRAINING_LABEL) {
+                // A copy being removed: what it serves finishes, nothing new.
+                let key = (
+                    r.namespace().unwrap_or_default(),
+                    r.name_any(),
+                    model.to_owned(),
+                );
+                draining.insert(Arc::new(key));
+                continue;
+            }
+            let Some(addr) = serving(pod, r, model) else {
                 continue;
             };
             let Some(view) = models.get_mut(model) else {
                 continue;
             };
             let (ns, name) = (pod.namespace().unwrap_or_default(), pod.name_any());
-            let r = &residencies[i];
             let residency = residency_key(r);
             let (Ok(residency_header), Ok(pod_header)) = (
                 HeaderValue::from_str(&residency),
@@ -118,6 +137,7 @@ impl Snapshot {
             synced,
             residencies,
             models,
+            draining,
         }
     }
 
@@ -175,23 +195,18 @@ fn asleep(r: &ModelResidency, model: &str) -> bool {
         })
 }
 
-/// A pod that serves traffic: a model pod of a watched residency (owned by
-/// it: labels alone can be forged by anyone who may create pods), Ready,
-/// not terminating, not asleep, not draining, with an IP. Its port is its first
-/// container's first `containerPort`.
-fn endpoint<'p>(
+/// A model pod of a watched residency: owned by it (labels alone can be
+/// forged by anyone who may create pods) and labelled for it; not
+/// terminating. Its residency's index and its model.
+fn owner<'p>(
     pod: &'p Pod,
     by_uid: &HashMap<String, usize>,
     residencies: &[Arc<ModelResidency>],
-) -> Option<(usize, &'p str, SocketAddr)> {
+) -> Option<(usize, &'p str)> {
     if pod.metadata.deletion_timestamp.is_some() {
         return None;
     }
     let labels = pod.metadata.labels.as_ref()?;
-    if labels.contains_key(DRAINING_LABEL) {
-        // A copy being removed: what it serves finishes, nothing new.
-        return None;
-    }
     let model = labels.get(MODEL_LABEL)?;
     let owner = pod
         .owner_references()
@@ -201,17 +216,24 @@ fn endpoint<'p>(
     if labels.get(RESIDENCY_LABEL) != Some(&residencies[i].name_any()) {
         return None;
     }
+    Some((i, model))
+}
+
+/// Where an [`owner`]-checked pod of `r` serves `model`, if it serves:
+/// Ready, not asleep, with an IP. Its port is its first container's first
+/// `containerPort`.
+fn serving(pod: &Pod, r: &ModelResidency, model: &str) -> Option<SocketAddr> {
     let status = pod.status.as_ref()?;
     let ready = status
         .conditions
         .iter()
         .flatten()
         .any(|c| c.type_ == "Ready" && c.status == "True");
-    if !ready || asleep(&residencies[i], model) {
+    if !ready || asleep(r, model) {
         return None;
     }
     let ip: IpAddr = status.pod_ip.as_deref()?.parse().ok()?;
-    Some((i, model, SocketAddr::new(ip, serving_port(pod))))
+    Some(SocketAddr::new(ip, serving_port(pod)))
 }
 
 #[cfg(test)]
@@ -274,5 +296,32 @@ mod tests {
         assert_eq!(&*x.ready[0].pod, "ns/a-x");
         assert_eq!(x.ready[0].addr, "10.0.0.1:9000".parse().unwrap());
         assert!(s.models["y"].ready.is_empty());
+        assert!(s.draining.is_empty());
+    }
+
+    #[test]
+    fn a_draining_copy_serves_nothing_and_is_known_as_draining_only_when_owned() {
+        let rs = vec![residency("a", "u-a", &["x"]), residency("b", "u-b", &["x"])];
+        let mut draining = pod("a-x", "a", "u-a", "x", true, "10.0.0.1");
+        let mut forged = pod("forged", "b", "u-other", "x", true, "10.0.0.3");
+        for p in [&mut draining, &mut forged] {
+            Arc::make_mut(p)
+                .labels_mut()
+                .insert(DRAINING_LABEL.into(), "true".into());
+        }
+        let pods = [
+            draining,
+            forged,
+            pod("b-x", "b", "u-b", "x", true, "10.0.0.2"),
+        ];
+        let s = Snapshot::build(true, rs, &pods);
+        let ready: Vec<&str> = s.models["x"].ready.iter().map(|e| &*e.pod).collect();
+        assert_eq!(ready, ["ns/b-x"]);
+        let key = |r: &str| Arc::new(("ns".to_owned(), r.to_owned(), "x".to_owned()));
+        assert!(s.draining.contains(&key("a")));
+        assert!(
+            !s.draining.contains(&key("b")),
+            "a forged label stops nothing"
+        );
     }
 }

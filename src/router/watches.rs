@@ -83,8 +83,13 @@ fn build(residencies: &Store<ModelResidency>, pods: &Store<Pod>) -> Snapshot {
     Snapshot::build(true, residencies.state(), &pods.state())
 }
 
-/// Whether `key`'s model is Loaded or Loading on its residency.
+/// Whether `key`'s model is Loaded or Loading on its residency, and not a copy
+/// being removed.
 fn still_resident(snap: &Snapshot, key: &Key) -> bool {
+    if snap.draining.contains(key) {
+        // The copy scaler is removing it.
+        return false;
+    }
     snap.residencies
         .iter()
         .position(|r| {
