@@ -239,6 +239,7 @@ fn pods() -> impl Strategy<Value = Vec<ModelPod>> {
             waiting: None,
             reported: true,
             addr: None,
+            retire_at: None,
         });
     prop::collection::vec(pod, 0..6)
 }
@@ -429,6 +430,7 @@ fn warm_case() -> impl Strategy<Value = (ModelResidency, Vec<ModelPod>)> {
                             waiting: None,
                             reported: true,
                             addr: None,
+                            retire_at: None,
                         });
                     }
                     json!({"name": n, "state": state, "size": format!("{gib}Gi"), "reason": reason,

@@ -103,7 +103,8 @@ struct CopiesArgs {
     /// to a removal, for models whose copies.scaleDownDelay is unset.
     #[arg(long, default_value = "2m", value_parser = parse_duration)]
     copies_scale_down_delay: std::time::Duration,
-    /// How long a copy is out of the routers before it is unloaded.
+    /// How long a copy is out of the routers before it is retired (put to
+    /// sleep when it can, else unloaded).
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     copies_drain_grace: std::time::Duration,
     /// Keep one InferencePool (inference.networking.k8s.io/v1, the Gateway

@@ -87,6 +87,9 @@ pub struct ModelPod {
     /// Where it serves (its IP and serving port), once it has an IP: where
     /// sleep and wake requests go.
     pub addr: Option<std::net::SocketAddr>,
+    /// When the copy scaler wants this copy off its GPU
+    /// ([`RETIRE_ANNOTATION`](crate::residency::labels::RETIRE_ANNOTATION)).
+    pub retire_at: Option<Box<str>>,
 }
 
 impl ModelPod {
@@ -156,6 +159,7 @@ impl ModelPod {
                 .map(|ip| {
                     std::net::SocketAddr::new(ip, crate::residency::labels::serving_port(pod))
                 }),
+            retire_at: annotation(crate::residency::labels::RETIRE_ANNOTATION).map(Into::into),
         })
     }
 }

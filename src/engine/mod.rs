@@ -624,6 +624,26 @@ impl Engine {
         true
     }
 
+    /// Sends the resident, awake `id` off the GPU's full size: to sleep when
+    /// it can sleep and the host budget has room for it (made by dropping
+    /// sleeping models, least valuable first, as a request's room is),
+    /// returning the models dropped for that room; `None`, changing
+    /// nothing, when it cannot sleep (the caller unloads it). For a copy of
+    /// a model that the copy scaler removes: adding it back is then a wake.
+    pub fn retire(&mut self, id: ModelId) -> Option<&[ModelId]> {
+        let slot = &self.slots.0[id.index()];
+        if !slot.resident || slot.asleep || slot.sleep.is_none() {
+            return None;
+        }
+        self.evicted.clear();
+        self.slept.clear();
+        if !self.try_sleep(id, Some(id)) {
+            return None;
+        }
+        self.counters.sleeps += 1;
+        Some(&self.evicted)
+    }
+
     /// Places a model as the most recently used resident without counting a
     /// request: for rebuilding a known state (e.g. from a status) in LRU
     /// order. Fails, changing nothing, when it would break the budget.

@@ -293,6 +293,31 @@ fn an_evicted_model_that_can_sleep_sleeps_and_its_next_request_is_a_wake() {
 }
 
 #[test]
+fn a_retired_model_sleeps_when_it_can_and_is_left_alone_when_it_cannot() {
+    let (mut e, m) = warm(8, 1);
+    e.request(m[0]);
+    e.request(m[2]);
+    assert_eq!(e.retire(m[0]), Some(&[][..]));
+    assert!(e.is_asleep(m[0]) && e.is_resident(m[0]));
+    assert_eq!((e.used(), e.host_used(), e.counters().sleeps), (5, 6, 1));
+    assert_eq!(e.retire(m[0]), None, "already asleep");
+    assert_eq!(
+        e.retire(m[2]),
+        None,
+        "c cannot sleep: the caller unloads it"
+    );
+    assert!(e.is_resident(m[2]) && !e.is_asleep(m[2]));
+    assert_eq!(e.retire(m[1]), None, "b is not resident");
+    // Its next request is a wake.
+    assert_eq!(e.request(m[0]), Admission::Woken { evicted: &[] });
+    // Without host room it is left as it is.
+    let (mut e, m) = warm(4, 1);
+    e.request(m[0]);
+    assert_eq!(e.retire(m[0]), None);
+    assert_eq!((e.used(), e.host_used()), (6, 0));
+}
+
+#[test]
 fn a_host_budget_without_room_deletes_the_victim_instead() {
     let (mut e, m) = warm(4, 1);
     e.request(m[0]);

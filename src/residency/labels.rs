@@ -31,8 +31,13 @@ pub fn serving_port(pod: &Pod) -> u16 {
 pub const MODEL_LABEL: &str = "residency.dev/model";
 /// Label on a model pod: a copy being removed (set by the operator's copy
 /// scaler); routers stop choosing it, its requests in flight finish, then
-/// its demand key goes.
+/// it is retired ([`RETIRE_ANNOTATION`]).
 pub const DRAINING_LABEL: &str = "residency.dev/draining";
+/// Annotation on a draining model pod: the time (RFC 3339) after which the
+/// copy scaler wants the copy off its GPU. The residency then puts it to
+/// sleep when it can, else unloads it, unless the model was requested there
+/// after that time. Its demand key stays, as an evicted model's does.
+pub const RETIRE_ANNOTATION: &str = "residency.dev/retire-at";
 /// Label on a model pod: `true` while it serves (Ready, awake, not
 /// draining), set and cleared by the operator with `--inference-pools`:
 /// the model's InferencePool selects it.

@@ -45,6 +45,9 @@ pub enum Reason {
     BudgetExceeded,
     /// Unloaded because its demand entry was removed.
     DemandRemoved,
+    /// Unloaded because the copy scaler removed this copy and it could not
+    /// sleep.
+    CopyRemoved,
     /// Unloaded because it left the registry.
     RemovedFromRegistry,
     /// Unloaded because it was not requested for its keepAlive.
@@ -108,6 +111,7 @@ impl Reason {
             Reason::BudgetShrunk => "BudgetShrunk",
             Reason::BudgetExceeded => "BudgetExceeded",
             Reason::DemandRemoved => "DemandRemoved",
+            Reason::CopyRemoved => "CopyRemoved",
             Reason::RemovedFromRegistry => "RemovedFromRegistry",
             Reason::Idle => "Idle",
             Reason::GpuConflict => "GpuConflict",

@@ -11,7 +11,8 @@
 //! longest ago). Every `tick` the copy policy sees each model's requests in
 //! flight and adds copies (a wake, room, or idle models only: none in flight
 //! on that GPU, none used there within the scale-down delay) or removes
-//! one (the copy used longest ago). What it leaves out: a copy's load is
+//! one (the copy used longest ago: to sleep when it can, else unloaded, as
+//! the operator retires it). What it leaves out: a copy's load is
 //! counted (loads, wakes) but no request waits for it; a removed copy's
 //! requests finish where they are.
 
@@ -221,7 +222,10 @@ impl Fleet {
                     });
                     oldest.is_some_and(|g| {
                         self.report.copies_removed += 1;
-                        self.gpus[g].unload(id)
+                        // As the operator retires it: to sleep when it
+                        // can, else unloaded.
+                        let gpu = &mut self.gpus[g];
+                        gpu.retire(id).is_some() || gpu.unload(id)
                     })
                 }
             };

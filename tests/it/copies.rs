@@ -383,6 +383,21 @@ async fn inference_pools_select_exactly_the_copies_that_serve() {
             );
         }
     }
+    // 3 -> 1: the two copies removed went to sleep (the warm tier had
+    // room), beside the one big put to sleep: three asleep, none selected.
+    eventually(30, "the removed copies asleep", || async {
+        let list = h.api.list(&Default::default()).await.ok()?;
+        let asleep = list
+            .items
+            .iter()
+            .filter(|r| r.model_state("chat") == ModelState::Sleeping)
+            .count();
+        (asleep == 3).then_some(())
+    })
+    .await;
+    let pool = pools.get("chat").await.unwrap();
+    assert_eq!(selected(&h, &pool).await, serving_pods(&h).await);
+    assert_eq!(serving_pods(&h).await.len(), 1);
     // Every model has its pool, owned by the residencies that list it.
     let other = pools.get("other").await.unwrap();
     assert_eq!(

@@ -1,9 +1,9 @@
 //! What the copy scaler writes: a copy's demand key, the draining label
-//! and the demand key's removal of a copy that goes, its events.
+//! and retire time of a copy that goes, its events.
 
 use crate::api::{ModelResidency, ModelState};
 use crate::controller::Context;
-use crate::residency::labels::DRAINING_LABEL;
+use crate::residency::labels::{DRAINING_LABEL, RETIRE_ANNOTATION};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
@@ -29,9 +29,11 @@ pub(super) async fn request(ctx: &Context, r: &ModelResidency, model: &str) -> b
     }
 }
 
-/// Takes the copy out of the routers, waits `grace`, removes its demand
-/// key, and takes the label off once the model is no longer loaded there.
-pub(super) async fn drain_and_remove(
+/// Takes the copy out of the routers, waits `grace`, asks its residency to
+/// retire it (to sleep when it can, else unloaded: the pod's retire time;
+/// its demand key stays, so an unload is not undone), and takes the label
+/// and the time off once the model is no longer loaded there.
+pub(super) async fn drain_and_retire(
     ctx: &Context,
     store: &Store<ModelResidency>,
     key: &(String, String, String),
@@ -41,15 +43,15 @@ pub(super) async fn drain_and_remove(
     let pod = crate::controller::pods::pod_name(residency, model);
     set_label(ctx, ns, &pod, DRAINING_LABEL, true).await;
     tokio::time::sleep(grace).await;
-    let api: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), ns);
-    ctx.metrics.api_request("patch", "modelresidencies");
-    match crate::residency::demand::unload(&api, residency, model).await {
-        Ok(_) => tracing::info!(%residency, %model, "copies: a copy removed"),
-        Err(e) => tracing::warn!(%residency, %model, error = %e, "copies: could not remove a copy"),
+    let retire = serde_json::json!({"metadata": {"annotations": {
+        RETIRE_ANNOTATION: Timestamp::now().to_string()}}});
+    if patch_pod(ctx, ns, &pod, &retire).await {
+        tracing::info!(%residency, %model, "copies: a copy retired");
     }
     // Until the residency has acted, as the operator's cache shows it (a
-    // pod deleted needs no label off; a sleeping one does: the routers
-    // skip it while it sleeps anyway).
+    // pod deleted needs nothing taken off; a sleeping one does: the
+    // routers skip it while it sleeps anyway, and its next request must
+    // find it listed again once it is awake).
     let cached = ObjectRef::<ModelResidency>::new(residency).within(ns);
     let deadline = Instant::now() + Duration::from_secs(60);
     while Instant::now() < deadline {
@@ -59,7 +61,14 @@ pub(super) async fn drain_and_remove(
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    set_label(ctx, ns, &pod, DRAINING_LABEL, false).await;
+    release(ctx, ns, &pod).await;
+}
+
+/// Takes a copy's draining label and retire time off.
+pub(super) async fn release(ctx: &Context, ns: &str, pod: &str) {
+    let patch = serde_json::json!({"metadata": {
+        "labels": {DRAINING_LABEL: null}, "annotations": {RETIRE_ANNOTATION: null}}});
+    patch_pod(ctx, ns, pod, &patch).await;
 }
 
 /// An event on the model's first home: `warning` when a wanted copy has
@@ -89,24 +98,32 @@ pub(super) async fn publish(ctx: &Context, r: &ModelResidency, warning: bool, no
     }
 }
 
-/// Sets `label` to "true" on a model pod, or takes it off (one merge
-/// patch; a pod that is gone needs nothing): the draining and serving
-/// labels.
+/// Sets `label` to "true" on a model pod, or takes it off: the draining
+/// and serving labels.
 pub(super) async fn set_label(ctx: &Context, ns: &str, pod: &str, label: &str, on: bool) {
-    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
     let value = if on {
         serde_json::json!("true")
     } else {
         serde_json::Value::Null
     };
     let patch = serde_json::json!({"metadata": {"labels": {label: value}}});
+    patch_pod(ctx, ns, pod, &patch).await;
+}
+
+/// One merge patch of a model pod's metadata; whether it landed (a pod
+/// that is gone needs nothing, and says false).
+async fn patch_pod(ctx: &Context, ns: &str, pod: &str, patch: &serde_json::Value) -> bool {
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
     ctx.metrics.api_request("patch", "pods");
     match api
-        .patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
+        .patch(pod, &PatchParams::default(), &Patch::Merge(patch))
         .await
     {
-        Ok(_) => {}
-        Err(kube::Error::Api(s)) if s.code == 404 => {}
-        Err(e) => tracing::warn!(%pod, label, error = %e, "copies: could not label the pod"),
+        Ok(_) => true,
+        Err(kube::Error::Api(s)) if s.code == 404 => false,
+        Err(e) => {
+            tracing::warn!(%pod, error = %e, "copies: could not patch the pod");
+            false
+        }
     }
 }

@@ -8,10 +8,13 @@
 //!   copy is an ordinary resident there: budget, eviction, warm tier;
 //! - **removing** one takes it out of the routers first (the pod's
 //!   [`DRAINING_LABEL`]: the routers stop choosing it), waits `drain_grace`
-//!   for their watches, then removes its demand key, and the residency
-//!   unloads it or puts it to sleep as it unloads any model (its server
-//!   finishes what it serves on SIGTERM). The label goes once the model is
-//!   no longer loaded there.
+//!   for their watches, then sets the pod's
+//!   [`RETIRE_ANNOTATION`](crate::residency::labels::RETIRE_ANNOTATION) to now:
+//!   the residency puts the copy to sleep when it can (adding it back is
+//!   then a wake), else unloads it (its server finishes what it serves on
+//!   SIGTERM), unless it was requested there since. Its demand key stays,
+//!   processed, as an evicted model's does. The label and the time go once
+//!   the model is no longer loaded there.
 //!
 //! Its reads (a list of ModelCopies each tick; of router pods and model
 //! pods when those are asked for) are not counted in
@@ -63,7 +66,7 @@ pub struct CopiesConfig {
     pub router_port: u16,
     /// How often the counts are read and steps decided.
     pub tick: Duration,
-    /// How long a copy is out of the routers before its demand key goes.
+    /// How long a copy is out of the routers before it is retired.
     pub drain_grace: Duration,
     /// What a model's `copies` leaves out.
     pub defaults: CopyPolicy,
@@ -154,17 +157,23 @@ fn homes_by_model(store: &Store<ModelResidency>) -> BTreeMap<String, Vec<Arc<Mod
 /// requested there and loaded, loading, fetching or queued, or requested
 /// and not processed yet.
 fn holds_copy(r: &ModelResidency, model: &str) -> bool {
-    if r.spec.demand.get(model).is_none() {
+    let Some(at) = recorded_time(r.spec.demand.get(model).map(String::as_str)) else {
         return false;
+    };
+    match r.model_state(model) {
+        ModelState::Loaded | ModelState::Loading | ModelState::Fetching | ModelState::Queued => {
+            true
+        }
+        // A request not processed yet; a retired copy's key stays,
+        // processed, and is no copy.
+        ModelState::Unloaded => {
+            let processed = r
+                .model_status(model)
+                .and_then(|m| m.last_requested.as_deref());
+            recorded_time(processed).is_none_or(|p| at > p)
+        }
+        _ => false,
     }
-    matches!(
-        r.model_state(model),
-        ModelState::Loaded
-            | ModelState::Loading
-            | ModelState::Fetching
-            | ModelState::Queued
-            | ModelState::Unloaded
-    )
 }
 
 /// The model's policy: the first home's `copies`, the defaults for what
@@ -441,7 +450,7 @@ impl Scaler {
             self.draining.clone(),
         );
         tokio::spawn(async move {
-            enact::drain_and_remove(&ctx, &store, &key, grace).await;
+            enact::drain_and_retire(&ctx, &store, &key, grace).await;
             draining.lock().expect("draining lock").remove(&key);
         });
         true
@@ -459,7 +468,7 @@ impl Scaler {
         };
         for pod in pods.items {
             let ns = pod.namespace().unwrap_or_default();
-            enact::set_label(&self.ctx, &ns, &pod.name_any(), DRAINING_LABEL, false).await;
+            enact::release(&self.ctx, &ns, &pod.name_any()).await;
         }
     }
 }
@@ -532,6 +541,18 @@ mod tests {
             {"name": "chat", "state": "Loaded"}]}))
             .unwrap(),
         );
+        assert!(holds_copy(&r, "chat"));
+        // Retired (unloaded, its key processed): no copy; requested again
+        // since: a copy on its way.
+        let retired = |processed: &str| {
+            serde_json::from_value(json!({"models": [
+            {"name": "chat", "state": "Unloaded", "reason": "CopyRemoved",
+             "lastRequested": processed}]}))
+            .unwrap()
+        };
+        r.status = Some(retired("2026-12-03T00:00:00Z"));
+        assert!(!holds_copy(&r, "chat"));
+        r.status = Some(retired("2026-12-02T23:00:00Z"));
         assert!(holds_copy(&r, "chat"));
         r.spec.demand = Default::default();
         assert!(

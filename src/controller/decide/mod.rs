@@ -36,7 +36,8 @@ use crate::residency::conditions::{ConditionSet, DEGRADED, READY, REFUSED};
 use crate::residency::gpu::{Budget, GpuView, assumed};
 use crate::residency::reasons::{Reason, refusal_message};
 use crate::residency::state::{
-    InvalidSpec, Restored, Valid, ValidModel, declared_budget, restore, validate_with_budget,
+    InvalidSpec, Restored, Valid, ValidModel, declared_budget, recorded_time, restore,
+    validate_with_budget,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::Timestamp;
@@ -272,6 +273,7 @@ impl<'a> Decider<'a> {
             self.apply_budget();
             self.unload_undemanded();
             self.apply_requests();
+            self.retire_removed_copies();
             self.unload_idle();
         }
         self.settle()
@@ -369,6 +371,44 @@ impl<'a> Decider<'a> {
                 self.event(&name, EventReason::Unloaded, message.clone());
                 self.outcome(&name, ModelState::Unloaded, Reason::DemandRemoved, message);
             }
+        }
+    }
+
+    /// Copies the copy scaler retires (their pod annotated with a time, no
+    /// request for them there since): to sleep when they can, else unloaded.
+    /// Their demand entry stays, processed, so nothing loads them back.
+    fn retire_removed_copies(&mut self) {
+        for id in self.engine.residents() {
+            if self.engine.is_asleep(id) || self.engine.is_loading(id) {
+                continue;
+            }
+            let name = self.engine.name(id).to_owned();
+            let retire_at = self
+                .input
+                .pods
+                .iter()
+                .filter(|p| *p.model == *name && !p.deleting)
+                .find_map(|p| recorded_time(p.retire_at.as_deref()));
+            let Some(retire_at) = retire_at else {
+                continue;
+            };
+            let requested = self.valid.demand.iter().find(|r| r.model == name);
+            if requested.is_some_and(|r| r.at > retire_at) {
+                // Asked for again since: it stays.
+                continue;
+            }
+            if let Some(dropped) = self.engine.retire(id) {
+                let dropped = dropped.to_vec();
+                let why = format!("to make host memory for {name}'s sleep");
+                self.evicted(&dropped, Reason::MadeRoom, &why);
+                let message = format!("{name} goes to sleep: its copy was removed");
+                self.outcome(&name, ModelState::Sleeping, Reason::FallingAsleep, message);
+                continue;
+            }
+            self.engine.unload(id);
+            let message = format!("{name} unloaded: its copy was removed");
+            self.event(&name, EventReason::Unloaded, message.clone());
+            self.outcome(&name, ModelState::Unloaded, Reason::CopyRemoved, message);
         }
     }
 

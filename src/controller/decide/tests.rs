@@ -92,6 +92,7 @@ fn live(model: &str, size: u64, ready: bool, deleting: bool) -> ModelPod {
         waiting: None,
         reported: true,
         addr: None,
+        retire_at: None,
     }
 }
 
@@ -951,6 +952,55 @@ fn an_evicted_model_sleeps_after_the_drain_and_its_request_wakes_it() {
     assert_eq!(d.events.last().unwrap().reason, EventReason::Woken);
     assert_eq!(d.status.counters.wakes, 1);
     assert!(d.status.model("a").unwrap().wake_seconds.is_some());
+}
+
+#[test]
+fn a_retired_copy_sleeps_when_it_can_else_unloads_and_a_later_request_keeps_it() {
+    // (host budget, requested again after the retire time, what follows)
+    let cases = [
+        ("8Gi", false, ModelState::Sleeping),
+        ("4Gi", false, ModelState::Unloaded),
+        ("8Gi", true, ModelState::Loaded),
+    ];
+    for (host, again, want) in cases {
+        let mut r = warm_residency(host);
+        let mut a_pod = live("a", 6 * GI, true, false);
+        for now in [2, 3] {
+            let d = run(&r, std::slice::from_ref(&a_pod), now);
+            r.status = Some(d.status);
+        }
+        assert_eq!(r.model_state("a"), ModelState::Loaded);
+        // The copy scaler annotates the drained pod; its demand key stays.
+        a_pod.retire_at = Some(at(4).to_string().into());
+        if again {
+            r.spec.demand.insert("a".into(), at(5).to_string());
+        }
+        let d = run(&r, std::slice::from_ref(&a_pod), 6);
+        assert_eq!(state(&d, "a"), want, "host {host}, again {again}");
+        let m = d.status.model("a").unwrap();
+        match want {
+            ModelState::Sleeping => {
+                assert!(d.delete.is_empty(), "a sleeping copy keeps its pod");
+                assert_eq!(m.reason.as_deref(), Some("FallingAsleep"));
+                assert!(m.message.as_deref().unwrap().contains("copy was removed"));
+            }
+            ModelState::Unloaded => {
+                assert_eq!(m.reason.as_deref(), Some("CopyRemoved"));
+                assert_eq!(d.delete.len(), 1, "its pod goes");
+            }
+            _ => assert!(d.delete.is_empty()),
+        }
+        // The entry stays, processed: the next pass loads nothing back.
+        r.status = Some(d.status);
+        let pods: Vec<ModelPod> = if want == ModelState::Unloaded {
+            Vec::new()
+        } else {
+            vec![a_pod.clone()]
+        };
+        let d = run(&r, &pods, 7);
+        assert_eq!(state(&d, "a"), want, "still, host {host}, again {again}");
+        assert!(d.create.is_empty());
+    }
 }
 
 #[test]
