@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+"""Waiting on the four traces of traces.py, per policy: the table in
+docs/performance.md ("Waiting on four traces"). Makes each trace under DIR
+(kept when there), replays it with `model-residency simulate` on a 64Gi GPU
+under each policy, and prints one markdown table per trace, with each
+policy's waiting as a ratio to the seed's LRU and to `cost` + the warm tier.
+
+Usage: trace-table.py BINARY DIR [REQUESTS] [--host 256Gi]"""
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KINDS = ["zipf", "shifting", "scan", "bursts"]
+
+
+def main():
+    argv = sys.argv[1:]
+    host = "256Gi"
+    if "--host" in argv:
+        host = argv[argv.index("--host") + 1]
+        del argv[argv.index("--host") : argv.index("--host") + 2]
+    if len(argv) < 2:
+        sys.exit(__doc__)
+    binary, root = argv[0], argv[1]
+    requests = argv[2] if len(argv) > 2 else "100000"
+    policies = [
+        ("seed LRU", []),
+        ("`cost`", ["--eviction", "cost"]),
+        (f"LRU + warm ({host})", ["--warm-budget", host]),
+        (f"`cost` + warm ({host})", ["--eviction", "cost", "--warm-budget", host]),
+    ]
+    for kind in KINDS:
+        out = os.path.join(root, f"{kind}-{requests}")
+        if not os.path.exists(os.path.join(out, "trace.csv")):
+            subprocess.run([sys.executable, os.path.join(HERE, "traces.py"), kind, out, requests], check=True)
+        rows = []
+        for name, flags in policies:
+            cmd = [binary, "simulate", "--budget", "64Gi", "--registry", os.path.join(out, "registry.yaml"),
+                   "--trace", os.path.join(out, "trace.csv"), "--output", "json", *flags]
+            r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+            rows.append((name, r))
+        lru = rows[0][1]["wait_seconds"]
+        cost_warm = rows[-1][1]["wait_seconds"]
+        print(f"\n{kind} ({requests} requests)\n")
+        print("| policy | loads | wakes | sleeps | hits | waiting (s) | vs seed LRU | vs `cost` + warm | over budget |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for name, r in rows:
+            w = r["wait_seconds"]
+            print(f"| {name} | {r['loads']:,} | {r['wakes']:,} | {r['sleeps']:,} | {r['hits']:,} | {w:,.0f} | "
+                  f"{lru / w:.2f}x | {cost_warm / w:.2f}x | {r['over_budget_steps']} |")
+
+
+if __name__ == "__main__":
+    main()
