@@ -4,15 +4,10 @@
 //! by kube-controller-manager's HPA controller through the aggregation
 //! layer, and the operator keeping the count it is given.
 
-use crate::copies::{four_gpus, load, loaded};
+use crate::copies::{four_gpus_and_a_router, load, loaded, model_copies};
 use crate::support::cluster::eventually;
 use crate::support::keda::Keda;
 use crate::support::operator::Harness;
-use crate::support::router::RouterUnderTest;
-use kube::api::Api;
-use model_residency::api::ModelCopies;
-use model_residency::controller::copies::CopiesConfig;
-use model_residency::router::Config;
 use serde_json::json;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -73,26 +68,12 @@ fn docs_scaled_object(h: &Harness, prometheus: std::net::SocketAddr) -> serde_js
 #[ignore = "needs the local control plane and KEDA: scripts/test.sh runs it with --include-ignored"]
 async fn keda_scales_model_copies_0_1_3_0_on_the_routers_in_flight_requests() {
     let mut h = Harness::start("keda").await;
-    h.gpu_mode = Some("env");
-    four_gpus(&h).await;
-    let router = RouterUnderTest::start(&h, Config::default()).await;
-    h.stop_operator().await;
-    h.copies = CopiesConfig {
-        routers: vec![router.addr],
-        tick: Duration::from_millis(300),
-        drain_grace: Duration::from_millis(300),
-        ..CopiesConfig::default()
-    };
-    h.start_operator();
+    let tick = Duration::from_millis(300);
+    let router = four_gpus_and_a_router(&mut h, tick, Default::default()).await;
     let keda = Keda::start(&h.env, &[router.addr]).await;
     keda.until_scraped().await;
 
-    let api: Api<ModelCopies> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
-    let mc: ModelCopies = serde_json::from_value(json!({
-        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelCopies",
-        "metadata": {"name": "chat"}, "spec": {"model": "chat", "replicas": 0}}))
-    .unwrap();
-    api.create(&Default::default(), &mc).await.unwrap();
+    let api = model_copies(&h, 0).await;
     let so = docs_scaled_object(&h, keda.prometheus);
     let name = so["metadata"]["name"].as_str().unwrap().to_owned();
     let file = tempfile::NamedTempFile::new().unwrap();

@@ -37,6 +37,43 @@ pub(crate) async fn four_gpus(h: &Harness) {
     }
 }
 
+/// [`four_gpus`] (in env mode), a router over them, and the operator
+/// started again to read that router's counts every `tick` with
+/// `defaults`, a copy drained for 300 ms before it is retired.
+pub(crate) async fn four_gpus_and_a_router(
+    h: &mut Harness,
+    tick: Duration,
+    defaults: CopyPolicy,
+) -> RouterUnderTest {
+    h.gpu_mode = Some("env");
+    four_gpus(h).await;
+    let router = RouterUnderTest::start(h, Config::default()).await;
+    h.stop_operator().await;
+    h.copies = CopiesConfig {
+        routers: vec![router.addr],
+        tick,
+        drain_grace: Duration::from_millis(300),
+        defaults,
+        ..CopiesConfig::default()
+    };
+    h.start_operator();
+    router
+}
+
+/// Creates the ModelCopies `chat` owning the model's count, at `replicas`.
+pub(crate) async fn model_copies(
+    h: &Harness,
+    replicas: i32,
+) -> kube::Api<model_residency::api::ModelCopies> {
+    let api = kube::Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    let mc = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelCopies",
+        "metadata": {"name": "chat"}, "spec": {"model": "chat", "replicas": replicas}}))
+    .unwrap();
+    api.create(&Default::default(), &mc).await.unwrap();
+    api
+}
+
 /// The residencies where `chat` is Loaded.
 pub(crate) async fn loaded(h: &Harness) -> Vec<String> {
     let list = h.api.list(&Default::default()).await.unwrap();
@@ -91,22 +128,12 @@ pub(crate) fn load(
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn copies_follow_the_load_up_and_down_and_lose_no_request() {
     let mut h = Harness::start("copies").await;
-    h.gpu_mode = Some("env");
-    four_gpus(&h).await;
-    let router = RouterUnderTest::start(&h, Config::default()).await;
-    // The operator reads this router's counts twice a second.
-    h.stop_operator().await;
-    h.copies = CopiesConfig {
-        routers: vec![router.addr],
-        tick: Duration::from_millis(500),
-        drain_grace: Duration::from_millis(300),
-        defaults: CopyPolicy {
-            window: 3.0,
-            ..CopyPolicy::default()
-        },
-        ..CopiesConfig::default()
+    // The operator reads the router's counts twice a second.
+    let defaults = CopyPolicy {
+        window: 3.0,
+        ..CopyPolicy::default()
     };
-    h.start_operator();
+    let router = four_gpus_and_a_router(&mut h, Duration::from_millis(500), defaults).await;
     // The first request loads one copy (the router's cold path).
     assert_eq!(router.chat("chat").await.status, 200);
     eventually(10, "one copy of chat", || async {
@@ -193,8 +220,7 @@ async fn copies_follow_the_load_up_and_down_and_lose_no_request() {
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn model_copies_scales_a_model_0_1_3_0_through_its_scale_subresource() {
-    use kube::api::{Api, Patch, PatchParams};
-    use model_residency::api::ModelCopies;
+    use kube::api::{Patch, PatchParams};
     let mut h = Harness::start("copies-owned").await;
     four_gpus(&h).await;
     // No router: the built-in signal is off; the object owns the count.
@@ -205,12 +231,7 @@ async fn model_copies_scales_a_model_0_1_3_0_through_its_scale_subresource() {
         ..CopiesConfig::default()
     };
     h.start_operator();
-    let api: Api<ModelCopies> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
-    let mc: ModelCopies = serde_json::from_value(json!({
-        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelCopies",
-        "metadata": {"name": "chat"}, "spec": {"model": "chat", "replicas": 0}}))
-    .unwrap();
-    api.create(&Default::default(), &mc).await.unwrap();
+    let api = model_copies(&h, 0).await;
     for n in [1usize, 3, 0] {
         let scale = json!({"spec": {"replicas": n}});
         api.patch_scale("chat", &PatchParams::default(), &Patch::Merge(&scale))
@@ -285,7 +306,7 @@ async fn inference_pools_select_exactly_the_copies_that_serve() {
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
     use kube::CustomResourceExt;
     use kube::api::{Api, Patch, PatchParams};
-    use model_residency::api::{InferencePool, ModelCopies};
+    use model_residency::api::InferencePool;
     // The extension's CRD, from the published v1 fields (our type's).
     let mut h = Harness::start("copies-pools").await;
     let crds: Api<CustomResourceDefinition> = Api::all(h.env.client.clone());
@@ -334,12 +355,7 @@ async fn inference_pools_select_exactly_the_copies_that_serve() {
     };
     h.start_operator();
     let pools: Api<InferencePool> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
-    let copies: Api<ModelCopies> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
-    let mc: ModelCopies = serde_json::from_value(json!({
-        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelCopies",
-        "metadata": {"name": "chat"}, "spec": {"model": "chat", "replicas": 2}}))
-    .unwrap();
-    copies.create(&Default::default(), &mc).await.unwrap();
+    let copies = model_copies(&h, 2).await;
     for n in [2usize, 3, 1] {
         copies
             .patch_scale(
