@@ -43,17 +43,7 @@ async fn crd_apply_create_and_watch() {
         "kubectl apply: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let out = env.kubectl(&[
-        "wait",
-        "--for=condition=established",
-        "--timeout=30s",
-        "crd/widgets.smoke.residency.dev",
-    ]);
-    assert!(
-        out.status.success(),
-        "kubectl wait: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    env.until_established(&["widgets.smoke.residency.dev"]);
 
     let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
         "smoke.residency.dev",

@@ -82,6 +82,33 @@ impl TestEnv {
             .expect("run kubectl")
     }
 
+    /// Waits (up to 60 s each) until the CRDs are Established. Polled:
+    /// `kubectl wait` fails at once on a CRD whose status has no
+    /// conditions yet, which a CRD just created may not have.
+    pub fn until_established(&self, crds: &[&str]) {
+        for crd in crds {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+            loop {
+                let out = self.kubectl(&[
+                    "get",
+                    "crd",
+                    crd,
+                    "-o",
+                    "jsonpath={.status.conditions[?(@.type==\"Established\")].status}",
+                ]);
+                if String::from_utf8_lossy(&out.stdout).trim() == "True" {
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "CRD {crd} not Established within 60 s: {}",
+                    stderr(&out)
+                );
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+        }
+    }
+
     /// Installs `crds/` once per test binary (tests race otherwise) and
     /// waits until discovery serves the new types.
     pub fn install_crds(&self) {
@@ -93,16 +120,12 @@ impl TestEnv {
                 "kubectl apply -f crds/: {}",
                 stderr(&out)
             );
-            let out = self.kubectl(&[
-                "wait",
-                "--for=condition=established",
-                "--timeout=30s",
-                "crd/modelresidencies.residency.dev",
-                "crd/modeldemands.residency.dev",
-                "crd/modelcopies.residency.dev",
-                "crd/nodemodelcaches.residency.dev",
+            self.until_established(&[
+                "modelresidencies.residency.dev",
+                "modeldemands.residency.dev",
+                "modelcopies.residency.dev",
+                "nodemodelcaches.residency.dev",
             ]);
-            assert!(out.status.success(), "kubectl wait: {}", stderr(&out));
             // Established comes a moment before discovery and the published
             // OpenAPI (which kubectl apply validates against) serve the type.
             for _ in 0..300 {

@@ -106,13 +106,7 @@ impl Keda {
             crds.to_str().unwrap(),
         ]);
         assert!(out.status.success(), "KEDA CRDs: {out:?}");
-        let out = env.kubectl(&[
-            "wait",
-            "--for=condition=established",
-            "--timeout=60s",
-            "crd/scaledobjects.keda.sh",
-        ]);
-        assert!(out.status.success(), "KEDA CRDs established: {out:?}");
+        env.until_established(&["scaledobjects.keda.sh"]);
 
         let grpc = free_port();
         let secure = free_port();
