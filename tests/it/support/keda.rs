@@ -14,7 +14,8 @@
 //! an `ExternalName` Service for `localhost`, which the aggregator resolves
 //! to that host name and the APIService's port: the traffic stays on
 //! loopback, over TLS checked against the test's own CA. The APIService is
-//! cluster-wide: one `Keda` per control plane (the one test that uses it).
+//! cluster-wide: one `Keda` per control plane (the one test that uses it),
+//! and it goes when the `Keda` is dropped.
 
 use super::cluster::{TestEnv, eventually};
 use model_residency::local::control_plane::spawn_owned;
@@ -31,10 +32,19 @@ pub struct Keda {
     pub prometheus: SocketAddr,
     processes: Vec<(&'static str, Child)>,
     dir: tempfile::TempDir,
+    kubeconfig: PathBuf,
 }
 
 impl Drop for Keda {
     fn drop(&mut self) {
+        // The APIService first: left behind, it names a server that is
+        // gone, and an aggregated API that does not answer fails discovery
+        // for every client of the shared control plane (the garbage
+        // collector's and the namespace controller's among them).
+        let _ = Command::new(model_residency::local::control_plane::kubectl())
+            .env("KUBECONFIG", &self.kubeconfig)
+            .args(["delete", "apiservice", API_SERVICE, "--wait=false"])
+            .output();
         for (_, child) in &mut self.processes {
             let _ = child.kill();
             let _ = child.wait();
@@ -94,6 +104,7 @@ impl Keda {
             prometheus: ([127, 0, 0, 1], free_port()).into(),
             processes: Vec::new(),
             dir,
+            kubeconfig: env.plane.kubeconfig().to_owned(),
         };
         keda.start_prometheus(targets);
 
@@ -110,8 +121,7 @@ impl Keda {
 
         let grpc = free_port();
         let secure = free_port();
-        keda.register(env, secure);
-        let kubeconfig = env.plane.kubeconfig().to_owned();
+        let kubeconfig = keda.kubeconfig.clone();
         let d = keda.dir.path().to_owned();
         let cert_dir = format!("--cert-dir={}", d.display());
         keda.spawn(
@@ -148,6 +158,16 @@ impl Keda {
                 "--zap-log-level=info".into(),
             ],
         );
+        // Registered once it listens: an APIService whose server does not
+        // answer fails discovery for every client of the shared plane.
+        eventually(60, "KEDA's metrics server to listen", || async {
+            tokio::net::TcpStream::connect(("127.0.0.1", secure))
+                .await
+                .ok()
+                .map(drop)
+        })
+        .await;
+        keda.register(env, secure);
         keda.until_available(env).await;
         keda
     }
