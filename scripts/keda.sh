@@ -41,12 +41,13 @@ binary_ok() {
   grep -qF -- "$flag" <<<"$help"
 }
 
-all_ok() {
+keda_ok() {
   binary_ok keda --metrics-service-bind-address \
     && binary_ok keda-adapter --metrics-service-address \
-    && [ -s "$OUT/crds/keda.sh_scaledobjects.yaml" ] \
-    && [ -x /usr/bin/prometheus ]
+    && [ -s "$OUT/crds/keda.sh_scaledobjects.yaml" ]
 }
+
+all_ok() { keda_ok && [ -x /usr/bin/prometheus ]; }
 
 build() {
   command -v go >/dev/null || die "Go is needed to build KEDA (Go 1.26 is installed on this machine kind)"
@@ -79,8 +80,7 @@ install() {
   # shellcheck source=apt.sh
   . "$HERE/apt.sh"
   [ -x /usr/bin/prometheus ] || apt_install "${PACKAGES[@]}" || die "could not install ${PACKAGES[*]}"
-  binary_ok keda --metrics-service-bind-address && binary_ok keda-adapter --metrics-service-address \
-    && [ -s "$OUT/crds/keda.sh_scaledobjects.yaml" ] || build
+  keda_ok || build
   all_ok || die "KEDA at $OUT or /usr/bin/prometheus does not work"
   echo "$OUT"
 }

@@ -82,6 +82,17 @@ impl TestEnv {
             .expect("run kubectl")
     }
 
+    /// Whether `kind/name` has its condition `type_` True now, with what
+    /// kubectl said on stderr.
+    pub fn condition_is_true(&self, kind: &str, name: &str, type_: &str) -> (bool, String) {
+        let path = format!("jsonpath={{.status.conditions[?(@.type==\"{type_}\")].status}}");
+        let out = self.kubectl(&["get", kind, name, "-o", &path]);
+        (
+            String::from_utf8_lossy(&out.stdout).trim() == "True",
+            stderr(&out),
+        )
+    }
+
     /// Waits (up to 60 s each) until the CRDs are Established. Polled:
     /// `kubectl wait` fails at once on a CRD whose status has no
     /// conditions yet, which a CRD just created may not have.
@@ -89,20 +100,13 @@ impl TestEnv {
         for crd in crds {
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
             loop {
-                let out = self.kubectl(&[
-                    "get",
-                    "crd",
-                    crd,
-                    "-o",
-                    "jsonpath={.status.conditions[?(@.type==\"Established\")].status}",
-                ]);
-                if String::from_utf8_lossy(&out.stdout).trim() == "True" {
+                let (established, err) = self.condition_is_true("crd", crd, "Established");
+                if established {
                     break;
                 }
                 assert!(
                     std::time::Instant::now() < deadline,
-                    "CRD {crd} not Established within 60 s: {}",
-                    stderr(&out)
+                    "CRD {crd} not Established within 60 s: {err}"
                 );
                 std::thread::sleep(std::time::Duration::from_millis(200));
             }

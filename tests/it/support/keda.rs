@@ -18,9 +18,10 @@
 //! and it goes when the `Keda` is dropped.
 
 use super::cluster::{TestEnv, eventually};
+use super::http::free_port;
 use model_residency::local::control_plane::spawn_owned;
 use model_residency::local::tls::issue_certificate;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
@@ -50,13 +51,6 @@ impl Drop for Keda {
             let _ = child.wait();
         }
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
 }
 
 /// The directory `scripts/keda.sh` built into.
@@ -275,14 +269,10 @@ spec:
             if let Some((name, status)) = exited {
                 panic!("{name} exited ({status}):\n{}", self.logs());
             }
-            let out = env.kubectl(&[
-                "get",
-                "apiservice",
-                API_SERVICE,
-                "-o",
-                "jsonpath={.status.conditions[?(@.type==\"Available\")].status}",
-            ]);
-            if String::from_utf8_lossy(&out.stdout).trim() == "True" {
+            if env
+                .condition_is_true("apiservice", API_SERVICE, "Available")
+                .0
+            {
                 return;
             }
             tokio::time::sleep(std::time::Duration::from_millis(500)).await;
