@@ -1,9 +1,10 @@
 //! Requests: the demand keys not processed yet, applied oldest first
 //! (request times from a clock that runs fast taken as now), and the idle
 //! unload that follows them; a loading model is protected from eviction
-//! for [`LOADING_PROTECTION`] after it was admitted.
+//! for [`LOADING_PROTECTION`] after it was admitted, and a model just
+//! Ready for [`FRESH_LOAD_GRACE`].
 
-use super::{Decider, LOADING_PROTECTION};
+use super::{Decider, FRESH_LOAD_GRACE, LOADING_PROTECTION};
 use crate::api::ModelState;
 use crate::controller::events::EventReason;
 use crate::engine::{Admission, ModelId};
@@ -158,8 +159,9 @@ impl<'a> Decider<'a> {
             }
             Admission::Queued { loading } => {
                 let message = format!(
-                    "{model} ({}) waits for a model to finish loading: the room it needs is held by models still loading ({}), and a loading model is never evicted",
+                    "{model} ({}) waits for a model to finish loading: the room it needs is held by models still loading or Ready for less than {}s ({}), which no request evicts",
                     format_bytes(self.engine.size(id)),
+                    FRESH_LOAD_GRACE.as_secs(),
                     format_bytes(loading)
                 );
                 self.outcome(model, ModelState::Queued, Reason::WaitingForLoads, message);
@@ -242,19 +244,49 @@ impl<'a> Decider<'a> {
         }
     }
 
-    /// How long until the first loading model's protection ends (when a
-    /// queued request may evict it).
+    /// How long until the first loading or fresh model's protection ends
+    /// (when a queued request may evict it).
     pub(super) fn next_protection_end(&self) -> Option<Duration> {
         let now = self.input.now;
-        self.engine
+        let ends = self.engine.residents().into_iter().filter_map(|id| {
+            if self.engine.is_loading(id) {
+                self.admitted_at(id).map(|t| later(t, LOADING_PROTECTION))
+            } else {
+                self.fresh_until(id)
+            }
+        });
+        ends.map(|t| now.duration_until(t).unsigned_abs()).min()
+    }
+
+    /// Marks the models Ready for less than [`FRESH_LOAD_GRACE`] as loading
+    /// for the requests of this reconcile, and returns them (the caller
+    /// lifts it after: budget changes, idle unloads and retirements treat
+    /// them as any ready model).
+    pub(super) fn protect_fresh_loads(&mut self) -> Vec<ModelId> {
+        let fresh: Vec<ModelId> = self
+            .engine
             .residents()
             .into_iter()
-            .filter(|&id| self.engine.is_loading(id))
-            .filter_map(|id| self.admitted_at(id))
-            .map(|t| {
-                now.duration_until(later(t, LOADING_PROTECTION))
-                    .unsigned_abs()
-            })
-            .min()
+            .filter(|&id| !self.engine.is_loading(id) && self.fresh_until(id).is_some())
+            .collect();
+        for &id in &fresh {
+            self.engine.set_loading(id, true);
+        }
+        fresh
+    }
+
+    /// When the grace of a model Ready (as the last status says) ends, if it
+    /// has not. A Ready time ahead of the operator's clock by more than the
+    /// grace (a node whose clock runs fast) gives none: a clock cannot hold
+    /// a model's room.
+    fn fresh_until(&self, id: ModelId) -> Option<Timestamp> {
+        let now = self.input.now;
+        let prev = self.prev_models.get(self.engine.name(id))?;
+        if prev.state != ModelState::Loaded || self.engine.is_asleep(id) {
+            return None;
+        }
+        let ready = recorded_time(prev.loaded_at.as_deref())?;
+        let until = later(ready, FRESH_LOAD_GRACE);
+        (until > now && ready <= later(now, FRESH_LOAD_GRACE)).then_some(until)
     }
 }

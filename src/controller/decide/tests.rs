@@ -81,7 +81,9 @@ fn live(model: &str, size: u64, ready: bool, deleting: bool) -> ModelPod {
         model: model.into(),
         size: Some(size),
         phase: PodPhase::Live,
-        ready_since: ready.then(|| T0.into()),
+        // Ready long before the tests' reconciles (past FRESH_LOAD_GRACE),
+        // unless a test says when.
+        ready_since: ready.then(|| at(-60).to_string().into()),
         deleting,
         failure: None,
         created: None,
@@ -656,15 +658,53 @@ fn more_requests_at_once_than_fit_queue_behind_loading_models_instead_of_evictin
     assert_eq!(state(&d, "m8"), ModelState::Queued);
     assert!(d.events.is_empty(), "{:?}", d.events);
     assert_eq!(Some(&d.status), r.status.as_ref());
-    // The pods become Ready: Loaded, but not evicted in the same reconcile
-    // (the router has not seen them Ready yet).
-    let d = run(&r, &ready_pods(&r), 4);
+    // The pods become Ready at 4 s: Loaded, but not evicted in the same
+    // reconcile, nor in the next ones for FRESH_LOAD_GRACE (the routers
+    // learn they are Ready from this status, then send them the requests
+    // that waited for them).
+    let ready = |r: &ModelResidency| {
+        let mut pods = ready_pods(r);
+        for p in &mut pods {
+            p.ready_since = Some(at(4).to_string().into());
+        }
+        pods
+    };
+    let d = run(&r, &ready(&r), 4);
     assert_eq!(state(&d, "m0"), ModelState::Loaded);
     assert_eq!(state(&d, "m8"), ModelState::Queued);
     assert_eq!(d.status.counters.evictions, 0);
     r.status = Some(d.status);
-    // Now the oldest ready model makes room.
-    let d = run(&r, &ready_pods(&r), 5);
+    let d = run(&r, &ready(&r), 5);
+    assert_eq!(state(&d, "m8"), ModelState::Queued);
+    assert_eq!(d.status.counters.evictions, 0);
+    let grace = FRESH_LOAD_GRACE.as_secs() as i64;
+    assert_eq!(
+        d.requeue_after,
+        Some(std::time::Duration::from_secs((4 + grace - 5) as u64)),
+        "looked at again when the grace ends"
+    );
+    let message = d.status.model("m8").unwrap().message.as_deref().unwrap();
+    assert!(message.contains("Ready for less than"), "{message}");
+    // A Ready time far ahead of the operator's clock holds nothing.
+    let mut skewed = ready(&r);
+    for p in &mut skewed {
+        p.ready_since = Some(at(3600).to_string().into());
+    }
+    let mut ahead = r.clone();
+    for m in &mut ahead.status.as_mut().unwrap().models {
+        if m.state == ModelState::Loaded {
+            m.loaded_at = Some(at(3600).to_string().into());
+        }
+    }
+    let d = run(&ahead, &skewed, 5);
+    assert_eq!(
+        state(&d, "m8"),
+        ModelState::Loading,
+        "{:?}",
+        d.status.model("m8")
+    );
+    // After the grace the oldest ready model makes room.
+    let d = run(&r, &ready(&r), 4 + grace);
     assert_eq!(state(&d, "m0"), ModelState::Evicted);
     assert_eq!(state(&d, "m8"), ModelState::Loading);
     assert_eq!(d.status.counters.loads, 9);
