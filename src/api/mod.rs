@@ -423,9 +423,9 @@ pub enum ModelState {
     /// node agent) before its pod may start.
     Fetching,
     /// Requested, not resident yet: the only models its load could evict
-    /// are still loading or Ready for less than 5 s (their waiting requests
-    /// are on their way), and no request evicts those. Admitted, in request
-    /// order, once one of them may be evicted.
+    /// are still loading, and a loading model is never evicted. Admitted,
+    /// in request order, once one of them has been ready for 5 s (the
+    /// requests that waited for it reach it first).
     Queued,
     /// Taken out to make room for another model or by a budget shrink.
     Evicted,

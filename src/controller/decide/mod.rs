@@ -86,12 +86,14 @@ pub const DEFAULT_MAX_SKEW: Duration = Duration::from_secs(60);
 pub const LOADING_PROTECTION: Duration = Duration::from_secs(600);
 
 /// How long after its pod became Ready (or it woke) a model is still no
-/// request's victim: the requests that waited for it reach it through the
-/// routers, which learn it is Ready from the status this operator writes.
-/// Evicted at once, it was gone before they saw it, and each of them had it
-/// loaded a second time (a CI run: 18 loads for 17 models). Short next to a
-/// load (30-90 s for a real model); a request that needs its room waits
-/// this long at most. Ready times are whole seconds, hence 5 s, not 1 s.
+/// victim of a request that was queued (behind loads): the requests that
+/// waited for it reach it through the routers, which learn it is Ready from
+/// the status this operator writes. Evicted at once by the queued request,
+/// it was gone before they saw it, and each of them had it loaded a second
+/// time (a CI run: 18 loads for 17 held requests). Short next to a load
+/// (30-90 s for a real model). Ready times are whole seconds, hence 5 s,
+/// not 1 s. A request that was not queued evicts by the seed's LRU (the
+/// operator's counters stay the engine's).
 pub const FRESH_LOAD_GRACE: Duration = Duration::from_secs(5);
 
 impl<'a> Observed<'a> {
@@ -281,11 +283,7 @@ impl<'a> Decider<'a> {
             self.readmit_resized();
             self.apply_budget();
             self.unload_undemanded();
-            let fresh = self.protect_fresh_loads();
             self.apply_requests();
-            for id in fresh {
-                self.engine.set_loading(id, false);
-            }
             self.retire_removed_copies();
             self.unload_idle();
         }

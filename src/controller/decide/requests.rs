@@ -2,7 +2,7 @@
 //! (request times from a clock that runs fast taken as now), and the idle
 //! unload that follows them; a loading model is protected from eviction
 //! for [`LOADING_PROTECTION`] after it was admitted, and a model just
-//! Ready for [`FRESH_LOAD_GRACE`].
+//! Ready from the queued requests for [`FRESH_LOAD_GRACE`].
 
 use super::{Decider, FRESH_LOAD_GRACE, LOADING_PROTECTION};
 use crate::api::ModelState;
@@ -33,7 +33,19 @@ impl<'a> Decider<'a> {
             pending.push((effective, request.model, request.at));
         }
         pending.sort();
+        let fresh = self.fresh_loads();
         for (effective, model, written) in pending {
+            // Only a request that was queued already waits out the fresh
+            // models' grace: it waited behind loads whose own held requests
+            // are on their way to them. Any other request evicts by the
+            // seed's LRU, as the engine does.
+            let was_queued = self
+                .prev_models
+                .get(model)
+                .is_some_and(|m| m.state == ModelState::Queued);
+            for &id in &fresh {
+                self.engine.set_loading(id, was_queued);
+            }
             if effective != written {
                 let message = format!(
                     "{model}: lastRequested {written} is {:.0}s ahead of the operator's clock (allowed: {}s); taken as {now}",
@@ -43,6 +55,9 @@ impl<'a> Decider<'a> {
                 self.event(model, EventReason::ClockSkew, message);
             }
             self.request(model, written, effective);
+        }
+        for id in fresh {
+            self.engine.set_loading(id, false);
         }
     }
 
@@ -258,21 +273,12 @@ impl<'a> Decider<'a> {
         ends.map(|t| now.duration_until(t).unsigned_abs()).min()
     }
 
-    /// Marks the models Ready for less than [`FRESH_LOAD_GRACE`] as loading
-    /// for the requests of this reconcile, and returns them (the caller
-    /// lifts it after: budget changes, idle unloads and retirements treat
-    /// them as any ready model).
-    pub(super) fn protect_fresh_loads(&mut self) -> Vec<ModelId> {
-        let fresh: Vec<ModelId> = self
-            .engine
-            .residents()
-            .into_iter()
+    /// The ready models Ready for less than [`FRESH_LOAD_GRACE`].
+    fn fresh_loads(&self) -> Vec<ModelId> {
+        let residents = self.engine.residents().into_iter();
+        residents
             .filter(|&id| !self.engine.is_loading(id) && self.fresh_until(id).is_some())
-            .collect();
-        for &id in &fresh {
-            self.engine.set_loading(id, true);
-        }
-        fresh
+            .collect()
     }
 
     /// When the grace of a model Ready (as the last status says) ends, if it

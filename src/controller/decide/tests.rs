@@ -712,6 +712,37 @@ fn more_requests_at_once_than_fit_queue_behind_loading_models_instead_of_evictin
     assert!(d.status.model("m8").unwrap().last_requested.is_some());
 }
 
+/// The grace of a model just Ready holds against queued requests only: a
+/// request that was not queued evicts by the seed's LRU at once, fresh or
+/// not (the operator's counters stay the engine's).
+#[test]
+fn a_request_that_was_not_queued_evicts_a_model_just_ready_by_lru() {
+    let mut r = residency(
+        "2Gi",
+        &[
+            ("a", "1Gi", false),
+            ("b", "1Gi", false),
+            ("c", "1Gi", false),
+        ],
+        &[("a", 1), ("b", 2)],
+    );
+    let d = run(&r, &[], 2);
+    assert_eq!(d.status.counters.loads, 2);
+    r.status = Some(d.status);
+    let mut pods = ready_pods(&r);
+    for p in &mut pods {
+        p.ready_since = Some(at(3).to_string().into());
+    }
+    let d = run(&r, &pods, 3);
+    assert_eq!(state(&d, "a"), ModelState::Loaded);
+    r.status = Some(d.status);
+    r.spec.demand.insert("c".into(), at(4).to_string());
+    let d = run(&r, &pods, 4);
+    assert_eq!(state(&d, "a"), ModelState::Evicted);
+    assert_eq!(state(&d, "c"), ModelState::Loading);
+    assert_eq!(d.status.counters.evictions, 1);
+}
+
 #[test]
 fn a_loading_model_is_protected_only_for_a_while_and_a_queued_model_no_longer_wanted_is_unloaded() {
     let mut r = residency(
