@@ -215,7 +215,11 @@ async fn check_converged(rig: &Rig, within: Duration, demanded_only: bool) -> Du
             .map(|m| m.name.to_string())
             .collect();
         let settled = s.observed_generation == r.metadata.generation
-            && s.models.iter().all(|m| m.state != ModelState::Loading)
+            // A queued request is still to be decided (it may wait out a
+            // fresh model's grace after every pod is Ready).
+            && s.models
+                .iter()
+                .all(|m| !matches!(m.state, ModelState::Loading | ModelState::Queued))
             && terminating == 0
             && live.iter().cloned().collect::<BTreeSet<_>>() == loaded;
         last = format!(
