@@ -30,6 +30,7 @@ def main():
         ("`cost`", ["--eviction", "cost"]),
         (f"LRU + warm ({host})", ["--warm-budget", host]),
         (f"`cost` + warm ({host})", ["--eviction", "cost", "--warm-budget", host]),
+        (f"`rate` + warm ({host})", ["--eviction", "rate", "--warm-budget", host]),
     ]
     for kind in KINDS:
         out = os.path.join(root, f"{kind}-{requests}")
@@ -42,7 +43,7 @@ def main():
             r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
             rows.append((name, r))
         lru = rows[0][1]["wait_seconds"]
-        cost_warm = rows[-1][1]["wait_seconds"]
+        cost_warm = rows[3][1]["wait_seconds"]
         print(f"\n{kind} ({requests} requests)\n")
         print("| policy | loads | wakes | sleeps | hits | waiting (s) | vs seed LRU | vs `cost` + warm | over budget |")
         print("|---|---|---|---|---|---|---|---|---|")

@@ -159,12 +159,16 @@ fn warm_op(models: usize) -> impl Strategy<Value = WarmOp> {
 /// size, host memory), load and wake seconds.
 type WarmModel = (u64, bool, Option<(u64, u64)>, (u32, u32));
 
-fn warm_scenario() -> impl Strategy<Value = (u64, u64, bool, Vec<WarmModel>, Vec<WarmOp>)> {
+fn warm_scenario() -> impl Strategy<Value = (u64, u64, Eviction, Vec<WarmModel>, Vec<WarmOp>)> {
     (1usize..20).prop_flat_map(|n| {
         (
             1u64..=120,
             0u64..=80,
-            any::<bool>(),
+            prop_oneof![
+                Just(Eviction::Lru),
+                Just(Eviction::Cost),
+                Just(Eviction::Rate)
+            ],
             prop::collection::vec(
                 (
                     1u64..=60,
@@ -194,11 +198,11 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
 
     #[test]
-    fn the_warm_tier_keeps_both_budgets_under_either_policy(
-        (budget, host_budget, cost, models, ops) in warm_scenario()
+    fn the_warm_tier_keeps_both_budgets_under_every_policy(
+        (budget, host_budget, eviction, models, ops) in warm_scenario()
     ) {
         let mut e = Engine::new(budget);
-        e.set_eviction(if cost { Eviction::Cost } else { Eviction::Lru });
+        e.set_eviction(eviction);
         e.set_host_budget(host_budget);
         let ids: Vec<ModelId> = models
             .iter()

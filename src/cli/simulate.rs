@@ -123,6 +123,7 @@ impl FleetArgs {
 enum EvictionArg {
     Lru,
     Cost,
+    Rate,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -157,6 +158,7 @@ pub fn run(args: Args) -> Result<(), Failure> {
     engine.set_eviction(match args.eviction {
         EvictionArg::Lru => model_residency::engine::Eviction::Lru,
         EvictionArg::Cost => model_residency::engine::Eviction::Cost,
+        EvictionArg::Rate => model_residency::engine::Eviction::Rate,
     });
     if let Some(q) = &args.warm_budget {
         let host = parse_bytes(q).map_err(|e| Failure::bad_input(format!("--warm-budget: {e}")))?;

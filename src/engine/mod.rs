@@ -170,6 +170,10 @@ struct Slot {
     registered: bool,
     /// Engine clock at the model's last request (0: never).
     last_used: u64,
+    /// [`Eviction::Rate`]'s request rate: requests served, each decayed
+    /// by its age in requests, as of `rate_at`. Kept across evictions.
+    rate: f64,
+    rate_at: u64,
     links: Links,
 }
 
@@ -245,6 +249,8 @@ pub struct Engine {
     slept: Vec<ModelId>,
     /// Scratch for the candidates of a warm or cost-aware room-making.
     order: Vec<u32>,
+    /// Requests served (hits, wakes, loads): [`Eviction::Rate`]'s clock.
+    served: u64,
 }
 
 impl Engine {
@@ -271,6 +277,7 @@ impl Engine {
             evicted: Vec::new(),
             slept: Vec::new(),
             order: Vec::new(),
+            served: 0,
         }
     }
 
@@ -374,6 +381,8 @@ impl Engine {
             base: 0.0,
             registered: true,
             last_used: 0,
+            rate: 0.0,
+            rate_at: 0,
             links: Links::default(),
         });
         self.names.insert(name.into(), id);
@@ -580,6 +589,7 @@ impl Engine {
         }
         self.make_resident(id);
         self.counters.loads += 1;
+        self.count_rate(id);
         let slot = &mut self.slots.0[id.index()];
         slot.uses = 1;
         slot.base = self.inflation;
@@ -698,6 +708,26 @@ impl Engine {
         slot.base = if base.is_finite() { base } else { 0.0 };
     }
 
+    /// Carries a model's [`Eviction::Rate`] state over from an earlier run:
+    /// its rate as counted at `at` requests served (see
+    /// [`Engine::rate_state`]). Call [`Engine::resume_served`] first: an
+    /// `at` past the clock is taken as now, a rate that is not a finite
+    /// non-negative number as none.
+    pub fn resume_rate(&mut self, id: ModelId, rate: f64, at: u64) {
+        let slot = &mut self.slots.0[id.index()];
+        slot.rate = if rate.is_finite() && rate > 0.0 {
+            rate
+        } else {
+            0.0
+        };
+        slot.rate_at = at.min(self.served);
+    }
+
+    /// Carries [`Eviction::Rate`]'s clock over (see [`Engine::served`]).
+    pub fn resume_served(&mut self, served: u64) {
+        self.served = self.served.max(served);
+    }
+
     /// Carries the inflation over (see [`Engine::resume_value`]).
     pub fn resume_inflation(&mut self, inflation: f64) {
         if inflation.is_finite() {
@@ -781,6 +811,21 @@ impl Engine {
     /// Its value under [`Eviction::Cost`] now (module docs of `warm`).
     pub fn value(&self, id: ModelId) -> f64 {
         self.slots.0[id.index()].value()
+    }
+    /// [`Eviction::Rate`]'s state of a model: its rate as last counted and
+    /// the clock ([`Engine::served`]) it was counted at.
+    pub fn rate_state(&self, id: ModelId) -> (f64, u64) {
+        let slot = &self.slots.0[id.index()];
+        (slot.rate, slot.rate_at)
+    }
+    /// A model's [`Eviction::Rate`] rate now: its requests served, each
+    /// decayed by how many requests were served since.
+    pub fn rate(&self, id: ModelId) -> f64 {
+        self.rate_of(&self.slots.0[id.index()])
+    }
+    /// Requests served (hits, wakes and loads): [`Eviction::Rate`]'s clock.
+    pub fn served(&self) -> u64 {
+        self.served
     }
     pub fn inflation(&self) -> f64 {
         self.inflation
@@ -892,6 +937,7 @@ impl Engine {
     /// A request's use of a resident model: most recently used, one use
     /// more, its value's base the inflation now.
     fn used_now(&mut self, id: ModelId) {
+        self.count_rate(id);
         let slot = &mut self.slots.0[id.index()];
         slot.last_used = self.clock;
         slot.uses += 1;
@@ -924,8 +970,10 @@ impl Engine {
         let mut order = std::mem::take(&mut self.order);
         order.clear();
         order.extend(self.ready_residents().filter(|&v| Some(ModelId(v)) != keep));
-        if self.eviction == Eviction::Cost {
-            self.sort_by_value(&mut order);
+        match self.eviction {
+            Eviction::Cost => self.sort_by_value(&mut order),
+            Eviction::Rate => self.sort_by_rate(&mut order, false),
+            Eviction::Lru => {}
         }
         for &v in &order {
             if self.used + need <= self.budget {
@@ -967,6 +1015,47 @@ impl Engine {
         });
     }
 
+    /// [`Eviction::Rate`]'s decayed request rate of `slot` now.
+    fn rate_of(&self, slot: &Slot) -> f64 {
+        warm::decayed(slot.rate, self.served.saturating_sub(slot.rate_at))
+    }
+
+    /// One request served for `id`: the clock ticks and its rate counts it
+    /// (a fraction of one when it follows its last request closely: a
+    /// burst is one wake's worth of demand, not one per request).
+    fn count_rate(&mut self, id: ModelId) {
+        self.served += 1;
+        let slot = &self.slots.0[id.index()];
+        let add = warm::rate_increment(slot.rate_at, self.served);
+        let rate = self.rate_of(slot) + add;
+        let slot = &mut self.slots.0[id.index()];
+        slot.rate = rate;
+        slot.rate_at = self.served;
+    }
+
+    /// [`Eviction::Rate`]'s order: the least expected waiting per GiB
+    /// freed first (per GiB of host memory freed when `host`), ties least
+    /// recently used first.
+    fn sort_by_rate(&self, order: &mut [u32], host: bool) {
+        let slots = &self.slots.0;
+        let key = |v: u32| {
+            let s = &slots[v as usize];
+            let (cost, room) = if host {
+                ((s.costs.load - s.costs.wake).max(0.0), s.host())
+            } else {
+                warm::cost_and_room(s.size, s.sleep, s.asleep, s.costs)
+            };
+            warm::expected_wait(self.rate_of(s), cost, room)
+        };
+        order.sort_by(|&a, &b| {
+            key(a).total_cmp(&key(b)).then(
+                slots[a as usize]
+                    .last_used
+                    .cmp(&slots[b as usize].last_used),
+            )
+        });
+    }
+
     /// GDSF's inflation rises to each victim's value.
     fn note_victim(&mut self, v: ModelId) {
         if self.eviction == Eviction::Cost {
@@ -981,8 +1070,10 @@ impl Engine {
             .iter(&self.slots)
             .filter(|&v| self.slots.0[v as usize].asleep && Some(ModelId(v)) != keep)
             .collect();
-        if self.eviction == Eviction::Cost {
-            self.sort_by_value(&mut sleeping);
+        match self.eviction {
+            Eviction::Cost => self.sort_by_value(&mut sleeping),
+            Eviction::Rate => self.sort_by_rate(&mut sleeping, true),
+            Eviction::Lru => {}
         }
         sleeping.into_iter()
     }
@@ -1007,6 +1098,9 @@ impl Engine {
             if self.host_used - droppable + host > self.host_budget {
                 return false;
             }
+            if self.eviction == Eviction::Rate && !self.worth_host_room(v, &sleeping, host) {
+                return false;
+            }
             for d in sleeping {
                 if self.host_used + host <= self.host_budget {
                     break;
@@ -1017,6 +1111,25 @@ impl Engine {
         }
         self.put_to_sleep(v);
         true
+    }
+
+    /// [`Eviction::Rate`]'s host admission: `v` sleeps only if the sleepers
+    /// dropped for its `host` bytes (from `sleeping`, in order) would cost
+    /// less waiting than deleting `v` instead.
+    fn worth_host_room(&self, v: ModelId, sleeping: &[u32], host: Bytes) -> bool {
+        let slot = &self.slots.0[v.index()];
+        let gain = self.rate_of(slot) * (slot.costs.load - slot.costs.wake).max(0.0);
+        let mut used = self.host_used;
+        let mut lost = 0.0;
+        for &d in sleeping {
+            if used + host <= self.host_budget {
+                break;
+            }
+            let d = &self.slots.0[d as usize];
+            used -= d.host();
+            lost += self.rate_of(d) * (d.costs.load - d.costs.wake).max(0.0);
+        }
+        lost < gain
     }
 
     /// A resident awake model sleeps: it holds its sleeping size, and its

@@ -505,3 +505,105 @@ fn resizing_a_sleeping_model_unloads_it() {
     assert!(!e.is_resident(m[0]));
     assert_eq!((e.used(), e.host_used(), e.counters().unloads), (6, 0, 1));
 }
+
+// ---- rate eviction ---------------------------------------------------------
+
+#[test]
+fn rate_eviction_remembers_a_models_requests_across_an_unload() {
+    let (mut e, m) = engine(8, &[("a", 4, false), ("b", 4, false), ("c", 4, false)]);
+    e.set_eviction(Eviction::Rate);
+    for _ in 0..10 {
+        e.request(m[0]);
+    }
+    assert!(e.unload(m[0]));
+    e.request(m[0]);
+    e.request(m[1]);
+    // LRU would evict a (least recently used); its earlier requests still
+    // count (one, then a fifth each: they came one after another), so b
+    // (one) goes.
+    assert_eq!(e.request(m[2]), Admission::Loaded { evicted: &[m[1]] });
+    let (rate, at) = e.rate_state(m[0]);
+    assert!(rate > 2.9 && rate < 3.0, "{rate}");
+    assert_eq!((at, e.served()), (11, 13));
+}
+
+#[test]
+fn rate_eviction_deletes_a_rarely_used_model_rather_than_drop_a_hot_sleeper() {
+    // Four of 8 that sleep at 1 with 8 of host memory; room for one asleep.
+    let names = [
+        ("s", 8, false),
+        ("h", 8, false),
+        ("o", 8, false),
+        ("w", 8, false),
+    ];
+    let run = |eviction| {
+        let (mut e, m) = engine(20, &names);
+        e.set_eviction(eviction);
+        for &id in &m {
+            let sleep = Sleep {
+                sleeping_size: 1,
+                host_memory: 8,
+            };
+            e.set_sleep(id, Some(sleep)).unwrap();
+        }
+        e.set_host_budget(8);
+        for _ in 0..10 {
+            e.request(m[0]);
+        }
+        for _ in 0..10 {
+            e.request(m[1]);
+        }
+        // o once: s (least recently used of two as hot) sleeps for it.
+        e.request(m[2]);
+        assert!(e.is_asleep(m[0]));
+        // w needs o's room: o could sleep only by dropping s.
+        e.request(m[3]);
+        (e.is_asleep(m[0]), e.is_resident(m[2]))
+    };
+    assert_eq!(
+        run(Eviction::Rate),
+        (true, false),
+        "o deleted, s kept asleep"
+    );
+    assert_eq!(
+        run(Eviction::Cost),
+        (false, true),
+        "cost: o asleep, s dropped"
+    );
+}
+
+#[test]
+fn a_burst_counts_as_about_one_request_in_the_rate() {
+    let (mut e, m) = engine(100, &[("a", 1, false), ("b", 1, false)]);
+    e.set_eviction(Eviction::Rate);
+    for _ in 0..40 {
+        e.request(m[0]);
+    }
+    // The first counts one, each next (one request later) a fifth.
+    let (rate, _) = e.rate_state(m[0]);
+    assert!(rate > 8.0 && rate < 9.0, "{rate}");
+    for _ in 0..20 {
+        e.request(m[1]);
+        e.request(m[0]);
+    }
+    // Two requests apart: two fifths each.
+    let (after, _) = e.rate_state(m[0]);
+    assert!(
+        after - rate > 7.0 && after - rate < 8.0,
+        "{rate} -> {after}"
+    );
+}
+
+#[test]
+fn a_resumed_rate_decays_from_where_it_was_counted() {
+    let (mut e, m) = engine(8, &[("a", 4, false), ("b", 4, false)]);
+    e.set_eviction(Eviction::Rate);
+    e.resume_served(1500);
+    e.resume_rate(m[0], 8.0, 1000);
+    // 500 requests served since: half.
+    assert!((e.rate(m[0]) - 4.0).abs() < 1e-9, "{}", e.rate(m[0]));
+    assert_eq!(e.rate_state(m[0]), (8.0, 1000));
+    // Figures from a status that lies are clamped, never NaN or negative.
+    e.resume_rate(m[1], f64::NAN, 9999);
+    assert_eq!(e.rate_state(m[1]), (0.0, 1500));
+}

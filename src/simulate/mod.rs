@@ -436,6 +436,31 @@ mod tests {
         }
     }
 
+    /// #39: `rate` with the warm tier against the seed's LRU and `cost`
+    /// with the warm tier, on the same built-in trace.
+    #[test]
+    fn the_warm_tier_with_rate_waits_less_than_with_cost() {
+        for same_costs in [false, true] {
+            let lru = waiting(same_costs, None, Eviction::Lru);
+            let warm_cost = waiting(same_costs, Some(256 << 30), Eviction::Cost);
+            let warm_rate = waiting(same_costs, Some(256 << 30), Eviction::Rate);
+            let rate = waiting(same_costs, None, Eviction::Rate);
+            let vs_lru = lru.wait_seconds / warm_rate.wait_seconds;
+            let vs_cost = warm_cost.wait_seconds / warm_rate.wait_seconds;
+            eprintln!(
+                "same costs {same_costs}: warm rate {vs_lru:.2}x lru, {vs_cost:.2}x warm cost; rate alone {:.2}x lru",
+                lru.wait_seconds / rate.wait_seconds
+            );
+            assert_eq!(warm_rate.over_budget_steps + rate.over_budget_steps, 0);
+            assert!(vs_lru >= 8.0, "warm rate: {vs_lru:.2}x the seed's LRU");
+            assert!(vs_cost >= 1.1, "warm rate: {vs_cost:.2}x warm cost");
+            assert!(
+                rate.wait_seconds < lru.wait_seconds,
+                "rate waits longer than lru without the warm tier"
+            );
+        }
+    }
+
     #[test]
     fn keep_alive_unloads_idle_models_before_the_next_request() {
         // a at 0, b at 1, a again at 3, c at 20, a at 21; all fit.
