@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Waiting on the four traces of traces.py, per policy: the table in
+"""Waiting on the four traces of traces.py, per policy (lru, cost, rate): the table in
 docs/performance.md ("Waiting on four traces"). Makes each trace under DIR
 (kept when there), replays it with `model-residency simulate` on a 64Gi GPU
 under each policy, and prints one markdown table per trace, with each
@@ -28,6 +28,7 @@ def main():
     policies = [
         ("seed LRU", []),
         ("`cost`", ["--eviction", "cost"]),
+        ("`rate`", ["--eviction", "rate"]),
         (f"LRU + warm ({host})", ["--warm-budget", host]),
         (f"`cost` + warm ({host})", ["--eviction", "cost", "--warm-budget", host]),
         (f"`rate` + warm ({host})", ["--eviction", "rate", "--warm-budget", host]),
@@ -43,7 +44,7 @@ def main():
             r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
             rows.append((name, r))
         lru = rows[0][1]["wait_seconds"]
-        cost_warm = rows[3][1]["wait_seconds"]
+        cost_warm = next(r for name, r in rows if name.startswith("`cost` + warm"))["wait_seconds"]
         print(f"\n{kind} ({requests} requests)\n")
         print("| policy | loads | wakes | sleeps | hits | waiting (s) | vs seed LRU | vs `cost` + warm | over budget |")
         print("|---|---|---|---|---|---|---|---|---|")

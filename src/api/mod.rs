@@ -132,7 +132,7 @@ pub struct ModelResidencySpec {
     /// level-2 sleeps (which keep none) are possible.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warm: Option<WarmSpec>,
-    /// Which resident makes room: lru (default) or cost.
+    /// Which resident makes room: lru (default), cost or rate.
     #[serde(default, skip_serializing_if = "is_default_eviction")]
     pub eviction: EvictionPolicy,
 }
@@ -284,6 +284,10 @@ pub struct ModelResidencyStatus {
     /// made room of), carried from one decision to the next.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inflation: Option<f64>,
+    /// spec.eviction rate's clock: requests served (hits, wakes, loads)
+    /// since it was chosen; each model's rate decays over it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub served: Option<u64>,
     /// One entry per registry model, plus one per demanded unknown model.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
@@ -350,6 +354,13 @@ pub struct ModelStatus {
     pub uses: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub value_base: Option<f64>,
+    /// spec.eviction rate: its requests, each decayed by the requests
+    /// served since (half-life 500), as counted at rateAt (status.served
+    /// then). Kept while it is not resident.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_at: Option<u64>,
 }
 
 fn is_zero_u64(n: &u64) -> bool {

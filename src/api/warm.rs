@@ -115,6 +115,12 @@ pub enum EvictionPolicy {
     /// used and how recently, what bringing it back would cost (its
     /// measured load or wake time), per GiB it frees (docs/warm.md).
     Cost,
+    /// The one whose absence would cause the least waiting per GiB it
+    /// frees: its request rate (kept across evictions, decayed over
+    /// requests served) times what bringing it back costs; a victim
+    /// sleeps only if the sleepers it would push out of host memory are
+    /// worth less (docs/warm.md).
+    Rate,
 }
 
 impl From<EvictionPolicy> for crate::engine::Eviction {
@@ -122,6 +128,7 @@ impl From<EvictionPolicy> for crate::engine::Eviction {
         match p {
             EvictionPolicy::Lru => crate::engine::Eviction::Lru,
             EvictionPolicy::Cost => crate::engine::Eviction::Cost,
+            EvictionPolicy::Rate => crate::engine::Eviction::Rate,
         }
     }
 }

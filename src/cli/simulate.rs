@@ -42,8 +42,10 @@ pub struct Args {
     /// put to sleep instead of evicted while it has room.
     #[arg(long, value_name = "QUANTITY")]
     warm_budget: Option<String>,
-    /// Which resident makes room: lru (the seed's) or cost
-    /// (GreedyDual-Size-Frequency over load and wake seconds).
+    /// Which resident makes room: lru (the seed's), cost
+    /// (GreedyDual-Size-Frequency over load and wake seconds) or rate
+    /// (each model's decayed request rate times what bringing it back
+    /// costs, with host admission).
     #[arg(long, value_enum, default_value_t = EvictionArg::Lru)]
     eviction: EvictionArg,
     /// Load seconds of models whose registry entry has no loadTime.

@@ -294,6 +294,8 @@ pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
     let mut engine = Engine::new(budget);
     engine.set_eviction(valid.eviction);
     engine.set_host_budget(valid.host_budget);
+    // `rate` eviction's clock first: each model's rate is counted on it.
+    engine.resume_served(status.served.unwrap_or(0));
     for m in &valid.models {
         let size = resident_size(m.name()).unwrap_or(m.size);
         let id = engine
@@ -309,6 +311,9 @@ pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
             prev.and_then(|p| p.wake_seconds),
         );
         engine.set_costs(id, costs);
+        if let Some((rate, at)) = prev.and_then(|p| p.rate.zip(p.rate_at)) {
+            engine.resume_rate(id, rate, at);
+        }
     }
     let mut removed = Vec::new();
     let mut residents: Vec<&ModelStatus> = Vec::new();

@@ -235,9 +235,13 @@ impl<'a> Decider<'a> {
         gpu.budget_source = self.budget.as_ref().map(|b| b.source.to_owned());
         let (used, peak) = (self.engine.used(), self.engine.peak());
         let cost = self.engine.eviction() == crate::engine::Eviction::Cost;
+        let rate = self.engine.eviction() == crate::engine::Eviction::Rate;
         let mut models = models;
         if cost {
             self.value_fields(&mut models);
+        }
+        if rate {
+            self.rate_fields(&mut models);
         }
         let host_used = self.engine.host_used();
         let mut status = ModelResidencyStatus {
@@ -252,6 +256,7 @@ impl<'a> Decider<'a> {
             host_used: (self.valid.host_budget > 0 || host_used > 0)
                 .then(|| format_bytes_rounded(host_used)),
             inflation: cost.then(|| self.engine.inflation()),
+            served: rate.then(|| self.engine.served()),
             ..ModelResidencyStatus::default()
         };
         status.recount();
@@ -273,6 +278,21 @@ impl<'a> Decider<'a> {
             load_seconds: plan.load_seconds,
             calls: plan.calls,
             usage: Some(usage),
+        }
+    }
+
+    /// Each model's rate, resident or not, which `rate` eviction is
+    /// restored from (a model never served has none).
+    fn rate_fields(&self, models: &mut [ModelStatus]) {
+        for m in models {
+            let Some(id) = self.engine.id(&m.name) else {
+                continue;
+            };
+            let (rate, at) = self.engine.rate_state(id);
+            if rate > 0.0 {
+                m.rate = Some(rate);
+                m.rate_at = Some(at);
+            }
         }
     }
 

@@ -215,6 +215,69 @@ async fn removing_demand_unloads_and_is_not_an_eviction() {
 
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn rate_eviction_remembers_requests_across_an_unload_and_reconciles() {
+    let h = Harness::start("rate").await;
+    let models = [
+        ("a", "4Gi", false),
+        ("b", "4Gi", false),
+        ("c", "4Gi", false),
+    ];
+    h.create("gpu", "8Gi", &models).await;
+    h.patch_spec("gpu", json!({"eviction": "rate"})).await;
+    // Every request is decided in a reconcile of its own, on an engine
+    // rebuilt from the status: the rates live there.
+    for m in ["a", "b", "a", "b", "a"] {
+        h.request("gpu", m).await;
+    }
+    model_residency::residency::demand::unload(&h.api, "gpu", "a")
+        .await
+        .unwrap();
+    let r = h.until_state("gpu", "a", ModelState::Unloaded, 30).await;
+    let kept = model(&r, "a")
+        .rate
+        .expect("an unloaded model keeps its rate");
+    assert!(
+        (1.7..1.81).contains(&kept),
+        "a: 1 + 0.4 + 0.4, decayed: {kept}"
+    );
+    h.request("gpu", "a").await;
+    h.request("gpu", "b").await;
+    let r = h.request("gpu", "c").await;
+    let s = r.status.as_ref().unwrap();
+    assert_eq!(s.served, Some(8), "eight requests served");
+    let (a, b) = (model(&r, "a"), model(&r, "b"));
+    // a: 1.8 kept through its unload, plus a fifth (one request later);
+    // b: 1.4 plus three fifths (three later). Counted at 6 and 7 of the
+    // served clock, each decayed by the requests served since its last.
+    assert_eq!((a.rate_at, b.rate_at), (Some(6), Some(7)), "{s:#?}");
+    let (ra, rb) = (a.rate.unwrap(), b.rate.unwrap());
+    assert!(
+        (1.98..2.0).contains(&ra) && (1.98..2.0).contains(&rb),
+        "{ra} {rb}"
+    );
+    // The victim is the one whose absence waits least per GiB: rate (as
+    // of now) times its measured load; the stand-in's loads take 0-1 s,
+    // so that decides as often as the rates do. Equal: LRU (a).
+    let now =
+        |rate: f64, at: u64| rate * (-((8 - at) as f64) * std::f64::consts::LN_2 / 500.0).exp();
+    let wait_a = now(ra, 6) * a.load_seconds.unwrap();
+    let wait_b = now(rb, 7) * b.load_seconds.unwrap();
+    let (gone, kept) = if wait_b < wait_a {
+        ("b", "a")
+    } else {
+        ("a", "b")
+    };
+    assert_eq!(
+        model(&r, gone).state,
+        ModelState::Evicted,
+        "{wait_a} {wait_b}: {s:#?}"
+    );
+    assert_eq!(model(&r, kept).state, ModelState::Loaded, "{s:#?}");
+    assert_eq!(model(&r, "c").state, ModelState::Loaded, "{s:#?}");
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn budget_shrink_evicts_lru_until_it_fits() {
     let h = Harness::start("shrink").await;
     h.create("gpu", "12000Mi", SEED).await;
