@@ -6,8 +6,8 @@
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::Resource;
 use model_residency::api::{
-    ByteQuantity, Counters, ModelResidency, ModelResidencySpec, ModelResidencyStatus, ModelSpec,
-    ModelState, ModelStatus,
+    ByteQuantity, Counters, EvictionPolicy, ModelResidency, ModelResidencySpec,
+    ModelResidencyStatus, ModelSpec, ModelState, ModelStatus,
 };
 use model_residency::controller::decide::{Decision, Observed, decide};
 use model_residency::controller::pods::{ModelPod, PodPhase};
@@ -31,6 +31,17 @@ fn quantity() -> impl Strategy<Value = String> {
         1 => Just("lots".to_owned()),
         1 => Just("99999999999999Ei".to_owned()),
         1 => "[ -~]{0,8}",
+    ]
+}
+
+/// A recorded rate: mostly plausible, sometimes not a rate at all.
+fn rate() -> impl Strategy<Value = f64> {
+    prop_oneof![
+        8 => 0.0f64..50.0,
+        1 => Just(f64::NAN),
+        1 => Just(f64::INFINITY),
+        1 => Just(-3.0),
+        1 => Just(f64::MAX),
     ]
 }
 
@@ -104,6 +115,8 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
         0u32..5,
         prop::option::of(time()),
         (reason(), any::<bool>(), prop::option::of(time())),
+        // `rate` eviction's state, as a status may hold it (or lie).
+        (prop::option::of(rate()), prop::option::of(any::<u64>())),
     )
         .prop_map(
             |(
@@ -115,6 +128,7 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
                 failures,
                 retry_at,
                 (reason, named, slept_at),
+                (rate, rate_at),
             )| ModelStatus {
                 // Now and then naming its pod (as a sleeping model's
                 // status does).
@@ -128,6 +142,8 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
                 retry_at: retry_at.map(Into::into),
                 reason,
                 slept_at: slept_at.map(Into::into),
+                rate,
+                rate_at,
                 ..ModelStatus::default()
             },
         );
@@ -136,11 +152,13 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
         prop::option::of(quantity()),
         prop::collection::vec(prev_model, 0..8),
         any::<[u16; 5]>(),
+        prop::option::of(prop_oneof![0u64..64, any::<u64>()]),
     )
-        .prop_map(|(budget, peak, models, c)| ModelResidencyStatus {
+        .prop_map(|(budget, peak, models, c, served)| ModelResidencyStatus {
             budget,
             peak,
             models,
+            served,
             counters: Counters {
                 hits: c[0].into(),
                 loads: c[1].into(),
@@ -170,8 +188,15 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
         prop::collection::btree_map(demand.0, demand.1, 0..8),
         prop::option::of(status),
         prop::sample::select(&["0", "3Gi", "64Gi"][..]),
+        prop::sample::select(
+            &[
+                EvictionPolicy::Lru,
+                EvictionPolicy::Cost,
+                EvictionPolicy::Rate,
+            ][..],
+        ),
     )
-        .prop_map(|(budget, models, demand, status, host_budget)| {
+        .prop_map(|(budget, models, demand, status, host_budget, eviction)| {
             let mut r = ModelResidency::new(
                 "gpu",
                 ModelResidencySpec {
@@ -185,7 +210,7 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
                     warm: Some(model_residency::api::WarmSpec {
                         host_budget: ByteQuantity(host_budget.into()),
                     }),
-                    eviction: Default::default(),
+                    eviction,
                     keep_alive: Some("5m".into()),
                     demand: demand.into(),
                 },
