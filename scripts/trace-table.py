@@ -5,7 +5,12 @@ docs/performance.md ("Waiting on four traces"). Makes each trace under DIR
 under each policy, and prints one markdown table per trace, with each
 policy's waiting as a ratio to the seed's LRU and to `cost` + the warm tier.
 
-Usage: trace-table.py BINARY DIR [REQUESTS] [--host 256Gi]"""
+With --disk Q every policy runs with that disk tier for artifacts (a load
+whose artifact is not on disk waits for its fetch: --fetch S seconds per
+GiB, default 1.5, the node agent's own figure), and the tables gain the
+fetches.
+
+Usage: trace-table.py BINARY DIR [REQUESTS] [--host 256Gi] [--disk Q [--fetch S]]"""
 import json
 import os
 import subprocess
@@ -17,10 +22,20 @@ KINDS = ["zipf", "shifting", "scan", "bursts"]
 
 def main():
     argv = sys.argv[1:]
-    host = "256Gi"
-    if "--host" in argv:
-        host = argv[argv.index("--host") + 1]
-        del argv[argv.index("--host") : argv.index("--host") + 2]
+    def option(name, default):
+        if name not in argv:
+            return default
+        i = argv.index(name)
+        value = argv[i + 1]
+        del argv[i : i + 2]
+        return value
+
+    host = option("--host", "256Gi")
+    disk = option("--disk", None)
+    fetch = option("--fetch", None)
+    extra = []
+    if disk:
+        extra = ["--disk-budget", disk] + (["--fetch-seconds-per-gib", fetch] if fetch else [])
     if len(argv) < 2:
         sys.exit(__doc__)
     binary, root = argv[0], argv[1]
@@ -40,17 +55,20 @@ def main():
         rows = []
         for name, flags in policies:
             cmd = [binary, "simulate", "--budget", "64Gi", "--registry", os.path.join(out, "registry.yaml"),
-                   "--trace", os.path.join(out, "trace.csv"), "--output", "json", *flags]
+                   "--trace", os.path.join(out, "trace.csv"), "--output", "json", *flags, *extra]
             r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
             rows.append((name, r))
         lru = rows[0][1]["wait_seconds"]
         cost_warm = next(r for name, r in rows if name.startswith("`cost` + warm"))["wait_seconds"]
-        print(f"\n{kind} ({requests} requests)\n")
-        print("| policy | loads | wakes | sleeps | hits | waiting (s) | vs seed LRU | vs `cost` + warm | over budget |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        disk_note = f", disk {disk}" if disk else ""
+        print(f"\n{kind} ({requests} requests{disk_note})\n")
+        fetch_head = " fetches | fetching (s) |" if disk else ""
+        print(f"| policy | loads | wakes | sleeps | hits |{fetch_head} waiting (s) | vs seed LRU | vs `cost` + warm | over budget |")
+        print("|---|---|---|---|---|" + ("---|---|" if disk else "") + "---|---|---|---|")
         for name, r in rows:
             w = r["wait_seconds"]
-            print(f"| {name} | {r['loads']:,} | {r['wakes']:,} | {r['sleeps']:,} | {r['hits']:,} | {w:,.0f} | "
+            fetched = f" {r['fetches']:,} | {r['fetch_seconds']:,.0f} |" if disk else ""
+            print(f"| {name} | {r['loads']:,} | {r['wakes']:,} | {r['sleeps']:,} | {r['hits']:,} |{fetched} {w:,.0f} | "
                   f"{lru / w:.2f}x | {cost_warm / w:.2f}x | {r['over_budget_steps']} |")
 
 

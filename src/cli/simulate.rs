@@ -37,6 +37,16 @@ pub struct Args {
     /// counts what reached the residency. Needs --trace.
     #[arg(long, requires = "trace", value_name = "TIME")]
     recency_resolution: Option<f64>,
+    /// The node's disk for model artifacts: a load whose artifact is not
+    /// on it waits for its fetch first (--fetch-seconds-per-gib); it then
+    /// stays, and the disk drops others' (least recently used; by rate
+    /// under --eviction rate). Needs --trace.
+    #[arg(long, requires = "trace", value_name = "QUANTITY")]
+    disk_budget: Option<String>,
+    /// Seconds a fetch takes per GiB of artifact (default 1.5: the node
+    /// agent's own download on loopback, `cargo bench --bench artifacts`).
+    #[arg(long, requires = "disk_budget", value_name = "SECONDS")]
+    fetch_seconds_per_gib: Option<f64>,
     /// Host memory the sleeping models may hold (the operator's
     /// spec.warm.hostBudget): models whose registry entry has `sleep` are
     /// put to sleep instead of evicted while it has room.
@@ -170,9 +180,12 @@ pub fn run(args: Args) -> Result<(), Failure> {
         return Err(Failure::bad_input("--gpus must be at least 1"));
     }
     if let (Some(path), true) = (&args.trace, args.fleet.gpus > 1) {
-        if args.keep_alive.is_some() || args.recency_resolution.is_some() {
+        if args.keep_alive.is_some()
+            || args.recency_resolution.is_some()
+            || args.disk_budget.is_some()
+        {
             return Err(Failure::bad_input(
-                "--keep-alive and --recency-resolution replay one GPU: not with --gpus",
+                "--keep-alive, --recency-resolution and --disk-budget replay one GPU: not with --gpus",
             ));
         }
         let options = args.fleet.options()?;
@@ -202,9 +215,29 @@ pub fn run(args: Args) -> Result<(), Failure> {
                     "--recency-resolution must be zero or a positive number",
                 ));
             }
+            let disk = match &args.disk_budget {
+                None => None,
+                Some(q) => {
+                    let budget = parse_bytes(q)
+                        .map_err(|e| Failure::bad_input(format!("--disk-budget: {e}")))?;
+                    let fetch_seconds_per_gib = args
+                        .fetch_seconds_per_gib
+                        .unwrap_or(model_residency::simulate::disk::FETCH_SECONDS_PER_GIB);
+                    if !(fetch_seconds_per_gib.is_finite() && fetch_seconds_per_gib >= 0.0) {
+                        return Err(Failure::bad_input(
+                            "--fetch-seconds-per-gib must be zero or a positive number",
+                        ));
+                    }
+                    Some(model_residency::simulate::disk::DiskOptions {
+                        budget,
+                        fetch_seconds_per_gib,
+                    })
+                }
+            };
             let options = ReplayOptions {
                 keep_alive: args.keep_alive,
                 recency_resolution: args.recency_resolution,
+                disk,
             };
             let report = replay_trace(&mut engine, &mut trace, options, |t| {
                 if let Some(bar) = &bar {

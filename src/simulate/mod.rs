@@ -1,6 +1,7 @@
 //! Replays request sequences through the engine and reports what happened:
 //! the `simulate` command's core, shared by the CLI and the benchmark.
 
+pub mod disk;
 pub mod fleet;
 pub mod trace;
 
@@ -39,6 +40,12 @@ pub struct Report {
     /// Host memory for sleeping models, and the most they held at once.
     pub host_budget_bytes: Bytes,
     pub host_peak_bytes: Bytes,
+    /// With a disk tier (`--disk-budget`): its size, the loads whose
+    /// artifact had to be fetched first, and the seconds those fetches
+    /// added (part of `wait_seconds`).
+    pub disk_budget_bytes: Bytes,
+    pub fetches: u64,
+    pub fetch_seconds: f64,
 }
 
 impl Report {
@@ -69,6 +76,9 @@ impl Report {
             ("waiting", format!("{:.1}s", self.wait_seconds)),
             ("host budget", format_bytes(self.host_budget_bytes)),
             ("host peak", format_bytes(self.host_peak_bytes)),
+            ("disk budget", format_bytes(self.disk_budget_bytes)),
+            ("fetches", self.fetches.to_string()),
+            ("fetching", format!("{:.1}s", self.fetch_seconds)),
         ];
         rows.iter().map(|(k, v)| format!("{k:<18} {v}\n")).collect()
     }
@@ -83,6 +93,8 @@ struct Replay {
     /// With a recency resolution: requests that found their model
     /// resident, and the writes made.
     resolved: Option<(u64, u64)>,
+    /// With a disk tier: its budget, fetches and their seconds.
+    fetched: (Bytes, u64, f64),
 }
 
 impl Replay {
@@ -124,6 +136,9 @@ impl Replay {
             wait_seconds: self.wait_seconds,
             host_budget_bytes: engine.host_budget(),
             host_peak_bytes: engine.host_peak(),
+            disk_budget_bytes: self.fetched.0,
+            fetches: self.fetched.1,
+            fetch_seconds: self.fetched.2,
         }
     }
 }
@@ -186,6 +201,9 @@ pub struct ReplayOptions {
     /// into one write a resolution after the last (if the model is still
     /// resident then).
     pub recency_resolution: Option<f64>,
+    /// The node's disk tier: a load whose artifact is not on disk waits
+    /// for its fetch too (see [`disk`]).
+    pub disk: Option<disk::DiskOptions>,
 }
 
 /// The router's recency resolution in a replay: the writes it defers.
@@ -280,6 +298,7 @@ pub fn replay_trace(
         hits: 0,
         writes: 0,
     });
+    let mut disk = options.disk.map(disk::Disk::new);
     loop {
         let (id, line, time) = {
             let Some(row) = trace.next_row()? else { break };
@@ -317,7 +336,12 @@ pub fn replay_trace(
             .as_mut()
             .is_none_or(|r| r.request(engine, id, time));
         if written {
+            let was_resident = engine.is_resident(id);
             let used = replay.request(engine, id);
+            if let (Some(disk), true) = (&mut disk, used) {
+                let loaded = !was_resident && engine.is_resident(id);
+                replay.wait_seconds += disk.served(engine, id, loaded);
+            }
             if let (Some(idle), true) = (&mut idle, used) {
                 idle.last_use.insert(id, time);
             }
@@ -332,6 +356,9 @@ pub fn replay_trace(
         }
     }
     replay.resolved = resolution.map(|r| (r.hits, r.writes));
+    if let (Some(options), Some(disk)) = (options.disk, disk) {
+        replay.fetched = (options.budget, disk.fetches, disk.fetch_seconds);
+    }
     Ok(replay.report(engine))
 }
 

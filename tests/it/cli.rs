@@ -71,6 +71,9 @@ fn simulate_json_has_the_documented_keys() {
         "wait_seconds",
         "host_budget_bytes",
         "host_peak_bytes",
+        "disk_budget_bytes",
+        "fetches",
+        "fetch_seconds",
     ];
     want.sort();
     let mut got = keys.clone();
@@ -241,6 +244,82 @@ fn simulate_reports_sleeps_wakes_and_waiting_with_the_warm_tier() {
     assert_eq!(warm["wait_seconds"].as_f64(), Some(122.0));
     assert_eq!(warm["host_peak_bytes"].as_u64(), Some(31 << 30));
     assert_eq!(warm["over_budget_steps"].as_u64(), Some(0));
+}
+
+#[test]
+fn simulate_with_a_disk_tier_adds_the_fetches_of_what_is_not_on_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.csv");
+    std::fs::write(&trace, "time,model\n1,a\n2,b\n3,a\n4,b\n").unwrap();
+    let registry = dir.path().join("r.yaml");
+    std::fs::write(
+        &registry,
+        "- {name: a, size: 8Gi, loadTime: 10s}\n- {name: b, size: 8Gi, loadTime: 10s}\n",
+    )
+    .unwrap();
+    let (trace, registry) = (trace.to_str().unwrap(), registry.to_str().unwrap());
+    let simulate = |extra: &[&str]| {
+        let mut args = vec![
+            "simulate",
+            "--budget",
+            "8Gi",
+            "--registry",
+            registry,
+            "--trace",
+            trace,
+            "--output",
+            "json",
+        ];
+        args.extend_from_slice(extra);
+        run(&args)
+    };
+    let json = |extra: &[&str]| -> serde_json::Value {
+        let out = simulate(extra);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_str(&stdout(&out)).unwrap()
+    };
+    // Four loads of 10 s; both artifacts stay on 16Gi of disk: two
+    // fetches of 8 GiB at 2 s/GiB.
+    let both = json(&["--disk-budget", "16Gi", "--fetch-seconds-per-gib", "2"]);
+    assert_eq!(
+        (both["loads"].as_u64(), both["fetches"].as_u64()),
+        (Some(4), Some(2))
+    );
+    assert_eq!(both["wait_seconds"].as_f64(), Some(72.0), "{both}");
+    // Room for one: each load drops the other's artifact.
+    let one = json(&["--disk-budget", "8Gi", "--fetch-seconds-per-gib", "2"]);
+    assert_eq!(one["fetches"].as_u64(), Some(4));
+    assert_eq!(one["wait_seconds"].as_f64(), Some(104.0), "{one}");
+    assert_eq!(one["fetch_seconds"].as_f64(), Some(64.0));
+    // The default rate is the node agent's own figure.
+    let default = json(&["--disk-budget", "16Gi"]);
+    assert_eq!(
+        default["fetch_seconds"].as_f64(),
+        Some(24.0),
+        "2 x 8 GiB x 1.5 s"
+    );
+    // Without a disk tier nothing is fetched.
+    assert_eq!(json(&[])["fetches"].as_u64(), Some(0));
+    for (bad, says) in [
+        (
+            &["--disk-budget", "8Gi", "--fetch-seconds-per-gib=-1"][..],
+            "must be zero or a positive number",
+        ),
+        (&["--disk-budget", "lots"][..], "--disk-budget"),
+        (
+            &["--disk-budget", "8Gi", "--gpus", "2"][..],
+            "not with --gpus",
+        ),
+    ] {
+        let out = simulate(bad);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{bad:?}: {err}");
+    }
 }
 
 #[test]
