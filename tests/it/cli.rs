@@ -13,6 +13,18 @@ fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
+/// Runs `simulate` on `trace` (CSV rows after a `time,model` header) and
+/// `registry` (YAML), written into `dir`, with `args` after them.
+fn simulate_files(dir: &std::path::Path, trace: &str, registry: &str, args: &[&str]) -> Output {
+    let (t, r) = (dir.join("t.csv"), dir.join("r.yaml"));
+    std::fs::write(&t, format!("time,model\n{trace}")).unwrap();
+    std::fs::write(&r, registry).unwrap();
+    let (t, r) = (t.to_str().unwrap(), r.to_str().unwrap());
+    let mut all = vec!["simulate", "--registry", r, "--trace", t];
+    all.extend_from_slice(args);
+    run(&all)
+}
+
 #[test]
 fn simulate_reports_the_seed_lru_case() {
     let out = run(&[
@@ -149,30 +161,11 @@ fn simulate_over_several_gpus_adds_and_removes_copies() {
         }
     }
     rows.sort_by(|x, y| x.0.total_cmp(&y.0));
-    let trace = dir.path().join("t.csv");
     let text: String = rows.iter().map(|(t, m)| format!("{t},{m}\n")).collect();
-    std::fs::write(&trace, format!("time,model\n{text}")).unwrap();
-    let registry = dir.path().join("r.yaml");
-    std::fs::write(
-        &registry,
-        "- {name: chat, size: 8Gi}\n- {name: a, size: 8Gi}\n",
-    )
-    .unwrap();
-    let (trace, registry) = (trace.to_str().unwrap(), registry.to_str().unwrap());
+    let registry = "- {name: chat, size: 8Gi}\n- {name: a, size: 8Gi}\n";
     let simulate = |extra: &[&str]| {
-        let mut args = vec![
-            "simulate",
-            "--budget",
-            "16Gi",
-            "--registry",
-            registry,
-            "--trace",
-            trace,
-            "--gpus",
-            "3",
-        ];
-        args.extend_from_slice(extra);
-        run(&args)
+        let args = [&["--budget", "16Gi", "--gpus", "3"][..], extra].concat();
+        simulate_files(dir.path(), &text, registry, &args)
     };
     let out = simulate(&[
         "--service-seconds",
@@ -249,29 +242,10 @@ fn simulate_reports_sleeps_wakes_and_waiting_with_the_warm_tier() {
 #[test]
 fn simulate_with_a_disk_tier_adds_the_fetches_of_what_is_not_on_disk() {
     let dir = tempfile::tempdir().unwrap();
-    let trace = dir.path().join("t.csv");
-    std::fs::write(&trace, "time,model\n1,a\n2,b\n3,a\n4,b\n").unwrap();
-    let registry = dir.path().join("r.yaml");
-    std::fs::write(
-        &registry,
-        "- {name: a, size: 8Gi, loadTime: 10s}\n- {name: b, size: 8Gi, loadTime: 10s}\n",
-    )
-    .unwrap();
-    let (trace, registry) = (trace.to_str().unwrap(), registry.to_str().unwrap());
+    let registry = "- {name: a, size: 8Gi, loadTime: 10s}\n- {name: b, size: 8Gi, loadTime: 10s}\n";
     let simulate = |extra: &[&str]| {
-        let mut args = vec![
-            "simulate",
-            "--budget",
-            "8Gi",
-            "--registry",
-            registry,
-            "--trace",
-            trace,
-            "--output",
-            "json",
-        ];
-        args.extend_from_slice(extra);
-        run(&args)
+        let args = [&["--budget", "8Gi", "--output", "json"][..], extra].concat();
+        simulate_files(dir.path(), "1,a\n2,b\n3,a\n4,b\n", registry, &args)
     };
     let json = |extra: &[&str]| -> serde_json::Value {
         let out = simulate(extra);
