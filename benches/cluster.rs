@@ -36,8 +36,8 @@ use std::time::{Duration, Instant};
 mod support;
 
 use support::{
-    arg, bench_args, copy_as_floor, copy_residency, create_namespace, ms, percentile, poke,
-    runtime, start_plane, watch_named, watch_poke,
+    CountedRuntime, arg, bench_args, copy_as_floor, copy_residency, create_namespace, ms,
+    percentile, poke, runtime, start_plane, watch_named, watch_poke,
 };
 
 const NS: &str = "bench";
@@ -68,7 +68,7 @@ fn main() {
                 let models: usize = arg(&args, "--models", "20").parse().unwrap();
                 let nodes: usize = arg(&args, "--nodes", "100").parse().unwrap();
                 let steady: u64 = arg(&args, "--steady", "60").parse().unwrap();
-                scale(&client, &counts, models, nodes, steady).await
+                scale(&plane, &client, &counts, models, nodes, steady).await
             }
             "memory" => {
                 let counts: Vec<usize> = arg(&args, "--counts", "1000,10000")
@@ -408,7 +408,31 @@ async fn storm(api: &Api<ModelResidency>, names: &[String], models: usize) {
         .await;
 }
 
-async fn scale(client: &kube::Client, counts: &[usize], models: usize, nodes: usize, steady: u64) {
+async fn scale(
+    plane: &ControlPlane,
+    client: &kube::Client,
+    counts: &[usize],
+    models: usize,
+    nodes: usize,
+    steady: u64,
+) {
+    // The operator on a runtime of its own, whose threads' CPU is counted,
+    // with a client made there (a client's requests run on the runtime
+    // it was made on).
+    let operator_rt = CountedRuntime::new(2);
+    let kubeconfig = plane.kubeconfig().to_owned();
+    let operator_client = operator_rt
+        .rt
+        .spawn(async move {
+            let kc = kube::config::Kubeconfig::read_from(&kubeconfig).unwrap();
+            let options = kube::config::KubeConfigOptions::default();
+            let config = kube::Config::from_custom_kubeconfig(kc, &options)
+                .await
+                .unwrap();
+            kube::Client::try_from(config).unwrap()
+        })
+        .await
+        .unwrap();
     let node_names: Vec<String> = (0..nodes).map(|n| format!("node-{n}")).collect();
     let node_refs: Vec<&str> = node_names.iter().map(String::as_str).collect();
     let _kubelet = FakeKubelet::start(client.clone(), KubeletConfig::instant(&node_refs))
@@ -421,8 +445,12 @@ async fn scale(client: &kube::Client, counts: &[usize], models: usize, nodes: us
     );
     create_namespace(client, STORM_FLOOR_NS).await;
     let mut storm_alone = Vec::new();
+    let mut storms = Vec::new();
     for (round, &count) in counts.iter().enumerate() {
-        let (ctx, op) = start_operator(client);
+        let (ctx, op) = {
+            let _on = operator_rt.rt.enter();
+            start_operator(&operator_client)
+        };
         let prefix = format!("r{round}");
         let objects = fleet(&prefix, count, models, nodes);
         let names: Vec<String> = objects.iter().map(|r| r.name_any()).collect();
@@ -436,15 +464,36 @@ async fn scale(client: &kube::Client, counts: &[usize], models: usize, nodes: us
         // where no operator watches, for the storm alone below.
         let copies: Api<ModelResidency> = Api::namespaced(client.clone(), STORM_FLOOR_NS);
         copy_fleet(&api, &names, &copies).await;
+        let requests = |verb: &str, resource: &str| {
+            let labels = format!(r#"verb="{verb}",resource="{resource}""#);
+            ctx.metrics.sum_where(API_REQUESTS, &labels)
+        };
+        let writes = || {
+            [
+                requests("create", "pods"),
+                requests("delete", "pods"),
+                requests("patch", "modelresidencies/status"),
+                requests("create", "events"),
+            ]
+        };
+        let (writes0, op_cpu0, plane_cpu0) =
+            (writes(), operator_rt.cpu_seconds(), plane.cpu_seconds());
         let t1 = Instant::now();
         storm(&api, &names, models).await;
         let stormed = t1.elapsed();
         let after_storm = wait_converged(&scoped, total_before + count).await;
         let converged = after_storm + stormed;
-        let requests = |verb: &str, resource: &str| {
-            let labels = format!(r#"verb="{verb}",resource="{resource}""#);
-            ctx.metrics.sum_where(API_REQUESTS, &labels)
-        };
+        let (writes1, op_cpu1, plane_cpu1) =
+            (writes(), operator_rt.cpu_seconds(), plane.cpu_seconds());
+        let storm_writes: Vec<u64> = writes1.iter().zip(writes0).map(|(b, a)| b - a).collect();
+        storms.push(StormCost {
+            count,
+            requests: count * 5,
+            writes: storm_writes,
+            operator_cpu: op_cpu1 - op_cpu0,
+            apiserver_cpu: plane_cpu1.0 - plane_cpu0.0,
+            etcd_cpu: plane_cpu1.1 - plane_cpu0.1,
+        });
         let breakdown = format!(
             "{}/{}/{}/{}",
             requests("create", "pods"),
@@ -492,7 +541,38 @@ async fn scale(client: &kube::Client, counts: &[usize], models: usize, nodes: us
             alone.as_secs_f64()
         );
     }
+    println!(
+        "  storm to converged: writes per storm request (pod creates/deletes/status patches/events), goal <= 4; operator CPU s / (API server + etcd CPU s), goal <= 0.25"
+    );
+    for s in storms {
+        let total: u64 = s.writes.iter().sum();
+        let [c, d, p, e] = s.writes[..] else {
+            unreachable!("four kinds of writes")
+        };
+        println!(
+            "  {:>5} | {} requests | {:.2} writes per request ({c}/{d}/{p}/{e}) | operator {:.1} s / (API server {:.1} s + etcd {:.1} s) = {:.3}",
+            s.count,
+            s.requests,
+            total as f64 / s.requests as f64,
+            s.operator_cpu,
+            s.apiserver_cpu,
+            s.etcd_cpu,
+            s.operator_cpu / (s.apiserver_cpu + s.etcd_cpu).max(f64::MIN_POSITIVE),
+        );
+    }
     api_server_time(client).await;
+    operator_rt.rt.shutdown_background();
+}
+
+/// What one round's storm cost, from its first write to converged.
+struct StormCost {
+    count: usize,
+    requests: usize,
+    /// Pod creates, pod deletes, status patches, events.
+    writes: Vec<u64>,
+    operator_cpu: f64,
+    apiserver_cpu: f64,
+    etcd_cpu: f64,
 }
 
 /// How many of a round's events an event series would fold: events that

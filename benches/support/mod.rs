@@ -205,3 +205,55 @@ pub async fn until_state_of(
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// A runtime whose threads' CPU time is counted, so the operator's CPU can
+/// be told apart from the bench's own load generator and the kubelet
+/// stand-in, which run on the bench's runtime in the same process.
+pub struct CountedRuntime {
+    pub rt: tokio::runtime::Runtime,
+    live: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<i32>>>,
+    /// CPU seconds of its threads that have ended.
+    ended: std::sync::Arc<std::sync::Mutex<f64>>,
+}
+
+impl CountedRuntime {
+    pub fn new(workers: usize) -> Self {
+        let live = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+        let ended = std::sync::Arc::new(std::sync::Mutex::new(0.0));
+        let (started, stopping, total) = (live.clone(), live.clone(), ended.clone());
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .enable_all()
+            .on_thread_start(move || {
+                // SAFETY: gettid has no preconditions.
+                started.lock().unwrap().insert(unsafe { libc::gettid() });
+            })
+            .on_thread_stop(move || {
+                // SAFETY: as above.
+                let tid = unsafe { libc::gettid() };
+                *total.lock().unwrap() += thread_cpu(tid);
+                stopping.lock().unwrap().remove(&tid);
+            })
+            .build()
+            .unwrap();
+        CountedRuntime { rt, live, ended }
+    }
+
+    /// CPU seconds its threads have used so far.
+    pub fn cpu_seconds(&self) -> f64 {
+        let live: f64 = self
+            .live
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|&t| thread_cpu(t))
+            .sum();
+        live + *self.ended.lock().unwrap()
+    }
+}
+
+fn thread_cpu(tid: i32) -> f64 {
+    let stat = format!("/proc/self/task/{tid}/stat");
+    model_residency::local::control_plane::cpu_seconds_of(std::path::Path::new(&stat))
+        .unwrap_or(0.0)
+}

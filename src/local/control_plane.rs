@@ -571,6 +571,18 @@ impl ControlPlane {
         binary_version(&self.assets.join("kube-apiserver")).unwrap_or_else(|| "unknown".into())
     }
 
+    /// CPU seconds (user and system) the API server and etcd have used so
+    /// far: what the operator's own CPU is weighed against in the scale
+    /// bench. 0 for one that is not running.
+    pub fn cpu_seconds(&self) -> (f64, f64) {
+        let of = |p: &Process| {
+            p.pid()
+                .and_then(|pid| cpu_seconds_of(Path::new(&format!("/proc/{pid}/stat"))))
+                .unwrap_or(0.0)
+        };
+        (of(&self.apiserver), of(&self.etcd))
+    }
+
     /// Resident memory of the control plane's processes together, in bytes.
     pub fn rss_bytes(&self) -> u64 {
         self.processes()
@@ -586,6 +598,18 @@ impl ControlPlane {
             .sum::<u64>()
             * 1024
     }
+}
+
+/// User plus system CPU seconds from a `/proc/.../stat` file (a process's
+/// or a thread's): its 14th and 15th fields, counted after the command
+/// name's closing parenthesis (a name may hold spaces).
+pub fn cpu_seconds_of(stat: &Path) -> Option<f64> {
+    let text = fs::read_to_string(stat).ok()?;
+    let fields: Vec<&str> = text.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // SAFETY: sysconf reads a constant of the running system.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (per_second > 0).then(|| ticks / per_second as f64)
 }
 
 impl Drop for ControlPlane {
