@@ -249,7 +249,8 @@ pub struct Engine {
     slept: Vec<ModelId>,
     /// Scratch for the candidates of a warm or cost-aware room-making.
     order: Vec<u32>,
-    /// Requests served (hits, wakes, loads): [`Eviction::Rate`]'s clock.
+    /// Requests served (hits, wakes, loads) under [`Eviction::Rate`]: its
+    /// clock.
     served: u64,
 }
 
@@ -823,7 +824,8 @@ impl Engine {
     pub fn rate(&self, id: ModelId) -> f64 {
         self.rate_of(&self.slots.0[id.index()])
     }
-    /// Requests served (hits, wakes and loads): [`Eviction::Rate`]'s clock.
+    /// Requests served (hits, wakes and loads) under [`Eviction::Rate`]:
+    /// its clock.
     pub fn served(&self) -> u64 {
         self.served
     }
@@ -1022,8 +1024,13 @@ impl Engine {
 
     /// One request served for `id`: the clock ticks and its rate counts it
     /// (a fraction of one when it follows its last request closely: a
-    /// burst is one wake's worth of demand, not one per request).
+    /// burst is one wake's worth of demand, not one per request). Only
+    /// under [`Eviction::Rate`]: the other policies' hot path stays as it
+    /// was (an exponential per request is not free at millions a second).
     fn count_rate(&mut self, id: ModelId) {
+        if self.eviction != Eviction::Rate {
+            return;
+        }
         self.served += 1;
         let slot = &self.slots.0[id.index()];
         let add = warm::rate_increment(slot.rate_at, self.served);
