@@ -125,6 +125,8 @@ fn residency_events(
     changed_tx: Option<futures::channel::mpsc::UnboundedSender<ObjectRef<ModelResidency>>>,
     offered: Arc<fast_lane::FastLane>,
 ) -> impl futures::Stream<Item = Result<ModelResidency, watcher::Error>> + Send + use<> {
+    let cached = writer.as_reader();
+    let relisted_tx = claim_tx.clone();
     watcher(residencies, ctx.initial_list.config())
         .backoff(crate::cluster::WatchBackoff::default())
         .modify(cached::compact)
@@ -153,6 +155,14 @@ fn residency_events(
         })
         .reflect(writer)
         .inspect_ok(move |event| {
+            // A whole list is in the cache only now (it swaps the list in
+            // at its end): every residency is reconciled from here, on the
+            // listed copies (see the filter below).
+            if let watcher::Event::InitDone = event {
+                for r in cached.state() {
+                    let _ = relisted_tx.unbounded_send(ObjectRef::from_obj(&*r));
+                }
+            }
             // After the cache has it: the ModelDemands naming this
             // residency read it there.
             if let Some(changed_tx) = &changed_tx
@@ -168,11 +178,16 @@ fn residency_events(
         // Only live changes: during a list (a watch that restarts) the
         // cache keeps the previous copies until the whole list is in, so a
         // reconcile started at once would act on an old copy and swallow
-        // the event (seen in the API-server-restart fault test); list
-        // events keep going through the controller's queue as before.
+        // the event (seen in the API-server-restart fault test). For the
+        // same reason a list's objects do not go to the controller's queue
+        // one by one either (a reconcile the queue ran before the list's
+        // end read the old copy, found nothing to do, and the change was
+        // never reconciled: generation 36 observed 35 for a minute after
+        // an API server restart); the list's end queues them all, above.
         .try_filter_map(move |event| {
             futures::future::ready(Ok(match event {
                 watcher::Event::Apply(r) => offered.offer(r).map(watcher::Event::Apply),
+                watcher::Event::InitApply(_) => None,
                 other => Some(other),
             }))
         })
