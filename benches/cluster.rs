@@ -485,7 +485,7 @@ async fn scale(
         let converged = after_storm + stormed;
         let (writes1, op_cpu1, plane_cpu1) =
             (writes(), operator_rt.cpu_seconds(), plane.cpu_seconds());
-        let storm_writes: Vec<u64> = writes1.iter().zip(writes0).map(|(b, a)| b - a).collect();
+        let storm_writes: [u64; 4] = std::array::from_fn(|i| writes1[i] - writes0[i]);
         storms.push(StormCost {
             count,
             requests: count * 5,
@@ -494,13 +494,8 @@ async fn scale(
             apiserver_cpu: plane_cpu1.0 - plane_cpu0.0,
             etcd_cpu: plane_cpu1.1 - plane_cpu0.1,
         });
-        let breakdown = format!(
-            "{}/{}/{}/{}",
-            requests("create", "pods"),
-            requests("delete", "pods"),
-            requests("patch", "modelresidencies/status"),
-            requests("create", "events")
-        );
+        let [c, d, p, e] = writes1;
+        let breakdown = format!("{c}/{d}/{p}/{e}");
         let reconciles = ctx.metrics.sum(RECONCILES).max(1);
         let per = ctx.metrics.sum(API_REQUESTS) as f64 / reconciles as f64;
         let conflicts = ctx.metrics.sum_where(
@@ -546,9 +541,7 @@ async fn scale(
     );
     for s in storms {
         let total: u64 = s.writes.iter().sum();
-        let [c, d, p, e] = s.writes[..] else {
-            unreachable!("four kinds of writes")
-        };
+        let [c, d, p, e] = s.writes;
         println!(
             "  {:>5} | {} requests | {:.2} writes per request ({c}/{d}/{p}/{e}) | operator {:.1} s / (API server {:.1} s + etcd {:.1} s) = {:.3}",
             s.count,
@@ -569,7 +562,7 @@ struct StormCost {
     count: usize,
     requests: usize,
     /// Pod creates, pod deletes, status patches, events.
-    writes: Vec<u64>,
+    writes: [u64; 4],
     operator_cpu: f64,
     apiserver_cpu: f64,
     etcd_cpu: f64,

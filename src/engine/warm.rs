@@ -171,14 +171,18 @@ pub(super) fn rate_increment(last: u64, now: u64) -> f64 {
 /// [`Eviction::Rate`]'s key: the waiting a model's absence would cause (its
 /// rate times what bringing it back costs), per GiB it frees.
 pub(super) fn expected_wait(rate: f64, cost: f64, room: Bytes) -> f64 {
+    rate * cost / gib(room)
+}
+
+/// Room in GiB, at least a byte's worth (the keys divide by it), so keys
+/// read as seconds per GiB.
+fn gib(room: Bytes) -> f64 {
     const GIB: f64 = (1u64 << 30) as f64;
-    let room = (room as f64 / GIB).max(1.0 / GIB);
-    rate * cost / room
+    (room as f64 / GIB).max(1.0 / GIB)
 }
 
 /// GDSF's `H` (module docs); room in GiB, so values read as seconds per GiB.
 pub(super) fn value(base: f64, uses: u64, cost: f64, room: Bytes) -> f64 {
-    const GIB: f64 = (1u64 << 30) as f64;
-    let room = (room as f64 / GIB).max(1.0 / GIB);
+    let room = gib(room);
     base + (1.0 + (uses.max(1) as f64).ln()) * cost / room
 }
