@@ -22,6 +22,10 @@ thread_local! {
     /// its connections to model pods to itself, as an nginx worker does,
     /// so a request never waits on another thread's connection.
     static POOL: Upstream = upstream();
+    /// This thread's client for a request sent again (see [`send`]): it
+    /// keeps no connection, so the second try never meets another one the
+    /// pod closed.
+    static FRESH: Upstream = fresh_upstream();
 }
 
 /// This thread's pool of connections to model pods (a cheap handle).
@@ -31,13 +35,24 @@ pub fn thread_upstream() -> Upstream {
 
 /// One pool for all model pods: idle connections are kept per pod address.
 pub fn upstream() -> Upstream {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(Duration::from_secs(5)));
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(90))
         .pool_max_idle_per_host(256)
-        .build(connector)
+        .build(connector())
+}
+
+/// A client that opens a connection per request and keeps none.
+fn fresh_upstream() -> Upstream {
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(0)
+        .build(connector())
+}
+
+fn connector() -> HttpConnector {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(Duration::from_secs(5)));
+    connector
 }
 
 /// Headers that belong to one connection, not to the request (RFC 9110
@@ -90,27 +105,75 @@ pub enum SendError {
 
 /// Sends `parts` with `body` to `addr` and returns the pod's answer, its
 /// body unread.
+///
+/// A request whose connection closed before any answer came is sent once
+/// more, on a new connection. A kept-alive connection can close under a
+/// request just sent on it: the pod closed it as idle (a server stopping,
+/// its address then taken by the model's next pod) before the request
+/// reached it, and the pool had not yet seen the close. Nothing was
+/// answered, and a completion has no effect beyond its answer, so sending
+/// it again is what the client would do; the second try keeps no pooled
+/// connection and a second failure is final.
 pub async fn send(
     client: &Upstream,
     addr: SocketAddr,
     parts: &http::request::Parts,
     body: Bytes,
 ) -> Result<Response<Incoming>, SendError> {
+    match send_once(client, addr, parts, body.clone()).await {
+        Err(Failure::Client(e)) if closed_unanswered(&e) => {
+            tracing::debug!(%addr, error = %e, "connection closed before an answer; sending again");
+            let fresh = FRESH.with(Upstream::clone);
+            send_once(&fresh, addr, parts, body)
+                .await
+                .map_err(sent_error)
+        }
+        other => other.map_err(sent_error),
+    }
+}
+
+async fn send_once(
+    client: &Upstream,
+    addr: SocketAddr,
+    parts: &http::request::Parts,
+    body: Bytes,
+) -> Result<Response<Incoming>, Failure> {
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let uri = format!("http://{addr}{path}");
     let mut request = Request::builder()
         .method(parts.method.clone())
         .uri(uri)
         .body(Full::new(body))
-        .map_err(|e| SendError::Other(e.to_string()))?;
+        .map_err(|e| Failure::Request(e.to_string()))?;
     copy_headers(&parts.headers, request.headers_mut());
-    client.request(request).await.map_err(|e| {
-        if e.is_connect() {
-            SendError::Connect(e.to_string())
-        } else {
-            SendError::Other(e.to_string())
+    client.request(request).await.map_err(Failure::Client)
+}
+
+enum Failure {
+    Request(String),
+    Client(hyper_util::client::legacy::Error),
+}
+
+/// Whether the connection ended before the pod's answer began (hyper's
+/// "connection closed before message completed", or a request cancelled
+/// with its connection).
+fn closed_unanswered(e: &hyper_util::client::legacy::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(h) = s.downcast_ref::<hyper::Error>() {
+            return h.is_incomplete_message() || h.is_canceled();
         }
-    })
+        source = s.source();
+    }
+    false
+}
+
+fn sent_error(e: Failure) -> SendError {
+    match e {
+        Failure::Request(e) => SendError::Other(e),
+        Failure::Client(e) if e.is_connect() => SendError::Connect(e.to_string()),
+        Failure::Client(e) => SendError::Other(e.to_string()),
+    }
 }
 
 /// The largest answer read whole before it is sent on.
@@ -189,5 +252,109 @@ mod tests {
         let mut kept: Vec<&str> = to.keys().map(|k| k.as_str()).collect();
         kept.sort();
         assert_eq!(kept, ["authorization", "x-request-id"]);
+    }
+
+    /// Reads one request (headers and a `content-length` body) from `s`.
+    async fn read_request(s: &mut tokio::net::TcpStream) -> bool {
+        use tokio::io::AsyncReadExt;
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1024];
+        loop {
+            if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map_or(0, |v| v.trim().parse().unwrap());
+                if got.len() >= end + 4 + len {
+                    return true;
+                }
+            }
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return false,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    }
+
+    async fn answer(s: &mut tokio::net::TcpStream, body: &str) {
+        use tokio::io::AsyncWriteExt;
+        let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
+        s.write_all(format!("{head}{body}").as_bytes())
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_kept_alive_connection_closed_under_a_request_sends_it_once_more_on_a_new_one() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        // The first connection answers one request, then closes as the
+        // second arrives, unanswered (a stopping server's idle keep-alive);
+        // every later connection answers.
+        let server = tokio::spawn(async move {
+            let (mut first, _) = listener.accept().await.unwrap();
+            assert!(read_request(&mut first).await);
+            answer(&mut first, "one").await;
+            assert!(
+                read_request(&mut first).await,
+                "the second request came on the kept connection"
+            );
+            drop(first);
+            let mut later = 0;
+            while let Ok(Ok((mut s, _))) =
+                tokio::time::timeout(Duration::from_secs(2), listener.accept()).await
+            {
+                later += 1;
+                if read_request(&mut s).await {
+                    answer(&mut s, "two").await;
+                }
+            }
+            later
+        });
+        let client = upstream();
+        let (parts, _) = Request::post("/v1/completions")
+            .body(())
+            .unwrap()
+            .into_parts();
+        let text = |r: Response<Incoming>| async move {
+            use http_body_util::BodyExt;
+            r.into_body().collect().await.unwrap().to_bytes()
+        };
+        let one = send(&client, addr, &parts, Bytes::from_static(b"{}")).await;
+        assert_eq!(text(one.ok().unwrap()).await, "one");
+        let two = send(&client, addr, &parts, Bytes::from_static(b"{}")).await;
+        let two = match two {
+            Ok(r) => text(r).await,
+            Err(e) => panic!("the request was not sent again: {e:?}"),
+        };
+        assert_eq!(two, "two");
+        assert_eq!(
+            server.await.unwrap(),
+            1,
+            "one new connection for the second try"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_pod_that_closes_every_connection_unanswered_fails_after_the_second_try() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let mut tries = 0;
+            while let Ok(Ok((mut s, _))) =
+                tokio::time::timeout(Duration::from_secs(2), listener.accept()).await
+            {
+                tries += usize::from(read_request(&mut s).await);
+            }
+            tries
+        });
+        let (parts, _) = Request::post("/v1/completions")
+            .body(())
+            .unwrap()
+            .into_parts();
+        let sent = send(&upstream(), addr, &parts, Bytes::from_static(b"{}")).await;
+        assert!(matches!(sent, Err(SendError::Other(_))), "{sent:?}");
+        assert_eq!(server.await.unwrap(), 2, "sent twice, no more");
     }
 }
