@@ -154,6 +154,18 @@ fn main() {
     println!("  pod cache entry:        {pod_entry:>6} bytes");
     println!("  GPU claim:              {claim:>6} bytes");
     let total = residency + metric + pod_entry + claim;
+    // Inline sizes: paid by every cached copy whether a field is set or
+    // not (jemalloc rounds each allocation up to its size class).
+    println!(
+        "  inline: ModelResidency {} (metadata {}, spec {}, status {}), model spec {}, model status {}, condition {}",
+        std::mem::size_of::<ModelResidency>(),
+        std::mem::size_of::<k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>(),
+        std::mem::size_of::<model_residency::api::ModelResidencySpec>(),
+        std::mem::size_of::<Option<ModelResidencyStatus>>(),
+        std::mem::size_of::<model_residency::api::ModelSpec>(),
+        std::mem::size_of::<model_residency::api::ModelStatus>(),
+        std::mem::size_of::<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>(),
+    );
     println!(
         "  total:                  {total:>6} bytes ({:.1} MiB at 10,000)",
         total as f64 * 10_000.0 / (1 << 20) as f64

@@ -85,8 +85,10 @@ pub struct ModelResidencySpec {
     /// How model pods get the GPU: a shared ResourceClaim (claim, the
     /// default), a device plugin's resource (devicePlugin) or only the
     /// environment variable (env).
+    // Boxed: most residencies keep the defaults, and every cached copy
+    // would pay its 104 bytes inline (docs/performance-history.md, Memory).
     #[serde(default, skip_serializing_if = "is_default_gpu")]
-    pub gpu: GpuSpec,
+    pub gpu: Box<GpuSpec>,
     /// VRAM budget: the most the resident models may declare together. A
     /// positive Kubernetes quantity as a string ("16000Mi", "80Gi") or bytes
     /// ("17179869184"). In claim mode it may be omitted: it is then the
@@ -249,8 +251,10 @@ pub struct ModelResidencyStatus {
     pub budget: Option<String>,
     /// The GPU: its node and device, and in claim mode the claim and what
     /// the allocated device is.
+    // Boxed: absent in env mode, 152 bytes inline in every cached copy
+    // otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gpu: Option<GpuStatus>,
+    pub gpu: Option<Box<GpuStatus>>,
     /// VRAM declared by the resident models, a sleeping one at its
     /// sleepingSize (rounded down to two decimals when no unit says it
     /// exactly).

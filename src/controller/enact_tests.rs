@@ -354,7 +354,7 @@ fn allocated_claim() -> k8s_openapi::api::resource::v1::ResourceClaim {
 }
 
 fn claim_mode(r: &mut ModelResidency) {
-    r.spec.gpu = crate::api::GpuSpec::default();
+    *r.spec.gpu = Default::default();
 }
 
 #[tokio::test]

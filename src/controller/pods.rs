@@ -402,10 +402,10 @@ mod tests {
             ModelResidencySpec {
                 node_name: Some("node-a".into()),
                 device: "GPU-1234".into(),
-                gpu: crate::api::GpuSpec {
+                gpu: Box::new(crate::api::GpuSpec {
                     mode: GpuMode::Env,
                     ..Default::default()
-                },
+                }),
                 budget: Some(ByteQuantity("16Gi".into())),
                 budget_fraction: None,
                 models: vec![],
@@ -514,7 +514,7 @@ mod tests {
     #[test]
     fn a_claim_is_referenced_by_the_chosen_containers_and_no_variable_is_set() {
         let mut r = residency();
-        r.spec.gpu = crate::api::GpuSpec {
+        *r.spec.gpu = crate::api::GpuSpec {
             containers: Some(vec!["server".into()]),
             ..Default::default()
         };
@@ -545,7 +545,7 @@ mod tests {
     #[test]
     fn the_device_plugin_mode_requests_one_resource() {
         let mut r = residency();
-        r.spec.gpu = crate::api::GpuSpec {
+        *r.spec.gpu = crate::api::GpuSpec {
             mode: GpuMode::DevicePlugin,
             resource_name: Some("nvidia.com/gpu.shared".into()),
             ..Default::default()

@@ -320,11 +320,11 @@ mod tests {
         // Its claim allocated, as the operator says once it is.
         let mut status = ModelResidencyStatus {
             budget: Some(budget.into()),
-            gpu: Some(crate::api::GpuStatus {
+            gpu: Some(Box::new(crate::api::GpuStatus {
                 node: Some("n".into()),
                 device: Some("gpu-0".into()),
                 ..Default::default()
-            }),
+            })),
             ..Default::default()
         };
         for (m, used) in resident {

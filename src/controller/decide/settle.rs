@@ -247,7 +247,7 @@ impl<'a> Decider<'a> {
         let mut status = ModelResidencyStatus {
             observed_generation: generation,
             budget: self.budget.as_ref().map(|b| format_bytes(b.bytes)),
-            gpu: Some(gpu),
+            gpu: Some(Box::new(gpu)),
             used: Some(format_bytes_rounded(used)),
             peak: Some(format_bytes_rounded(peak)),
             models,

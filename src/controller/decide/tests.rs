@@ -27,10 +27,10 @@ fn residency(
             node_name: Some("node-a".into()),
             device: "0".into(),
             // The declared mode: the GPU is where the spec says.
-            gpu: crate::api::GpuSpec {
+            gpu: Box::new(crate::api::GpuSpec {
                 mode: crate::api::GpuMode::Env,
                 ..Default::default()
-            },
+            }),
             budget: Some(ByteQuantity(budget.into())),
             budget_fraction: None,
             models: models
@@ -786,7 +786,7 @@ fn a_loading_model_is_protected_only_for_a_while_and_a_queued_model_no_longer_wa
 /// Residency `r` in claim mode, its claim allocated on node-a with a
 /// device of `memory` bytes.
 fn claimed(r: &mut ModelResidency, memory: Option<u64>) -> GpuView {
-    r.spec.gpu = crate::api::GpuSpec::default();
+    *r.spec.gpu = Default::default();
     let mut p = crate::residency::gpu::assumed(r);
     p.memory = memory;
     GpuView::Placed(p)
