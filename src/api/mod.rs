@@ -303,7 +303,18 @@ pub struct ModelResidencyStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
+    /// Only in the operator's cache of residencies: `models` and
+    /// `conditions` kept deflated ([`crate::controller::cached`]); never
+    /// sent or read on the wire.
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub packed: Option<PackedDetail>,
 }
+
+/// A cached status's `models` and `conditions`, deflated: at 10,000
+/// residencies they were two fifths of the operator's memory.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PackedDetail(pub Box<[u8]>);
 
 /// The state of one model on this GPU.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
@@ -367,6 +378,10 @@ pub struct ModelStatus {
     pub rate_at: Option<u64>,
 }
 
+/// A cached copy's models are packed: whoever reads them from the cache
+/// unpacks it first (`cached::unpacked`); debug builds (the tests) check.
+const UNPACK_FIRST: &str = "a cached status read without cached::unpacked";
+
 fn is_zero_u64(n: &u64) -> bool {
     *n == 0
 }
@@ -388,11 +403,13 @@ impl ModelResidency {
 impl ModelResidencyStatus {
     /// The status of the model named `name`, if it has one.
     pub fn model(&self, name: &str) -> Option<&ModelStatus> {
+        debug_assert!(self.packed.is_none(), "{UNPACK_FIRST}");
         self.models.iter().find(|m| &*m.name == name)
     }
 
     /// The same, to change it.
     pub fn model_mut(&mut self, name: &str) -> Option<&mut ModelStatus> {
+        debug_assert!(self.packed.is_none(), "{UNPACK_FIRST}");
         self.models.iter_mut().find(|m| &*m.name == name)
     }
 

@@ -217,7 +217,7 @@ pub async fn reconcile(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Acti
 async fn reconcile_unguarded(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Result<Action> {
     ctx.metrics.reconciled();
     let _timer = ctx.metrics.reconcile_timer();
-    let r = ctx.written.fresher(r);
+    let r = cached::unpacked(ctx.written.fresher(r));
     // Its sleeps and wakes are still being asked: the task that asks them
     // decides nothing more and reconciles it again when it ends.
     if ctx.asking.busy(&ObjectRef::from_obj(&*r)) {

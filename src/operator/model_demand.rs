@@ -337,6 +337,7 @@ fn held_by(ctx: &Context, key: DemandKey<'_>, md: &ModelDemand) -> Option<Arc<Mo
 fn residency_of(ctx: &Context, (ns, residency, _): DemandKey<'_>) -> Option<Arc<ModelResidency>> {
     ctx.residencies
         .get(&ObjectRef::new(residency).within(ns.unwrap_or_default()))
+        .map(crate::controller::cached::unpacked)
 }
 
 async fn write_key(

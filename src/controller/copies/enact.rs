@@ -55,7 +55,9 @@ pub(super) async fn drain_and_retire(
     let cached = ObjectRef::<ModelResidency>::new(residency).within(ns);
     let deadline = Instant::now() + Duration::from_secs(60);
     while Instant::now() < deadline {
-        let state = store.get(&cached).map(|r| r.model_state(model));
+        let state = store
+            .get(&cached)
+            .map(|r| crate::controller::cached::unpacked(r).model_state(model));
         if state != Some(ModelState::Loaded) {
             break;
         }

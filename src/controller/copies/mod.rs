@@ -30,6 +30,7 @@
 
 use crate::api::{ModelResidency, ModelState};
 use crate::controller::Context;
+use crate::controller::cached;
 use crate::engine::copies::{CopyPolicy, CopyScaler, Step};
 mod enact;
 mod owned;
@@ -140,7 +141,8 @@ pub async fn run(
 }
 
 /// A model's homes (residencies whose registry lists it), sorted by
-/// namespace/name, from the cache.
+/// namespace/name, from the cache (their statuses packed: whoever reads
+/// them unpacks those it reads).
 fn homes_by_model(store: &Store<ModelResidency>) -> BTreeMap<String, Vec<Arc<ModelResidency>>> {
     let mut residencies = store.state();
     residencies.sort_by_key(|r| (r.namespace(), r.name_any()));
@@ -274,6 +276,7 @@ impl Scaler {
                 .flatten()
                 .filter(|r| r.namespace() == ns)
                 .cloned()
+                .map(cached::unpacked)
                 .collect();
             self.owned_round(mc, &homes, in_flight, complete).await;
         }
@@ -288,6 +291,8 @@ impl Scaler {
             let Some(policy) = policy_of(&model, &homes, &self.config.defaults) else {
                 continue;
             };
+            // Its homes' statuses are read from here on.
+            let homes: Vec<Arc<ModelResidency>> = homes.into_iter().map(cached::unpacked).collect();
             let copies = self.copies_of(&model, &homes);
             let load = in_flight.get(&model).copied().unwrap_or(0.0);
             let scaler = self.models.entry(model.clone()).or_default();

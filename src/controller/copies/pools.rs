@@ -113,10 +113,10 @@ impl Scaler {
                 return;
             }
         };
-        let residencies: HashMap<(String, String), &ModelResidency> = all
+        let residencies: HashMap<(String, String), &Arc<ModelResidency>> = all
             .values()
             .flatten()
-            .map(|r| ((r.namespace().unwrap_or_default(), r.name_any()), &**r))
+            .map(|r| ((r.namespace().unwrap_or_default(), r.name_any()), r))
             .collect();
         for pod in &pods {
             let ns = pod.namespace().unwrap_or_default();
@@ -125,7 +125,10 @@ impl Scaler {
                 .get(RESIDENCY_LABEL)
                 .cloned()
                 .unwrap_or_default();
-            let want = serves(pod, residencies.get(&(ns.clone(), owner)).copied());
+            let owner = residencies
+                .get(&(ns.clone(), owner))
+                .map(|&r| crate::controller::cached::unpacked(r.clone()));
+            let want = serves(pod, owner.as_deref());
             let has = pod.labels().get(SERVING_LABEL).map(String::as_str) == Some("true");
             if want != has {
                 super::enact::set_label(&self.ctx, &ns, &pod.name_any(), SERVING_LABEL, want).await;
