@@ -208,20 +208,32 @@ pub struct ModelSpec {
 /// The operator caches every residency; as a `serde_json::Value` tree a
 /// one-container template costs about 2 KiB (a B-tree node per JSON
 /// object), as text about a hundred bytes. It is parsed only when a pod is
-/// built from it.
+/// built from it. The text is shared: a model's template is usually the
+/// same on every GPU, and the operator's cache keeps one copy of it
+/// (`controller::cached` interns it).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PodTemplate(Box<str>);
+pub struct PodTemplate(std::sync::Arc<str>);
 
 impl PodTemplate {
     /// The template as JSON text.
     pub fn json(&self) -> &str {
         &self.0
     }
+
+    /// The shared text.
+    pub fn shared(&self) -> &std::sync::Arc<str> {
+        &self.0
+    }
+
+    /// A template of this shared text.
+    pub fn of_shared(text: std::sync::Arc<str>) -> Self {
+        PodTemplate(text)
+    }
 }
 
 impl From<serde_json::Value> for PodTemplate {
     fn from(v: serde_json::Value) -> Self {
-        PodTemplate(v.to_string().into_boxed_str())
+        PodTemplate(v.to_string().into())
     }
 }
 

@@ -11,10 +11,11 @@
 //! acting on a model, reads them: each unpacks the copies it reads with
 //! [`unpacked`] (debug builds check that no packed status is read).
 
-use crate::api::{ModelResidency, ModelResidencyStatus, ModelStatus, PackedDetail};
+use crate::api::{ModelResidency, ModelResidencyStatus, ModelStatus, PackedDetail, PodTemplate};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use std::collections::HashSet;
 use std::io::{Read, Write};
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock, Mutex};
 
 /// The annotation `kubectl apply` keeps its last applied copy in.
 const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
@@ -43,8 +44,41 @@ pub fn compact(r: &mut ModelResidency) {
         v.shrink_to_fit();
     }
     r.spec.models.shrink_to_fit();
+    for m in &mut r.spec.models {
+        if let Some(t) = &mut m.template {
+            *t = TEMPLATES.lock().expect("templates lock").share(t);
+        }
+    }
     if let Some(status) = &mut r.status {
         pack(status);
+    }
+}
+
+/// The pod templates' texts the cache holds, one copy of each.
+static TEMPLATES: LazyLock<Mutex<Templates>> = LazyLock::new(Mutex::default);
+
+#[derive(Default)]
+struct Templates {
+    known: HashSet<Arc<str>>,
+    /// How many were still in use at the last sweep.
+    kept: usize,
+}
+
+impl Templates {
+    /// The shared copy of `t`'s text (`t`'s own the first time).
+    fn share(&mut self, t: &PodTemplate) -> PodTemplate {
+        if let Some(known) = self.known.get(t.shared()) {
+            return PodTemplate::of_shared(known.clone());
+        }
+        // Texts no cached copy holds any more (only this set does) go
+        // once the set has doubled since the last sweep: bounded by twice
+        // what is in use, at an amortised constant cost per template.
+        if self.known.len() >= 2 * self.kept.max(32) {
+            self.known.retain(|k| Arc::strong_count(k) > 1);
+            self.kept = self.known.len();
+        }
+        self.known.insert(t.shared().clone());
+        t.clone()
     }
 }
 
@@ -131,6 +165,35 @@ mod tests {
         kept.metadata.annotations = Some([("team".to_owned(), "a".to_owned())].into());
         compact(&mut kept);
         assert_eq!(kept.metadata.annotations.unwrap().len(), 1);
+    }
+
+    #[test]
+    fn one_template_text_is_kept_once_and_forgotten_when_unused() {
+        let residency = |image: &str| {
+            let mut r: ModelResidency = serde_json::from_value(json!({
+                "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+                "metadata": {"name": "gpu", "namespace": "ns"},
+                "spec": {"device": "0", "models": [{"name": "a", "size": "1Gi",
+                    "template": {"spec": {"containers": [{"name": "s", "image": image}]}}}]},
+            }))
+            .unwrap();
+            compact(&mut r);
+            r
+        };
+        let text =
+            |r: &ModelResidency| r.spec.models[0].template.as_ref().unwrap().shared().clone();
+        let (a, b) = (residency("one-of-a-kind:1"), residency("one-of-a-kind:1"));
+        assert!(Arc::ptr_eq(&text(&a), &text(&b)), "one copy for both");
+        assert!(!Arc::ptr_eq(&text(&a), &text(&residency("another:1"))));
+        // Unused texts are swept once the set has doubled.
+        let mut pool = Templates::default();
+        for i in 0..200 {
+            let t = PodTemplate::from(
+                json!({"spec": {"containers": [{"image": format!("passing:{i}")}]}}),
+            );
+            drop(pool.share(&t));
+        }
+        assert!(pool.known.len() <= 64, "{} texts kept", pool.known.len());
     }
 
     #[test]
