@@ -108,12 +108,14 @@ pub enum SendError {
 ///
 /// A request whose connection closed before any answer came is sent once
 /// more, on a new connection. A kept-alive connection can close under a
-/// request just sent on it: the pod closed it as idle (a server stopping,
-/// its address then taken by the model's next pod) before the request
-/// reached it, and the pool had not yet seen the close. Nothing was
-/// answered, and a completion has no effect beyond its answer, so sending
-/// it again is what the client would do; the second try keeps no pooled
-/// connection and a second failure is final.
+/// request just sent on it: the pod closed it as idle (a server stopping:
+/// its pod was deleted, and the router had not seen that yet) before the
+/// request reached it, and the pool had not yet seen the close. Nothing
+/// was answered, and a completion has no effect beyond its answer, so
+/// sending it again is what the client would do. The second try keeps no
+/// pooled connection: to a server that is gone it fails to connect, and
+/// the caller re-resolves the model as for any pod it cannot reach; a
+/// second failure of any other kind is final.
 pub async fn send(
     client: &Upstream,
     addr: SocketAddr,
