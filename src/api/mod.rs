@@ -170,7 +170,7 @@ pub struct ModelSpec {
     /// spec.keepAlive; "0s" never unloads it for idleness).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 32))]
-    pub keep_alive: Option<String>,
+    pub keep_alive: Option<Box<str>>,
     /// Pod template of the model server (containers, volumes, ...). The
     /// operator adds the node affinity to spec.nodeName (and drops a
     /// nodeName of the template's), the GPU (NVIDIA_VISIBLE_DEVICES),
@@ -192,7 +192,7 @@ pub struct ModelSpec {
     /// Default 60s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 32))]
-    pub load_time: Option<String>,
+    pub load_time: Option<Box<str>>,
     /// The model's server can sleep: when room must be made it is put to
     /// sleep (keeping sleepingSize of VRAM) rather than deleted, and its
     /// next request wakes it.

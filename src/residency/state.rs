@@ -144,7 +144,7 @@ pub fn validate_with_budget(r: &ModelResidency, budget: Bytes) -> Result<Valid<'
     {
         return Err(InvalidSpec::NodeName(node.clone()));
     }
-    let default_keep_alive = keep_alive("spec.keepAlive".into(), &spec.keep_alive)?;
+    let default_keep_alive = keep_alive("spec.keepAlive".into(), spec.keep_alive.as_deref())?;
     let mut seen = HashSet::new();
     let mut models = Vec::with_capacity(spec.models.len());
     for m in &spec.models {
@@ -169,7 +169,7 @@ pub fn validate_with_budget(r: &ModelResidency, budget: Bytes) -> Result<Valid<'
 }
 
 /// A keepAlive (or loadTime) duration, named by `field` in the error.
-fn keep_alive(field: String, value: &Option<String>) -> Result<Option<Duration>, InvalidSpec> {
+fn keep_alive(field: String, value: Option<&str>) -> Result<Option<Duration>, InvalidSpec> {
     match value {
         None => Ok(None),
         Some(v) => {
@@ -177,7 +177,7 @@ fn keep_alive(field: String, value: &Option<String>) -> Result<Option<Duration>,
                 .map(Some)
                 .ok_or_else(|| InvalidSpec::KeepAlive {
                     field,
-                    value: v.clone(),
+                    value: v.to_owned(),
                 })
         }
     }
@@ -196,13 +196,16 @@ fn validate_model(
     if size == 0 {
         return Err(InvalidSpec::ZeroSize(m.name.clone()));
     }
-    let own = keep_alive(format!("spec.models[{}].keepAlive", m.name), &m.keep_alive)?;
+    let own = keep_alive(
+        format!("spec.models[{}].keepAlive", m.name),
+        m.keep_alive.as_deref(),
+    )?;
     if let Some(t) = &m.load_time
         && crate::residency::warm::seconds(t).is_none()
     {
         return Err(InvalidSpec::KeepAlive {
             field: format!("spec.models[{}].loadTime", m.name),
-            value: t.clone(),
+            value: t.to_string(),
         });
     }
     let sleep = match &m.sleep {
