@@ -85,8 +85,10 @@ pub struct ModelResidencySpec {
     /// How model pods get the GPU: a shared ResourceClaim (claim, the
     /// default), a device plugin's resource (devicePlugin) or only the
     /// environment variable (env).
-    // Boxed: most residencies keep the defaults, and every cached copy
-    // would pay its 104 bytes inline (docs/performance-history.md, Memory).
+    // Boxed, as the status's `gpu`: inline, the two made a cached
+    // residency (with its Arc) 1,096 bytes, jemalloc's 1,280 class; boxed,
+    // 856 (the 896 class) plus the two boxes (112 and 160), 112 bytes less
+    // (docs/performance-history.md, Memory).
     #[serde(default, skip_serializing_if = "is_default_gpu")]
     pub gpu: Box<GpuSpec>,
     /// VRAM budget: the most the resident models may declare together. A
@@ -263,8 +265,7 @@ pub struct ModelResidencyStatus {
     pub budget: Option<String>,
     /// The GPU: its node and device, and in claim mode the claim and what
     /// the allocated device is.
-    // Boxed: absent in env mode, 152 bytes inline in every cached copy
-    // otherwise.
+    // Boxed for the cache's size: see `ModelResidencySpec::gpu`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu: Option<Box<GpuStatus>>,
     /// VRAM declared by the resident models, a sleeping one at its

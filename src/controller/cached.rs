@@ -44,11 +44,11 @@ pub fn compact(r: &mut ModelResidency) {
         v.shrink_to_fit();
     }
     r.spec.models.shrink_to_fit();
-    for m in &mut r.spec.models {
-        if let Some(t) = &mut m.template {
-            *t = TEMPLATES.lock().expect("templates lock").share(t);
-        }
+    let mut templates = TEMPLATES.lock().expect("templates lock");
+    for t in r.spec.models.iter_mut().filter_map(|m| m.template.as_mut()) {
+        *t = templates.share(t);
     }
+    drop(templates);
     if let Some(status) = &mut r.status {
         pack(status);
     }
