@@ -266,6 +266,7 @@ impl<'a> Decider<'a> {
             cancelled_sleeps: 0,
         };
         decider.end_old_protections();
+        decider.end_ready_loads();
         decider.drop_lost_sleepers();
         for name in overflow {
             let message =

@@ -259,6 +259,38 @@ impl<'a> Decider<'a> {
         }
     }
 
+    /// Loading models whose pod the pod cache shows Ready already (the
+    /// status has not caught up): loaded, not loading, so no request is
+    /// queued behind them. A queued request still waits out their fresh
+    /// grace, counted from the pod's Ready time.
+    pub(super) fn end_ready_loads(&mut self) {
+        for id in self.engine.residents() {
+            if self.engine.is_loading(id) && self.starting_pod_ready(id).is_some() {
+                self.engine.set_loading(id, false);
+            }
+        }
+    }
+
+    /// When the pod of `id`, a model the last status left waiting for its
+    /// pod to start (not a wake, a fetch or a replacement), turned Ready.
+    fn starting_pod_ready(&self, id: ModelId) -> Option<&'a str> {
+        let name = self.engine.name(id);
+        let prev = self.prev_models.get(name)?;
+        let starting = [Reason::PodCreated, Reason::PodStarting]
+            .iter()
+            .any(|r| prev.reason.as_deref() == Some(r.as_str()));
+        if prev.state != ModelState::Loading || !starting {
+            return None;
+        }
+        let size = self.engine.size(id);
+        let input: &'a super::Observed<'a> = self.input;
+        input
+            .pods
+            .iter()
+            .filter(|p| &*p.model == name && !p.deleting && p.size.is_none_or(|s| s == size))
+            .find_map(|p| p.ready_since.as_deref())
+    }
+
     /// How long until the first loading or fresh model's protection ends
     /// (when a queued request may evict it).
     pub(super) fn next_protection_end(&self) -> Option<Duration> {
@@ -273,7 +305,8 @@ impl<'a> Decider<'a> {
         ends.map(|t| now.duration_until(t).unsigned_abs()).min()
     }
 
-    /// The ready models Ready for less than [`FRESH_LOAD_GRACE`].
+    /// The ready models Ready for less than [`FRESH_LOAD_GRACE`] (as the
+    /// last status says, or their pod since).
     fn fresh_loads(&self) -> Vec<ModelId> {
         let residents = self.engine.residents().into_iter();
         residents
@@ -288,10 +321,15 @@ impl<'a> Decider<'a> {
     fn fresh_until(&self, id: ModelId) -> Option<Timestamp> {
         let now = self.input.now;
         let prev = self.prev_models.get(self.engine.name(id))?;
-        if prev.state != ModelState::Loaded || self.engine.is_asleep(id) {
+        if self.engine.is_asleep(id) {
             return None;
         }
-        let ready = recorded_time(prev.loaded_at.as_deref())?;
+        let ready = if prev.state == ModelState::Loaded {
+            prev.loaded_at.as_deref()
+        } else {
+            self.starting_pod_ready(id)
+        };
+        let ready = recorded_time(ready)?;
         let until = later(ready, FRESH_LOAD_GRACE);
         (until > now && ready <= later(now, FRESH_LOAD_GRACE)).then_some(until)
     }

@@ -628,6 +628,39 @@ fn deadlines_past_the_last_representable_time_never_come_and_never_panic() {
     assert_eq!(state(&d, "a"), ModelState::Loaded);
 }
 
+/// A request that finds the GPU full of models whose status still says
+/// Loading, but whose pods the pod cache shows Ready, evicts by LRU: those
+/// models are loaded, and the request is not queued behind them (a storm
+/// found each GPU in this state between a pod turning Ready and the
+/// status saying so).
+#[test]
+fn a_request_is_not_queued_behind_models_whose_pods_are_ready() {
+    let models = [
+        ("a", "4Gi", false),
+        ("b", "4Gi", false),
+        ("c", "4Gi", false),
+    ];
+    let mut r = residency("8Gi", &models, &[("a", 1), ("b", 2)]);
+    let d = run(&r, &[], 3);
+    assert_eq!(state(&d, "a"), ModelState::Loading);
+    assert_eq!(state(&d, "b"), ModelState::Loading);
+    r.status = Some(d.status);
+    r.spec.demand.insert("c".into(), at(4).to_string());
+    // Pods not Ready yet: c waits.
+    let starting: Vec<ModelPod> = ["a", "b"]
+        .iter()
+        .map(|m| live(m, 4 << 30, false, false))
+        .collect();
+    let d = run(&r, &starting, 5);
+    assert_eq!(state(&d, "c"), ModelState::Queued);
+    // Both Ready (since long before): c loads at once, evicting a.
+    let d = run(&r, &ready_pods(&r), 5);
+    assert_eq!(state(&d, "c"), ModelState::Loading, "{:?}", d.status.models);
+    assert_eq!(state(&d, "a"), ModelState::Evicted);
+    assert_eq!(state(&d, "b"), ModelState::Loaded);
+    assert_eq!(d.status.counters.evictions, 1);
+}
+
 /// Nine held requests at once for nine 1Gi models on an 8Gi GPU: eight
 /// load and are never evicted while loading; the ninth waits (Queued, not
 /// counted) and loads once a model is Ready and has been seen so (its
