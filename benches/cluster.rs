@@ -580,6 +580,7 @@ async fn event_repeats(client: &kube::Client, prefix: &str) {
         return;
     };
     let mut keys = std::collections::HashSet::new();
+    let mut by_reason = std::collections::BTreeMap::<String, usize>::new();
     let mut total = 0usize;
     for e in &list.items {
         let regarding = e.regarding.as_ref().and_then(|r| r.name.clone());
@@ -587,6 +588,9 @@ async fn event_repeats(client: &kube::Client, prefix: &str) {
             continue;
         }
         total += 1;
+        *by_reason
+            .entry(e.reason.clone().unwrap_or_default())
+            .or_default() += 1;
         let related = e.related.as_ref().and_then(|r| r.name.clone());
         keys.insert((regarding, e.reason.clone(), related));
     }
@@ -596,6 +600,7 @@ async fn event_repeats(client: &kube::Client, prefix: &str) {
         total - keys.len(),
         100.0 * (total - keys.len()) as f64 / total.max(1) as f64
     );
+    println!("    events by reason: {by_reason:?}");
 }
 
 /// Where the API server spent its request time during the run, from its

@@ -350,6 +350,11 @@ pub struct ModelStatus {
     /// When its pod became Ready.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loaded_at: Option<Box<str>>,
+    /// While a load is under way: when it was admitted. The load's one
+    /// `Loaded` event is published, and this cleared, once its pod is
+    /// Ready, or once the model leaves the GPU before that.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admitted_at: Option<Box<str>>,
     /// The model's pod, while it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<Box<str>>,

@@ -7,14 +7,13 @@ use std::collections::HashMap;
 
 /// An event's reason, which also fixes its type and action.
 ///
-/// Each counted operation has exactly one event, sent when it is decided:
-/// `Loaded` (a load: the model is admitted and its pod is created next;
-/// `ModelReady` follows when the pod is Ready), `Evicted`, `Unloaded`,
-/// `Refused`. The others announce what is not counted.
+/// Each counted operation has exactly one event: `Loaded` when the load's
+/// pod is Ready (or when the model leaves the GPU before that: the message
+/// says so), `Evicted`, `Unloaded` and `Refused` when they are decided. The
+/// others announce what is not counted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventReason {
     Loaded,
-    ModelReady,
     Queued,
     Evicted,
     Unloaded,
@@ -41,7 +40,6 @@ impl EventReason {
     pub fn as_str(self) -> &'static str {
         match self {
             EventReason::Loaded => "Loaded",
-            EventReason::ModelReady => "ModelReady",
             EventReason::Queued => "Queued",
             EventReason::Evicted => "Evicted",
             EventReason::Unloaded => "Unloaded",
@@ -64,7 +62,7 @@ impl EventReason {
     /// What the operator was doing (the event's `action`).
     pub fn action(self) -> &'static str {
         match self {
-            EventReason::Loaded | EventReason::ModelReady | EventReason::LoadFailed => "Load",
+            EventReason::Loaded | EventReason::LoadFailed => "Load",
             EventReason::Evicted => "Evict",
             EventReason::Unloaded | EventReason::GpuConflict | EventReason::GpuUnavailable => {
                 "Unload"
@@ -114,36 +112,22 @@ impl ModelEvent {
     }
 }
 
-/// Events of pod transitions between two statuses (the counted
-/// operations announce themselves when decided): a model's pod turning
-/// Ready, and each failed load.
-/// `gpu` says where the models are ("node a GPU 0").
+/// Events of transitions between two statuses (the counted operations
+/// announce themselves, see [`EventReason`]): a model starting to wait in
+/// the queue, and each failed load.
 pub fn transition_events(
     prev: &HashMap<&str, &ModelStatus>,
     models: &[ModelStatus],
-    gpu: &str,
 ) -> Vec<ModelEvent> {
     models
         .iter()
-        .filter_map(|m| transition_event(prev.get(&*m.name).copied(), m, gpu))
+        .filter_map(|m| transition_event(prev.get(&*m.name).copied(), m))
         .collect()
 }
 
-fn transition_event(
-    before: Option<&ModelStatus>,
-    m: &ModelStatus,
-    gpu: &str,
-) -> Option<ModelEvent> {
+fn transition_event(before: Option<&ModelStatus>, m: &ModelStatus) -> Option<ModelEvent> {
     let was = before.map(|b| b.state);
     match m.state {
-        ModelState::Loaded if was != Some(ModelState::Loaded) => {
-            let message = format!(
-                "{} is ready ({}) on {gpu}",
-                m.name,
-                m.size.as_deref().unwrap_or("?"),
-            );
-            Some(ModelEvent::about(&m.name, EventReason::ModelReady, message))
-        }
         ModelState::Queued if was != Some(ModelState::Queued) => {
             let message = m.message.as_deref().unwrap_or_default().to_owned();
             Some(ModelEvent::about(&m.name, EventReason::Queued, message))

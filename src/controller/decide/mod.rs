@@ -226,6 +226,9 @@ struct Decider<'a> {
     /// When the next resident model goes idle.
     idle_requeue: Option<Duration>,
     events: Vec<ModelEvent>,
+    /// Counted loads not announced yet (their one `Loaded` event), with
+    /// when each was admitted: the last status's, then this reconcile's.
+    unannounced: HashMap<String, Box<str>>,
     /// Models chosen to sleep and requested again before their sleep was
     /// sent (counted by the engine as a sleep and a wake).
     cancelled_sleeps: u64,
@@ -239,6 +242,11 @@ impl<'a> Decider<'a> {
         budget: Option<Budget>,
     ) -> Self {
         let prev_models = previous.models.iter().map(|m| (&*m.name, m)).collect();
+        let unannounced = previous
+            .models
+            .iter()
+            .filter_map(|m| Some((m.name.to_string(), m.admitted_at.clone()?)))
+            .collect();
         let Restored {
             engine,
             removed,
@@ -263,6 +271,7 @@ impl<'a> Decider<'a> {
             requested: HashMap::new(),
             idle_requeue: None,
             events: Vec::new(),
+            unannounced,
             cancelled_sleeps: 0,
         };
         decider.end_old_protections();

@@ -155,13 +155,8 @@ impl<'a> Decider<'a> {
             Admission::Hit => true,
             Admission::Loaded { evicted } => {
                 let evicted = evicted.to_vec();
+                self.load_admitted(model);
                 self.admitted(id, &evicted);
-                let size = format_bytes(self.engine.size(id));
-                self.event(
-                    model,
-                    EventReason::Loaded,
-                    format!("{model} loaded ({size}); its pod starts"),
-                );
                 true
             }
             Admission::Woken { evicted } => {
@@ -191,6 +186,18 @@ impl<'a> Decider<'a> {
         if used {
             let times = self.requested.entry(model.to_owned()).or_default();
             times.last_used = Some(at.to_string().into());
+        }
+    }
+
+    /// A counted load of `model`, announced once its pod is Ready or it
+    /// leaves the GPU first ([`Self::announce_loads`]). A load of it still
+    /// unannounced was made in this reconcile and ended in it.
+    fn load_admitted(&mut self, model: &str) {
+        let now: Box<str> = self.input.now.to_string().into();
+        if self.unannounced.insert(model.to_owned(), now).is_some() {
+            let why = self.outcomes.get(model).map(|o| o.message.as_str());
+            let message = gone_before_ready(model, why.unwrap_or("unloaded"));
+            self.event(model, EventReason::Loaded, message);
         }
     }
 
@@ -333,4 +340,9 @@ impl<'a> Decider<'a> {
         let until = later(ready, FRESH_LOAD_GRACE);
         (until > now && ready <= later(now, FRESH_LOAD_GRACE)).then_some(until)
     }
+}
+
+/// A load's announcement when it ended before its pod was Ready.
+pub(super) fn gone_before_ready(model: &str, why: &str) -> String {
+    format!("{model} loaded, and gone before its pod was Ready: {why}")
 }

@@ -2,8 +2,10 @@
 //! status and pod action, then the residency's status around them.
 
 use super::inventory::{PodInventory, PodPlan};
+use super::requests::gone_before_ready;
 use super::{Decider, Decision};
 use crate::api::{ModelResidencyStatus, ModelState, ModelStatus};
+use crate::controller::events::EventReason;
 use crate::controller::events::transition_events;
 use crate::engine::Bytes;
 use crate::quantity::{format_bytes, format_bytes_rounded};
@@ -12,7 +14,7 @@ use crate::residency::conditions::{
 };
 use crate::residency::gpu::GpuView;
 use crate::residency::reasons::Reason;
-use crate::residency::state::{Usage, ValidModel};
+use crate::residency::state::{Usage, ValidModel, recorded_time};
 use std::collections::{BTreeMap, HashMap};
 
 impl<'a> Decider<'a> {
@@ -53,7 +55,46 @@ impl<'a> Decider<'a> {
             models.extend(states.remove(m.name()));
         }
         models.extend(states.into_values());
+        self.announce_loads(&mut models);
         self.assemble(models, plan)
+    }
+
+    /// Each counted load's one `Loaded` event: once its pod is Ready, or
+    /// once the model is not resident any more (evicted, unloaded, failed
+    /// for its template, gone from the registry) before that. A load still
+    /// under way keeps its admittedAt in status for a later reconcile.
+    fn announce_loads(&mut self, models: &mut [ModelStatus]) {
+        let where_ = self.where_();
+        for st in models.iter_mut() {
+            let Some(admitted) = self.unannounced.remove(&*st.name) else {
+                continue;
+            };
+            let size = st.size.as_deref().unwrap_or("?");
+            let message = match st.state {
+                ModelState::Loaded => {
+                    let ready = recorded_time(st.loaded_at.as_deref());
+                    let after = match (recorded_time(Some(&admitted)), ready) {
+                        (Some(a), Some(r)) if r > a => format!(
+                            ", {:.0}s after it was admitted",
+                            a.duration_until(r).as_secs_f64()
+                        ),
+                        _ => String::new(),
+                    };
+                    format!("{} loaded ({size}): Ready on {where_}{after}", st.name)
+                }
+                state if state.is_resident() => {
+                    st.admitted_at = Some(admitted);
+                    continue;
+                }
+                _ => gone_before_ready(&st.name, st.message.as_deref().unwrap_or("unloaded")),
+            };
+            self.event(&st.name.clone(), EventReason::Loaded, message);
+        }
+        let left: Vec<String> = self.unannounced.drain().map(|(m, _)| m).collect();
+        for model in left {
+            let message = gone_before_ready(&model, "it left the registry");
+            self.event(&model, EventReason::Loaded, message);
+        }
     }
 
     /// Residents first, least recently used first, so older models get
@@ -214,9 +255,8 @@ impl<'a> Decider<'a> {
     /// The residency's status around the model statuses, and the decision.
     fn assemble(mut self, models: Vec<ModelStatus>, mut plan: PodPlan) -> Decision {
         let r = self.input.residency;
-        let where_ = self.where_();
         self.events
-            .extend(transition_events(&self.prev_models, &models, &where_));
+            .extend(transition_events(&self.prev_models, &models));
         let generation = r.metadata.generation;
         let mut set = ConditionSet::new(&self.previous.conditions, generation, self.input.now);
         let withheld = self.withheld();

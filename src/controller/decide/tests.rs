@@ -288,7 +288,7 @@ fn a_request_from_the_future_counts_as_now_and_shadows_nothing() {
     r.status = Some(d.status);
     // The same entry again is not a new request (a's pod is Ready now).
     let d = run(&r, &ready_pods(&r), 3);
-    assert_eq!(events(&d, EventReason::ModelReady), 1, "{:?}", d.events);
+    assert_eq!(events(&d, EventReason::Loaded), 1, "{:?}", d.events);
     assert_eq!(d.events.len(), 1, "{:?}", d.events);
     r.status = Some(d.status);
     // b evicts a; a real request for a later is not shadowed by 2200.
@@ -372,7 +372,7 @@ fn a_changed_template_is_rolled_out_and_a_broken_one_is_not() {
     let recorded = &created.metadata.annotations.unwrap()["residency.dev/template-hash"];
     pod.template_hash = u64::from_str_radix(recorded, 16).ok();
     let d = run(&r, std::slice::from_ref(&pod), 3);
-    assert!(d.delete.is_empty() && d.events.iter().all(|e| e.reason == EventReason::ModelReady));
+    assert!(d.delete.is_empty() && d.events.iter().all(|e| e.reason == EventReason::Loaded));
     r.status = Some(d.status);
     // A broken template: the running pod stays, and it is reported.
     r.spec.models[0].template = Some(json!({"spec": {"containres": []}}).into());
@@ -505,7 +505,8 @@ fn loading_is_not_a_reason_to_be_unready_and_a_silent_pending_pod_is_named() {
 }
 
 /// Exactly one event per counted load, eviction, unload and refusal, over
-/// random request sequences.
+/// random request sequences: at every step, each load is announced or
+/// still under way (its admittedAt in status), never both.
 #[test]
 fn events_match_the_counters() {
     let models = [
@@ -546,8 +547,22 @@ fn events_match_the_counters() {
         {
             tally[i] += events(&d, reason) as u64;
         }
+        let under_way = d.status.models.iter().filter(|m| m.admitted_at.is_some());
+        for m in under_way.clone() {
+            assert!(
+                m.state.is_resident() && m.state != ModelState::Loaded,
+                "{m:?}"
+            );
+        }
+        let c = d.status.counters;
+        assert_eq!(tally[0] + under_way.count() as u64, c.loads, "step {step}");
         r.status = Some(d.status);
     }
+    // Every pod Ready: every load announced.
+    let d = run(&r, &ready_pods(&r), 400);
+    tally[0] += events(&d, EventReason::Loaded) as u64;
+    assert!(d.status.models.iter().all(|m| m.admitted_at.is_none()));
+    r.status = Some(d.status);
     let c = r.status.unwrap().counters;
     assert_eq!(tally, [c.loads, c.evictions, c.unloads, c.refusals]);
     assert!(
@@ -626,6 +641,64 @@ fn deadlines_past_the_last_representable_time_never_come_and_never_panic() {
     observed.max_skew = std::time::Duration::from_secs(u64::MAX / 2);
     let d = decide(&observed);
     assert_eq!(state(&d, "a"), ModelState::Loaded);
+}
+
+/// A load has one event, `Loaded`, when its pod is Ready (saying so), or
+/// when the model leaves before that (saying that instead); none while
+/// it is under way, when the status keeps when it was admitted.
+#[test]
+fn a_load_is_announced_once_when_ready_or_when_gone_before() {
+    let models = [("a", "4Gi", false), ("b", "4Gi", false)];
+    let mut r = residency("8Gi", &models, &[("a", 1)]);
+    let d = run(&r, &[], 2);
+    assert_eq!(events(&d, EventReason::Loaded), 0, "{:?}", d.events);
+    assert_eq!(d.status.counters.loads, 1);
+    let admitted = d.status.model("a").unwrap().admitted_at.clone();
+    assert_eq!(admitted.as_deref(), Some(at(2).to_string().as_str()));
+    r.status = Some(d.status);
+    // Still starting: nothing to say; the admission is kept.
+    let starting = [live("a", 4 * GI, false, false)];
+    let d = run(&r, &starting, 3);
+    assert!(d.events.is_empty(), "{:?}", d.events);
+    assert_eq!(d.status.model("a").unwrap().admitted_at, admitted);
+    // Ready at 9 s: one event, and the status forgets the admission.
+    let mut ready = live("a", 4 * GI, true, false);
+    ready.ready_since = Some(at(9).to_string().into());
+    let d = run(&r, &[ready], 10);
+    assert_eq!(d.events.len(), 1, "{:?}", d.events);
+    assert_eq!(d.events[0].reason, EventReason::Loaded);
+    assert_eq!(
+        d.events[0].message,
+        "a loaded (4Gi): Ready on node node-a GPU 0, 7s after it was admitted"
+    );
+    assert_eq!(d.status.model("a").unwrap().admitted_at, None);
+    // b's demand is removed while it loads: its load is announced as gone,
+    // beside the unload's own event.
+    r.status = Some(d.status);
+    r.spec.demand.insert("b".into(), at(11).to_string());
+    let d = run(&r, &[live("a", 4 * GI, true, false)], 12);
+    assert_eq!(events(&d, EventReason::Loaded), 0);
+    r.status = Some(d.status);
+    r.spec.demand.remove("b");
+    let pods = [
+        live("a", 4 * GI, true, false),
+        live("b", 4 * GI, false, false),
+    ];
+    let d = run(&r, &pods, 13);
+    let loaded: Vec<&str> = d
+        .events
+        .iter()
+        .filter(|e| e.reason == EventReason::Loaded)
+        .map(|e| e.message.as_str())
+        .collect();
+    assert_eq!(loaded.len(), 1, "{:?}", d.events);
+    assert!(
+        loaded[0].starts_with("b loaded, and gone before its pod was Ready: "),
+        "{loaded:?}"
+    );
+    assert_eq!(events(&d, EventReason::Unloaded), 1);
+    assert_eq!(d.status.counters.loads, 2);
+    assert!(d.status.models.iter().all(|m| m.admitted_at.is_none()));
 }
 
 /// A request that finds the GPU full of models whose status still says
