@@ -280,6 +280,16 @@ pub struct Restored {
     pub overflow: Vec<String>,
 }
 
+/// A previous status's models, each name once: the first entry of a name
+/// stands, as [`ModelResidencyStatus::model`] reads it. The operator never
+/// writes a name twice, but a status edited by hand (or by another writer)
+/// can; a later duplicate must not restore a model twice or have its pod
+/// counted at another size than the one the budget checks see.
+pub fn recorded_models(status: &ModelResidencyStatus) -> impl Iterator<Item = &ModelStatus> {
+    let mut seen = HashSet::new();
+    status.models.iter().filter(move |m| seen.insert(&*m.name))
+}
+
 /// Rebuilds the engine from a previous status: the recorded budget, every
 /// registry model (at its recorded size while resident, so a size change is
 /// seen as one), the residents in LRU order (those still `Loading` or
@@ -287,7 +297,7 @@ pub struct Restored {
 /// peak.
 pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
     let recorded: HashMap<&str, &ModelStatus> =
-        status.models.iter().map(|m| (&*m.name, m)).collect();
+        recorded_models(status).map(|m| (&*m.name, m)).collect();
     let resident_size = |name: &str| recorded.get(name).and_then(|m| recorded_size(m));
     let budget = status
         .budget
@@ -320,7 +330,7 @@ pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
     }
     let mut removed = Vec::new();
     let mut residents: Vec<&ModelStatus> = Vec::new();
-    for m in status.models.iter().filter(|m| m.is_resident()) {
+    for m in recorded_models(status).filter(|m| m.is_resident()) {
         if engine.id(&m.name).is_none() {
             let Some(size) = recorded_size(m) else {
                 continue;

@@ -36,8 +36,8 @@ use crate::residency::conditions::{ConditionSet, DEGRADED, READY, REFUSED};
 use crate::residency::gpu::{Budget, GpuView, assumed};
 use crate::residency::reasons::{Reason, refusal_message};
 use crate::residency::state::{
-    InvalidSpec, Restored, Valid, ValidModel, declared_budget, recorded_time, restore,
-    validate_with_budget,
+    InvalidSpec, Restored, Valid, ValidModel, declared_budget, recorded_models, recorded_time,
+    restore, validate_with_budget,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::Timestamp;
@@ -241,10 +241,8 @@ impl<'a> Decider<'a> {
         valid: Valid<'a>,
         budget: Option<Budget>,
     ) -> Self {
-        let prev_models = previous.models.iter().map(|m| (&*m.name, m)).collect();
-        let unannounced = previous
-            .models
-            .iter()
+        let prev_models = recorded_models(previous).map(|m| (&*m.name, m)).collect();
+        let unannounced = recorded_models(previous)
             .filter_map(|m| Some((m.name.to_string(), m.admitted_at.clone()?)))
             .collect();
         let Restored {

@@ -1206,6 +1206,41 @@ fn a_model_that_could_never_sleep_is_named_in_a_condition() {
     assert!(d.status.conditions.iter().all(|c| c.type_ != "CannotSleep"));
 }
 
+/// A status edited to list a model twice (the operator never writes one
+/// so): its first entry stands everywhere, as `status.model()` reads it, so
+/// the pod is not counted at its sleeping size by one part of the decision
+/// and woken to its full size by another (found by `decide_fuzz`: 4Gi +
+/// a 3.5Gi wake on 7Gi).
+#[test]
+fn a_model_listed_twice_in_status_is_read_by_its_first_entry() {
+    let a_pod = live("a", 6 * GI, true, false);
+    let mut asleep = a_asleep(&a_pod);
+    asleep.spec.demand.remove("b");
+    asleep.spec.demand.insert("a".into(), at(7).to_string());
+    let entry = asleep.status.as_ref().unwrap().model("a").unwrap().clone();
+    assert_eq!(entry.reason.as_deref(), Some("Asleep"));
+    let loaded = ModelStatus {
+        state: ModelState::Loaded,
+        reason: None,
+        pod: None,
+        ..entry.clone()
+    };
+    for (first, second, wakes) in [(&loaded, &entry, false), (&entry, &loaded, true)] {
+        let mut r = asleep.clone();
+        let st = r.status.as_mut().unwrap();
+        st.models.retain(|m| &*m.name != "a");
+        st.models.insert(0, second.clone());
+        st.models.insert(0, first.clone());
+        let d = run(&r, std::slice::from_ref(&a_pod), 7);
+        assert_eq!(d.calls.iter().any(|c| c.wake), wakes, "{first:?}");
+        assert!(d.create.is_empty());
+        let listed = d.status.models.iter().filter(|m| &*m.name == "a");
+        assert_eq!(listed.count(), 1, "written once");
+        let used = parse_bytes(d.status.used.as_deref().unwrap()).unwrap();
+        assert!(used <= 10 * GI);
+    }
+}
+
 #[test]
 fn a_sleep_cancelled_before_it_is_sent_takes_no_count_back() {
     let mut r = warm_residency("8Gi");
