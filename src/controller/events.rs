@@ -14,7 +14,6 @@ use std::collections::HashMap;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventReason {
     Loaded,
-    Queued,
     Evicted,
     Unloaded,
     Refused,
@@ -40,7 +39,6 @@ impl EventReason {
     pub fn as_str(self) -> &'static str {
         match self {
             EventReason::Loaded => "Loaded",
-            EventReason::Queued => "Queued",
             EventReason::Evicted => "Evicted",
             EventReason::Unloaded => "Unloaded",
             EventReason::Refused => "Refused",
@@ -67,7 +65,7 @@ impl EventReason {
             EventReason::Unloaded | EventReason::GpuConflict | EventReason::GpuUnavailable => {
                 "Unload"
             }
-            EventReason::Refused | EventReason::ClockSkew | EventReason::Queued => "Admit",
+            EventReason::Refused | EventReason::ClockSkew => "Admit",
             EventReason::Resized | EventReason::Moved | EventReason::TemplateChanged => "Replace",
             EventReason::InvalidSpec => "Validate",
             EventReason::Slept | EventReason::SleepFailed => "Sleep",
@@ -113,8 +111,10 @@ impl ModelEvent {
 }
 
 /// Events of transitions between two statuses (the counted operations
-/// announce themselves, see [`EventReason`]): a model starting to wait in
-/// the queue, and each failed load.
+/// announce themselves, see [`EventReason`]): each failed load. A request
+/// queued behind loads has none: its model's status says `Queued` while it
+/// waits, and the `Loaded` event of its load says how long it waited (an
+/// event per wait was a third of a storm's events).
 pub fn transition_events(
     prev: &HashMap<&str, &ModelStatus>,
     models: &[ModelStatus],
@@ -126,20 +126,11 @@ pub fn transition_events(
 }
 
 fn transition_event(before: Option<&ModelStatus>, m: &ModelStatus) -> Option<ModelEvent> {
-    let was = before.map(|b| b.state);
-    match m.state {
-        ModelState::Queued if was != Some(ModelState::Queued) => {
-            let message = m.message.as_deref().unwrap_or_default().to_owned();
-            Some(ModelEvent::about(&m.name, EventReason::Queued, message))
-        }
-        // Each failure in a row is its own event.
-        ModelState::Failed
-            if was != Some(ModelState::Failed)
-                || before.is_some_and(|b| b.failures != m.failures) =>
-        {
-            let message = m.message.as_deref().unwrap_or_default().to_owned();
-            Some(ModelEvent::about(&m.name, EventReason::LoadFailed, message))
-        }
-        _ => None,
-    }
+    // Each failure in a row is its own event.
+    let failed_again = m.state == ModelState::Failed
+        && before.is_none_or(|b| b.state != ModelState::Failed || b.failures != m.failures);
+    failed_again.then(|| {
+        let message = m.message.as_deref().unwrap_or_default().to_owned();
+        ModelEvent::about(&m.name, EventReason::LoadFailed, message)
+    })
 }

@@ -73,14 +73,31 @@ impl<'a> Decider<'a> {
             let message = match st.state {
                 ModelState::Loaded => {
                     let ready = recorded_time(st.loaded_at.as_deref());
-                    let after = match (recorded_time(Some(&admitted)), ready) {
+                    let admitted = recorded_time(Some(&admitted));
+                    let after = match (admitted, ready) {
                         (Some(a), Some(r)) if r > a => format!(
                             ", {:.0}s after it was admitted",
                             a.duration_until(r).as_secs_f64()
                         ),
                         _ => String::new(),
                     };
-                    format!("{} loaded ({size}): Ready on {where_}{after}", st.name)
+                    // A request that waited (queued behind other loads, or
+                    // an operator that was slow to see it) says how long:
+                    // the queue has no event of its own.
+                    let requested = recorded_time(st.last_requested.as_deref());
+                    let waited = match (requested, admitted) {
+                        (Some(q), Some(a)) if q.duration_until(a).as_secs_f64() >= 1.0 => {
+                            format!(
+                                " (requested {:.0}s before that)",
+                                q.duration_until(a).as_secs_f64()
+                            )
+                        }
+                        _ => String::new(),
+                    };
+                    format!(
+                        "{} loaded ({size}): Ready on {where_}{after}{waited}",
+                        st.name
+                    )
                 }
                 state if state.is_resident() => {
                     st.admitted_at = Some(admitted);

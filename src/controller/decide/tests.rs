@@ -669,7 +669,7 @@ fn a_load_is_announced_once_when_ready_or_when_gone_before() {
     assert_eq!(d.events[0].reason, EventReason::Loaded);
     assert_eq!(
         d.events[0].message,
-        "a loaded (4Gi): Ready on node node-a GPU 0, 7s after it was admitted"
+        "a loaded (4Gi): Ready on node node-a GPU 0, 7s after it was admitted (requested 1s before that)"
     );
     assert_eq!(d.status.model("a").unwrap().admitted_at, None);
     // b's demand is removed while it loads: its load is announced as gone,
@@ -757,7 +757,11 @@ fn more_requests_at_once_than_fit_queue_behind_loading_models_instead_of_evictin
         m8.last_requested.is_none(),
         "a queued request is not processed"
     );
-    assert_eq!(events(&d, EventReason::Queued), 1);
+    assert!(
+        d.events.is_empty(),
+        "no event for the queue, Loaded ones at Ready: {:?}",
+        d.events
+    );
     r.status = Some(d.status);
     // Still loading: nothing changes, nothing is written again.
     let d = run(&r, &[], 3);
@@ -816,6 +820,22 @@ fn more_requests_at_once_than_fit_queue_behind_loading_models_instead_of_evictin
     assert_eq!(d.status.counters.loads, 9);
     assert_eq!(d.status.counters.evictions, 1);
     assert!(d.status.model("m8").unwrap().last_requested.is_some());
+    // Its pod Ready: the one Loaded event of its load says how long its
+    // request waited in the queue.
+    r.status = Some(d.status);
+    let pods: Vec<ModelPod> = ready(&r)
+        .into_iter()
+        .filter(|p| &*p.model != "m0")
+        .collect();
+    let d = run(&r, &pods, 6 + grace);
+    let m8: Vec<&ModelEvent> = d
+        .events
+        .iter()
+        .filter(|e| e.model.as_deref() == Some("m8"))
+        .collect();
+    assert_eq!(m8.len(), 1, "{:?}", d.events);
+    let waited = format!("(requested {}s before that)", 3 + grace);
+    assert!(m8[0].message.ends_with(&waited), "{}", m8[0].message);
 }
 
 /// The grace of a model just Ready holds against queued requests only: a
