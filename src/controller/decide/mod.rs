@@ -24,7 +24,8 @@
 //! the residency's around them), [`resident`] (a resident model's pod
 //! through its life), [`warm`] (what sleeps and wakes), [`inventory`]
 //! (what the pods hold), [`decision`] (what is yielded, and the outcome of
-//! the calls written back into it).
+//! the calls written back into it), [`progress`] (a load's first moments,
+//! held back from the status).
 
 use super::artifacts::NodeArtifacts;
 use super::events::{EventReason, ModelEvent};
@@ -47,6 +48,7 @@ use std::time::Duration;
 mod decision;
 mod gpu;
 mod inventory;
+mod progress;
 mod requests;
 pub use decision::{Decision, PodCall, PodRef};
 mod resident;
@@ -147,8 +149,26 @@ pub fn decide(input: &Observed<'_>) -> Decision {
         (None, GpuView::Placed(_)) => return invalid(input, previous, &InvalidSpec::NoBudget),
     };
     match validate_with_budget(r, bytes) {
-        Ok(valid) => Decider::new(input, previous, valid, budget).run(),
+        Ok(valid) => {
+            let mut d = Decider::new(input, previous, valid, budget).run();
+            hold_early_progress(&mut d, previous, input.now);
+            d
+        }
         Err(problem) => invalid(input, previous, &problem),
+    }
+}
+
+/// A decision whose only news is a load's first moments keeps the
+/// previous status until they are over ([`progress`]), and looks again
+/// then. Not with events (an event never announces what the status does
+/// not show yet) or calls to make.
+fn hold_early_progress(d: &mut Decision, previous: &ModelResidencyStatus, now: Timestamp) {
+    if !d.events.is_empty() || !d.calls.is_empty() {
+        return;
+    }
+    if let Some(wait) = progress::hold(previous, &d.status, now) {
+        d.status = previous.clone();
+        d.requeue_after = Some(d.requeue_after.map_or(wait, |r| r.min(wait)));
     }
 }
 

@@ -169,6 +169,56 @@ fn a_load_waits_until_the_evicted_pod_is_gone() {
     assert_eq!(d.create[0].metadata.name, Some(pod_name("gpu", "b")));
 }
 
+/// A load's pod created and seen starting within PROGRESS_HOLD of its
+/// admission: the status keeps saying it waits until the hold ends (or
+/// the pod is Ready, said at once), then says it starts.
+#[test]
+fn a_loads_first_moments_are_written_with_what_follows_them() {
+    let mut r = residency(
+        "10Gi",
+        &[("a", "6Gi", false), ("b", "6Gi", false)],
+        &[("a", 1)],
+    );
+    for now in [2, 3] {
+        let d = run(&r, &[live("a", 6 * GI, true, false)], now);
+        r.status = Some(d.status);
+    }
+    r.spec.demand.insert("b".into(), at(3).to_string());
+    let d = run(&r, &[live("a", 6 * GI, true, false)], 4);
+    assert_eq!((d.delete.len(), d.create.len()), (1, 0));
+    assert_eq!(state(&d, "b"), ModelState::Loading);
+    r.status = Some(d.status);
+    let waiting = r.status.clone();
+    // a's pod is gone a second later: b's pod is created, the status held.
+    let d = run(&r, &[], 5);
+    assert_eq!(d.create.len(), 1);
+    assert_eq!(d.status, waiting.clone().unwrap(), "held");
+    assert_eq!(
+        d.requeue_after,
+        Some(super::progress::PROGRESS_HOLD - std::time::Duration::from_secs(1))
+    );
+    // Ready before the hold ends: Loaded at once, with its event.
+    let d = run(&r, &[live("b", 6 * GI, true, false)], 5);
+    assert_eq!(state(&d, "b"), ModelState::Loaded);
+    assert_eq!(events(&d, EventReason::Loaded), 1);
+    // Still starting when the hold ends: written, saying so.
+    let d = run(&r, &[live("b", 6 * GI, false, false)], 6);
+    assert_ne!(Some(&d.status), waiting.as_ref());
+    let b = d.status.model("b").unwrap();
+    assert_eq!(b.reason.as_deref(), Some("PodStarting"));
+    assert_eq!(b.pod.as_deref(), Some("gpu-b"));
+    // An admission a clock ahead of the operator's stamped holds nothing.
+    let mut ahead = r.clone();
+    let b = ahead.status.as_mut().unwrap().model_mut("b").unwrap();
+    b.admitted_at = Some(at(60).to_string().into());
+    let d = run(&ahead, &[], 5);
+    assert_eq!(d.create.len(), 1);
+    assert_eq!(
+        d.status.model("b").unwrap().reason.as_deref(),
+        Some("PodCreated")
+    );
+}
+
 #[test]
 fn nothing_new_means_the_same_status_and_no_actions() {
     let mut r = residency(
