@@ -115,6 +115,15 @@ fn ready_pods(r: &ModelResidency) -> Vec<ModelPod> {
         .collect()
 }
 
+/// a and b, 6Gi each, on 10Gi (room for one), a requested at 1 s.
+fn a_and_b_on_10gi() -> ModelResidency {
+    residency(
+        "10Gi",
+        &[("a", "6Gi", false), ("b", "6Gi", false)],
+        &[("a", 1)],
+    )
+}
+
 fn state(d: &Decision, model: &str) -> ModelState {
     d.status.model(model).unwrap().state
 }
@@ -133,11 +142,7 @@ fn condition<'d>(d: &'d Decision, type_: &str) -> (&'d str, &'d str) {
 
 #[test]
 fn a_load_waits_until_the_evicted_pod_is_gone() {
-    let mut r = residency(
-        "10Gi",
-        &[("a", "6Gi", false), ("b", "6Gi", false)],
-        &[("a", 1)],
-    );
+    let mut r = a_and_b_on_10gi();
     let d = run(&r, &[], 2);
     assert_eq!(d.create.len(), 1);
     r.status = Some(d.status);
@@ -174,11 +179,7 @@ fn a_load_waits_until_the_evicted_pod_is_gone() {
 /// the pod is Ready, said at once), then says it starts.
 #[test]
 fn a_loads_first_moments_are_written_with_what_follows_them() {
-    let mut r = residency(
-        "10Gi",
-        &[("a", "6Gi", false), ("b", "6Gi", false)],
-        &[("a", 1)],
-    );
+    let mut r = a_and_b_on_10gi();
     for now in [2, 3] {
         let d = run(&r, &[live("a", 6 * GI, true, false)], now);
         r.status = Some(d.status);
@@ -321,11 +322,7 @@ fn events(d: &Decision, reason: EventReason) -> usize {
 
 #[test]
 fn a_request_from_the_future_counts_as_now_and_shadows_nothing() {
-    let mut r = residency(
-        "10Gi",
-        &[("a", "6Gi", false), ("b", "6Gi", false)],
-        &[("a", 1)],
-    );
+    let mut r = a_and_b_on_10gi();
     // Written by a clock far ahead (the year 2200 in the black-box test).
     r.spec
         .demand
@@ -1077,11 +1074,7 @@ fn a_pod_given_its_gpu_another_way_is_replaced() {
 
 /// a (6Gi, sleeps at 1Gi) and b (6Gi) on 10Gi, with a host budget.
 fn warm_residency(host_budget: &str) -> ModelResidency {
-    let mut r = residency(
-        "10Gi",
-        &[("a", "6Gi", false), ("b", "6Gi", false)],
-        &[("a", 1)],
-    );
+    let mut r = a_and_b_on_10gi();
     r.spec.models[0].sleep = Some(Box::new(
         serde_json::from_value(json!({"preset": "vllm", "sleepingSize": "1Gi"})).unwrap(),
     ));
@@ -1403,11 +1396,7 @@ fn a_sleeping_pod_that_restarted_or_went_is_not_resident() {
 
 #[test]
 fn without_a_sleep_spec_nothing_sleeps_and_the_counters_are_the_seeds() {
-    let mut r = residency(
-        "10Gi",
-        &[("a", "6Gi", false), ("b", "6Gi", false)],
-        &[("a", 1)],
-    );
+    let mut r = a_and_b_on_10gi();
     r.spec.warm = Some(crate::api::WarmSpec {
         host_budget: ByteQuantity("64Gi".into()),
     });
