@@ -15,6 +15,7 @@ use crate::residency::conditions::{
 use crate::residency::gpu::GpuView;
 use crate::residency::reasons::Reason;
 use crate::residency::state::{Usage, ValidModel, recorded_time};
+use k8s_openapi::jiff::Timestamp;
 use std::collections::{BTreeMap, HashMap};
 
 impl<'a> Decider<'a> {
@@ -71,34 +72,14 @@ impl<'a> Decider<'a> {
             };
             let size = st.size.as_deref().unwrap_or("?");
             let message = match st.state {
-                ModelState::Loaded => {
-                    let ready = recorded_time(st.loaded_at.as_deref());
-                    let admitted = recorded_time(Some(&admitted));
-                    let after = match (admitted, ready) {
-                        (Some(a), Some(r)) if r > a => format!(
-                            ", {:.0}s after it was admitted",
-                            a.duration_until(r).as_secs_f64()
-                        ),
-                        _ => String::new(),
-                    };
-                    // A request that waited (queued behind other loads, or
-                    // an operator that was slow to see it) says how long:
-                    // the queue has no event of its own.
-                    let requested = recorded_time(st.last_requested.as_deref());
-                    let waited = match (requested, admitted) {
-                        (Some(q), Some(a)) if q.duration_until(a).as_secs_f64() >= 1.0 => {
-                            format!(
-                                " (requested {:.0}s before that)",
-                                q.duration_until(a).as_secs_f64()
-                            )
-                        }
-                        _ => String::new(),
-                    };
-                    format!(
-                        "{} loaded ({size}): Ready on {where_}{after}{waited}",
-                        st.name
-                    )
-                }
+                ModelState::Loaded => loaded_message(
+                    &st.name,
+                    size,
+                    &where_,
+                    recorded_time(Some(&admitted)),
+                    recorded_time(st.loaded_at.as_deref()),
+                    recorded_time(st.last_requested.as_deref()),
+                ),
                 state if state.is_resident() => {
                     st.admitted_at = Some(admitted);
                     continue;
@@ -383,4 +364,35 @@ impl<'a> Decider<'a> {
         c.hits += self.cancelled_sleeps;
         c
     }
+}
+
+/// A load's `Loaded` event when its pod is Ready: where, how long after its
+/// admission, and, when its request waited (queued behind other loads, or
+/// an operator slow to see it: the queue has no event of its own), how
+/// long before that it was requested.
+pub(super) fn loaded_message(
+    name: &str,
+    size: &str,
+    where_: &str,
+    admitted: Option<Timestamp>,
+    ready: Option<Timestamp>,
+    requested: Option<Timestamp>,
+) -> String {
+    let secs = |from: Timestamp, to: Timestamp| from.duration_until(to).as_secs_f64();
+    // A pod's Ready time has whole seconds: one within a second of the
+    // admission may even read before it.
+    let after = match (admitted, ready) {
+        (Some(a), Some(r)) if secs(a, r) >= 1.0 => {
+            format!(", {:.0}s after it was admitted", secs(a, r))
+        }
+        (Some(_), Some(_)) => ", within a second of its admission".to_owned(),
+        _ => String::new(),
+    };
+    let waited = match (requested, admitted) {
+        (Some(q), Some(a)) if secs(q, a) >= 1.0 => {
+            format!(" (requested {:.0}s before that)", secs(q, a))
+        }
+        _ => String::new(),
+    };
+    format!("{name} loaded ({size}): Ready on {where_}{after}{waited}")
 }

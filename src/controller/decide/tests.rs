@@ -748,6 +748,26 @@ fn a_load_is_announced_once_when_ready_or_when_gone_before() {
     assert!(d.status.models.iter().all(|m| m.admitted_at.is_none()));
 }
 
+/// A pod's Ready time has whole seconds, so one within a second of the
+/// admission may read before it: "within a second", never "0s".
+#[test]
+fn a_ready_within_a_second_of_its_admission_says_so() {
+    let message = |admitted: i64, ready: i64| {
+        super::settle::loaded_message(
+            "a",
+            "4Gi",
+            "node node-a GPU 0",
+            Some(at(admitted)),
+            Some(at(ready)),
+            Some(at(admitted)),
+        )
+    };
+    let within = "a loaded (4Gi): Ready on node node-a GPU 0, within a second of its admission";
+    assert_eq!(message(5, 5), within);
+    assert_eq!(message(5, 4), within);
+    assert!(message(5, 9).ends_with(", 4s after it was admitted"));
+}
+
 /// A request that finds the GPU full of models whose status still says
 /// Loading, but whose pods the pod cache shows Ready, evicts by LRU: those
 /// models are loaded, and the request is not queued behind them (a storm
