@@ -59,13 +59,18 @@ fn early_progress(p: &ModelStatus, n: &ModelStatus, now: Timestamp) -> Option<Du
     };
     let steps = is(p, &[Reason::WaitingForVram, Reason::PodCreated])
         && is(n, &[Reason::PodCreated, Reason::PodStarting]);
+    // The cheap test first: this runs for a changed model of every
+    // decision, most of which are no such step.
+    if !steps {
+        return None;
+    }
     let progress_only = ModelStatus {
         reason: n.reason.clone(),
         message: n.message.clone(),
         pod: n.pod.clone(),
         ..p.clone()
     } == *n;
-    if !(steps && progress_only) {
+    if !progress_only {
         return None;
     }
     // Admitted by this operator's clock; one ahead of it holds nothing.
