@@ -306,8 +306,18 @@ pub struct ModelResidencyStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub served: Option<u64>,
     /// One entry per registry model, plus one per demanded unknown model.
+    /// Written whole by the operator (the only writer of this status): an
+    /// atomic list.
+    // Atomic, not a map keyed by name: as a map, every field of every entry
+    // was listed in the operator's managedFields entry (about 4 KB of a
+    // 20 KB object at 21 models), which the API server reads and writes on
+    // every write to the object (the router's demand writes included),
+    // and a field of one entry that another writer took over by
+    // server-side apply stayed when the operator dropped the entry,
+    // leaving it without its required `state`: every later status write
+    // was refused (422). docs/performance.md has the write costs.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    #[schemars(extend("x-kubernetes-list-type" = "atomic"))]
     pub models: Vec<ModelStatus>,
     /// Running totals since the object was created.
     #[serde(default)]

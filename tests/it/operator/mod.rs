@@ -354,6 +354,52 @@ async fn a_grown_model_is_readmitted_and_a_removed_one_unloaded() {
 
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_stray_status_writer_cannot_keep_a_model_entry_the_operator_drops() {
+    let h = Harness::start("stray-status").await;
+    h.create("gpu", "10Gi", &[("a", "3Gi", false), ("b", "3Gi", false)])
+        .await;
+    for m in ["a", "b"] {
+        h.request("gpu", m).await;
+    }
+    // Someone takes over one field of b's entry by server-side apply (a
+    // script fixing a counter, a second operator under another name).
+    // With status.models a list keyed by name, this was accepted, and the
+    // operator's later write without b left the entry with only `name` and
+    // `failures`: refused (state is required) at every write after. As an
+    // atomic list the partial entry is refused itself; whatever the API
+    // server answers, the operator must keep writing its status.
+    let stray = json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": "gpu"},
+        "status": {"models": [{"name": "b", "failures": 3}]},
+    });
+    let pp = kube::api::PatchParams::apply("stray-writer").force();
+    let _ = h
+        .api
+        .patch_status("gpu", &pp, &kube::api::Patch::Apply(&stray))
+        .await;
+    // b leaves the registry and its demand: its entry goes.
+    let r = h.api.get("gpu").await.unwrap();
+    h.patch_spec(
+        "gpu",
+        json!({"models": [r.spec.models[0]], "demand": {"b": null}}),
+    )
+    .await;
+    let r = h.converged("gpu").await;
+    let names: Vec<&str> = r
+        .status
+        .as_ref()
+        .unwrap()
+        .models
+        .iter()
+        .map(|m| &*m.name)
+        .collect();
+    assert_eq!(names, ["a"]);
+    assert_eq!(h.pods_of("gpu").await.0, BTreeSet::from(["a".to_owned()]));
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn a_deleted_pod_is_recreated_and_a_failed_one_degrades() {
     let h = Harness::start("pod-faults").await;
     h.create("gpu", "16000Mi", SEED).await;
