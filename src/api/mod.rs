@@ -315,16 +315,19 @@ pub struct ModelResidencyStatus {
     // and a field of one entry that another writer took over by
     // server-side apply stayed when the operator dropped the entry,
     // leaving it without its required `state`: every later status write
-    // was refused (422). docs/performance.md has the write costs.
+    // was refused (422). docs/performance.md has the write costs. The
+    // conditions below are atomic for the second reason (BudgetExceedsDevice
+    // and CannotSleep are listed only while they hold).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "atomic"))]
     pub models: Vec<ModelStatus>,
     /// Running totals since the object was created.
     #[serde(default)]
     pub counters: Counters,
-    /// Ready, Refused and Degraded.
+    /// Ready, Refused and Degraded; BudgetExceedsDevice and CannotSleep
+    /// while they hold. Written whole by the operator: an atomic list.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    #[schemars(extend("x-kubernetes-list-type" = "atomic"))]
     pub conditions: Vec<Condition>,
     /// Only in the operator's cache of residencies: `models` and
     /// `conditions` kept deflated ([`crate::controller::cached`]); never

@@ -354,47 +354,61 @@ async fn a_grown_model_is_readmitted_and_a_removed_one_unloaded() {
 
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
-async fn a_stray_status_writer_cannot_keep_a_model_entry_the_operator_drops() {
+async fn a_stray_status_writer_cannot_keep_an_entry_the_operator_drops() {
     let h = Harness::start("stray-status").await;
     h.create("gpu", "10Gi", &[("a", "3Gi", false), ("b", "3Gi", false)])
         .await;
     for m in ["a", "b"] {
         h.request("gpu", m).await;
     }
-    // Someone takes over one field of b's entry by server-side apply (a
-    // script fixing a counter, a second operator under another name).
-    // With status.models a list keyed by name, this was accepted, and the
-    // operator's later write without b left the entry with only `name` and
-    // `failures`: refused (state is required) at every write after. As an
-    // atomic list the partial entry is refused itself; whatever the API
-    // server answers, the operator must keep writing its status.
-    let stray = json!({
-        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
-        "metadata": {"name": "gpu"},
-        "status": {"models": [{"name": "b", "failures": 3}]},
-    });
+    // A budget over the device's 80Gi: the BudgetExceedsDevice condition,
+    // which is listed only while it holds.
+    h.patch_spec("gpu", json!({"budget": "100Gi"})).await;
+    eventually(30, "BudgetExceedsDevice", || async {
+        let r = h.api.get("gpu").await.unwrap();
+        let s = r.status?;
+        s.conditions
+            .iter()
+            .any(|c| c.type_ == "BudgetExceedsDevice")
+            .then_some(())
+    })
+    .await;
+    // Someone takes over one field of b's entry, and one of that
+    // condition, by server-side apply (a script fixing a counter, a second
+    // operator under another name). With lists keyed by name and type this
+    // was accepted, and the operator's later write without them left each
+    // entry with only its key and that field: refused (state, status and
+    // reason are required) at every write after. As atomic lists the
+    // partial entries are refused themselves; whatever the API server
+    // answers, the operator must keep writing its status.
     let pp = kube::api::PatchParams::apply("stray-writer").force();
-    let _ = h
-        .api
-        .patch_status("gpu", &pp, &kube::api::Patch::Apply(&stray))
-        .await;
-    // b leaves the registry and its demand: its entry goes.
+    for status in [
+        json!({"models": [{"name": "b", "failures": 3}]}),
+        json!({"conditions": [{"type": "BudgetExceedsDevice", "message": "mine"}]}),
+    ] {
+        let stray = json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+            "metadata": {"name": "gpu"}, "status": status,
+        });
+        let _ = h
+            .api
+            .patch_status("gpu", &pp, &kube::api::Patch::Apply(&stray))
+            .await;
+    }
+    // The budget fits again and b leaves the registry and its demand: the
+    // condition and b's entry go.
     let r = h.api.get("gpu").await.unwrap();
     h.patch_spec(
         "gpu",
-        json!({"models": [r.spec.models[0]], "demand": {"b": null}}),
+        json!({"budget": "10Gi", "models": [r.spec.models[0]], "demand": {"b": null}}),
     )
     .await;
     let r = h.converged("gpu").await;
-    let names: Vec<&str> = r
-        .status
-        .as_ref()
-        .unwrap()
-        .models
-        .iter()
-        .map(|m| &*m.name)
-        .collect();
+    let s = r.status.as_ref().unwrap();
+    let names: Vec<&str> = s.models.iter().map(|m| &*m.name).collect();
     assert_eq!(names, ["a"]);
+    let types: Vec<&str> = s.conditions.iter().map(|c| &*c.type_).collect();
+    assert_eq!(types, ["Ready", "Refused", "Degraded"]);
     assert_eq!(h.pods_of("gpu").await.0, BTreeSet::from(["a".to_owned()]));
 }
 
