@@ -22,4 +22,4 @@ MODEL_RESIDENCY_REAL_NODE=$(bash scripts/real-node.sh install) && export MODEL_R
 bash scripts/build-tools.sh
 echo "[demo] building model-residency (release)..." >&2
 cargo build --release --locked --quiet
-exec ./target/release/model-residency demo "$@"
+exec "${CARGO_TARGET_DIR:-target}/release/model-residency" demo "$@"

@@ -88,7 +88,7 @@ if [ ${#run_ignored[@]} -gt 0 ]; then
     sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n1)
   [ -x "$it" ] || { echo "error: no integration test binary" >&2; exit 1; }
   if [ "$real_node" = true ]; then
-    target/debug/model-residency lane -- "$it" on_real_node:: --include-ignored --test-threads=1 2>&1 | tee -a "$log" || status=1
+    "${CARGO_TARGET_DIR:-target}/debug/model-residency" lane -- "$it" on_real_node:: --include-ignored --test-threads=1 2>&1 | tee -a "$log" || status=1
   else
     # Not provisioned (and not CI): listed as skipped.
     "$it" on_real_node:: 2>&1 | tee -a "$log" || status=1

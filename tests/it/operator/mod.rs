@@ -379,8 +379,7 @@ async fn a_stray_status_writer_cannot_keep_an_entry_the_operator_drops() {
     // was accepted, and the operator's later write without them left each
     // entry with only its key and that field: refused (state, status and
     // reason are required) at every write after. As atomic lists the
-    // partial entries are refused themselves; whatever the API server
-    // answers, the operator must keep writing its status.
+    // partial entries are refused themselves.
     let pp = kube::api::PatchParams::apply("stray-writer").force();
     for status in [
         json!({"models": [{"name": "b", "failures": 3}]}),
@@ -390,10 +389,14 @@ async fn a_stray_status_writer_cannot_keep_an_entry_the_operator_drops() {
             "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
             "metadata": {"name": "gpu"}, "status": status,
         });
-        let _ = h
+        let result = h
             .api
             .patch_status("gpu", &pp, &kube::api::Patch::Apply(&stray))
             .await;
+        assert!(
+            matches!(&result, Err(kube::Error::Api(s)) if s.code == 422),
+            "a partial entry was not refused: {result:?}"
+        );
     }
     // The budget fits again and b leaves the registry and its demand: the
     // condition and b's entry go.
