@@ -78,13 +78,20 @@ pub async fn run(
     let pod_events = pod_events(&ctx, pods);
     let cache_events = node_cache_events(ctx.clone(), store.clone()).await;
     let gpu_events = gpu_events(ctx.clone(), namespace.as_deref(), store.clone()).await;
-    let sync = tokio::spawn(mark_synced(store.clone(), ctx.clone(), synced));
-    let copies = tokio::spawn(crate::controller::copies::run(
+    // Ended with this function however it ends: a lost lease aborts it
+    // (`Term`), and a copy scaler left running would go on adding and
+    // removing copies beside the new leader's.
+    let _sync = AbortOnDrop(tokio::spawn(mark_synced(
+        store.clone(),
+        ctx.clone(),
+        synced,
+    )));
+    let _copies = AbortOnDrop(tokio::spawn(crate::controller::copies::run(
         ctx.clone(),
         namespace.clone(),
         store.clone(),
         ctx.copies.clone(),
-    ));
+    )));
     controller
         .reconcile_on(futures::stream::select(
             futures::stream::select(futures::stream::select(pod_events, claim_rx), asked_rx),
@@ -108,8 +115,6 @@ pub async fn run(
     // A graceful shutdown lets the lane's reconciles finish as the
     // controller's did (an aborted run drops them with the lane).
     lane.finish().await;
-    sync.abort();
-    copies.abort();
 }
 
 /// The residency watch: compacted into the cache, recording deletions and

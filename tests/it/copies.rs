@@ -441,3 +441,58 @@ async fn inference_pools_select_exactly_the_copies_that_serve() {
     })
     .await;
 }
+
+/// A "router" that counts the requests for its counts (one per connection,
+/// as the copy scaler sends them) and answers each with nothing.
+async fn counting_router() -> (SocketAddr, Arc<AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let polls = Arc::new(AtomicUsize::new(0));
+    let counted = polls.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                let mut head = [0u8; 4096];
+                if stream.read(&mut head).await.is_ok_and(|n| n > 0) {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    let answer =
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
+                    let _ = stream.write_all(answer).await;
+                }
+            });
+        }
+    });
+    (addr, polls)
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn the_copy_scaler_stops_with_its_operators_term() {
+    let mut h = Harness::start("copies-term").await;
+    let (addr, polls) = counting_router().await;
+    h.stop_operator().await;
+    h.copies = CopiesConfig {
+        routers: vec![addr],
+        tick: Duration::from_millis(100),
+        ..CopiesConfig::default()
+    };
+    h.start_operator();
+    eventually(30, "the copy scaler to read the router", || async {
+        (polls.load(Ordering::SeqCst) >= 3).then_some(())
+    })
+    .await;
+    // A lost lease aborts the leader's controller task; the copy scaler it
+    // started (and its removals) must end with it, or the old leader goes
+    // on adding and removing copies beside the new one.
+    h.abort_operator().await;
+    let at_abort = polls.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let after = polls.load(Ordering::SeqCst);
+    assert!(
+        after <= at_abort + 1,
+        "the copy scaler read the router {} more times in the second after its term ended (a tick is 100 ms)",
+        after - at_abort
+    );
+}

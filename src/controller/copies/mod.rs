@@ -111,6 +111,9 @@ struct Scaler {
     draining: Arc<Mutex<HashSet<(String, String, String)>>>,
     /// Models whose wanted copy had no home at the last tick.
     unplaced: HashSet<String>,
+    /// The removals under way: aborted with the scaler (a removal of a
+    /// scaler whose term ended must not write beside the next one's).
+    removals: tokio::task::JoinSet<()>,
 }
 
 /// Runs until the task is dropped.
@@ -129,12 +132,14 @@ pub async fn run(
         models: HashMap::new(),
         draining: Arc::default(),
         unplaced: HashSet::new(),
+        removals: tokio::task::JoinSet::new(),
     };
     scaler.release_stale_drains().await;
     let mut ticks = tokio::time::interval(scaler.config.tick);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
+        while scaler.removals.try_join_next().is_some() {}
         let (in_flight, complete) = scaler.read_routers().await;
         scaler.round(&in_flight, complete).await;
     }
@@ -454,7 +459,7 @@ impl Scaler {
             self.config.drain_grace,
             self.draining.clone(),
         );
-        tokio::spawn(async move {
+        self.removals.spawn(async move {
             enact::drain_and_retire(&ctx, &store, &key, grace).await;
             draining.lock().expect("draining lock").remove(&key);
         });

@@ -154,6 +154,17 @@ impl Harness {
         }
     }
 
+    /// Aborts the operator's task at once, without its graceful shutdown:
+    /// what a lost lease does to the leader's controller (operator::Term).
+    pub async fn abort_operator(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+            let _ = task.await;
+        }
+        // Dropped only now: a dropped sender is a graceful shutdown.
+        self.stop.take();
+    }
+
     /// Creates a residency on the test's node with a server template per
     /// model, on a GPU of its own (two residencies on one GPU conflict).
     pub async fn create(&self, name: &str, budget: &str, models: &[Model<'_>]) -> ModelResidency {
