@@ -442,36 +442,14 @@ async fn inference_pools_select_exactly_the_copies_that_serve() {
     .await;
 }
 
-/// A "router" that counts the requests for its counts (one per connection,
-/// as the copy scaler sends them) and answers each with nothing.
-async fn counting_router() -> (SocketAddr, Arc<AtomicUsize>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let polls = Arc::new(AtomicUsize::new(0));
-    let counted = polls.clone();
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            let counted = counted.clone();
-            tokio::spawn(async move {
-                let mut head = [0u8; 4096];
-                if stream.read(&mut head).await.is_ok_and(|n| n > 0) {
-                    counted.fetch_add(1, Ordering::SeqCst);
-                    let answer =
-                        b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
-                    let _ = stream.write_all(answer).await;
-                }
-            });
-        }
-    });
-    (addr, polls)
-}
-
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn the_copy_scaler_stops_with_its_operators_term() {
     let mut h = Harness::start("copies-term").await;
-    let (addr, polls) = counting_router().await;
+    // Any loopback server that counts its requests stands in for the
+    // router: the scaler's reads of it are what is counted (its 404s
+    // decide nothing).
+    let (addr, polls) = crate::support::artifact_server::serve().await;
     h.stop_operator().await;
     h.copies = CopiesConfig {
         routers: vec![addr],

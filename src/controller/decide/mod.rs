@@ -151,24 +151,10 @@ pub fn decide(input: &Observed<'_>) -> Decision {
     match validate_with_budget(r, bytes) {
         Ok(valid) => {
             let mut d = Decider::new(input, previous, valid, budget).run();
-            hold_early_progress(&mut d, previous, input.now);
+            progress::hold_early_progress(&mut d, previous, input.now);
             d
         }
         Err(problem) => invalid(input, previous, &problem),
-    }
-}
-
-/// A decision whose only news is a load's first moments keeps the
-/// previous status until they are over ([`progress`]), and looks again
-/// then. Not with events (an event never announces what the status does
-/// not show yet) or calls to make.
-fn hold_early_progress(d: &mut Decision, previous: &ModelResidencyStatus, now: Timestamp) {
-    if !d.events.is_empty() || !d.calls.is_empty() {
-        return;
-    }
-    if let Some(wait) = progress::hold(previous, &d.status, now) {
-        d.status = previous.clone();
-        d.requeue_after = Some(d.requeue_after.map_or(wait, |r| r.min(wait)));
     }
 }
 

@@ -8,6 +8,7 @@
 //! written at once; a held status is written by the end of the hold, so
 //! `kubectl` is at most that far behind a load that takes longer.
 
+use super::Decision;
 use crate::api::{ModelResidencyStatus, ModelState, ModelStatus};
 use crate::residency::reasons::Reason;
 use crate::residency::state::recorded_time;
@@ -16,6 +17,24 @@ use std::time::Duration;
 
 /// How long after its admission a load's progress may go unwritten.
 pub(super) const PROGRESS_HOLD: Duration = Duration::from_secs(2);
+
+/// A decision whose only news is a load's first moments keeps the
+/// previous status until they are over (the module docs), and looks again
+/// then. Not with events (an event never announces what the status does
+/// not show yet) or calls to make.
+pub(super) fn hold_early_progress(
+    d: &mut Decision,
+    previous: &ModelResidencyStatus,
+    now: Timestamp,
+) {
+    if !d.events.is_empty() || !d.calls.is_empty() {
+        return;
+    }
+    if let Some(wait) = hold(previous, &d.status, now) {
+        d.status = previous.clone();
+        d.requeue_after = Some(d.requeue_after.map_or(wait, |r| r.min(wait)));
+    }
+}
 
 /// How long `next` may wait unwritten in place of `prev`, if all that
 /// differs are loads admitted less than [`PROGRESS_HOLD`] ago moving from

@@ -148,10 +148,7 @@ impl Harness {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
-        if let Some(task) = self.task.take() {
-            task.abort();
-            let _ = task.await;
-        }
+        self.abort_operator().await;
     }
 
     /// Aborts the operator's task at once, without its graceful shutdown:
