@@ -10,7 +10,12 @@ whose artifact is not on disk waits for its fetch: --fetch S seconds per
 GiB, default 1.5, the node agent's own figure), and the tables gain the
 fetches.
 
-Usage: trace-table.py BINARY DIR [REQUESTS] [--host 256Gi] [--disk Q [--fetch S]]"""
+With --ceilings two more rows: `rate` + warm with each model's share known
+(the rates the trace was drawn with, traces.py's rates.csv) and clairvoyant
+(each model's next request known): how much of the waiting left is the rate
+estimate's and how much its keys'. Measurements, not policies.
+
+Usage: trace-table.py BINARY DIR [REQUESTS] [--host 256Gi] [--disk Q [--fetch S]] [--ceilings]"""
 import json
 import os
 import subprocess
@@ -30,6 +35,9 @@ def main():
         del argv[i : i + 2]
         return value
 
+    ceilings = "--ceilings" in argv
+    if ceilings:
+        argv.remove("--ceilings")
     host = option("--host", "256Gi")
     disk = option("--disk", None)
     fetch = option("--fetch", None)
@@ -50,10 +58,15 @@ def main():
     ]
     for kind in KINDS:
         out = os.path.join(root, f"{kind}-{requests}")
-        if not os.path.exists(os.path.join(out, "trace.csv")):
+        if not os.path.exists(os.path.join(out, "rates.csv")):
             subprocess.run([sys.executable, os.path.join(HERE, "traces.py"), kind, out, requests], check=True)
+        rate_warm = ["--eviction", "rate", "--warm-budget", host]
+        known = [
+            (f"`rate` + warm, rates known (ceiling)", rate_warm + ["--known-rates", os.path.join(out, "rates.csv")]),
+            (f"`rate` + warm, clairvoyant (ceiling)", rate_warm + ["--clairvoyant"]),
+        ] if ceilings else []
         rows = []
-        for name, flags in policies:
+        for name, flags in policies + known:
             cmd = [binary, "simulate", "--budget", "64Gi", "--registry", os.path.join(out, "registry.yaml"),
                    "--trace", os.path.join(out, "trace.csv"), "--output", "json", *flags, *extra]
             r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)

@@ -18,6 +18,10 @@ one a second on average, and popularity is shuffled against registry order.
   bursts    the zipf trace's 20 models, and every 10 minutes on average one of
             40 cold models gets a burst: 20-60 requests within 5 seconds
 
+Each also writes DIR/rates.csv, `row,model,share`: from request `row` (from
+0) on, the probability that a request is for `model`, as the trace was drawn
+(`simulate --known-rates`, a ceiling of `--eviction rate`).
+
 Usage: traces.py KIND DIR [REQUESTS] [--same-costs] [--seed N]
 (--same-costs: every load 60 s, every wake 3 s; default seed 11)."""
 import math
@@ -47,28 +51,37 @@ def zipf_weights(n):
     return weights
 
 
+def shares(rates, row, names, weights, scale=1.0):
+    """From `row` on, each of `names` is its weight's share (times `scale`)."""
+    total = sum(weights)
+    for name, w in zip(names, weights):
+        rates.append((row, name, scale * w / total))
+
+
 def registry(out, names, same):
     with open(os.path.join(out, "registry.yaml"), "w") as f:
         for name in names:
             f.write(model_line(name, same))
 
 
-def zipf(out, requests, same):
+def zipf(out, requests, same, rates):
     # The draws in the order warm-trace.py made them: its trace, exactly.
     names = [f"m{i}" for i in range(20)]
     registry(out, names, same)
     weights = zipf_weights(20)
+    shares(rates, 0, names, weights)
     t = 0.0
     for _ in range(requests):
         t += random.expovariate(1.0)
         yield t, names[random.choices(range(20), weights=weights)[0]]
 
 
-def shifting(out, requests, same):
+def shifting(out, requests, same, rates):
     names = [f"m{i}" for i in range(40)]
     registry(out, names, same)
     weights, hour, t = zipf_weights(40), 0, 0.0
-    for _ in range(requests):
+    shares(rates, 0, names, weights)
+    for row in range(requests):
         # Thinning: a Poisson process of rate 1.8/s, each arrival kept with
         # the day's rate over that (0.2-1.8 a second, 1 on average).
         while True:
@@ -79,40 +92,73 @@ def shifting(out, requests, same):
         if int(t // 3600) != hour:
             hour = int(t // 3600)
             weights = zipf_weights(40)
+            shares(rates, row, names, weights)
         yield t, names[random.choices(range(40), weights=weights)[0]]
 
 
-def scan(out, requests, same):
+def scan(out, requests, same, rates):
     hot = [f"m{i}" for i in range(20)]
     tail = [f"once{i}" for i in range(requests // 10)]
     registry(out, hot + tail, same)
     weights = zipf_weights(20)
+    # The tail is a tenth of the requests while it lasts, each model of it
+    # asked for once: after its row, never.
+    shares(rates, 0, hot, weights, 0.9)
     t, next_tail = 0.0, 0
-    for _ in range(requests):
+    for row in range(requests):
         t += random.expovariate(1.0)
         if random.random() < 0.1 and next_tail < len(tail):
+            rates.append((row + 1, tail[next_tail], 0.0))
             yield t, tail[next_tail]
             next_tail += 1
         else:
             yield t, hot[random.choices(range(20), weights=weights)[0]]
 
 
-def bursts(out, requests, same):
+def bursts(out, requests, same, rates):
     hot = [f"m{i}" for i in range(20)]
     cold = [f"cold{i}" for i in range(40)]
     registry(out, hot + cold, same)
     weights = zipf_weights(20)
-    t, events, next_burst = 0.0, [], random.expovariate(1 / 600)
+    t, events, next_burst, drawn = 0.0, [], random.expovariate(1 / 600), []
     while len(events) < requests:
         t += random.expovariate(1.0)
         while next_burst < t:
             model = random.choice(cold)
-            for _ in range(random.randint(20, 60)):
+            n = random.randint(20, 60)
+            drawn.append((next_burst, model, n))
+            for _ in range(n):
                 events.append((next_burst + random.uniform(0, 5), model))
             next_burst += random.expovariate(1 / 600)
         events.append((t, hot[random.choices(range(20), weights=weights)[0]]))
     events.sort()
-    yield from events[:requests]
+    events = events[:requests]
+    burst_rates(rates, events, hot, weights, drawn)
+    yield from events
+
+
+def burst_rates(rates, events, hot, weights, drawn):
+    """The hot models come at one a second in all; a burst of n adds n/5 a
+    second for its 5 s: each model's share is its part of the sum, changing
+    at the first row after a burst starts or ends."""
+    edges = sorted([(start, +1, model, n) for start, model, n in drawn] +
+                   [(start + 5, -1, model, n) for start, model, n in drawn])
+    active, e = {}, 0
+    shares(rates, 0, hot, weights)
+    for row, (t, _) in enumerate(events):
+        changed = False
+        while e < len(edges) and edges[e][0] <= t:
+            _, sign, model, n = edges[e]
+            active[model] = active.get(model, 0.0) + sign * n / 5
+            if active[model] <= 1e-9:
+                del active[model]
+                rates.append((row, model, 0.0))
+            changed, e = True, e + 1
+        if changed:
+            total = 1.0 + sum(active.values())
+            shares(rates, row, hot, weights, 1.0 / total)
+            for model, rate in active.items():
+                rates.append((row, model, rate / total))
 
 
 KINDS = {"zipf": zipf, "shifting": shifting, "scan": scan, "bursts": bursts}
@@ -132,10 +178,16 @@ def main():
     requests = int(args[2]) if len(args) > 2 else 100_000
     random.seed(seed)
     os.makedirs(out, exist_ok=True)
+    rates = []
     with open(os.path.join(out, "trace.csv"), "w") as f:
         f.write("time,model\n")
-        for t, model in KINDS[kind](out, requests, same):
+        for t, model in KINDS[kind](out, requests, same, rates):
             f.write(f"{t:.3f},{model}\n")
+    rates.sort(key=lambda r: r[0])
+    with open(os.path.join(out, "rates.csv"), "w") as f:
+        f.write("row,model,share\n")
+        for row, model, share in rates:
+            f.write(f"{row},{model},{share:.6g}\n")
 
 
 if __name__ == "__main__":

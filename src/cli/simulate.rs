@@ -7,6 +7,7 @@ use model_residency::engine::copies::CopyPolicy;
 use model_residency::quantity::parse_bytes;
 use model_residency::registry;
 use model_residency::simulate::fleet::{FleetOptions, replay_fleet};
+use model_residency::simulate::foresight::Foresight;
 use model_residency::simulate::trace::TraceReader;
 use model_residency::simulate::{ReplayOptions, Report, replay_names, replay_trace};
 use std::io::IsTerminal;
@@ -58,6 +59,24 @@ pub struct Args {
     /// costs, with host admission).
     #[arg(long, value_enum, default_value_t = EvictionArg::Lru)]
     eviction: EvictionArg,
+    /// A ceiling for `--eviction rate` (#39): its keys take each model's
+    /// share of the requests from this CSV file (`row,model,share`: from
+    /// trace row `row`, from 0, on), the rates the trace was drawn with
+    /// (`scripts/traces.py` writes `rates.csv`), instead of estimating
+    /// them. A measurement, not a policy. Needs --trace.
+    #[arg(
+        long,
+        requires = "trace",
+        value_name = "FILE",
+        conflicts_with = "clairvoyant"
+    )]
+    known_rates: Option<PathBuf>,
+    /// A ceiling for `--eviction rate` (#39): its keys take each model's
+    /// next request from the trace itself (read once first), as if it
+    /// knew the future: farthest next use, weighed by cost per GiB. A
+    /// measurement, not a policy. Needs --trace.
+    #[arg(long, requires = "trace")]
+    clairvoyant: bool,
     /// Load seconds of models whose registry entry has no loadTime.
     #[arg(long, value_name = "SECONDS")]
     load_seconds: Option<f64>,
@@ -179,7 +198,18 @@ pub fn run(args: Args) -> Result<(), Failure> {
     if args.fleet.gpus == 0 {
         return Err(Failure::bad_input("--gpus must be at least 1"));
     }
+    let ceiling = args.known_rates.is_some() || args.clairvoyant;
+    if ceiling && !matches!(args.eviction, EvictionArg::Rate) {
+        return Err(Failure::bad_input(
+            "--known-rates and --clairvoyant are ceilings of --eviction rate's keys: add --eviction rate",
+        ));
+    }
     if let (Some(path), true) = (&args.trace, args.fleet.gpus > 1) {
+        if ceiling {
+            return Err(Failure::bad_input(
+                "--known-rates and --clairvoyant replay one GPU: not with --gpus",
+            ));
+        }
         if args.keep_alive.is_some()
             || args.recency_resolution.is_some()
             || args.disk_budget.is_some()
@@ -234,10 +264,16 @@ pub fn run(args: Args) -> Result<(), Failure> {
                     })
                 }
             };
+            let foresight = match (&args.known_rates, args.clairvoyant) {
+                (Some(rates), _) => Some(Foresight::rates(rates).map_err(Failure::bad_input)?),
+                (None, true) => Some(Foresight::clairvoyant(path).map_err(Failure::bad_input)?),
+                (None, false) => None,
+            };
             let options = ReplayOptions {
                 keep_alive: args.keep_alive,
                 recency_resolution: args.recency_resolution,
                 disk,
+                foresight,
             };
             let report = replay_trace(&mut engine, &mut trace, options, |t| {
                 if let Some(bar) = &bar {

@@ -32,7 +32,7 @@ mod warm;
 
 use recency::{Linked, Links, RecencyList};
 use rustc_hash::FxHashMap;
-pub use warm::{Costs, Eviction, Sleep};
+pub use warm::{Costs, Eviction, Known, Sleep};
 
 /// VRAM sizes are whole bytes.
 pub type Bytes = u64;
@@ -174,6 +174,9 @@ struct Slot {
     /// by its age in requests, as of `rate_at`. Kept across evictions.
     rate: f64,
     rate_at: u64,
+    /// What a ceiling measurement knows of its future (`simulate` only):
+    /// it replaces the rate in [`Eviction::Rate`]'s keys.
+    known: Option<Known>,
     links: Links,
 }
 
@@ -252,6 +255,8 @@ pub struct Engine {
     /// Requests served (hits, wakes, loads) under [`Eviction::Rate`]: its
     /// clock.
     served: u64,
+    /// The request a ceiling measurement is at, for [`Known::NextRequest`].
+    known_at: u64,
 }
 
 impl Engine {
@@ -279,6 +284,7 @@ impl Engine {
             slept: Vec::new(),
             order: Vec::new(),
             served: 0,
+            known_at: 0,
         }
     }
 
@@ -384,6 +390,7 @@ impl Engine {
             last_used: 0,
             rate: 0.0,
             rate_at: 0,
+            known: None,
             links: Links::default(),
         });
         self.names.insert(name.into(), id);
@@ -724,6 +731,20 @@ impl Engine {
         slot.rate_at = at.min(self.served);
     }
 
+    /// Tells [`Eviction::Rate`] what is known of a model's future, in place
+    /// of its rate (a ceiling measurement in `simulate`: what the policy's
+    /// keys would do with better foresight than the past). `None` goes
+    /// back to the rate.
+    pub fn set_known(&mut self, id: ModelId, known: Option<Known>) {
+        self.slots.0[id.index()].known = known;
+    }
+
+    /// The request a ceiling measurement is at (its trace's row, from 0):
+    /// what [`Known::NextRequest`] counts from.
+    pub fn set_known_at(&mut self, request: u64) {
+        self.known_at = request;
+    }
+
     /// Carries [`Eviction::Rate`]'s clock over (see [`Engine::served`]).
     pub fn resume_served(&mut self, served: u64) {
         self.served = self.served.max(served);
@@ -1022,6 +1043,15 @@ impl Engine {
         warm::decayed(slot.rate, self.served.saturating_sub(slot.rate_at))
     }
 
+    /// What [`Eviction::Rate`]'s keys take as a model's rate: its decayed
+    /// rate, or what a ceiling measurement knows instead.
+    fn outlook(&self, slot: &Slot) -> f64 {
+        match slot.known {
+            None => self.rate_of(slot),
+            Some(known) => known.rate(self.known_at),
+        }
+    }
+
     /// One request served for `id`: the clock ticks and its rate counts it
     /// (a fraction of one when it follows its last request closely: a
     /// burst is one wake's worth of demand, not one per request). Only
@@ -1052,7 +1082,7 @@ impl Engine {
             } else {
                 warm::cost_and_room(s.size, s.sleep, s.asleep, s.costs)
             };
-            warm::expected_wait(self.rate_of(s), cost, room)
+            warm::expected_wait(self.outlook(s), cost, room)
         };
         order.sort_by(|&a, &b| {
             key(a).total_cmp(&key(b)).then(
@@ -1125,7 +1155,7 @@ impl Engine {
     /// less waiting than deleting `v` instead.
     fn worth_host_room(&self, v: ModelId, sleeping: &[u32], host: Bytes) -> bool {
         let slot = &self.slots.0[v.index()];
-        let gain = self.rate_of(slot) * (slot.costs.load - slot.costs.wake).max(0.0);
+        let gain = self.outlook(slot) * (slot.costs.load - slot.costs.wake).max(0.0);
         let mut used = self.host_used;
         let mut lost = 0.0;
         for &d in sleeping {
@@ -1134,7 +1164,7 @@ impl Engine {
             }
             let d = &self.slots.0[d as usize];
             used -= d.host();
-            lost += self.rate_of(d) * (d.costs.load - d.costs.wake).max(0.0);
+            lost += self.outlook(d) * (d.costs.load - d.costs.wake).max(0.0);
         }
         lost < gain
     }

@@ -132,6 +132,37 @@ impl std::str::FromStr for Eviction {
     }
 }
 
+/// What a ceiling measurement knows of a model's future (#39): given to
+/// [`Eviction::Rate`] in place of its rate estimate, it shows how much of
+/// the waiting left is the estimate's (the past's) and how much the keys'.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Known {
+    /// The probability that a request is for this model, from now on (the
+    /// rate its trace was drawn with).
+    Share(f64),
+    /// The request (a trace row, from 0) that next asks for it: the
+    /// clairvoyant ceiling, Belady's farthest-next-use weighed by cost per
+    /// GiB.
+    NextRequest(u64),
+    /// Never asked for again.
+    Never,
+}
+
+impl Known {
+    /// As a rate in the estimate's unit (requests, each decayed over the
+    /// half-life): a share `p` of the requests sums to `p` times the
+    /// half-life over ln 2; the next request `d` rows ahead reads as one
+    /// every `d`.
+    pub(super) fn rate(self, now: u64) -> f64 {
+        let mean_life = RATE_HALF_LIFE / std::f64::consts::LN_2;
+        match self {
+            Known::Share(p) => p * mean_life,
+            Known::NextRequest(at) => mean_life / at.saturating_sub(now).max(1) as f64,
+            Known::Never => 0.0,
+        }
+    }
+}
+
 /// What making room of a model would cost and free, by its state.
 pub(super) fn cost_and_room(
     size: Bytes,

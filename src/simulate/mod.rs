@@ -3,6 +3,7 @@
 
 pub mod disk;
 pub mod fleet;
+pub mod foresight;
 pub mod trace;
 
 use crate::engine::{Admission, Bytes, Engine, ModelId};
@@ -190,7 +191,7 @@ impl KeepAlive {
 }
 
 /// How a trace is replayed, in the trace's time unit.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Debug, Default)]
 pub struct ReplayOptions {
     /// Unload a model not requested for this long first, as the operator's
     /// `spec.keepAlive` does.
@@ -204,6 +205,9 @@ pub struct ReplayOptions {
     /// The node's disk tier: a load whose artifact is not on disk waits
     /// for its fetch too (see [`disk`]).
     pub disk: Option<disk::DiskOptions>,
+    /// A ceiling measurement for `--eviction rate`: what the replay tells
+    /// the policy of the future (see [`foresight`]).
+    pub foresight: Option<foresight::Foresight>,
 }
 
 /// The router's recency resolution in a replay: the writes it defers.
@@ -299,6 +303,8 @@ pub fn replay_trace(
         writes: 0,
     });
     let mut disk = options.disk.map(disk::Disk::new);
+    let mut foresight = options.foresight;
+    let mut row = 0;
     loop {
         let (id, line, time) = {
             let Some(row) = trace.next_row()? else { break };
@@ -326,6 +332,10 @@ pub fn replay_trace(
                 }
             }
         };
+        if let Some(f) = &mut foresight {
+            f.at(engine, row, id).map_err(|e| trace.error(e))?;
+        }
+        row += 1;
         if let Some(r) = &mut resolution {
             r.flush(engine, time, &mut idle);
         }

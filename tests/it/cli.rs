@@ -297,6 +297,70 @@ fn simulate_with_a_disk_tier_adds_the_fetches_of_what_is_not_on_disk() {
 }
 
 #[test]
+fn simulate_ceilings_of_rate_replace_its_estimate_with_the_future() {
+    let dir = tempfile::tempdir().unwrap();
+    // Room for two of three: c's load evicts a (asked for most so far)
+    // or b (asked for from then on).
+    let registry = "- {name: a, size: 8Gi, loadTime: 10s}\n- {name: b, size: 8Gi, loadTime: 10s}\n- {name: c, size: 8Gi, loadTime: 10s}\n";
+    let trace = "1,a\n2,a\n3,a\n4,b\n5,c\n6,b\n7,b\n8,b\n";
+    let rates = dir.path().join("rates.csv");
+    std::fs::write(&rates, "row,model,share\n0,a,0.1\n0,b,0.8\n0,c,0.1\n").unwrap();
+    let rates = rates.to_str().unwrap();
+    let simulate = |extra: &[&str]| {
+        let args = [&["--budget", "16Gi", "--output", "json"][..], extra].concat();
+        simulate_files(dir.path(), trace, registry, &args)
+    };
+    let loads = |extra: &[&str]| {
+        let out = simulate(extra);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let json: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+        json["loads"].as_u64().unwrap()
+    };
+    assert_eq!(loads(&["--eviction", "rate"]), 4, "the estimate keeps a");
+    assert_eq!(loads(&["--eviction", "rate", "--clairvoyant"]), 3);
+    assert_eq!(loads(&["--eviction", "rate", "--known-rates", rates]), 3);
+    for (bad, says) in [
+        (&["--clairvoyant"][..], "add --eviction rate"),
+        (
+            &["--eviction", "cost", "--known-rates", rates][..],
+            "add --eviction rate",
+        ),
+        (
+            &[
+                "--eviction",
+                "rate",
+                "--clairvoyant",
+                "--known-rates",
+                rates,
+            ][..],
+            "cannot be used with",
+        ),
+        (
+            &[
+                "--eviction",
+                "rate",
+                "--known-rates",
+                "/nonexistent/rates.csv",
+            ][..],
+            "/nonexistent/rates.csv: cannot read",
+        ),
+        (
+            &["--eviction", "rate", "--clairvoyant", "--gpus", "2"][..],
+            "not with --gpus",
+        ),
+    ] {
+        let out = simulate(bad);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{bad:?}: {err}");
+    }
+}
+
+#[test]
 fn a_demand_for_a_name_no_registry_can_list_is_refused_before_any_write() {
     // No cluster is reachable here: the name is refused before connecting.
     for verb in ["load", "unload"] {
