@@ -13,9 +13,11 @@
 //!   bare hyper forwarder (the HTTP stack's own ceiling, see
 //!   `bare_forwarder`) on one multi-thread runtime and in the router's
 //!   per-core shape, in
-//!   `--rounds` interleaved rounds: p50, p99, requests/s, and the medians
-//!   over the rounds of the router's added p50 against nginx's and of its
-//!   throughput over nginx's.
+//!   `--rounds` interleaved rounds: p50, p99, requests/s, the CPU each
+//!   proxy's own processes used per request (from /proc), and the medians
+//!   over the rounds of the router's added p50 against nginx's, of its
+//!   throughput over nginx's and of its CPU per request over nginx's and
+//!   over the bare per-core forwarder's.
 //! - **Cold path**: time to the first answer byte for a model that is not
 //!   resident, minus the pod's own creation-to-Ready time (both seen
 //!   through watches), against the ModelResidency write-to-watch round trip
@@ -170,7 +172,28 @@ struct Load {
     p50: Duration,
     p99: Duration,
     rps: f64,
+    /// Requests answered in the run (wrk's "N requests in").
+    requests: f64,
     errors: String,
+}
+
+/// CPU seconds `pid` and its children have used (nginx's master and its
+/// workers; a forwarder or the router alone).
+fn process_cpu(pid: u32) -> f64 {
+    let own = |p: u32| {
+        model_residency::local::control_plane::cpu_seconds_of(std::path::Path::new(&format!(
+            "/proc/{p}/stat"
+        )))
+        .unwrap_or(0.0)
+    };
+    let children =
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    own(pid)
+        + children
+            .split_whitespace()
+            .filter_map(|c| c.parse().ok())
+            .map(own)
+            .sum::<f64>()
 }
 
 fn parse_wrk_duration(s: &str) -> Duration {
@@ -228,6 +251,15 @@ fn wrk(tools: &Tools, script: &std::path::Path, addr: SocketAddr, conns: usize, 
         .find_map(|l| l.strip_prefix("Requests/sec:"))
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or_else(|| panic!("wrk printed no Requests/sec:\n{text}"));
+    let requests = text
+        .lines()
+        .find_map(|l| {
+            l.trim()
+                .split_once(" requests in ")
+                .map(|(n, _)| n.to_owned())
+        })
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("wrk printed no \"requests in\":\n{text}"));
     let errors = text
         .lines()
         .filter(|l| l.contains("Non-2xx") || l.contains("Socket errors"))
@@ -238,6 +270,7 @@ fn wrk(tools: &Tools, script: &std::path::Path, addr: SocketAddr, conns: usize, 
         p50: pct("50%"),
         p99: pct("99%"),
         rps,
+        requests,
         errors,
     }
 }
@@ -580,8 +613,8 @@ fn main() {
             "== hit path: POST /v1/chat/completions for one resident model, {secs} s per run, {rounds} rounds of the five targets back to back"
         );
         println!(
-            "{:<7} {:<6} {:<8} {:>10} {:>10} {:>12}  errors",
-            "conns", "round", "via", "p50 ms", "p99 ms", "requests/s"
+            "{:<7} {:<6} {:<8} {:>10} {:>10} {:>12} {:>12}  errors",
+            "conns", "round", "via", "p50 ms", "p99 ms", "requests/s", "cpu us/req"
         );
         let one = wrk_script(dir.path(), &hot[..1]);
         for conns in [1usize, 64] {
@@ -591,29 +624,41 @@ fn main() {
             let (mut added_gap, mut ratios) = (Vec::new(), Vec::new());
             let (mut bare_gap, mut bare_ratios) = (Vec::new(), Vec::new());
             let mut core_ratios = Vec::new();
+            // CPU per request of the proxy's own processes: steadier than
+            // throughput on two cores shared with wrk and the fake server.
+            let (mut cpu_nginx, mut cpu_core) = (Vec::new(), Vec::new());
             for round in 1..=rounds {
                 let mut row = Vec::new();
+                let mut cpu = Vec::new();
                 let targets = [
-                    ("direct", pod_addr),
-                    ("nginx", nginx_addr),
-                    ("router", router_addr),
-                    ("hyper", bare_addr),
-                    ("hyper-pc", core_addr),
+                    ("direct", pod_addr, None),
+                    ("nginx", nginx_addr, Some(_nginx.0.id())),
+                    ("router", router_addr, Some(_router.0.id())),
+                    ("hyper", bare_addr, Some(_bare.0.id())),
+                    ("hyper-pc", core_addr, Some(_core.0.id())),
                 ];
-                for (via, addr) in targets {
+                for (via, addr, pid) in targets {
                     let (tools, one) = (tools.clone(), one.clone());
+                    let before = pid.map(process_cpu);
                     let load = tokio::task::spawn_blocking(move || wrk(&tools, &one, addr, conns, secs))
                         .await
                         .unwrap();
+                    let per_request = pid
+                        .zip(before)
+                        .map(|(p, b)| (process_cpu(p) - b) / load.requests.max(1.0) * 1e6);
                     println!(
-                        "{conns:<7} {round:<6} {via:<8} {:>10.3} {:>10.3} {:>12.0}  {}",
+                        "{conns:<7} {round:<6} {via:<8} {:>10.3} {:>10.3} {:>12.0} {:>12}  {}",
                         ms(load.p50),
                         ms(load.p99),
                         load.rps,
+                        per_request.map_or("-".to_owned(), |c| format!("{c:.1}")),
                         load.errors
                     );
                     row.push(load);
+                    cpu.push(per_request.unwrap_or(f64::NAN));
                 }
+                cpu_nginx.push(cpu[2] / cpu[1]);
+                cpu_core.push(cpu[2] / cpu[4]);
                 let (direct, nginx, router, bare, core) =
                     (&row[0], &row[1], &row[2], &row[3], &row[4]);
                 let added = |via: &Load| ms(via.p50.saturating_sub(direct.p50));
@@ -648,6 +693,11 @@ fn main() {
             println!(
                 "   the bare forwarder in the router's shape (a runtime, listener and pool per core): throughput/nginx {:.2}x",
                 median(&mut core_ratios)
+            );
+            println!(
+                "   CPU per request (the proxy's own processes): router/nginx {:.2}x, router/bare per-core forwarder {:.2}x",
+                median(&mut cpu_nginx),
+                median(&mut cpu_core)
             );
         }
 
