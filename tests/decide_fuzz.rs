@@ -264,6 +264,9 @@ fn pods() -> impl Strategy<Value = Vec<ModelPod>> {
             waiting: None,
             reported: true,
             addr: None,
+            port: 8080,
+            serving_label: false,
+            draining: false,
             retire_at: None,
         });
     prop::collection::vec(pod, 0..6)
@@ -455,6 +458,9 @@ fn warm_case() -> impl Strategy<Value = (ModelResidency, Vec<ModelPod>)> {
                             waiting: None,
                             reported: true,
                             addr: None,
+                            port: 8080,
+                            serving_label: false,
+                            draining: false,
                             retire_at: None,
                         });
                     }

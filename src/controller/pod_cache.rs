@@ -194,6 +194,24 @@ impl PodCache {
         touched
     }
 
+    /// Visits every model pod it holds with its namespace and residency
+    /// (the copy scaler's InferencePool pass, instead of a list of every
+    /// model pod each tick), under the cache's lock: `visit` must not
+    /// wait. `false`, visiting nothing, until the first complete list is
+    /// in: an empty view then is not an empty cluster.
+    pub fn each(&self, mut visit: impl FnMut(&str, &str, &ModelPod)) -> bool {
+        if !*self.ready.borrow() {
+            return false;
+        }
+        let inner = self.inner.lock().unwrap();
+        for ((namespace, residency), pods) in &inner.live {
+            for e in pods {
+                visit(namespace, residency, &e.pod);
+            }
+        }
+        true
+    }
+
     /// The model pods of residency `name` in `namespace` owned by `uid`.
     pub fn owned(&self, namespace: &str, name: &str, uid: &str) -> Vec<ModelPod> {
         let inner = self.inner.lock().unwrap();

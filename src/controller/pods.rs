@@ -87,6 +87,13 @@ pub struct ModelPod {
     /// Where it serves (its IP and serving port), once it has an IP: where
     /// sleep and wake requests go.
     pub addr: Option<std::net::SocketAddr>,
+    /// Its serving port, IP or not (an InferencePool's target port).
+    pub port: u16,
+    /// Whether it carries the serving label as `true` (the copy scaler's
+    /// mark for InferencePools) and the draining label (a copy being
+    /// removed).
+    pub serving_label: bool,
+    pub draining: bool,
     /// When the copy scaler wants this copy off its GPU
     /// ([`RETIRE_ANNOTATION`](crate::residency::labels::RETIRE_ANNOTATION)).
     pub retire_at: Option<Box<str>>,
@@ -117,6 +124,8 @@ impl ModelPod {
                 .unwrap_or_else(|| format!("pod {}", phase.unwrap_or("stopped")))
         });
         let annotation = |key: &str| meta.annotations.as_ref().and_then(|a| a.get(key)).cloned();
+        let labels = meta.labels.as_ref()?;
+        let port = crate::residency::labels::serving_port(pod);
         Some(ModelPod {
             name: meta.name.as_deref()?.into(),
             uid: meta.uid.as_deref().unwrap_or_default().into(),
@@ -156,9 +165,12 @@ impl ModelPod {
             addr: status
                 .and_then(|s| s.pod_ip.as_deref())
                 .and_then(|ip| ip.parse::<std::net::IpAddr>().ok())
-                .map(|ip| {
-                    std::net::SocketAddr::new(ip, crate::residency::labels::serving_port(pod))
-                }),
+                .map(|ip| std::net::SocketAddr::new(ip, port)),
+            port,
+            serving_label: labels
+                .get(crate::residency::labels::SERVING_LABEL)
+                .is_some_and(|v| v == "true"),
+            draining: labels.contains_key(crate::residency::labels::DRAINING_LABEL),
             retire_at: annotation(crate::residency::labels::RETIRE_ANNOTATION).map(Into::into),
         })
     }

@@ -16,8 +16,9 @@
 //!   processed, as an evicted model's does. The label and the time go once
 //!   the model is no longer loaded there.
 //!
-//! Its reads (a list of ModelCopies each tick; of router pods and model
-//! pods when those are asked for) are not counted in
+//! Its reads (a list of ModelCopies each tick; of router pods when those
+//! are asked for; the model pods come from the operator's pod cache) are
+//! not counted in
 //! `model_residency_api_requests_total`, which counts the reconciler's
 //! requests and whose steady-state figure is writes; its writes are.
 //!

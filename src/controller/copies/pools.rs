@@ -5,18 +5,19 @@
 //! terminating) and taken off the others, and each pool is applied when it
 //! differs from what is there. A pool is owned (not controlled) by every
 //! residency listing its model, so it goes with the last of them; a model
-//! no residency lists any more loses its pool.
+//! no residency lists any more loses its pool. The pods are read from the
+//! operator's pod cache (its watch of the model pods), not listed each
+//! tick: at thousands of model pods a list every tick was thousands of
+//! pods serialized by the API server every few seconds.
 
 use super::Scaler;
 use crate::api::{
     EndpointPickerRef, InferencePool, InferencePoolSpec, ModelResidency, ModelState, PoolPort,
     PoolSelector,
 };
-use crate::residency::labels::{
-    DRAINING_LABEL, MANAGER, MODEL_LABEL, POOL_MODEL_LABEL, RESIDENCY_LABEL, SERVING_LABEL,
-    serving_port,
-};
-use k8s_openapi::api::core::v1::Pod;
+use crate::controller::pod_cache::PodCache;
+use crate::controller::pods::{ModelPod, PodPhase};
+use crate::residency::labels::{MANAGER, MODEL_LABEL, POOL_MODEL_LABEL, SERVING_LABEL};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Resource, ResourceExt};
@@ -31,21 +32,15 @@ pub struct PoolConfig {
 }
 
 /// Whether `pod` serves its model now, as `residency` says.
-fn serves(pod: &Pod, residency: Option<&ModelResidency>) -> bool {
-    let labels = pod.labels();
-    let (Some(model), Some(r)) = (labels.get(MODEL_LABEL), residency) else {
+fn serves(pod: &ModelPod, residency: Option<&ModelResidency>) -> bool {
+    let Some(r) = residency else {
         return false;
     };
-    let loaded = r.model_state(model) == ModelState::Loaded;
-    let ready = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
-    loaded
-        && ready
-        && !labels.contains_key(DRAINING_LABEL)
-        && pod.metadata.deletion_timestamp.is_none()
+    r.model_state(&pod.model) == ModelState::Loaded
+        && pod.phase == PodPhase::Live
+        && pod.ready_since.is_some()
+        && !pod.draining
+        && !pod.deleting
 }
 
 /// The pool `model` should have in `ns`, owned by its `homes` there.
@@ -88,15 +83,39 @@ fn pool_for(
     pool
 }
 
-/// The port the model's pods serve on: a pod's, else the default.
-fn port_of(model: &str, ns: &str, pods: &[Pod]) -> u16 {
-    pods.iter()
-        .find(|p| {
-            p.namespace().as_deref() == Some(ns)
-                && p.labels().get(MODEL_LABEL).map(String::as_str) == Some(model)
-        })
-        .map_or(crate::residency::labels::DEFAULT_MODEL_PORT, serving_port)
+/// A model pod's serving label to set (`true`) or take off, by namespace.
+type LabelChange = (String, String, bool);
+
+/// The serving label changes the pods need, as their residencies say, and
+/// a serving port of each model in each namespace (a pod's).
+fn survey(
+    cache: &PodCache,
+    residencies: &HashMap<(String, String), &Arc<ModelResidency>>,
+) -> Option<(Vec<LabelChange>, Ports)> {
+    let mut changes = Vec::new();
+    let mut ports = Ports::new();
+    // Each residency's status unpacked once a round, not once per pod.
+    let mut unpacked: HashMap<(String, String), Option<Arc<ModelResidency>>> = HashMap::new();
+    let ready = cache.each(|ns, residency, pod| {
+        ports
+            .entry((ns.to_owned(), pod.model.to_string()))
+            .or_insert(pod.port);
+        let key = (ns.to_owned(), residency.to_owned());
+        let owner = unpacked.entry(key).or_insert_with_key(|key| {
+            residencies
+                .get(key)
+                .map(|&r| crate::controller::cached::unpacked(r.clone()))
+        });
+        let want = serves(pod, owner.as_deref());
+        if want != pod.serving_label {
+            changes.push((ns.to_owned(), pod.name.to_string(), want));
+        }
+    });
+    ready.then_some((changes, ports))
 }
+
+/// A serving port per (namespace, model).
+type Ports = HashMap<(String, String), u16>;
 
 impl Scaler {
     /// One tick of the pools: the serving labels, then the pools.
@@ -105,36 +124,20 @@ impl Scaler {
         all: &BTreeMap<String, Vec<Arc<ModelResidency>>>,
         config: &PoolConfig,
     ) {
-        let pods: Api<Pod> = crate::cluster::api_in(&self.ctx.client, self.namespace.as_deref());
-        let pods = match pods.list(&ListParams::default().labels(MODEL_LABEL)).await {
-            Ok(list) => list.items,
-            Err(e) => {
-                tracing::warn!(error = %e, "pools: cannot list the model pods");
-                return;
-            }
-        };
         let residencies: HashMap<(String, String), &Arc<ModelResidency>> = all
             .values()
             .flatten()
             .map(|r| ((r.namespace().unwrap_or_default(), r.name_any()), r))
             .collect();
-        for pod in &pods {
-            let ns = pod.namespace().unwrap_or_default();
-            let owner = pod
-                .labels()
-                .get(RESIDENCY_LABEL)
-                .cloned()
-                .unwrap_or_default();
-            let owner = residencies
-                .get(&(ns.clone(), owner))
-                .map(|&r| crate::controller::cached::unpacked(r.clone()));
-            let want = serves(pod, owner.as_deref());
-            let has = pod.labels().get(SERVING_LABEL).map(String::as_str) == Some("true");
-            if want != has {
-                super::enact::set_label(&self.ctx, &ns, &pod.name_any(), SERVING_LABEL, want).await;
-            }
+        let Some((changes, ports)) = survey(&self.ctx.pods, &residencies) else {
+            // The pod cache's first list is not in (a new leader): an
+            // empty view would take every pool's port back to the default.
+            return;
+        };
+        for (ns, pod, want) in changes {
+            super::enact::set_label(&self.ctx, &ns, &pod, SERVING_LABEL, want).await;
         }
-        self.apply_pools(all, &pods, config).await;
+        self.apply_pools(all, &ports, config).await;
     }
 
     /// Applies each model's pool where it differs, deletes the pools of
@@ -142,7 +145,7 @@ impl Scaler {
     async fn apply_pools(
         &self,
         all: &BTreeMap<String, Vec<Arc<ModelResidency>>>,
-        pods: &[Pod],
+        ports: &Ports,
         config: &PoolConfig,
     ) {
         let api: Api<InferencePool> =
@@ -167,7 +170,10 @@ impl Scaler {
                     .push(r);
             }
             for (ns, homes) in by_ns {
-                let port = port_of(model, &ns, pods);
+                let port = ports
+                    .get(&(ns.clone(), model.clone()))
+                    .copied()
+                    .unwrap_or(crate::residency::labels::DEFAULT_MODEL_PORT);
                 wanted.push(pool_for(
                     model,
                     &ns,
@@ -220,6 +226,7 @@ impl Scaler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::residency::labels::{DRAINING_LABEL, RESIDENCY_LABEL};
     use serde_json::json;
 
     fn residency(state: &str) -> ModelResidency {
@@ -233,12 +240,15 @@ mod tests {
         .unwrap()
     }
 
-    fn pod(labels: serde_json::Value, ready: &str) -> Pod {
-        serde_json::from_value(json!({
+    /// A model pod as the pod cache holds it.
+    fn pod(labels: serde_json::Value, ready: &str) -> ModelPod {
+        let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(json!({
             "metadata": {"name": "p", "namespace": "ns", "labels": labels},
+            "spec": {"containers": [{"name": "s", "ports": [{"containerPort": 8001}]}]},
             "status": {"conditions": [{"type": "Ready", "status": ready}]},
         }))
-        .unwrap()
+        .unwrap();
+        ModelPod::from_pod(&pod).unwrap()
     }
 
     #[test]
@@ -256,6 +266,14 @@ mod tests {
         let draining =
             json!({MODEL_LABEL: "chat", RESIDENCY_LABEL: "gpu-0", DRAINING_LABEL: "true"});
         assert!(!serves(&pod(draining, "True"), Some(&loaded)));
+        let mut terminating = pod(json!({MODEL_LABEL: "chat"}), "True");
+        terminating.deleting = true;
+        assert!(!serves(&terminating, Some(&loaded)));
+        // What the pools and the labels read from the pod itself.
+        let marked = pod(json!({MODEL_LABEL: "chat", SERVING_LABEL: "true"}), "True");
+        assert!(marked.serving_label && !marked.draining);
+        assert_eq!(marked.port, 8001);
+        assert!(!pod(json!({MODEL_LABEL: "chat", SERVING_LABEL: "false"}), "True").serving_label);
     }
 
     #[test]

@@ -94,6 +94,9 @@ fn live(model: &str, size: u64, ready: bool, deleting: bool) -> ModelPod {
         waiting: None,
         reported: true,
         addr: None,
+        port: 8080,
+        serving_label: false,
+        draining: false,
         retire_at: None,
     }
 }
