@@ -31,16 +31,15 @@ pub struct PoolConfig {
     pub endpoint_picker: Option<EndpointPickerRef>,
 }
 
-/// Whether `pod` serves its model now, as `residency` says.
-fn serves(pod: &ModelPod, residency: Option<&ModelResidency>) -> bool {
-    let Some(r) = residency else {
-        return false;
-    };
-    r.model_state(&pod.model) == ModelState::Loaded
-        && pod.phase == PodPhase::Live
-        && pod.ready_since.is_some()
-        && !pod.draining
-        && !pod.deleting
+/// Whether a pod that is `up` serves `model` now, as `residency` says.
+fn serves(up: bool, model: &str, residency: Option<&ModelResidency>) -> bool {
+    up && residency.is_some_and(|r| r.model_state(model) == ModelState::Loaded)
+}
+
+/// What the pod itself says of serving: Ready, not finished, not
+/// draining, not terminating.
+fn up(pod: &ModelPod) -> bool {
+    pod.phase == PodPhase::Live && pod.ready_since.is_some() && !pod.draining && !pod.deleting
 }
 
 /// The pool `model` should have in `ns`, owned by its `homes` there.
@@ -86,32 +85,61 @@ fn pool_for(
 /// A model pod's serving label to set (`true`) or take off, by namespace.
 type LabelChange = (String, String, bool);
 
+/// What a round needs of one model pod, copied out of the pod cache so
+/// that its lock is held only to copy (statuses are unpacked after).
+struct Seen {
+    ns: Box<str>,
+    residency: Box<str>,
+    name: Box<str>,
+    model: Box<str>,
+    port: u16,
+    up: bool,
+    labelled: bool,
+}
+
 /// The serving label changes the pods need, as their residencies say, and
-/// a serving port of each model in each namespace (a pod's).
+/// a serving port of each model in each namespace (the first pod's by
+/// name, as a list would give it: the same each round).
 fn survey(
     cache: &PodCache,
     residencies: &HashMap<(String, String), &Arc<ModelResidency>>,
 ) -> Option<(Vec<LabelChange>, Ports)> {
+    let mut seen = Vec::new();
+    let ready = cache.each(|ns, residency, pod| {
+        seen.push(Seen {
+            ns: ns.into(),
+            residency: residency.into(),
+            name: pod.name.clone(),
+            model: pod.model.clone(),
+            port: pod.port,
+            up: up(pod),
+            labelled: pod.serving_label,
+        });
+    });
+    if !ready {
+        return None;
+    }
+    seen.sort_by(|a, b| (&a.ns, &a.name).cmp(&(&b.ns, &b.name)));
     let mut changes = Vec::new();
     let mut ports = Ports::new();
     // Each residency's status unpacked once a round, not once per pod.
-    let mut unpacked: HashMap<(String, String), Option<Arc<ModelResidency>>> = HashMap::new();
-    let ready = cache.each(|ns, residency, pod| {
+    let mut loaded: HashMap<(String, String), Option<Arc<ModelResidency>>> = HashMap::new();
+    for s in seen {
         ports
-            .entry((ns.to_owned(), pod.model.to_string()))
-            .or_insert(pod.port);
-        let key = (ns.to_owned(), residency.to_owned());
-        let owner = unpacked.entry(key).or_insert_with_key(|key| {
+            .entry((s.ns.to_string(), s.model.to_string()))
+            .or_insert(s.port);
+        let key = (s.ns.to_string(), s.residency.to_string());
+        let owner = loaded.entry(key).or_insert_with_key(|key| {
             residencies
                 .get(key)
                 .map(|&r| crate::controller::cached::unpacked(r.clone()))
         });
-        let want = serves(pod, owner.as_deref());
-        if want != pod.serving_label {
-            changes.push((ns.to_owned(), pod.name.to_string(), want));
+        let want = serves(s.up, &s.model, owner.as_deref());
+        if want != s.labelled {
+            changes.push((s.ns.into(), s.name.into(), want));
         }
-    });
-    ready.then_some((changes, ports))
+    }
+    Some((changes, ports))
 }
 
 /// A serving port per (namespace, model).
@@ -251,24 +279,28 @@ mod tests {
         ModelPod::from_pod(&pod).unwrap()
     }
 
+    fn serves_pod(pod: &ModelPod, r: Option<&ModelResidency>) -> bool {
+        serves(up(pod), &pod.model, r)
+    }
+
     #[test]
     fn a_pod_serves_while_loaded_ready_and_not_draining() {
         let labels = json!({MODEL_LABEL: "chat", RESIDENCY_LABEL: "gpu-0"});
         let loaded = residency("Loaded");
-        assert!(serves(&pod(labels.clone(), "True"), Some(&loaded)));
-        assert!(!serves(&pod(labels.clone(), "False"), Some(&loaded)));
+        assert!(serves_pod(&pod(labels.clone(), "True"), Some(&loaded)));
+        assert!(!serves_pod(&pod(labels.clone(), "False"), Some(&loaded)));
         // Asleep: its pod stays Ready and answers nothing but its wake.
-        assert!(!serves(
+        assert!(!serves_pod(
             &pod(labels.clone(), "True"),
             Some(&residency("Sleeping"))
         ));
-        assert!(!serves(&pod(labels, "True"), None));
+        assert!(!serves_pod(&pod(labels, "True"), None));
         let draining =
             json!({MODEL_LABEL: "chat", RESIDENCY_LABEL: "gpu-0", DRAINING_LABEL: "true"});
-        assert!(!serves(&pod(draining, "True"), Some(&loaded)));
+        assert!(!serves_pod(&pod(draining, "True"), Some(&loaded)));
         let mut terminating = pod(json!({MODEL_LABEL: "chat"}), "True");
         terminating.deleting = true;
-        assert!(!serves(&terminating, Some(&loaded)));
+        assert!(!serves_pod(&terminating, Some(&loaded)));
         // What the pools and the labels read from the pod itself.
         let marked = pod(json!({MODEL_LABEL: "chat", SERVING_LABEL: "true"}), "True");
         assert!(marked.serving_label && !marked.draining);
