@@ -197,8 +197,9 @@ impl PodCache {
     /// Visits every model pod it holds with its namespace and residency
     /// (the copy scaler's InferencePool pass, instead of a list of every
     /// model pod each tick), under the cache's lock: `visit` should only
-    /// copy what it needs (reconciles and the pod watch wait on the lock). `false`, visiting nothing, until the first complete list is
-    /// in: an empty view then is not an empty cluster.
+    /// copy what it needs (reconciles and the pod watch wait on the lock).
+    /// `false`, visiting nothing, until the first complete list is in: an
+    /// empty view then is not an empty cluster.
     pub fn each(&self, mut visit: impl FnMut(&str, &str, &ModelPod)) -> bool {
         if !*self.ready.borrow() {
             return false;

@@ -38,7 +38,7 @@ pub struct RateChange {
 
 impl Foresight {
     /// The clairvoyant ceiling of the trace at `path`: a first pass reads
-    /// every row's model (4 bytes a row kept, then 8).
+    /// every row's model (12 bytes a row while it is read, 8 kept).
     pub fn clairvoyant(path: &Path) -> Result<Foresight, TraceError> {
         let mut trace = TraceReader::open(path)?;
         let mut names: HashMap<String, u32> = HashMap::new();

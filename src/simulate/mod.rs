@@ -304,7 +304,8 @@ pub fn replay_trace(
     });
     let mut disk = options.disk.map(disk::Disk::new);
     let mut foresight = options.foresight;
-    let mut row = 0;
+    // Trace rows read so far: what the foresight's rows count.
+    let mut rows_read = 0;
     loop {
         let (id, line, time) = {
             let Some(row) = trace.next_row()? else { break };
@@ -333,9 +334,9 @@ pub fn replay_trace(
             }
         };
         if let Some(f) = &mut foresight {
-            f.at(engine, row, id).map_err(|e| trace.error(e))?;
+            f.at(engine, rows_read, id).map_err(|e| trace.error(e))?;
         }
-        row += 1;
+        rows_read += 1;
         if let Some(r) = &mut resolution {
             r.flush(engine, time, &mut idle);
         }
