@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Waiting on the four traces of traces.py, per policy (lru, cost, rate): the table in
+"""Waiting on the traces of traces.py, per policy (lru, cost, rate): the table in
 docs/performance.md ("Waiting on four traces"). Makes each trace under DIR
 (kept when there), replays it with `model-residency simulate` on a 64Gi GPU
 under each policy, and prints one markdown table per trace, with each
@@ -15,14 +15,17 @@ With --ceilings two more rows: `rate` + warm with each model's share known
 (each model's next request known): how much of the waiting left is the rate
 estimate's and how much its keys'. Measurements, not policies.
 
-Usage: trace-table.py BINARY DIR [REQUESTS] [--host 256Gi] [--disk Q [--fetch S]] [--ceilings]"""
+--kinds K,K,... replays only those kinds (default: all of traces.py's, the
+four and the three held out: mixed, flat, steep).
+
+Usage: trace-table.py BINARY DIR [REQUESTS] [--host 256Gi] [--disk Q [--fetch S]] [--ceilings] [--kinds K,...]"""
 import json
 import os
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-KINDS = ["zipf", "shifting", "scan", "bursts"]
+KINDS = ["zipf", "shifting", "scan", "bursts", "mixed", "flat", "steep"]
 
 
 def main():
@@ -35,6 +38,7 @@ def main():
         del argv[i : i + 2]
         return value
 
+    kinds = option("--kinds", ",".join(KINDS)).split(",")
     ceilings = "--ceilings" in argv
     if ceilings:
         argv.remove("--ceilings")
@@ -56,7 +60,7 @@ def main():
         (f"`cost` + warm ({host})", ["--eviction", "cost", "--warm-budget", host]),
         (f"`rate` + warm ({host})", ["--eviction", "rate", "--warm-budget", host]),
     ]
-    for kind in KINDS:
+    for kind in kinds:
         out = os.path.join(root, f"{kind}-{requests}")
         if not os.path.exists(os.path.join(out, "rates.csv")):
             subprocess.run([sys.executable, os.path.join(HERE, "traces.py"), kind, out, requests], check=True)

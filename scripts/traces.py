@@ -2,7 +2,7 @@
 """Traces for `model-residency simulate` beyond one Zipf (docs/performance.md,
 "Waiting on four traces"). Each writes DIR/registry.yaml and DIR/trace.csv.
 
-Every trace's models are 14-18 GiB (a 64Gi budget holds 4 awake), load in
+Every trace's models but mixed's are 14-18 GiB (a 64Gi budget holds 4 awake), load in
 30-90 s and wake in 0.5-6 s (drawn uniformly per model), and sleep at 1-2 GiB
 of VRAM with their size in host memory (vLLM level 1); arrivals are Poisson,
 one a second on average, and popularity is shuffled against registry order.
@@ -17,6 +17,14 @@ one a second on average, and popularity is shuffled against registry order.
             tail: REQUESTS/10 models of their own)
   bursts    the zipf trace's 20 models, and every 10 minutes on average one of
             40 cold models gets a burst: 20-60 requests within 5 seconds
+
+Held out (added after `--eviction rate`'s constants were fixed, to try it on
+traces it was not tuned on; the four above draw exactly as before):
+
+  mixed     30 models of 2-48 GiB (log-uniform), loading in 10 s + 1.5 s a
+            GiB and waking in 0.3 s + 0.1 s a GiB; Zipf(1.0)
+  flat      40 models, a flatter Zipf(0.7)
+  steep     60 models, a steeper Zipf(1.3)
 
 Each also writes DIR/rates.csv, `row,model,share`: from request `row` (from
 0) on, the probability that a request is for `model`, as the trace was drawn
@@ -41,13 +49,24 @@ def model_line(name, same):
     )
 
 
-def zipf_weights(n):
-    """Zipf(1.0) weights over n models, the ranking shuffled."""
+def sized_line(name, size):
+    """A model whose load and wake grow with its size (a held-out trace's)."""
+    load = 10 + 1.5 * size
+    wake = 0.3 + 0.1 * size
+    sleeping = random.choice([1, 2]) if size > 2 else 1
+    return (
+        f"- {{name: {name}, size: {size}Gi, loadTime: {load:.1f}s, "
+        f"sleep: {{preset: vllm, sleepingSize: {sleeping}Gi, hostMemory: {size}Gi, wakeTime: {int(wake * 1000)}ms}}}}\n"
+    )
+
+
+def zipf_weights(n, skew=1.0):
+    """Zipf(skew) weights over n models, the ranking shuffled."""
     order = list(range(n))
     random.shuffle(order)
     weights = [0.0] * n
     for rank, m in enumerate(order):
-        weights[m] = 1 / (rank + 1)
+        weights[m] = 1 / (rank + 1) ** skew
     return weights
 
 
@@ -68,12 +87,7 @@ def zipf(out, requests, same, rates):
     # The draws in the order warm-trace.py made them: its trace, exactly.
     names = [f"m{i}" for i in range(20)]
     registry(out, names, same)
-    weights = zipf_weights(20)
-    shares(rates, 0, names, weights)
-    t = 0.0
-    for _ in range(requests):
-        t += random.expovariate(1.0)
-        yield t, names[random.choices(range(20), weights=weights)[0]]
+    yield from popular(requests, rates, names, zipf_weights(20))
 
 
 def shifting(out, requests, same, rates):
@@ -161,7 +175,42 @@ def burst_rates(rates, events, hot, weights, drawn):
                 rates.append((row, model, rate / total))
 
 
-KINDS = {"zipf": zipf, "shifting": shifting, "scan": scan, "bursts": bursts}
+def popular(requests, rates, names, weights):
+    """Poisson arrivals, one a second, each for a model by `weights`."""
+    shares(rates, 0, names, weights)
+    t = 0.0
+    for _ in range(requests):
+        t += random.expovariate(1.0)
+        yield t, names[random.choices(range(len(names)), weights=weights)[0]]
+
+
+def mixed(out, requests, same, rates):
+    # Held out: 30 models of 2-48 GiB (log-uniform), each loading in
+    # 10 s + 1.5 s a GiB and waking in 0.3 s + 0.1 s a GiB; Zipf(1.0).
+    names = [f"m{i}" for i in range(30)]
+    sizes = [round(2 * 24 ** random.random()) for _ in names]
+    with open(os.path.join(out, "registry.yaml"), "w") as f:
+        for name, size in zip(names, sizes):
+            f.write(model_line(name, True) if same else sized_line(name, size))
+    yield from popular(requests, rates, names, zipf_weights(30))
+
+
+def flat(out, requests, same, rates):
+    # Held out: 40 models, a flatter Zipf(0.7) popularity.
+    names = [f"m{i}" for i in range(40)]
+    registry(out, names, same)
+    yield from popular(requests, rates, names, zipf_weights(40, 0.7))
+
+
+def steep(out, requests, same, rates):
+    # Held out: 60 models, a steeper Zipf(1.3) popularity.
+    names = [f"m{i}" for i in range(60)]
+    registry(out, names, same)
+    yield from popular(requests, rates, names, zipf_weights(60, 1.3))
+
+
+KINDS = {"zipf": zipf, "shifting": shifting, "scan": scan, "bursts": bursts,
+         "mixed": mixed, "flat": flat, "steep": steep}
 
 
 def main():
