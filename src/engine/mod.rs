@@ -739,6 +739,11 @@ impl Engine {
         self.slots.0[id.index()].known = known;
     }
 
+    /// What a ceiling measurement told of `id`'s future, if anything.
+    pub fn known(&self, id: ModelId) -> Option<Known> {
+        self.slots.0[id.index()].known
+    }
+
     /// The request a ceiling measurement is at (its trace's row, from 0):
     /// what [`Known::NextRequest`] counts from.
     pub fn set_known_at(&mut self, request: u64) {

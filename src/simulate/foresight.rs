@@ -25,8 +25,13 @@ pub enum Foresight {
     /// Each row's next row asking for the same model (`u64::MAX`: never).
     Clairvoyant(Vec<u64>),
     /// Share changes, by row; the next one to apply.
-    Rates(Vec<RateChange>, usize),
+    Rates(Vec<RateChange>, usize, Pending),
 }
+
+/// Known shares of models not registered yet (a trace row's size registers
+/// its model at its first request), by name: the latest share and the row
+/// it was given from. Each is applied when its model's first row comes.
+pub type Pending = HashMap<String, (u64, f64)>;
 
 /// From trace row `row` (from 0) on, `model` is a `share` of the requests.
 #[derive(Clone, Debug, PartialEq)]
@@ -63,12 +68,13 @@ impl Foresight {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
         let changes = parse_rates(&text).map_err(|e| format!("{}:{e}", path.display()))?;
-        Ok(Foresight::Rates(changes, 0))
+        Ok(Foresight::Rates(changes, 0, Pending::new()))
     }
 
     /// Tells `engine` what is known at trace row `row`, before the row's
-    /// request for `id`. A known-rates model that is not registered is an
-    /// error: its share would be lost without a word.
+    /// request for `id` (registered by then). A share for a model not
+    /// registered yet waits for its first row ([`Foresight::finish`]
+    /// refuses one whose model never came).
     pub fn at(&mut self, engine: &mut Engine, row: u64, id: ModelId) -> Result<(), String> {
         engine.set_known_at(row);
         match self {
@@ -79,20 +85,42 @@ impl Foresight {
                 };
                 engine.set_known(id, Some(known));
             }
-            Foresight::Rates(changes, applied) => {
+            Foresight::Rates(changes, applied, pending) => {
                 while let Some(c) = changes.get(*applied).filter(|c| c.row <= row) {
-                    let Some(m) = engine.id(&c.model) else {
-                        return Err(format!(
-                            "model {:?} of the known rates (from row {}) is not in the registry",
-                            c.model, c.row
-                        ));
-                    };
-                    engine.set_known(m, Some(Known::Share(c.share)));
+                    match engine.id(&c.model) {
+                        Some(m) => engine.set_known(m, Some(Known::Share(c.share))),
+                        None => {
+                            pending.insert(c.model.clone(), (c.row, c.share));
+                        }
+                    }
                     *applied += 1;
+                }
+                // Only a row's own model can have been registered since.
+                if !pending.is_empty()
+                    && let Some((_, share)) = pending.remove(engine.name(id))
+                {
+                    engine.set_known(id, Some(Known::Share(share)));
                 }
             }
         }
         Ok(())
+    }
+
+    /// After the last row: a known share whose model never came (not in
+    /// the registry, never in the trace) is an error, as it is most likely
+    /// a misspelt name whose model ran on its estimate without a word.
+    pub fn finish(&self) -> Result<(), String> {
+        let Foresight::Rates(_, _, pending) = self else {
+            return Ok(());
+        };
+        let mut never: Vec<(&String, &(u64, f64))> = pending.iter().collect();
+        never.sort_by_key(|(_, (row, _))| *row);
+        match never.first() {
+            None => Ok(()),
+            Some((model, (row, _))) => Err(format!(
+                "model {model:?} of the known rates (from row {row}) is neither in the registry nor in the trace"
+            )),
+        }
     }
 }
 
@@ -226,9 +254,45 @@ mod tests {
         };
         let e = replay_trace(&mut engine, &mut trace, options, |_| {}).unwrap_err();
         assert!(
-            e.to_string()
-                .contains("model \"ghost\" of the known rates (from row 0) is not in the registry"),
+            e.to_string().contains(
+                "model \"ghost\" of the known rates (from row 0) is neither in the registry nor in the trace"
+            ),
             "{e}"
         );
+    }
+
+    /// A model the trace registers (its first row gives a size) takes the
+    /// share the rates gave it before that row, from its first request on.
+    #[test]
+    fn a_known_rate_waits_for_the_row_that_registers_its_model() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("trace.csv");
+        std::fs::write(&path, "0,a\n1,a\n2,late,10Gi\n").unwrap();
+        let rates_path = dir.path().join("rates.csv");
+        std::fs::write(&rates_path, "0,a,0.5\n0,late,0.2\n1,late,0.4\n").unwrap();
+        let mut engine = Engine::new(20 * GIB);
+        engine.set_eviction(Eviction::Rate);
+        engine.register("a", 10 * GIB, false).unwrap();
+        let mut foresight = Foresight::rates(&rates_path).unwrap();
+        let a = engine.id("a").unwrap();
+        foresight.at(&mut engine, 0, a).unwrap();
+        foresight.at(&mut engine, 1, a).unwrap();
+        assert!(foresight.finish().is_err(), "late not seen yet");
+        let late = engine.register("late", 10 * GIB, false).unwrap();
+        assert_eq!(engine.known(late), None);
+        foresight.at(&mut engine, 2, late).unwrap();
+        assert_eq!(engine.known(late), Some(Known::Share(0.4)));
+        assert_eq!(foresight.finish(), Ok(()));
+        // And through the replay itself.
+        let mut engine = Engine::new(20 * GIB);
+        engine.set_eviction(Eviction::Rate);
+        engine.register("a", 10 * GIB, false).unwrap();
+        let mut trace = TraceReader::open(&path).unwrap();
+        let options = ReplayOptions {
+            foresight: Some(Foresight::rates(&rates_path).unwrap()),
+            ..Default::default()
+        };
+        let r = replay_trace(&mut engine, &mut trace, options, |_| {}).unwrap();
+        assert_eq!(r.loads, 2);
     }
 }

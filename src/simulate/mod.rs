@@ -366,6 +366,13 @@ pub fn replay_trace(
             progress(trace);
         }
     }
+    if let Some(f) = &foresight {
+        // About the whole trace, not its last line.
+        f.finish().map_err(|problem| TraceError {
+            line: 0,
+            ..trace.error(problem)
+        })?;
+    }
     replay.resolved = resolution.map(|r| (r.hits, r.writes));
     if let (Some(options), Some(disk)) = (options.disk, disk) {
         replay.fetched = (options.budget, disk.fetches, disk.fetch_seconds);
