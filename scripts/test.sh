@@ -9,7 +9,7 @@ export CARGO_BUILD_JOBS=${CARGO_BUILD_JOBS:-2}
 # script, exported as $1; under CI=true one that cannot be had fails the run.
 provide() {
   local var=$1 script=$2 what=$3 value
-  if value=$(bash "$script"); then
+  if value=$(early_or_now "$script"); then
     export "$var=$value"
   elif [ "${CI:-}" = true ]; then
     echo "error: CI=true and $what could not be provisioned; see above" >&2
@@ -18,6 +18,39 @@ provide() {
     echo "warning: no $what; the tests that need it say so or are skipped" >&2
     return 1
   fi
+}
+
+# The Python environments (vLLM's and the OpenAI SDK's: downloads, no apt,
+# no Go) are made in the background from the start, beside the control
+# plane's Go build: on a fresh machine that overlaps about two minutes of
+# downloads with it; when cached they answer at once either way.
+early=$(mktemp -d)
+trap 'rm -rf "$early"' EXIT
+for script in scripts/vllm.sh scripts/openai-sdk.sh; do
+  name=$(basename "$script" .sh)
+  (
+    rc=0
+    bash "$script" >"$early/$name.out" 2>"$early/$name.err" || rc=$?
+    echo "$rc" >"$early/$name.rc"
+  ) &
+  echo $! >"$early/$name.pid"
+done
+
+# A provisioning script's answer: the background run's (its log shown now),
+# else a run now.
+early_or_now() {
+  local script=$1 name
+  name=$(basename "$script" .sh)
+  if [ -f "$early/$name.pid" ]; then
+    # Polled: called inside $(...), a subshell cannot `wait` for it.
+    while [ ! -f "$early/$name.rc" ] && kill -0 "$(cat "$early/$name.pid")" 2>/dev/null; do
+      sleep 1
+    done
+    cat "$early/$name.err" >&2
+    cat "$early/$name.out"
+    return "$(cat "$early/$name.rc" 2>/dev/null || echo 1)"
+  fi
+  bash "$script"
 }
 
 # The control-plane tests are #[ignore]d so a plain `cargo test` reports
@@ -74,7 +107,7 @@ bash scripts/build-tools.sh
 cargo fmt --all -- --check
 cargo clippy --locked --all-targets -- -D warnings
 log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+trap 'rm -f "$log"; rm -rf "$early"' EXIT
 status=0
 # The real node's tests run in their lane (network, mount and PID
 # namespaces of its own: src/local/lane.rs), one at a time, after the rest;
