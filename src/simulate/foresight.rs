@@ -29,8 +29,9 @@ pub enum Foresight {
 }
 
 /// Known shares of models not registered yet (a trace row's size registers
-/// its model at its first request), by name: the latest share and the row
-/// it was given from. Each is applied when its model's first row comes.
+/// its model at its first request), by name: the row the model was first
+/// named at (what an error points to) and its latest share. Each is
+/// applied when its model's first row comes.
 pub type Pending = HashMap<String, (u64, f64)>;
 
 /// From trace row `row` (from 0) on, `model` is a `share` of the requests.
@@ -75,7 +76,7 @@ impl Foresight {
     /// request for `id` (registered by then). A share for a model not
     /// registered yet waits for its first row ([`Foresight::finish`]
     /// refuses one whose model never came).
-    pub fn at(&mut self, engine: &mut Engine, row: u64, id: ModelId) -> Result<(), String> {
+    pub fn at(&mut self, engine: &mut Engine, row: u64, id: ModelId) {
         engine.set_known_at(row);
         match self {
             Foresight::Clairvoyant(next) => {
@@ -90,7 +91,10 @@ impl Foresight {
                     match engine.id(&c.model) {
                         Some(m) => engine.set_known(m, Some(Known::Share(c.share))),
                         None => {
-                            pending.insert(c.model.clone(), (c.row, c.share));
+                            pending
+                                .entry(c.model.clone())
+                                .and_modify(|(_, share)| *share = c.share)
+                                .or_insert((c.row, c.share));
                         }
                     }
                     *applied += 1;
@@ -103,7 +107,6 @@ impl Foresight {
                 }
             }
         }
-        Ok(())
     }
 
     /// After the last row: a known share whose model never came (not in
@@ -237,22 +240,35 @@ mod tests {
         assert_eq!(replay(Some(Foresight::rates(&rates_path).unwrap())), (3, 5));
     }
 
-    #[test]
-    fn a_known_rate_for_a_model_not_in_the_registry_is_an_error() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("trace.csv");
-        std::fs::write(&path, "0,a\n").unwrap();
-        let rates_path = dir.path().join("rates.csv");
-        std::fs::write(&rates_path, "0,a,0.5\n0,ghost,0.5\n").unwrap();
+    /// A 20 GiB GPU under `--eviction rate` where model `a` (10 GiB) is
+    /// registered.
+    fn rate_engine() -> Engine {
         let mut engine = Engine::new(20 * GIB);
         engine.set_eviction(Eviction::Rate);
         engine.register("a", 10 * GIB, false).unwrap();
+        engine
+    }
+
+    /// `trace` replayed on [`rate_engine`] with the known rates `rates`.
+    fn replay_known(trace: &str, rates: &str) -> Result<super::super::Report, TraceError> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("trace.csv");
+        std::fs::write(&path, trace).unwrap();
+        let rates_path = dir.path().join("rates.csv");
+        std::fs::write(&rates_path, rates).unwrap();
+        let mut engine = rate_engine();
         let mut trace = TraceReader::open(&path).unwrap();
         let options = ReplayOptions {
             foresight: Some(Foresight::rates(&rates_path).unwrap()),
             ..Default::default()
         };
-        let e = replay_trace(&mut engine, &mut trace, options, |_| {}).unwrap_err();
+        replay_trace(&mut engine, &mut trace, options, |_| {})
+    }
+
+    #[test]
+    fn a_known_rate_for_a_model_not_in_the_registry_is_an_error() {
+        // Named twice: the error points to the first row that names it.
+        let e = replay_known("0,a\n1,a\n", "0,a,0.5\n0,ghost,0.5\n1,ghost,0.3\n").unwrap_err();
         assert!(
             e.to_string().contains(
                 "model \"ghost\" of the known rates (from row 0) is neither in the registry nor in the trace"
@@ -265,34 +281,23 @@ mod tests {
     /// share the rates gave it before that row, from its first request on.
     #[test]
     fn a_known_rate_waits_for_the_row_that_registers_its_model() {
+        let rates = "0,a,0.5\n0,late,0.2\n1,late,0.4\n";
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("trace.csv");
-        std::fs::write(&path, "0,a\n1,a\n2,late,10Gi\n").unwrap();
         let rates_path = dir.path().join("rates.csv");
-        std::fs::write(&rates_path, "0,a,0.5\n0,late,0.2\n1,late,0.4\n").unwrap();
-        let mut engine = Engine::new(20 * GIB);
-        engine.set_eviction(Eviction::Rate);
-        engine.register("a", 10 * GIB, false).unwrap();
+        std::fs::write(&rates_path, rates).unwrap();
+        let mut engine = rate_engine();
         let mut foresight = Foresight::rates(&rates_path).unwrap();
         let a = engine.id("a").unwrap();
-        foresight.at(&mut engine, 0, a).unwrap();
-        foresight.at(&mut engine, 1, a).unwrap();
+        foresight.at(&mut engine, 0, a);
+        foresight.at(&mut engine, 1, a);
         assert!(foresight.finish().is_err(), "late not seen yet");
         let late = engine.register("late", 10 * GIB, false).unwrap();
         assert_eq!(engine.known(late), None);
-        foresight.at(&mut engine, 2, late).unwrap();
+        foresight.at(&mut engine, 2, late);
         assert_eq!(engine.known(late), Some(Known::Share(0.4)));
         assert_eq!(foresight.finish(), Ok(()));
         // And through the replay itself.
-        let mut engine = Engine::new(20 * GIB);
-        engine.set_eviction(Eviction::Rate);
-        engine.register("a", 10 * GIB, false).unwrap();
-        let mut trace = TraceReader::open(&path).unwrap();
-        let options = ReplayOptions {
-            foresight: Some(Foresight::rates(&rates_path).unwrap()),
-            ..Default::default()
-        };
-        let r = replay_trace(&mut engine, &mut trace, options, |_| {}).unwrap();
+        let r = replay_known("0,a\n1,a\n2,late,10Gi\n", rates).unwrap();
         assert_eq!(r.loads, 2);
     }
 }

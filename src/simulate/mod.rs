@@ -334,7 +334,7 @@ pub fn replay_trace(
             }
         };
         if let Some(f) = &mut foresight {
-            f.at(engine, rows_read, id).map_err(|e| trace.error(e))?;
+            f.at(engine, rows_read, id);
         }
         rows_read += 1;
         if let Some(r) = &mut resolution {
