@@ -27,7 +27,8 @@ use serde_json::json;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 use support::{
-    arg, bench_args, client_with, ms, percentile, poke, runtime, start_plane, watch_poke,
+    arg, bench_args, client_with, ms, percentile, poke, quiet_pokes, runtime, start_plane,
+    watch_poke,
 };
 
 const NS: &str = "bench-warm";
@@ -173,12 +174,7 @@ fn main() {
         // The same write after a quiet spell, as a wake's status write
         // comes after the server's 200 ms wake: writes back to back find
         // the API server hot, which no write of a wake does.
-        let mut spaced = Vec::new();
-        for i in 0..floor_samples.min(20) {
-            tokio::time::sleep(QUIET).await;
-            spaced.push(poke(&crs, &seen, &format!("q{i}")).await);
-        }
-        spaced.sort();
+        let spaced = quiet_pokes(&crs, &seen, floor_samples.min(20), QUIET).await;
 
         // Warm up: each residency's first model loaded once.
         for (_, _, [first, _], _) in cases {
