@@ -93,15 +93,10 @@ pub const LOADING_PROTECTION: Duration = Duration::from_secs(600);
 /// the status this operator writes. Evicted at once by the queued request,
 /// it was gone before they saw it, and each of them had it loaded a second
 /// time (a CI run: 18 loads for 17 held requests). Short next to a load
-/// (30-90 s for a real model). Ready times are whole seconds, so the grace
-/// can end a second early. It was 5 s until a cold CI run on a busy 2-core
-/// machine (a real vLLM starting beside the test) saw the routers send a
-/// held request more than 4 s after its model's Ready, and the 18 loads
-/// again (2026-12-05); it costs only a request queued behind fresh models
-/// (the whole GPU just loaded for others), which waits up to 10 s more. A
-/// request that was not queued evicts by the seed's LRU (the operator's
-/// counters stay the engine's).
-pub const FRESH_LOAD_GRACE: Duration = Duration::from_secs(10);
+/// (30-90 s for a real model). Ready times are whole seconds, hence 5 s,
+/// not 1 s. A request that was not queued evicts by the seed's LRU (the
+/// operator's counters stay the engine's).
+pub const FRESH_LOAD_GRACE: Duration = Duration::from_secs(5);
 
 impl<'a> Observed<'a> {
     /// What a reconcile observes in the common case: the GPU where the
