@@ -47,14 +47,12 @@ use std::process::{Child, Command};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use support::{
-    arg, bench_args, client_with, copy_as_floor, create_namespace, ms, percentile, poke,
+    QUIET, arg, bench_args, client_with, copy_as_floor, create_namespace, ms, percentile, poke,
     quiet_pokes, runtime, start_plane, until_state, until_state_of, watch_poke,
 };
 
 const NS: &str = "bench-router";
 const FLOOR_NS: &str = "bench-router-floor";
-/// The quiet before each write of the quiet floor.
-const QUIET: Duration = Duration::from_millis(250);
 /// Where the copy of the served residency lives (no operator watches it).
 const SHAPED_FLOOR_NS: &str = "bench-router-floor-shaped";
 const NODE: &str = "node-r";

@@ -27,7 +27,7 @@ use serde_json::json;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 use support::{
-    arg, bench_args, client_with, ms, percentile, poke, quiet_pokes, runtime, start_plane,
+    QUIET, arg, bench_args, client_with, ms, percentile, poke, quiet_pokes, runtime, start_plane,
     watch_poke,
 };
 
@@ -36,9 +36,6 @@ const FLOOR_NS: &str = "bench-warm-floor";
 const NODE: &str = "node-w";
 const LOAD_DELAY: Duration = Duration::from_secs(2);
 const WAKE_DELAY: Duration = Duration::from_millis(200);
-/// The quiet before each write of the spaced floor: about what precedes a
-/// wake's status write here (the fake server's 200 ms wake).
-const QUIET: Duration = Duration::from_millis(250);
 
 fn residency(name: &str, device: &str, models: [&str; 2], sleeps: bool) -> ModelResidency {
     let model = |n: &str, sleep: bool| {

@@ -122,6 +122,10 @@ where
     t0.elapsed()
 }
 
+/// The quiet before each sample of [`quiet_pokes`]: about what precedes a
+/// wake's status write in the warm bench (the fake server's 200 ms wake).
+pub const QUIET: Duration = Duration::from_millis(250);
+
 /// `samples` floor samples, each after `quiet` with nothing written, sorted:
 /// the write as a load's or a wake's writes come (after a wait), where
 /// samples back to back find the API server hot (about twice as fast here).
