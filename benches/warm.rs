@@ -171,7 +171,7 @@ fn main() {
         // The same write after a quiet spell, as a wake's status write
         // comes after the server's 200 ms wake: writes back to back find
         // the API server hot, which no write of a wake does.
-        let spaced = quiet_pokes(&crs, &seen, floor_samples.min(20), QUIET).await;
+        let quiet = quiet_pokes(&crs, &seen, floor_samples.min(20), QUIET).await;
 
         // Warm up: each residency's first model loaded once.
         for (_, _, [first, _], _) in cases {
@@ -204,8 +204,8 @@ fn main() {
         let floor50 = p50(&floor);
         println!("warm bench: {samples} samples each; the fake pods load in {} ms and wake in {} ms", LOAD_DELAY.as_millis(), WAKE_DELAY.as_millis());
         println!("  ModelResidency write round trip: p50 {:.2} ms, p99 {:.2} ms ({floor_samples} samples)", ms(floor50), ms(percentile(&floor, 0.99)));
-        let spaced50 = p50(&spaced);
-        println!("  the same write after {} ms quiet: p50 {:.2} ms, p99 {:.2} ms ({} samples)", QUIET.as_millis(), ms(spaced50), ms(percentile(&spaced, 0.99)), spaced.len());
+        let quiet50 = p50(&quiet);
+        println!("  the same write after {} ms quiet: p50 {:.2} ms, p99 {:.2} ms ({} samples)", QUIET.as_millis(), ms(quiet50), ms(percentile(&quiet, 0.99)), quiet.len());
         for (what, v) in [
             ("slept (a wake, the other model evicted first)", &slept),
             ("deleted (a cold load, the other model evicted first)", &deleted),
@@ -225,7 +225,7 @@ fn main() {
         println!(
             "  the same over the write after {} ms quiet: {:.2}x",
             QUIET.as_millis(),
-            alone.as_secs_f64() / spaced50.as_secs_f64()
+            alone.as_secs_f64() / quiet50.as_secs_f64()
         );
         println!(
             "  the operator's and router's part of a wake that evicts (first byte minus the {} ms wake; the evicted pod's deletion included): p50 {:.1} ms = {:.2}x the write round trip",

@@ -112,9 +112,10 @@ status=0
 # The real node's tests run in their lane (network, mount and PID
 # namespaces of its own: src/local/lane.rs), one at a time, after the rest;
 # in the main run they are skipped by name (a plain `cargo test` counts
-# them as ignored). So does the real vLLM's test (about 50 s, both cores
-# for torch): beside the parallel run it starved timing-bound tests (a
-# held request sent more than 4 s after its model was Ready, 12-05).
+# them as ignored). The real vLLM's test is skipped there too and runs
+# alone after it (not in a lane): about 50 s of both cores for torch,
+# which beside the parallel run starved timing-bound tests (a held request
+# sent more than 4 s after its model was Ready, 12-05).
 if [ ${#run_ignored[@]} -gt 0 ]; then
   cargo test --locked --no-fail-fast -- --include-ignored --skip on_real_node:: --skip real_servers:: "${skip_keda[@]}" 2>&1 | tee "$log" || status=$?
   # The integration tests' binary (built by the run above).

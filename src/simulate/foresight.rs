@@ -172,7 +172,7 @@ fn parse_rates(text: &str) -> Result<Vec<RateChange>, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{ReplayOptions, replay_trace};
+    use super::super::{ReplayOptions, Report, replay_trace};
     use super::*;
     use crate::engine::Eviction;
 
@@ -250,7 +250,7 @@ mod tests {
     }
 
     /// `trace` replayed on [`rate_engine`] with the known rates `rates`.
-    fn replay_known(trace: &str, rates: &str) -> Result<super::super::Report, TraceError> {
+    fn replay_known(trace: &str, rates: &str) -> Result<Report, TraceError> {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("trace.csv");
         std::fs::write(&path, trace).unwrap();
