@@ -1,12 +1,16 @@
-//! A load's first moments are held back from the status: its pod created
-//! once the evicted pods are gone, then seen starting, within
-//! [`PROGRESS_HOLD`] of its admission. When pods start fast the write that
-//! says so is followed at once by the one that says the model is Ready;
-//! held, the two are one write (a storm of 5,000 requests on 1,000 GPUs
-//! wrote 8,093 statuses, 1.6 a request). The admission itself (counted,
-//! announced, the routers' answer to wait) and every other change are
-//! written at once; a held status is written by the end of the hold, so
-//! `kubectl` is at most that far behind a load that takes longer.
+//! A load's first moments are held back from the status: waiting for
+//! the evicted pods to go (the message counts what they still hold), its
+//! pod created, then seen starting, within [`PROGRESS_HOLD`] of its
+//! admission. When pods start fast the writes that say so are followed at
+//! once by the one that says the model is Ready; held, they are one write.
+//! A storm of 5,000 requests on 1,000 GPUs wrote 8,093 statuses with none
+//! held; on 12-05's machine, where the API server took longer than 2 s to
+//! start a pod under the storm, 7,082 with a 2 s hold, 6,643 with 5 s and
+//! 6,487 with 10 s (docs/performance-history.md). The
+//! admission itself (counted, the routers' answer to wait), Ready (with its
+//! event) and every other change are written at once; a held status is
+//! written by the end of the hold, so `kubectl` is at most that far behind
+//! a load's progress, and a load takes 30 s and more on real servers.
 
 use super::Decision;
 use crate::api::{ModelResidencyStatus, ModelState, ModelStatus};
@@ -16,7 +20,7 @@ use k8s_openapi::jiff::Timestamp;
 use std::time::Duration;
 
 /// How long after its admission a load's progress may go unwritten.
-pub(super) const PROGRESS_HOLD: Duration = Duration::from_secs(2);
+pub(super) const PROGRESS_HOLD: Duration = Duration::from_secs(10);
 
 /// A decision whose only news is a load's first moments keeps the
 /// previous status until they are over (the module docs), and looks again
@@ -37,8 +41,9 @@ pub(super) fn hold_early_progress(
 }
 
 /// How long `next` may wait unwritten in place of `prev`, if all that
-/// differs are loads admitted less than [`PROGRESS_HOLD`] ago moving from
-/// waiting for VRAM to a pod created, or from a pod created to starting.
+/// differs are loads admitted less than [`PROGRESS_HOLD`] ago moving on
+/// through their pods' start (waiting for VRAM, a pod created, starting)
+/// or waiting with less VRAM still held by the evicted pods.
 pub(super) fn hold(
     prev: &ModelResidencyStatus,
     next: &ModelResidencyStatus,
@@ -67,17 +72,12 @@ pub(super) fn hold(
     rest_same.then_some(wait)
 }
 
-/// What is left of the hold when `n` is `p` a step further into its pod's
-/// start and nothing else.
+/// What is left of the hold when `n` is `p` as far or further into its
+/// pod's start and nothing else.
 fn early_progress(p: &ModelStatus, n: &ModelStatus, now: Timestamp) -> Option<Duration> {
-    let is = |m: &ModelStatus, reasons: &[Reason]| {
-        m.state == ModelState::Loading
-            && reasons
-                .iter()
-                .any(|r| m.reason.as_deref() == Some(r.as_str()))
-    };
-    let steps = is(p, &[Reason::WaitingForVram, Reason::PodCreated])
-        && is(n, &[Reason::PodCreated, Reason::PodStarting]);
+    let steps = start_step(p)
+        .zip(start_step(n))
+        .is_some_and(|(from, to)| from <= to);
     // The cheap test first: this runs for a changed model of every
     // decision, most of which are no such step.
     if !steps {
@@ -101,4 +101,19 @@ fn early_progress(p: &ModelStatus, n: &ModelStatus, now: Timestamp) -> Option<Du
     PROGRESS_HOLD
         .checked_sub(since.unsigned_abs())
         .filter(|d| !d.is_zero())
+}
+
+/// Where a loading model is in its pod's start, in order; `None` for any
+/// other state (an admission, Ready, a failure are never held).
+fn start_step(m: &ModelStatus) -> Option<usize> {
+    const STEPS: [Reason; 3] = [
+        Reason::WaitingForVram,
+        Reason::PodCreated,
+        Reason::PodStarting,
+    ];
+    if m.state != ModelState::Loading {
+        return None;
+    }
+    let reason = m.reason.as_deref()?;
+    STEPS.iter().position(|r| r.as_str() == reason)
 }

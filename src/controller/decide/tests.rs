@@ -182,6 +182,7 @@ fn a_load_waits_until_the_evicted_pod_is_gone() {
 /// the pod is Ready, said at once), then says it starts.
 #[test]
 fn a_loads_first_moments_are_written_with_what_follows_them() {
+    let hold = super::progress::PROGRESS_HOLD;
     let mut r = a_and_b_on_10gi();
     for now in [2, 3] {
         let d = run(&r, &[live("a", 6 * GI, true, false)], now);
@@ -197,16 +198,14 @@ fn a_loads_first_moments_are_written_with_what_follows_them() {
     let d = run(&r, &[], 5);
     assert_eq!(d.create.len(), 1);
     assert_eq!(d.status, waiting.clone().unwrap(), "held");
-    assert_eq!(
-        d.requeue_after,
-        Some(super::progress::PROGRESS_HOLD - std::time::Duration::from_secs(1))
-    );
+    assert_eq!(d.requeue_after, Some(hold - Duration::from_secs(1)));
     // Ready before the hold ends: Loaded at once, with its event.
     let d = run(&r, &[live("b", 6 * GI, true, false)], 5);
     assert_eq!(state(&d, "b"), ModelState::Loaded);
     assert_eq!(events(&d, EventReason::Loaded), 1);
     // Still starting when the hold ends: written, saying so.
-    let d = run(&r, &[live("b", 6 * GI, false, false)], 6);
+    let end = 4 + i64::try_from(hold.as_secs()).unwrap();
+    let d = run(&r, &[live("b", 6 * GI, false, false)], end);
     assert_ne!(Some(&d.status), waiting.as_ref());
     let b = d.status.model("b").unwrap();
     assert_eq!(b.reason.as_deref(), Some("PodStarting"));
@@ -221,6 +220,53 @@ fn a_loads_first_moments_are_written_with_what_follows_them() {
         d.status.model("b").unwrap().reason.as_deref(),
         Some("PodCreated")
     );
+}
+
+/// A load waiting for two evicted pods, one of them gone: its message
+/// (the VRAM they still hold) is held with the rest of its first moments;
+/// a step back (a started pod lost, waiting again) is not.
+#[test]
+fn a_wait_with_less_vram_held_is_held_and_a_step_back_is_not() {
+    let mut r = residency(
+        "10Gi",
+        &[
+            ("a", "4Gi", false),
+            ("b", "4Gi", false),
+            ("c", "8Gi", false),
+        ],
+        &[("a", 1), ("b", 2)],
+    );
+    let both = [
+        live("a", 4 * GI, true, false),
+        live("b", 4 * GI, true, false),
+    ];
+    for now in [2, 3] {
+        let d = run(&r, &both, now);
+        r.status = Some(d.status);
+    }
+    r.spec.demand.insert("c".into(), at(3).to_string());
+    let d = run(&r, &both, 4);
+    assert_eq!((d.delete.len(), d.create.len()), (2, 0));
+    r.status = Some(d.status);
+    let waiting = r.status.clone().unwrap();
+    let c = waiting.model("c").unwrap();
+    assert_eq!(c.reason.as_deref(), Some("WaitingForVram"));
+    // b's pod is gone: c still waits, for less; held.
+    let d = run(&r, &[live("a", 4 * GI, true, true)], 5);
+    assert!(d.create.is_empty());
+    assert_eq!(d.status, waiting, "held");
+    // Both gone: c's pod created, still held. A step back (a created
+    // pod lost, waiting again) would not be.
+    let d = run(&r, &[], 6);
+    assert_eq!(d.create.len(), 1);
+    assert_eq!(d.status, waiting, "held");
+    let mut created = waiting.clone();
+    let c = created.model_mut("c").unwrap();
+    c.reason = Some("PodCreated".into());
+    c.message = Some("gpu-c is starting".into());
+    c.pod = Some("gpu-c".into());
+    assert!(super::progress::hold(&waiting, &created, at(6)).is_some());
+    assert_eq!(super::progress::hold(&created, &waiting, at(6)), None);
 }
 
 #[test]
@@ -533,8 +579,11 @@ fn loading_is_not_a_reason_to_be_unready_and_a_silent_pending_pod_is_named() {
     let mut pending = live("a", 6 * GI, false, false);
     pending.reported = false;
     pending.created = Some(at(2).to_string().into());
-    let d = run(&r, std::slice::from_ref(&pending), 10);
-    assert_eq!(d.requeue_after, Some(std::time::Duration::from_secs(22)));
+    // After the load's first moments (held, progress), looked at again
+    // when its pod has been silent for 30 s.
+    let d = run(&r, std::slice::from_ref(&pending), 14);
+    assert!(super::progress::PROGRESS_HOLD < Duration::from_secs(12));
+    assert_eq!(d.requeue_after, Some(Duration::from_secs(18)));
     let d = run(&r, std::slice::from_ref(&pending), 40);
     let a = d.status.model("a").unwrap();
     assert!(
