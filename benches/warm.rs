@@ -24,7 +24,9 @@ mod support;
 use kube::api::{Api, ListParams, PostParams};
 use model_residency::api::{ModelResidency, ModelState};
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
-use model_residency::local::model_server::{FakeModelServer, SLEEP_ANNOTATION, SleepBehaviour};
+use model_residency::local::model_server::{
+    FakeModelServer, Identity, SLEEP_ANNOTATION, SleepBehaviour,
+};
 use serde_json::json;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -38,11 +40,14 @@ const FLOOR_NS: &str = "bench-warm-floor";
 const NODE: &str = "node-w";
 const LOAD_DELAY: Duration = Duration::from_secs(2);
 const WAKE_DELAY: Duration = Duration::from_millis(200);
+/// The fake pods' sleep and wake (their template's annotation), `WAKE_DELAY`'s
+/// wake; the direct wakes start a server with the same.
+const SLEEP_BEHAVIOUR: &str = "sleep=100ms,wake=200ms";
 
 fn residency(name: &str, device: &str, models: [&str; 2], sleeps: bool) -> ModelResidency {
     let model = |n: &str, sleep: bool| {
         let mut m = json!({"name": n, "size": "6Gi", "template": {
-            "metadata": {"annotations": {SLEEP_ANNOTATION: "sleep=100ms,wake=200ms"}},
+            "metadata": {"annotations": {SLEEP_ANNOTATION: SLEEP_BEHAVIOUR}},
             "spec": {"containers": [{"name": "server", "image": format!("example/{n}:1")}]}}});
         if sleep {
             m["sleep"] = json!({"preset": "vllm", "sleepingSize": "1Gi"});
@@ -129,15 +134,12 @@ async fn made_room_of(
 /// times, sorted: what a wake costs the server in this process, beyond
 /// which the rest of a wake's first byte is the operator's and router's.
 async fn direct_wakes(samples: usize) -> Vec<Duration> {
-    let identity = model_residency::local::model_server::Identity {
+    let identity = Identity {
         model: "direct".into(),
         pod: "direct".into(),
     };
-    let sleep = SleepBehaviour {
-        sleep_delay: Duration::from_millis(100),
-        wake_delay: WAKE_DELAY,
-        ..SleepBehaviour::default()
-    };
+    let sleep = SleepBehaviour::parse(SLEEP_BEHAVIOUR);
+    assert_eq!(sleep.wake_delay, WAKE_DELAY);
     let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
     let server = FakeModelServer::start(addr, identity, Duration::ZERO, sleep)
         .await

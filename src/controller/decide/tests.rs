@@ -224,7 +224,7 @@ fn a_loads_first_moments_are_written_with_what_follows_them() {
 
 /// A load waiting for two evicted pods, one of them gone: its message
 /// (the VRAM they still hold) is held with the rest of its first moments;
-/// a step back (a started pod lost, waiting again) is not.
+/// a step back (a created pod lost, waiting again) is not.
 #[test]
 fn a_wait_with_less_vram_held_is_held_and_a_step_back_is_not() {
     let mut r = residency(
