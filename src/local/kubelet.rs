@@ -346,8 +346,10 @@ async fn claims_ready(client: &kube::Client, pod: &Pod) -> Result<(), String> {
     Ok(())
 }
 
-/// How long the stand-in waits for a bound pod's claims (the scheduler
-/// reserves them before it binds, so this is only the watch's lag).
+/// How long the stand-in waits for a bound pod's claims before it says so
+/// (the scheduler reserves them before it binds, so this is only the
+/// watch's lag); it keeps waiting while the pod is there, as a kubelet
+/// keeps retrying a pod whose resources are not prepared.
 const CLAIM_WAIT: Duration = Duration::from_secs(30);
 
 /// The taint a new node carries until it is Ready.
@@ -431,6 +433,19 @@ impl Work {
         format!("{}/{}", self.uid, self.deleting)
     }
 
+    /// Whether this pod (this uid) is still there, not being deleted.
+    /// An error (an API server restarting) counts as still there.
+    async fn still_pending(&self, api: &Api<Pod>) -> bool {
+        match api.get_opt(&self.name).await {
+            Ok(Some(pod)) => {
+                pod.metadata.uid.as_deref() == Some(self.uid.as_str())
+                    && pod.metadata.deletion_timestamp.is_none()
+            }
+            Ok(None) => false,
+            Err(_) => true,
+        }
+    }
+
     async fn act(self, client: kube::Client, config: &KubeletConfig, servers: &Servers) {
         let api: Api<Pod> = Api::namespaced(client.clone(), &self.namespace);
         if self.deleting {
@@ -445,10 +460,18 @@ impl Work {
             // As the kubelet: no container starts before its claims are
             // allocated and reserved for the pod.
             let waited = tokio::time::Instant::now();
+            let mut said = false;
             while let Err(why) = claims_ready(&client, &self.pod).await {
                 if waited.elapsed() > CLAIM_WAIT {
-                    tracing::warn!(pod = %self.name, "kubelet stand-in: {why}; not started");
-                    return;
+                    if !self.still_pending(&api).await {
+                        return;
+                    }
+                    if !said {
+                        tracing::warn!(pod = %self.name, "kubelet stand-in: {why}; still waiting");
+                        said = true;
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
