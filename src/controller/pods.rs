@@ -84,6 +84,9 @@ pub struct ModelPod {
     pub waiting: Option<Box<str>>,
     /// Whether anything has reported a status for it yet.
     pub reported: bool,
+    /// Whether it is bound to a node (`spec.nodeName`): a scheduler placed
+    /// it. Model pods are always placed by one.
+    pub bound: bool,
     /// Where it serves (its IP and serving port), once it has an IP: where
     /// sleep and wake requests go.
     pub addr: Option<std::net::SocketAddr>,
@@ -162,6 +165,7 @@ impl ModelPod {
                 waiting_reason(pod).map(Into::into)
             },
             reported: status.is_some_and(|s| s.phase.is_some()),
+            bound: pod.spec.as_ref().is_some_and(|s| s.node_name.is_some()),
             addr: status
                 .and_then(|s| s.pod_ip.as_deref())
                 .and_then(|ip| ip.parse::<std::net::IpAddr>().ok())

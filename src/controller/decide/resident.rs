@@ -18,7 +18,8 @@ use k8s_openapi::jiff::SignedDuration;
 use std::time::Duration;
 
 /// How long a pod may go without any status before its model's message
-/// says that no kubelet reports on it.
+/// says that no kubelet reports on it, or unplaced with no word from a
+/// scheduler before the message says that.
 pub(super) const UNREPORTED_AFTER: Duration = Duration::from_secs(30);
 
 /// First retry after a failed load; doubles per failure up to the cap.
@@ -188,6 +189,20 @@ impl<'a> Decider<'a> {
         let age = recorded_time(p.created.as_deref())
             .map(|c| c.duration_until(self.input.now).unsigned_abs())
             .unwrap_or_default();
+        // A scheduler that says nothing of a pod it does not place: one that
+        // is down, or that holds the pod back before it tries (the
+        // scheduler's DRA plugin does, silently, for a ResourceClaim it has
+        // not seen).
+        if !p.bound {
+            if age >= UNREPORTED_AFTER {
+                return format!(
+                    "{} is Pending: not placed on a node after {}s and no scheduler has said why (is kube-scheduler running, and has it seen the pod's ResourceClaim?)",
+                    p.name,
+                    age.as_secs()
+                );
+            }
+            plan.look_again_within(UNREPORTED_AFTER - age);
+        }
         if !p.reported {
             if age >= UNREPORTED_AFTER {
                 return format!(

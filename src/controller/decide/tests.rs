@@ -93,6 +93,7 @@ fn live(model: &str, size: u64, ready: bool, deleting: bool) -> ModelPod {
         template_hash: None,
         waiting: None,
         reported: true,
+        bound: true,
         addr: None,
         port: 8080,
         serving_label: false,
@@ -601,6 +602,35 @@ fn loading_is_not_a_reason_to_be_unready_and_a_silent_pending_pod_is_named() {
         a.message.as_deref().unwrap().contains("ImagePullBackOff"),
         "{a:?}"
     );
+}
+
+/// A pod no scheduler places or says anything of (one down, or one that
+/// holds the pod back before trying) is named once it has waited 30 s;
+/// a scheduler's own word (unschedulable, and why) is shown as it is.
+#[test]
+fn a_pod_no_scheduler_places_or_speaks_of_is_named() {
+    let mut r = residency("10Gi", &[("a", "6Gi", false)], &[("a", 1)]);
+    let d = run(&r, &[], 2);
+    r.status = Some(d.status);
+    let mut pending = live("a", 6 * GI, false, false);
+    pending.bound = false;
+    pending.created = Some(at(2).to_string().into());
+    let d = run(&r, std::slice::from_ref(&pending), 14);
+    assert_eq!(d.requeue_after, Some(Duration::from_secs(18)));
+    let d = run(&r, std::slice::from_ref(&pending), 40);
+    let a = d.status.model("a").unwrap();
+    assert_eq!(a.state, ModelState::Loading);
+    assert!(
+        a.message
+            .as_deref()
+            .unwrap()
+            .contains("not placed on a node after 38s and no scheduler has said why"),
+        "{a:?}"
+    );
+    pending.waiting = Some("Unschedulable: 0/1 nodes are available".into());
+    let d = run(&r, std::slice::from_ref(&pending), 41);
+    let a = d.status.model("a").unwrap();
+    assert!(a.message.as_deref().unwrap().contains("0/1 nodes"), "{a:?}");
 }
 
 /// Exactly one event per counted load, eviction, unload and refusal, over
