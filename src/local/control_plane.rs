@@ -319,7 +319,7 @@ impl ControlPlane {
             controllers += ",node-lifecycle-controller";
         }
         let manager = [
-            kubeconfig.clone(),
+            kubeconfig,
             format!("--controllers={controllers}"),
             "--leader-elect=false".into(),
             "--use-service-account-credentials=false".into(),
@@ -329,18 +329,30 @@ impl ControlPlane {
             "--horizontal-pod-autoscaler-sync-period=1s".into(),
         ];
         // Each binary is named as its process is.
-        let (assets, dir) = (self.assets.clone(), self.dir.path().to_owned());
-        let start = |name: &'static str, args: &[String]| {
-            start_process(name, &assets.join(name), args, &dir)
-        };
-        self.controller_manager = start("kube-controller-manager", &manager)?;
-        let scheduler = [
-            kubeconfig,
+        let name = "kube-controller-manager";
+        let exe = self.assets.join(name);
+        self.controller_manager = start_process(name, &exe, &manager, self.dir.path())?;
+        self.start_scheduler()
+    }
+
+    /// Starts kube-scheduler (no serving either).
+    fn start_scheduler(&mut self) -> Result<(), ControlPlaneError> {
+        let args = [
+            format!("--kubeconfig={}", self.kubeconfig.display()),
             "--leader-elect=false".into(),
             "--secure-port=0".into(),
+            "--v=2".into(),
         ];
-        self.scheduler = start("kube-scheduler", &scheduler)?;
+        let exe = self.assets.join("kube-scheduler");
+        self.scheduler = start_process("kube-scheduler", &exe, &args, self.dir.path())?;
         Ok(())
+    }
+
+    /// Kills kube-scheduler and starts it again: what a cluster's admin
+    /// does for a scheduler that stalled (its log starts over).
+    pub fn restart_scheduler(&mut self) -> Result<(), ControlPlaneError> {
+        self.scheduler.kill();
+        self.start_scheduler()
     }
 
     fn start_apiserver(&mut self) -> Result<(), ControlPlaneError> {
@@ -554,6 +566,22 @@ impl ControlPlane {
         self.start_apiserver()?;
         self.wait_ready(Duration::from_secs(60))?;
         Ok(t0.elapsed())
+    }
+
+    /// Each process, whether it still runs, and its log's last lines: for a
+    /// failed test's message, before the directory with the logs goes.
+    pub fn report(&mut self) -> String {
+        let mut out = String::new();
+        for p in [
+            &mut self.etcd,
+            &mut self.apiserver,
+            &mut self.controller_manager,
+            &mut self.scheduler,
+        ] {
+            let state = if p.exited() { "exited" } else { "running" };
+            out.push_str(&format!("--- {} ({state}):\n{}\n", p.name, p.log_tail()));
+        }
+        out
     }
 
     /// The processes, in the order they start.

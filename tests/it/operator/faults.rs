@@ -179,17 +179,98 @@ async fn final_requests(rig: &Rig) {
     assert_eq!(loaded, BTreeSet::from(["m2".to_owned(), "m4".to_owned()]));
 }
 
+/// The residency's live pods that are on no node and that no scheduler has
+/// said anything of (no condition), by name; empty when any other pod is
+/// not Ready yet.
+async fn unplaced_pods(rig: &Rig) -> Vec<String> {
+    let pods = rig
+        .pods
+        .list(&ListParams::default().labels("residency.dev/residency=gpu"))
+        .await
+        .unwrap();
+    let mut unplaced = Vec::new();
+    for p in pods
+        .items
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+    {
+        let status = p.status.as_ref();
+        let conditions = status.and_then(|s| s.conditions.as_ref());
+        let ready = conditions
+            .into_iter()
+            .flatten()
+            .any(|c| c.type_ == "Ready" && c.status == "True");
+        let bound = p.spec.as_ref().is_some_and(|s| s.node_name.is_some());
+        if ready {
+            continue;
+        }
+        if bound || conditions.is_some_and(|c| !c.is_empty()) {
+            return Vec::new();
+        }
+        unplaced.push(p.metadata.name.clone().unwrap_or_default());
+    }
+    unplaced
+}
+
+/// Each pod's name, phase, node and conditions, for a failure's message:
+/// whether a pod that never turned Ready was scheduled, started or seen.
+fn describe_pods(pods: &[Pod]) -> String {
+    let one = |p: &Pod| {
+        let status = p.status.as_ref();
+        let conditions: Vec<String> = status
+            .and_then(|s| s.conditions.as_ref())
+            .into_iter()
+            .flatten()
+            .map(|c| {
+                format!(
+                    "{}={}{}",
+                    c.type_,
+                    c.status,
+                    c.reason
+                        .as_deref()
+                        .map(|r| format!("({r})"))
+                        .unwrap_or_default()
+                )
+            })
+            .collect();
+        format!(
+            "{} {} on {} created {} deleting {} [{}]",
+            p.metadata.name.as_deref().unwrap_or("?"),
+            status.and_then(|s| s.phase.as_deref()).unwrap_or("-"),
+            p.spec
+                .as_ref()
+                .and_then(|s| s.node_name.as_deref())
+                .unwrap_or("-"),
+            p.metadata
+                .creation_timestamp
+                .as_ref()
+                .map(|t| t.0.to_string())
+                .unwrap_or_default(),
+            p.metadata.deletion_timestamp.is_some(),
+            conditions.join(" ")
+        )
+    };
+    pods.iter().map(one).collect::<Vec<_>>().join("; ")
+}
+
 /// Waits for convergence and checks the end state: status matches spec,
 /// every demand entry processed, one live pod per Loaded model and nothing
 /// else, and (with `demanded_only`) only demanded models resident.
 async fn check_converged(rig: &Rig, within: Duration, demanded_only: bool) -> Duration {
+    converge(rig, within, demanded_only)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`check_converged`], with no convergence in time as an `Err` that says
+/// what was seen last (its other checks still panic).
+async fn converge(rig: &Rig, within: Duration, demanded_only: bool) -> Result<Duration, String> {
     let t0 = Instant::now();
     let mut last = String::new();
     loop {
-        assert!(
-            t0.elapsed() < within,
-            "no convergence within {within:?}; last: {last}"
-        );
+        if t0.elapsed() >= within {
+            return Err(format!("no convergence within {within:?}; last: {last}"));
+        }
         let r = rig.api.get("gpu").await.unwrap();
         let pods = rig
             .pods
@@ -223,8 +304,10 @@ async fn check_converged(rig: &Rig, within: Duration, demanded_only: bool) -> Du
             && terminating == 0
             && live.iter().cloned().collect::<BTreeSet<_>>() == loaded;
         last = format!(
-            "generation {:?}, status {:?}, live pods {live:?}",
-            r.metadata.generation, s
+            "generation {:?}, status {:?}, live pods {live:?}; pods: {}",
+            r.metadata.generation,
+            s,
+            describe_pods(&pods.items)
         );
         if settled {
             let unique: BTreeSet<&String> = live.iter().collect();
@@ -244,7 +327,7 @@ async fn check_converged(rig: &Rig, within: Duration, demanded_only: bool) -> Du
                 );
             }
             if !demanded_only {
-                return t0.elapsed();
+                return Ok(t0.elapsed());
             }
             // Every resident model is still demanded (a removed entry
             // unloads). The exact set depends on the order the storm's
@@ -255,7 +338,7 @@ async fn check_converged(rig: &Rig, within: Duration, demanded_only: bool) -> Du
                 loaded.is_subset(&demanded),
                 "{loaded:?} not all demanded: {demanded:?}"
             );
-            return t0.elapsed();
+            return Ok(t0.elapsed());
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -274,7 +357,7 @@ async fn api_server_restart_mid_storm() {
     tokio::time::sleep(Duration::from_secs(3)).await;
 
     // kill -9 and start again on the same etcd and port.
-    let (plane, down) = tokio::task::spawn_blocking(move || {
+    let (mut plane, down) = tokio::task::spawn_blocking(move || {
         let mut plane = plane;
         let down = plane.restart_apiserver().expect("restart the API server");
         (plane, down)
@@ -285,7 +368,46 @@ async fn api_server_restart_mid_storm() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     stop.store(true, Ordering::Relaxed);
     storm.await.unwrap();
-    let converged = check_converged(&rig, Duration::from_secs(60), true).await;
+    let converged = match converge(&rig, Duration::from_secs(60), true).await {
+        Ok(t) => t,
+        Err(stalled) => {
+            // kube-scheduler has placed none of the pods made just after
+            // the API server came back, and said nothing of them, for
+            // minutes (once in CI and once in three parallel runs of the
+            // suite here on 12-05; never in thirteen runs of this test
+            // alone). That is Kubernetes' own; the operator's part
+            // is to say so in status, and to converge once an admin
+            // restarts the scheduler.
+            let unplaced = unplaced_pods(&rig).await;
+            assert!(
+                !unplaced.is_empty(),
+                "{stalled}\nthe control plane:\n{}",
+                plane.report()
+            );
+            let s = rig.api.get("gpu").await.unwrap().status.unwrap();
+            for m in s.models.iter().filter(|m| m.state == ModelState::Loading) {
+                let message = m.message.as_deref().unwrap_or_default();
+                assert!(
+                    message.contains("no scheduler has said why"),
+                    "{} waits for an unplaced pod and does not say so: {m:?}",
+                    m.name
+                );
+            }
+            eprintln!(
+                "kube-scheduler placed none of {unplaced:?} in 60 s; restarted. The control plane:\n{}",
+                plane.report()
+            );
+            plane.restart_scheduler().expect("restart kube-scheduler");
+            let again = converge(&rig, Duration::from_secs(60), true).await;
+            let again = again.unwrap_or_else(|e| {
+                panic!(
+                    "{e}\nafter kube-scheduler's restart; the control plane:\n{}",
+                    plane.report()
+                )
+            });
+            Duration::from_secs(60) + again
+        }
+    };
     // Its watches list again once they reconnect, which reconciles every
     // residency; they retry with a backoff of up to 4 s, so on a busy
     // machine that can come after the status had settled (it failed the
