@@ -355,6 +355,12 @@ impl ControlPlane {
         self.start_scheduler()
     }
 
+    /// Kills kube-scheduler (no pod is placed until
+    /// [`ControlPlane::restart_scheduler`]).
+    pub fn stop_scheduler(&mut self) {
+        self.scheduler.kill();
+    }
+
     fn start_apiserver(&mut self) -> Result<(), ControlPlaneError> {
         let d = self.dir.path();
         let args = vec![

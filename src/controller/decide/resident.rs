@@ -189,6 +189,9 @@ impl<'a> Decider<'a> {
         let age = recorded_time(p.created.as_deref())
             .map(|c| c.duration_until(self.input.now).unsigned_abs())
             .unwrap_or_default();
+        // The messages name the threshold, not the pod's age: a message
+        // that changed with every reconcile would be a status write each.
+        let after = UNREPORTED_AFTER.as_secs();
         // A scheduler that says nothing of a pod it does not place: one that
         // is down, or that holds the pod back before it tries (the
         // scheduler's DRA plugin does, silently, for a ResourceClaim it has
@@ -196,9 +199,8 @@ impl<'a> Decider<'a> {
         if !p.bound {
             if age >= UNREPORTED_AFTER {
                 return format!(
-                    "{} is Pending: not placed on a node after {}s and no scheduler has said why (is kube-scheduler running, and has it seen the pod's ResourceClaim?)",
-                    p.name,
-                    age.as_secs()
+                    "{} is Pending: not placed on a node {after}s after its creation and no scheduler has said why (is kube-scheduler running, and has it seen the pod's ResourceClaim?)",
+                    p.name
                 );
             }
             plan.look_again_within(UNREPORTED_AFTER - age);
@@ -206,9 +208,8 @@ impl<'a> Decider<'a> {
         if !p.reported {
             if age >= UNREPORTED_AFTER {
                 return format!(
-                    "{} is Pending: no kubelet has reported on it for {}s (is node {} there and running?)",
+                    "{} is Pending: no kubelet has reported on it {after}s after its creation (is node {} there and running?)",
                     p.name,
-                    age.as_secs(),
                     p.node.as_deref().unwrap_or("?")
                 );
             }

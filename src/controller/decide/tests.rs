@@ -624,9 +624,13 @@ fn a_pod_no_scheduler_places_or_speaks_of_is_named() {
         a.message
             .as_deref()
             .unwrap()
-            .contains("not placed on a node after 38s and no scheduler has said why"),
+            .contains("not placed on a node 30s after its creation and no scheduler has said why"),
         "{a:?}"
     );
+    // The message does not change with the pod's age: no write a reconcile.
+    r.status = Some(d.status.clone());
+    let later = run(&r, std::slice::from_ref(&pending), 95);
+    assert_eq!(later.status.model("a").unwrap().message, a.message);
     pending.waiting = Some("Unschedulable: 0/1 nodes are available".into());
     let d = run(&r, std::slice::from_ref(&pending), 41);
     let a = d.status.model("a").unwrap();

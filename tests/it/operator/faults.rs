@@ -13,6 +13,7 @@ use model_residency::local::control_plane::ControlPlane;
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
 use model_residency::metrics::{API_REQUESTS, RECONCILES};
 use model_residency::residency::demand;
+use model_residency::residency::labels::MODEL_LABEL;
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -431,6 +432,76 @@ async fn api_server_restart_mid_storm() {
         watcher.violations.lock().unwrap().clone(),
         Vec::<String>::new()
     );
+    drop(plane);
+}
+
+/// kube-scheduler down: a demanded model's pod is placed nowhere and no
+/// scheduler speaks of it; after 30 s the model's message says so (the
+/// operator has nothing else to go on), and once the scheduler is back the
+/// model loads with no help from anyone. The same path as the fallback of
+/// [`api_server_restart_mid_storm`], made on purpose.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn kube_scheduler_down_the_model_says_so_and_loads_once_it_is_back() {
+    let mut plane = own_plane();
+    let rig = rig(&plane).await;
+    let _operator = start_operator(rig.client.clone());
+    // The GPU's claim first: its holder pod is placed by the scheduler too
+    // (without it the residency says `GpuPending`, naming the holder).
+    let t0 = Instant::now();
+    loop {
+        let r = rig.api.get("gpu").await.unwrap();
+        let ready = r
+            .status
+            .iter()
+            .flat_map(|s| &s.conditions)
+            .any(|c| c.type_ == "Ready" && c.status == "True");
+        if ready {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", r.status);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    plane.stop_scheduler();
+    demand::load(&rig.api, "gpu", "m1", k8s_openapi::jiff::Timestamp::now())
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    let said = loop {
+        let r = rig.api.get("gpu").await.unwrap();
+        let m1 = r.status.as_ref().and_then(|s| s.model("m1")).cloned();
+        if let Some(m) = m1.filter(|m| {
+            m.message
+                .as_deref()
+                .is_some_and(|t| t.contains("no scheduler has said why"))
+        }) {
+            assert_eq!(m.state, ModelState::Loading, "{m:?}");
+            break m.message.unwrap();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(90),
+            "m1 never said its pod is unplaced: {:?}",
+            r.status
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let pods = rig
+        .pods
+        .list(&ListParams::default().labels(&format!("{MODEL_LABEL}=m1")))
+        .await
+        .unwrap();
+    assert_eq!(pods.items.len(), 1, "{}", describe_pods(&pods.items));
+    let pod = pods.items[0].metadata.name.clone().unwrap();
+    assert!(
+        said.contains(&pod),
+        "the message names the pod {pod}: {said}"
+    );
+    assert_eq!(unplaced_pods(&rig).await, vec![pod]);
+    plane.restart_scheduler().unwrap();
+    check_converged(&rig, Duration::from_secs(60), true).await;
+    let r = rig.api.get("gpu").await.unwrap();
+    let m1 = r.status.unwrap().model("m1").cloned().unwrap();
+    assert_eq!(m1.state, ModelState::Loaded, "{m1:?}");
     drop(plane);
 }
 
