@@ -375,7 +375,7 @@ async fn api_server_restart_mid_storm() {
             // kube-scheduler has placed none of the pods made just after
             // the API server came back, and said nothing of them, for
             // minutes (once in CI and once in three parallel runs of the
-            // suite here on 12-05; never in thirteen runs of this test
+            // suite here on 12-05; never in sixteen runs of this test
             // alone). That is Kubernetes' own; the operator's part
             // is to say so in status, and to converge once an admin
             // restarts the scheduler.
