@@ -632,7 +632,7 @@ fn a_pod_no_scheduler_places_or_speaks_of_is_named() {
     let later = run(&r, std::slice::from_ref(&pending), 95);
     assert_eq!(later.status.model("a").unwrap().message, a.message);
     pending.waiting = Some("Unschedulable: 0/1 nodes are available".into());
-    let d = run(&r, std::slice::from_ref(&pending), 41);
+    let d = run(&r, std::slice::from_ref(&pending), 96);
     let a = d.status.model("a").unwrap();
     assert!(a.message.as_deref().unwrap().contains("0/1 nodes"), "{a:?}");
 }

@@ -13,7 +13,7 @@ use model_residency::local::control_plane::ControlPlane;
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
 use model_residency::metrics::{API_REQUESTS, RECONCILES};
 use model_residency::residency::demand;
-use model_residency::residency::labels::MODEL_LABEL;
+use model_residency::residency::labels::{MODEL_LABEL, RESIDENCY_LABEL};
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -180,31 +180,35 @@ async fn final_requests(rig: &Rig) {
     assert_eq!(loaded, BTreeSet::from(["m2".to_owned(), "m4".to_owned()]));
 }
 
+/// The residency's model pods (its claim's holder carries another label).
+async fn residency_pods(rig: &Rig) -> kube::api::ObjectList<Pod> {
+    let of_gpu = format!("{RESIDENCY_LABEL}=gpu");
+    rig.pods
+        .list(&ListParams::default().labels(&of_gpu))
+        .await
+        .unwrap()
+}
+
 /// The residency's live pods that are on no node and that no scheduler has
 /// said anything of (no condition), by name; empty when any other pod is
 /// not Ready yet.
 async fn unplaced_pods(rig: &Rig) -> Vec<String> {
-    let pods = rig
-        .pods
-        .list(&ListParams::default().labels("residency.dev/residency=gpu"))
-        .await
-        .unwrap();
+    let pods = residency_pods(rig).await;
     let mut unplaced = Vec::new();
     for p in pods
         .items
         .iter()
         .filter(|p| p.metadata.deletion_timestamp.is_none())
     {
-        let status = p.status.as_ref();
-        let conditions = status.and_then(|s| s.conditions.as_ref());
+        let conditions = p.status.as_ref().and_then(|s| s.conditions.as_ref());
         let ready = conditions
             .into_iter()
             .flatten()
             .any(|c| c.type_ == "Ready" && c.status == "True");
-        let bound = p.spec.as_ref().is_some_and(|s| s.node_name.is_some());
         if ready {
             continue;
         }
+        let bound = p.spec.as_ref().is_some_and(|s| s.node_name.is_some());
         if bound || conditions.is_some_and(|c| !c.is_empty()) {
             return Vec::new();
         }
@@ -273,11 +277,7 @@ async fn converge(rig: &Rig, within: Duration, demanded_only: bool) -> Result<Du
             return Err(format!("no convergence within {within:?}; last: {last}"));
         }
         let r = rig.api.get("gpu").await.unwrap();
-        let pods = rig
-            .pods
-            .list(&ListParams::default().labels("residency.dev/residency=gpu"))
-            .await
-            .unwrap();
+        let pods = residency_pods(rig).await;
         let live: Vec<String> = pods
             .items
             .iter()
