@@ -146,9 +146,10 @@ pub struct Metrics {
     pub copies_unplaced: Family<ModelLabels, Gauge>,
 }
 
-/// A model's name, as the copy metrics label it.
+/// A model of one namespace, as the copy metrics label it.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModelLabels {
+    pub namespace: String,
     pub model: String,
 }
 
@@ -367,22 +368,37 @@ fn samples<'e>(exposition: &'e str, metric: &'e str) -> impl Iterator<Item = (&'
     })
 }
 
-/// `metric`'s samples in an OpenMetrics exposition, summed by the value of
-/// their label `label` (what the operator reads of the routers' in-flight
-/// counts).
-pub fn by_label(exposition: &str, metric: &str, label: &str) -> HashMap<String, f64> {
+/// `metric`'s samples in an OpenMetrics exposition summed by the values of
+/// its `labels` (a sample lacking one has it empty).
+pub fn by_labels<const N: usize>(
+    exposition: &str,
+    metric: &str,
+    labels: [&str; N],
+) -> HashMap<[String; N], f64> {
     let mut sums = HashMap::new();
-    let key = format!("{label}=\"");
-    for (labels, value) in samples(exposition, metric) {
-        let Some(start) = labels.find(&key) else {
+    for (set, value) in samples(exposition, metric) {
+        if !value.is_finite() {
             continue;
-        };
-        let tail = &labels[start + key.len()..];
-        if let (Some(end), true) = (tail.find('"'), value.is_finite()) {
-            *sums.entry(tail[..end].to_owned()).or_default() += value;
         }
+        let values = labels.map(|l| label_value(set, l).unwrap_or_default().to_owned());
+        *sums.entry(values).or_default() += value;
     }
     sums
+}
+
+/// The value of `label` in a sample's label set (`a="x",b="y"`).
+fn label_value<'a>(set: &'a str, label: &str) -> Option<&'a str> {
+    let mut rest = set;
+    while let Some(eq) = rest.find("=\"") {
+        let name = rest[..eq].trim_start_matches([',', ' ']);
+        let tail = &rest[eq + 2..];
+        let end = tail.find('"')?;
+        if name == label {
+            return Some(&tail[..end]);
+        }
+        rest = &tail[end + 1..];
+    }
+    None
 }
 
 /// The sum of `metric`'s samples in an OpenMetrics exposition whose labels
@@ -402,11 +418,19 @@ mod tests {
     #[test]
     fn samples_are_summed_by_label_and_filtered_by_labels() {
         let text = "# HELP m x\nm{model=\"a\",code=\"200\"} 2\nm{model=\"b\"} 1.5\nm{model=\"a\"} 3\nmm{model=\"a\"} 9\nm 4\n";
-        let sums = by_label(text, "m", "model");
-        assert_eq!(sums.len(), 2);
-        assert_eq!((sums["a"], sums["b"]), (5.0, 1.5));
+        let sums = by_labels(text, "m", ["model"]);
+        assert_eq!(sums.len(), 3);
+        let of = |m: &str| sums[&[m.to_owned()]];
+        assert_eq!((of("a"), of("b"), of("")), (5.0, 1.5, 4.0));
         assert_eq!(sum_where(text, "m", r#"model="a""#), 5);
         assert_eq!(sum_where(text, "m", ""), 10);
+        let two = "m{namespace=\"a\",model=\"x\"} 2\nm{model=\"x\",namespace=\"b\"} 3\nm{xmodel=\"y\",model=\"x\"} 1\n";
+        let sums = by_labels(two, "m", ["namespace", "model"]);
+        assert_eq!(sums[&["a".to_owned(), "x".to_owned()]], 2.0);
+        assert_eq!(sums[&["b".to_owned(), "x".to_owned()]], 3.0);
+        // No namespace label: empty; a label whose name ends in `model` is
+        // not `model`.
+        assert_eq!(sums[&[String::new(), "x".to_owned()]], 1.0);
     }
 
     #[test]

@@ -13,6 +13,7 @@
 //! it goes. Status: `replicas` counts the Ready copies, `selector` selects
 //! the model's pods.
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -74,4 +75,11 @@ pub struct ModelCopiesStatus {
     /// The spec generation this status reflects.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// Ready: True while the copies are what spec.replicas asks; False
+    /// with the message otherwise (CopiesShort), or DuplicateModelCopies
+    /// while an older ModelCopies in this namespace holds the model (this
+    /// one is then ignored).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
 }

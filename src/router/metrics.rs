@@ -20,6 +20,14 @@ pub struct ModelLabels {
     pub model: String,
 }
 
+/// A model as its residencies' namespace names it: the in-flight count's
+/// labels (namespace empty when the router serves the name from several).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NamespacedLabels {
+    pub namespace: String,
+    pub model: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WriteLabels {
     /// `cold` (a load), `recency` (a hit's refresh) or `refused` (a
@@ -49,7 +57,7 @@ pub struct RouterMetrics {
     pub hold: HoldHistograms,
     pub cold_starts: Family<ModelLabels, Counter>,
     pub pending: Family<ModelLabels, Gauge>,
-    pub in_flight: Family<ModelLabels, Gauge>,
+    pub in_flight: Family<NamespacedLabels, Gauge>,
     pub upstream_errors: Family<ModelLabels, Counter>,
     pub demand_writes: Family<WriteLabels, Counter>,
     pub demand_write_errors: Counter,
@@ -99,7 +107,7 @@ impl Default for RouterMetrics {
         );
         registry.register(
             "in_flight_requests",
-            "Requests for a model from their arrival to the end of their answer, those held for a load or a wake included: the signal its copies scale on (summed over every router replica)",
+            "Requests for a model from their arrival to the end of their answer, those held for a load or a wake included: the signal its copies scale on (summed over every router replica); namespace is that of the model's residencies, empty when this router serves the name from several namespaces (then no copy follows it)",
             m.in_flight.clone(),
         );
         registry.register(

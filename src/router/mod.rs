@@ -36,7 +36,7 @@ use http_body_util::{BodyExt, Full, combinators::BoxBody};
 use hyper::body::Incoming;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::Api;
-use metrics::{CodeLabels, ModelLabels, RouterMetrics, WriteLabels};
+use metrics::{CodeLabels, ModelLabels, NamespacedLabels, RouterMetrics, WriteLabels};
 use recency::{Key, Recency};
 use snapshot::{Endpoint, Snapshot};
 use std::collections::HashMap;
@@ -374,8 +374,8 @@ impl Router {
             .snapshot
             .borrow()
             .models
-            .contains_key(model)
-            .then(|| Arc::new(ModelInFlight::enter(&self.metrics, model)));
+            .get(model)
+            .map(|view| Arc::new(ModelInFlight::enter(&self.metrics, &view.namespace, model)));
         // The prompt's prefix is read only when the strategy uses it.
         let key = match self.config.balance {
             balance::Strategy::PrefixHash => balance::prompt_prefix(&body),
@@ -594,10 +594,11 @@ impl InFlight {
 struct ModelInFlight(prometheus_client::metrics::gauge::Gauge);
 
 impl ModelInFlight {
-    fn enter(metrics: &RouterMetrics, model: &str) -> Self {
+    fn enter(metrics: &RouterMetrics, namespace: &str, model: &str) -> Self {
         let gauge = metrics
             .in_flight
-            .get_or_create(&ModelLabels {
+            .get_or_create(&NamespacedLabels {
+                namespace: namespace.to_owned(),
                 model: model.to_owned(),
             })
             .clone();

@@ -58,6 +58,11 @@ pub struct ModelView {
     /// Indexes into [`Snapshot::residencies`] whose registry lists it.
     pub homes: Vec<usize>,
     pub ready: Vec<Endpoint>,
+    /// The namespace of its homes when they are all in one, else empty:
+    /// the namespace its requests are counted under (the copy scaler's
+    /// signal is per namespace; a name served from several says nothing
+    /// of whose model it is).
+    pub namespace: String,
 }
 
 #[derive(Debug, Default)]
@@ -85,8 +90,15 @@ impl Snapshot {
         let mut by_uid = HashMap::new();
         for (i, r) in residencies.iter().enumerate() {
             by_uid.insert(r.uid().unwrap_or_default(), i);
+            let ns = r.namespace().unwrap_or_default();
             for m in &r.spec.models {
-                models.entry(m.name.clone()).or_default().homes.push(i);
+                let view = models.entry(m.name.clone()).or_default();
+                if view.homes.is_empty() {
+                    view.namespace = ns.clone();
+                } else if view.namespace != ns {
+                    view.namespace.clear();
+                }
+                view.homes.push(i);
             }
         }
         let mut draining = std::collections::HashSet::new();

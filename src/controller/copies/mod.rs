@@ -28,6 +28,14 @@
 //! `ModelCopies` names is counted by it instead ([`owned`]); InferencePools
 //! are kept with `--inference-pools` ([`pools`]). A round in which a router
 //! could not be read removes nothing: the sum would be too low.
+//!
+//! **Everything here is per namespace.** Model names are not unique across
+//! tenants (everyone has a `llama-8b`): a model is a [`ModelKey`], its
+//! namespace and name; its homes, its policy, its ModelCopies and its
+//! routers' count are that namespace's alone, so one tenant's spec never
+//! moves another's models. The routers label their count with the
+//! namespace of the model's homes; a name a router serves from several
+//! namespaces at once is counted under no namespace and moves no copy.
 
 use crate::api::{ModelResidency, ModelState};
 use crate::controller::Context;
@@ -55,6 +63,12 @@ use std::time::{Duration, Instant};
 
 /// The routers' metric the copies follow.
 pub const IN_FLIGHT_METRIC: &str = "model_residency_router_in_flight_requests";
+
+/// A model of one namespace: `(namespace, model)`.
+pub type ModelKey = (String, String);
+
+/// The routers' in-flight counts, summed per namespace and model.
+pub type InFlight = HashMap<ModelKey, f64>;
 
 /// Where the routers are and how the scaler runs.
 #[derive(Clone, Debug)]
@@ -107,11 +121,11 @@ struct Scaler {
     store: Store<ModelResidency>,
     config: CopiesConfig,
     started: Instant,
-    models: HashMap<String, CopyScaler>,
+    models: HashMap<ModelKey, CopyScaler>,
     /// `(namespace, residency, model)` copies being removed.
     draining: Arc<Mutex<HashSet<(String, String, String)>>>,
     /// Models whose wanted copy had no home at the last tick.
-    unplaced: HashSet<String>,
+    unplaced: HashSet<ModelKey>,
     /// The removals under way: aborted with the scaler (a removal of a
     /// scaler whose term ended must not write beside the next one's).
     removals: tokio::task::JoinSet<()>,
@@ -146,19 +160,34 @@ pub async fn run(
     }
 }
 
-/// A model's homes (residencies whose registry lists it), sorted by
-/// namespace/name, from the cache (their statuses packed: whoever reads
-/// them unpacks those it reads).
-fn homes_by_model(store: &Store<ModelResidency>) -> BTreeMap<String, Vec<Arc<ModelResidency>>> {
+/// Each model's homes (the residencies of its namespace whose registry
+/// lists it), sorted by name, from the cache (their statuses packed:
+/// whoever reads them unpacks those it reads).
+fn homes_by_model(store: &Store<ModelResidency>) -> BTreeMap<ModelKey, Vec<Arc<ModelResidency>>> {
     let mut residencies = store.state();
     residencies.sort_by_key(|r| (r.namespace(), r.name_any()));
-    let mut homes: BTreeMap<String, Vec<Arc<ModelResidency>>> = BTreeMap::new();
+    let mut homes: BTreeMap<ModelKey, Vec<Arc<ModelResidency>>> = BTreeMap::new();
     for r in residencies {
+        let ns = r.namespace().unwrap_or_default();
         for m in &r.spec.models {
-            homes.entry(m.name.clone()).or_default().push(r.clone());
+            homes
+                .entry((ns.clone(), m.name.clone()))
+                .or_default()
+                .push(r.clone());
         }
     }
     homes
+}
+
+/// The routers' counts in a `/metrics` exposition, by namespace and
+/// model. A sample with an empty namespace (a name the router serves from
+/// several namespaces) or none (an older router) is left out: it cannot
+/// say whose model it counts.
+fn in_flight_by_model(exposition: &str) -> impl Iterator<Item = (ModelKey, f64)> + '_ {
+    crate::metrics::by_labels(exposition, IN_FLIGHT_METRIC, ["namespace", "model"])
+        .into_iter()
+        .filter(|([ns, _], _)| !ns.is_empty())
+        .map(|([ns, model], n)| ((ns, model), n))
 }
 
 /// Whether `r` holds a serving (or soon serving) copy of `model`: it is
@@ -216,7 +245,7 @@ fn policy_of(
 impl Scaler {
     /// Every router's in-flight counts, summed per model; `false` when one
     /// could not be read.
-    async fn read_routers(&self) -> (HashMap<String, f64>, bool) {
+    async fn read_routers(&self) -> (InFlight, bool) {
         let mut addrs = self.config.routers.clone();
         let mut complete = true;
         if let Some(selector) = &self.config.router_selector {
@@ -228,7 +257,7 @@ impl Scaler {
                 }
             }
         }
-        let mut sums: HashMap<String, f64> = HashMap::new();
+        let mut sums: InFlight = HashMap::new();
         for addr in addrs {
             let read = tokio::time::timeout(
                 self.config.tick.min(Duration::from_secs(5)),
@@ -237,8 +266,8 @@ impl Scaler {
             .await;
             match read {
                 Ok(Ok(a)) if a.status == 200 => {
-                    for (model, n) in crate::metrics::by_label(&a.body, IN_FLIGHT_METRIC, "model") {
-                        *sums.entry(model).or_default() += n;
+                    for (key, n) in in_flight_by_model(&a.body) {
+                        *sums.entry(key).or_default() += n;
                     }
                 }
                 other => {
@@ -265,47 +294,57 @@ impl Scaler {
     }
 
     /// One tick: every model's step.
-    async fn round(&mut self, in_flight: &HashMap<String, f64>, complete: bool) {
+    async fn round(&mut self, in_flight: &InFlight, complete: bool) {
         let now = self.started.elapsed().as_secs_f64();
         let all = homes_by_model(&self.store);
-        // Models gone from every registry are forgotten.
+        // Models gone from every registry of their namespace are forgotten.
         self.models.retain(|m, _| all.contains_key(m));
         if let Some(pools) = &self.config.pools {
             self.pools_round(&all, pools).await;
         }
-        let owners = owned::list(self).await;
-        for mc in &owners {
-            let ns = mc.namespace();
+        let owners = owned::holders(owned::list(self).await);
+        for (mc, holder) in &owners {
+            let key = (mc.namespace().unwrap_or_default(), mc.spec.model.clone());
             let homes: Vec<Arc<ModelResidency>> = all
-                .get(&mc.spec.model)
+                .get(&key)
                 .into_iter()
                 .flatten()
-                .filter(|r| r.namespace() == ns)
                 .cloned()
                 .map(cached::unpacked)
                 .collect();
-            self.owned_round(mc, &homes, in_flight, complete).await;
+            match holder {
+                None => {
+                    self.owned_round(mc, &key, &homes, in_flight, complete)
+                        .await
+                }
+                Some(holder) => self.write_duplicate(mc, holder).await,
+            }
         }
         if !self.config.reads_routers() {
             return;
         }
-        for (model, homes) in all {
-            if owners.iter().any(|mc| mc.spec.model == model) {
+        for (key, homes) in all {
+            let owned = owners.iter().any(|(mc, _)| {
+                mc.spec.model == key.1 && mc.namespace().unwrap_or_default() == key.0
+            });
+            if owned {
                 // Its count is the ModelCopies' (HPA's, KEDA's).
                 continue;
             }
-            let Some(policy) = policy_of(&model, &homes, &self.config.defaults) else {
+            let Some(policy) = policy_of(&key.1, &homes, &self.config.defaults) else {
                 continue;
             };
             // Its homes' statuses are read from here on.
             let homes: Vec<Arc<ModelResidency>> = homes.into_iter().map(cached::unpacked).collect();
-            let copies = self.copies_of(&model, &homes);
-            let load = in_flight.get(&model).copied().unwrap_or(0.0);
-            let scaler = self.models.entry(model.clone()).or_default();
+            let model = key.1.as_str();
+            let copies = self.copies_of(model, &homes);
+            let load = in_flight.get(&key).copied().unwrap_or(0.0);
+            let scaler = self.models.entry(key.clone()).or_default();
             scaler.observe(&policy, now, load);
             let step = scaler.decide(&policy, now, copies.len() as u32);
             let labels = ModelLabels {
-                model: model.clone(),
+                namespace: key.0.clone(),
+                model: key.1.clone(),
             };
             let metrics = &self.ctx.metrics;
             metrics
@@ -323,20 +362,20 @@ impl Scaler {
                 .set(i64::from(wanted));
             let done = match step {
                 Step::Hold => {
-                    self.set_unplaced(&model, &homes, None).await;
+                    self.set_unplaced(&key, &homes, None).await;
                     false
                 }
                 Step::Add(n) => {
-                    let (added, why) = self.add(&model, &homes, n, in_flight, &policy).await;
-                    self.set_unplaced(&model, &homes, why).await;
+                    let (added, why) = self.add(&key, &homes, n, in_flight, &policy).await;
+                    self.set_unplaced(&key, &homes, why).await;
                     added
                 }
-                Step::Remove if complete => self.remove(&model, &homes, &copies),
+                Step::Remove if complete => self.remove(model, &homes, &copies),
                 Step::Remove => false,
             };
             if done {
                 self.models
-                    .get_mut(&model)
+                    .get_mut(&key)
                     .expect("entered above")
                     .changed(now);
             }
@@ -364,12 +403,13 @@ impl Scaler {
     /// why a wanted one has no home.
     async fn add(
         &mut self,
-        model: &str,
+        key: &ModelKey,
         homes: &[Arc<ModelResidency>],
         n: u32,
-        in_flight: &HashMap<String, f64>,
+        in_flight: &InFlight,
         policy: &CopyPolicy,
     ) -> (bool, Option<String>) {
+        let model = key.1.as_str();
         let mut taken: HashSet<usize> = HashSet::new();
         let mut added = 0;
         let mut why = None;
@@ -401,12 +441,14 @@ impl Scaler {
     /// has no home: `why` when it has none.
     async fn set_unplaced(
         &mut self,
-        model: &str,
+        key: &ModelKey,
         homes: &[Arc<ModelResidency>],
         why: Option<String>,
     ) {
+        let model = key.1.as_str();
         let labels = ModelLabels {
-            model: model.to_owned(),
+            namespace: key.0.clone(),
+            model: key.1.clone(),
         };
         let now_unplaced = why.is_some();
         self.ctx
@@ -414,12 +456,7 @@ impl Scaler {
             .copies_unplaced
             .get_or_create(&labels)
             .set(i64::from(now_unplaced));
-        let was = if now_unplaced {
-            !self.unplaced.insert(model.to_owned())
-        } else {
-            !self.unplaced.remove(model)
-        };
-        if was == now_unplaced {
+        if !announce(&mut self.unplaced, key, now_unplaced) {
             return;
         }
         let Some(first) = homes.first() else {
@@ -484,15 +521,23 @@ impl Scaler {
     }
 }
 
+/// Records whether `key` has a wanted copy with no home; whether that
+/// changed (a change is announced, a steady state is not: an event per
+/// tick was 17,280 a day per model).
+fn announce(unplaced: &mut HashSet<ModelKey>, key: &ModelKey, now_unplaced: bool) -> bool {
+    if now_unplaced {
+        unplaced.insert(key.clone())
+    } else {
+        unplaced.remove(key)
+    }
+}
+
 /// Whether `victim` on `r` may be evicted for a copy: no request in flight
-/// for it anywhere, and not requested on `r` within the scale-down delay.
-fn idle(
-    r: &ModelResidency,
-    victim: &str,
-    in_flight: &HashMap<String, f64>,
-    policy: &CopyPolicy,
-) -> bool {
-    if in_flight.get(victim).is_some_and(|&n| n > 0.0) {
+/// for it in its namespace, and not requested on `r` within the
+/// scale-down delay.
+fn idle(r: &ModelResidency, victim: &str, in_flight: &InFlight, policy: &CopyPolicy) -> bool {
+    let key = (r.namespace().unwrap_or_default(), victim.to_owned());
+    if in_flight.get(&key).is_some_and(|&n| n > 0.0) {
         return false;
     }
     let last = recorded_time(r.spec.demand.get(victim).map(String::as_str));
@@ -579,7 +624,10 @@ mod tests {
         let quiet = HashMap::new();
         // Requested long ago (the fixture's time), nothing in flight.
         assert!(idle(&r, "chat", &quiet, &policy));
-        let busy = HashMap::from([("chat".to_owned(), 1.0)]);
+        let busy = HashMap::from([(("ns".to_owned(), "chat".to_owned()), 1.0)]);
+        // Busy in another namespace: not this one's request.
+        let elsewhere = HashMap::from([(("other".to_owned(), "chat".to_owned()), 1.0)]);
+        assert!(idle(&r, "chat", &elsewhere, &policy));
         assert!(!idle(&r, "chat", &busy, &policy));
         r.spec
             .demand

@@ -1,10 +1,13 @@
 //! Copies owned by a `ModelCopies` object (HPA, KEDA, `kubectl scale`):
 //! its `spec.replicas` is the count, and its status says what is there.
 
-use super::{Scaler, enact, holds_copy};
+use super::{InFlight, ModelKey, Scaler, enact, holds_copy};
 use crate::api::{ModelCopies, ModelCopiesStatus, ModelResidency, ModelState};
+use crate::residency::conditions::{ConditionSet, READY};
 use crate::residency::labels::MODEL_LABEL;
 use crate::residency::placement::{Placement, place, residency_key};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use std::collections::HashMap;
@@ -24,6 +27,48 @@ pub(super) async fn list(scaler: &Scaler) -> Vec<ModelCopies> {
     }
 }
 
+/// Each ModelCopies with the one that holds its model when that is
+/// another: one model, one owner. The oldest (creation time, then name) of
+/// those naming a model in a namespace holds it; the others stand aside
+/// (`Some(holder)`), as a second ModelDemand for one key does: two counts
+/// for one model fought for ever (24 adds and as many removals in 64 s).
+pub(super) fn holders(mut all: Vec<ModelCopies>) -> Vec<(ModelCopies, Option<String>)> {
+    all.sort_by(|a, b| {
+        let key = |m: &ModelCopies| {
+            (
+                m.namespace(),
+                m.spec.model.clone(),
+                m.metadata.creation_timestamp.clone(),
+                m.name_any(),
+            )
+        };
+        key(a).cmp(&key(b))
+    });
+    let mut first: HashMap<ModelKey, String> = HashMap::new();
+    all.into_iter()
+        .map(|mc| {
+            let key = (mc.namespace().unwrap_or_default(), mc.spec.model.clone());
+            let holder = match first.get(&key) {
+                Some(h) => Some(h.clone()),
+                None => {
+                    first.insert(key, mc.name_any());
+                    None
+                }
+            };
+            (mc, holder)
+        })
+        .collect()
+}
+
+/// `mc`'s Ready condition, its transition time kept while its status
+/// stays (a status that is the same is not written).
+fn ready_condition(mc: &ModelCopies, ready: bool, reason: &str, message: String) -> Vec<Condition> {
+    let previous = mc.status.as_ref().map_or(&[][..], |s| &s.conditions[..]);
+    let mut set = ConditionSet::new(previous, mc.metadata.generation, Timestamp::now());
+    set.set(READY, ready, reason, message);
+    set.finish()
+}
+
 /// Whether `r` serves `model` now: Loaded there.
 fn serves(r: &ModelResidency, model: &str) -> bool {
     r.model_state(model) == ModelState::Loaded
@@ -41,8 +86,9 @@ impl Scaler {
     pub(super) async fn owned_round(
         &mut self,
         mc: &ModelCopies,
+        key: &ModelKey,
         homes: &[Arc<ModelResidency>],
-        in_flight: &HashMap<String, f64>,
+        in_flight: &InFlight,
         complete: bool,
     ) {
         let model = mc.spec.model.as_str();
@@ -63,9 +109,9 @@ impl Scaler {
         } else if copies.len() < wanted {
             let missing = u32::try_from(wanted - copies.len()).unwrap_or(u32::MAX);
             let policy = self.config.defaults;
-            why = self.add(model, homes, missing, in_flight, &policy).await.1;
+            why = self.add(key, homes, missing, in_flight, &policy).await.1;
         } else if copies.len() > wanted {
-            let requests = in_flight.get(model).copied().unwrap_or(0.0);
+            let requests = in_flight.get(key).copied().unwrap_or(0.0);
             if wanted == 0 && copies.len() == 1 && (requests > 0.0 || !complete) {
                 why = Some(if complete {
                     format!(
@@ -78,25 +124,43 @@ impl Scaler {
                 self.remove(model, homes, &copies);
             }
         }
-        self.set_unplaced(model, homes, why.clone()).await;
-        self.write_status(mc, homes, why).await;
+        self.set_unplaced(key, homes, why.clone()).await;
+        let status = self.status_of(mc, homes, why);
+        self.write_status(mc, status).await;
     }
 
-    /// Writes `mc`'s status when it changed: the Ready copies, the
-    /// selector of the model's pods, where its copies are, and why they
-    /// are short.
-    async fn write_status(
+    /// A ModelCopies that stands aside for `holder`: it keeps nothing and
+    /// says who holds its model.
+    pub(super) async fn write_duplicate(&self, mc: &ModelCopies, holder: &str) {
+        let model = &mc.spec.model;
+        let message = format!(
+            "ModelCopies {holder:?} already holds {model} in this namespace; this one is ignored while that one exists"
+        );
+        let status = ModelCopiesStatus {
+            replicas: 0,
+            selector: Some(format!("{MODEL_LABEL}={model}")),
+            residencies: Vec::new(),
+            conditions: ready_condition(mc, false, "DuplicateModelCopies", message.clone()),
+            message: Some(message),
+            observed_generation: mc.metadata.generation,
+        };
+        self.write_status(mc, status).await;
+    }
+
+    /// `mc`'s status: the Ready copies, the selector of the model's pods,
+    /// where its copies are, and why they are short.
+    fn status_of(
         &self,
         mc: &ModelCopies,
         homes: &[Arc<ModelResidency>],
         message: Option<String>,
-    ) {
+    ) -> ModelCopiesStatus {
         let model = mc.spec.model.as_str();
         let ready = homes
             .iter()
             .filter(|r| serves(r, model) && !self.is_draining(r, model))
             .count();
-        let status = ModelCopiesStatus {
+        ModelCopiesStatus {
             replicas: i32::try_from(ready).unwrap_or(i32::MAX),
             selector: Some(format!("{MODEL_LABEL}={model}")),
             residencies: homes
@@ -104,9 +168,17 @@ impl Scaler {
                 .filter(|r| holds_copy(r, model))
                 .map(|r| residency_key(r))
                 .collect(),
+            conditions: match &message {
+                None => ready_condition(mc, true, "CopiesKept", String::new()),
+                Some(m) => ready_condition(mc, false, "CopiesShort", m.clone()),
+            },
             message,
             observed_generation: mc.metadata.generation,
-        };
+        }
+    }
+
+    /// Writes `mc`'s status when it changed.
+    async fn write_status(&self, mc: &ModelCopies, status: ModelCopiesStatus) {
         if mc.status.as_ref() == Some(&status) {
             return;
         }

@@ -10,7 +10,7 @@
 //! tick: at thousands of model pods a list every tick was thousands of
 //! pods serialized by the API server every few seconds.
 
-use super::Scaler;
+use super::{ModelKey, Scaler};
 use crate::api::{
     EndpointPickerRef, InferencePool, InferencePoolSpec, ModelResidency, ModelState, PoolPort,
     PoolSelector,
@@ -149,7 +149,7 @@ impl Scaler {
     /// One tick of the pools: the serving labels, then the pools.
     pub(super) async fn pools_round(
         &self,
-        all: &BTreeMap<String, Vec<Arc<ModelResidency>>>,
+        all: &BTreeMap<ModelKey, Vec<Arc<ModelResidency>>>,
         config: &PoolConfig,
     ) {
         let residencies: HashMap<(String, String), &Arc<ModelResidency>> = all
@@ -172,7 +172,7 @@ impl Scaler {
     /// models no residency lists.
     async fn apply_pools(
         &self,
-        all: &BTreeMap<String, Vec<Arc<ModelResidency>>>,
+        all: &BTreeMap<ModelKey, Vec<Arc<ModelResidency>>>,
         ports: &Ports,
         config: &PoolConfig,
     ) {
@@ -189,27 +189,20 @@ impl Scaler {
             }
         };
         let mut wanted: Vec<InferencePool> = Vec::new();
-        for (model, homes) in all {
-            let mut by_ns: BTreeMap<String, Vec<&Arc<ModelResidency>>> = BTreeMap::new();
-            for r in homes {
-                by_ns
-                    .entry(r.namespace().unwrap_or_default())
-                    .or_default()
-                    .push(r);
-            }
-            for (ns, homes) in by_ns {
-                let port = ports
-                    .get(&(ns.clone(), model.clone()))
-                    .copied()
-                    .unwrap_or(crate::residency::labels::DEFAULT_MODEL_PORT);
-                wanted.push(pool_for(
-                    model,
-                    &ns,
-                    &homes,
-                    port,
-                    config.endpoint_picker.as_ref(),
-                ));
-            }
+        for (key, homes) in all {
+            let (ns, model) = key;
+            let port = ports
+                .get(key)
+                .copied()
+                .unwrap_or(crate::residency::labels::DEFAULT_MODEL_PORT);
+            let homes: Vec<&Arc<ModelResidency>> = homes.iter().collect();
+            wanted.push(pool_for(
+                model,
+                ns,
+                &homes,
+                port,
+                config.endpoint_picker.as_ref(),
+            ));
         }
         for pool in &wanted {
             let ns = pool.namespace().unwrap_or_default();
