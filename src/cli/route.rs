@@ -39,6 +39,19 @@ pub struct Args {
     /// The largest request body, in bytes (then 400).
     #[arg(long, env = "MAX_BODY", default_value_t = 32 << 20)]
     max_body: usize,
+    /// The request bodies held at once, in bytes, all requests together
+    /// (then 429 with Retry-After and the connection closed): bodies are
+    /// read whole and held through a load. Keep it well under the router's
+    /// memory limit (the chart's 256Mi: 96 MiB).
+    #[arg(long, env = "MAX_BUFFERED_BYTES", default_value_t = 96 << 20)]
+    max_buffered_bytes: usize,
+    /// An exact path forwarded besides the inference APIs (repeatable), for
+    /// model servers with APIs of their own: GET or POST, the model in the
+    /// X-Model header. Everything else is a 404 (405 for a wrong method):
+    /// model servers' control endpoints (/sleep, /wake_up, /collective_rpc,
+    /// ...) are never forwarded.
+    #[arg(long, env = "FORWARD_PATHS", value_delimiter = ',')]
+    forward_path: Vec<String>,
     /// The longest a request's body may pause between two reads (then 408
     /// and the connection is closed).
     #[arg(long, env = "BODY_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
@@ -76,6 +89,9 @@ pub async fn run(args: Args) -> Result<(), Failure> {
             "--body-deadline: 0s would refuse every request that has a body",
         ));
     }
+    for path in &args.forward_path {
+        model_residency::router::target::check_forward_path(path).map_err(fatal)?;
+    }
     let client = cluster_client().await?;
     preflight(
         &client,
@@ -95,6 +111,8 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         body_timeout: args.body_timeout,
         body_deadline: args.body_deadline,
         balance: args.balance,
+        max_buffered: args.max_buffered_bytes,
+        forward_paths: args.forward_path,
     };
     let workers = match args.workers {
         Some(n) => usize::from(n),

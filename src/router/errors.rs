@@ -50,6 +50,16 @@ pub enum Refusal {
     /// 400 (and the connection closed): a `CONNECT`, whose next bytes would
     /// be a tunnel's, not HTTP.
     Tunnel(String),
+    /// 404: not an inference path the router forwards.
+    PathNotForwarded(String),
+    /// 405: an inference path asked with another method; `Allow` says which.
+    MethodNotAllowed {
+        message: String,
+        allow: &'static str,
+    },
+    /// 429 with Retry-After: the bodies the router holds would pass
+    /// `--max-buffered-bytes`.
+    TooMuchBuffered(String),
 }
 
 impl Refusal {
@@ -58,7 +68,9 @@ impl Refusal {
             Refusal::BadRequest(_) | Refusal::NotReady(_) | Refusal::Tunnel(_) => {
                 StatusCode::BAD_REQUEST
             }
-            Refusal::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            Refusal::ModelNotFound(_) | Refusal::PathNotForwarded(_) => StatusCode::NOT_FOUND,
+            Refusal::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            Refusal::TooMuchBuffered(_) => StatusCode::TOO_MANY_REQUESTS,
             Refusal::ModelRefused(_) | Refusal::ModelUnavailable { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -75,6 +87,9 @@ impl Refusal {
                 ("invalid_request_error", "invalid_request")
             }
             Refusal::ModelNotFound(_) => ("invalid_request_error", "model_not_found"),
+            Refusal::PathNotForwarded(_) => ("invalid_request_error", "path_not_found"),
+            Refusal::MethodNotAllowed { .. } => ("invalid_request_error", "method_not_allowed"),
+            Refusal::TooMuchBuffered(_) => ("rate_limit_error", "too_much_buffered"),
             Refusal::NotReady(_) => ("invalid_request_error", "model_not_ready"),
             Refusal::ModelRefused(_) => ("server_error", "model_refused"),
             Refusal::ModelUnavailable { .. } => ("server_error", "model_unavailable"),
@@ -92,6 +107,9 @@ impl Refusal {
             | Refusal::NotReady(m)
             | Refusal::ModelRefused(m)
             | Refusal::Upstream(m)
+            | Refusal::PathNotForwarded(m)
+            | Refusal::TooMuchBuffered(m)
+            | Refusal::MethodNotAllowed { message: m, .. }
             | Refusal::ModelUnavailable { message: m, .. }
             | Refusal::TooManyPending { message: m, .. } => m.clone(),
             Refusal::BodyTimeout {
@@ -112,6 +130,9 @@ impl Refusal {
         match self {
             Refusal::ModelUnavailable { retry_after, .. }
             | Refusal::TooManyPending { retry_after, .. } => Some(*retry_after),
+            // The bodies held now are answered within a load's time; a
+            // second is a floor, not a promise.
+            Refusal::TooMuchBuffered(_) => Some(Duration::from_secs(1)),
             _ => None,
         }
     }
@@ -127,7 +148,13 @@ impl Refusal {
             let secs = after.as_secs_f64().ceil().max(1.0) as u64;
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
-        if matches!(self, Refusal::BodyTimeout { .. } | Refusal::Tunnel(_)) {
+        if let Refusal::MethodNotAllowed { allow, .. } = self {
+            headers.insert(header::ALLOW, HeaderValue::from_static(allow));
+        }
+        if matches!(
+            self,
+            Refusal::BodyTimeout { .. } | Refusal::Tunnel(_) | Refusal::TooMuchBuffered(_)
+        ) {
             // The rest of the body (or a tunnel's bytes) may still come:
             // the connection cannot carry another request.
             headers.insert(header::CONNECTION, HeaderValue::from_static("close"));

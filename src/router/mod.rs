@@ -74,6 +74,14 @@ pub struct Config {
     pub body_deadline: Duration,
     /// Which Ready copy of a model gets a request ([`balance`]).
     pub balance: balance::Strategy,
+    /// The request bodies the router may hold at once, in bytes, all
+    /// requests together (then 429): bodies are read whole and held
+    /// through a load, so `max_pending_total` bodies of `max_body` each
+    /// would be far past any memory limit.
+    pub max_buffered: usize,
+    /// Exact paths forwarded besides the inference APIs, for servers with
+    /// APIs of their own (GET or POST, the model in `X-Model`).
+    pub forward_paths: Vec<String>,
 }
 
 impl Default for Config {
@@ -89,6 +97,8 @@ impl Default for Config {
             body_timeout: Duration::from_secs(60),
             body_deadline: Duration::from_secs(300),
             balance: balance::Strategy::LeastInFlight,
+            max_buffered: 96 << 20,
+            forward_paths: Vec::new(),
         }
     }
 }
@@ -123,6 +133,8 @@ pub struct Router {
     in_flight: Mutex<HashMap<Arc<str>, Arc<AtomicUsize>>>,
     /// Requests waiting for loads, per model, and in all.
     pending: Mutex<(HashMap<String, usize>, usize)>,
+    /// Bytes of request bodies held now (read, or declared and being read).
+    buffered: Arc<AtomicUsize>,
     pub metrics: RouterMetrics,
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// Set when the shutdown grace is nearly over: requests still held for
@@ -152,6 +164,7 @@ impl Router {
             ready: crate::http::Readiness::default(),
             in_flight: Mutex::default(),
             pending: Mutex::default(),
+            buffered: Arc::default(),
             metrics: RouterMetrics::default(),
             tasks: Mutex::default(),
             closing: watch::Sender::new(false),
@@ -210,6 +223,11 @@ impl Router {
         counters.retain(|_, n| Arc::strong_count(n) > 1 || n.load(Ordering::Relaxed) > 0);
     }
 
+    /// Bytes of request bodies held now (`--max-buffered-bytes` bounds it).
+    pub fn buffered(&self) -> usize {
+        self.buffered.load(Ordering::Relaxed)
+    }
+
     /// What it was started with.
     pub fn config(&self) -> &Config {
         &self.config
@@ -250,7 +268,7 @@ impl Router {
             return catalog::answer(q, &snap, self.ready()).map(boxed);
         }
         let (model, result) = match self.model_of(req).await {
-            Ok((model, parts, body)) => {
+            Ok((model, parts, body, _held)) => {
                 let result = self.serve_model(&model, &parts, body, start).await;
                 // A proxied request's model is one the router serves.
                 let model = if result.is_ok() {
@@ -300,13 +318,29 @@ impl Router {
     async fn model_of(
         &self,
         req: Request<Incoming>,
-    ) -> Result<(String, http::request::Parts, Bytes), Refusal> {
+    ) -> Result<(String, http::request::Parts, Bytes, Buffered), Refusal> {
         let bad = |e: target::BadRequest| Refusal::BadRequest(e.to_string());
         if req.method() == http::Method::CONNECT {
             let tunnel = target::BadRequest::Connect {
                 target: req.uri().to_string(),
             };
             return Err(Refusal::Tunnel(tunnel.to_string()));
+        }
+        let (method, path) = (req.method(), req.uri().path());
+        match target::forwarded(method, path, &self.config.forward_paths) {
+            Ok(()) => {}
+            Err(target::NotForwarded::Path) => {
+                return Err(Refusal::PathNotForwarded(format!(
+                    "{method} {} is not an inference API this router forwards (OpenAI's POST /v1/chat/completions, /v1/completions, /v1/embeddings, ...; KServe v2's /v2/models/<name>/infer; or a --forward-path)",
+                    echo(path)
+                )));
+            }
+            Err(target::NotForwarded::Method(allow)) => {
+                return Err(Refusal::MethodNotAllowed {
+                    message: format!("{method} is not allowed on {path}: {allow}"),
+                    allow,
+                });
+            }
         }
         let named = target::locate(req.method(), req.uri().path(), req.headers()).map_err(bad)?;
         let limit = self.config.max_body;
@@ -318,9 +352,16 @@ impl Router {
         if declared.is_some_and(|n| n > limit) {
             return Err(too_large());
         }
+        let mut held = Buffered::new(self.buffered.clone(), self.config.max_buffered);
+        // A declared length is held before a byte is read: twenty clients
+        // announcing 30 MiB each are refused at their heads.
+        if let Some(n) = declared {
+            held.grow(n)?;
+        }
         let (parts, body) = req.into_parts();
         let mut body = http_body_util::Limited::new(body, limit);
         let mut chunks: Vec<Bytes> = Vec::new();
+        let mut read = 0usize;
         let deadline = tokio::time::Instant::now() + self.config.body_deadline;
         loop {
             let pause = tokio::time::Instant::now() + self.config.body_timeout;
@@ -336,7 +377,13 @@ impl Router {
                 })?;
             match frame {
                 None => break,
-                Some(Ok(frame)) => chunks.extend(frame.into_data().ok()),
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        read += data.len();
+                        held.grow(read)?;
+                        chunks.push(data);
+                    }
+                }
                 Some(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
                     return Err(too_large());
                 }
@@ -356,7 +403,7 @@ impl Router {
             target::Named::Known(m) => m,
             target::Named::InBody => target::from_body(&body, &parts.headers).map_err(bad)?,
         };
-        Ok((model, parts, body))
+        Ok((model, parts, body, held))
     }
 
     async fn serve_model(
@@ -560,6 +607,48 @@ fn key(snap: &Snapshot, i: usize, model: &str) -> Key {
         kube::ResourceExt::name_any(&**r),
         model.to_owned(),
     ))
+}
+
+/// A request body's bytes counted against `--max-buffered-bytes` while the
+/// request is answered (its body is held for a retry on another pod).
+struct Buffered {
+    total: Arc<AtomicUsize>,
+    max: usize,
+    held: usize,
+}
+
+impl Buffered {
+    fn new(total: Arc<AtomicUsize>, max: usize) -> Self {
+        Buffered {
+            total,
+            max,
+            held: 0,
+        }
+    }
+
+    /// Holds `n` bytes in all for this body (never less than it holds).
+    fn grow(&mut self, n: usize) -> Result<(), Refusal> {
+        if n <= self.held {
+            return Ok(());
+        }
+        let more = n - self.held;
+        let before = self.total.fetch_add(more, Ordering::Relaxed);
+        if before.saturating_add(more) > self.max {
+            self.total.fetch_sub(more, Ordering::Relaxed);
+            return Err(Refusal::TooMuchBuffered(format!(
+                "the router holds {before} bytes of request bodies and this one would pass --max-buffered-bytes ({}); retry shortly",
+                self.max
+            )));
+        }
+        self.held = n;
+        Ok(())
+    }
+}
+
+impl Drop for Buffered {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.held, Ordering::Relaxed);
+    }
 }
 
 /// A request in flight on a pod, from just before it is sent until its

@@ -44,6 +44,119 @@ pub enum BadRequest {
     Connect { target: String },
 }
 
+/// The OpenAI-compatible endpoints the router forwards (POST, the model in
+/// the JSON body, or in `X-Model` for a body that is not JSON).
+pub const OPENAI_PATHS: &[&str] = &[
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/moderations",
+    "/v1/images/generations",
+    "/v1/images/edits",
+    "/v1/images/variations",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+    "/v1/audio/speech",
+    "/v1/rerank",
+    "/v1/score",
+];
+
+/// Why a path is not forwarded: the router sends model servers their
+/// inference APIs only, never their control endpoints (vLLM's `/sleep`,
+/// `/wake_up`, `/collective_rpc`; SGLang's `/release_memory_occupation`):
+/// through a router every client reaches every tenant's servers, and a
+/// sleep sent behind the operator's back left a model Loaded in status and
+/// answering nothing.
+#[derive(Debug, PartialEq, Eq)]
+pub enum NotForwarded {
+    /// 404: not an inference path.
+    Path,
+    /// 405: an inference path, another method (`Allow` names it).
+    Method(&'static str),
+}
+
+/// Model servers' control endpoints: a `--forward-path` may not name one
+/// (the operator alone sleeps, wakes and loads adapters).
+const CONTROL_PATHS: &[&str] = &[
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/collective_rpc",
+    "/reset_prefix_cache",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/update_weights_from_disk",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
+    "/start_profile",
+    "/stop_profile",
+];
+
+/// Checks a `--forward-path`: an absolute path, not a control endpoint.
+pub fn check_forward_path(path: &str) -> Result<(), String> {
+    if !path.starts_with('/') || path.contains(['?', '#', ' ']) {
+        return Err(format!(
+            "--forward-path {path:?}: give an absolute path without a query, such as /generate"
+        ));
+    }
+    if CONTROL_PATHS.contains(&path) {
+        return Err(format!(
+            "--forward-path {path}: a model server's control endpoint is never forwarded (the operator alone sleeps, wakes and loads)"
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `method path` is an inference API the router forwards: the
+/// OpenAI endpoints above (POST); KServe v2's `/v2/models/<name>` and
+/// `/versions/<v>` metadata (GET), `infer`, `generate` and
+/// `generate_stream` (POST); and the exact paths of `extra`
+/// (`--forward-path`, GET or POST, the model in `X-Model`).
+pub fn forwarded(method: &Method, path: &str, extra: &[String]) -> Result<(), NotForwarded> {
+    let want = |allowed: &'static str| {
+        if method.as_str() == allowed {
+            Ok(())
+        } else {
+            Err(NotForwarded::Method(allowed))
+        }
+    };
+    if OPENAI_PATHS.contains(&path) {
+        return want("POST");
+    }
+    if extra.iter().any(|p| p == path) {
+        return match *method {
+            Method::GET | Method::POST => Ok(()),
+            _ => Err(NotForwarded::Method("GET, POST")),
+        };
+    }
+    let Some(rest) = path.strip_prefix("/v2/models/") else {
+        return Err(NotForwarded::Path);
+    };
+    let segment = |s: &str| !s.is_empty() && !s.contains('/');
+    let (name, rest) = rest.split_once('/').unwrap_or((rest, ""));
+    if !segment(name) {
+        return Err(NotForwarded::Path);
+    }
+    let rest = match rest.strip_prefix("versions/") {
+        Some(v) => {
+            let (version, tail) = v.split_once('/').unwrap_or((v, ""));
+            if !segment(version) {
+                return Err(NotForwarded::Path);
+            }
+            tail
+        }
+        None => rest,
+    };
+    match rest {
+        "" => want("GET"),
+        "infer" | "generate" | "generate_stream" => want("POST"),
+        _ => Err(NotForwarded::Path),
+    }
+}
+
 /// Where the request's model is named, so the router knows whether it must
 /// read the body before it can route.
 #[derive(Debug, PartialEq, Eq)]
@@ -188,6 +301,48 @@ mod tests {
                 Err(BadRequest::TwoModelHeaders)
             );
         }
+    }
+
+    #[test]
+    fn only_the_inference_apis_are_forwarded() {
+        let ok = |m: Method, p: &str| forwarded(&m, p, &[]);
+        for p in OPENAI_PATHS {
+            assert_eq!(ok(Method::POST, p), Ok(()), "{p}");
+            assert_eq!(ok(Method::GET, p), Err(NotForwarded::Method("POST")));
+        }
+        for p in [
+            "/v2/models/resnet/infer",
+            "/v2/models/resnet/versions/3/infer",
+            "/v2/models/llm/generate",
+            "/v2/models/llm/generate_stream",
+        ] {
+            assert_eq!(ok(Method::POST, p), Ok(()), "{p}");
+        }
+        assert_eq!(ok(Method::GET, "/v2/models/resnet"), Ok(()));
+        assert_eq!(ok(Method::GET, "/v2/models/resnet/versions/3"), Ok(()));
+        assert_eq!(
+            ok(Method::DELETE, "/v2/models/resnet"),
+            Err(NotForwarded::Method("GET"))
+        );
+        // Model servers' control endpoints, and anything not listed.
+        for p in CONTROL_PATHS.iter().chain(&[
+            "/v1/anything",
+            "/v2/models/resnet/sleep",
+            "/v2/models//infer",
+            "/v2/models/a/versions//infer",
+            "/v2/repository/index",
+            "/generate",
+        ]) {
+            assert_eq!(ok(Method::POST, p), Err(NotForwarded::Path), "{p}");
+            assert!(check_forward_path(p).is_ok() != CONTROL_PATHS.contains(p));
+        }
+        assert!(check_forward_path("generate").is_err());
+        let extra = ["/generate".to_owned()];
+        assert_eq!(forwarded(&Method::POST, "/generate", &extra), Ok(()));
+        assert_eq!(
+            forwarded(&Method::PUT, "/generate", &extra),
+            Err(NotForwarded::Method("GET, POST"))
+        );
     }
 
     #[test]
