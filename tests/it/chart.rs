@@ -5,7 +5,8 @@
 
 use crate::support::cluster::{TestEnv, eventually, test_env};
 use k8s_openapi::api::core::v1::{Pod, Secret};
-use kube::api::{Api, ListParams, PostParams};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use model_residency::api::{ModelResidency, ModelState};
 use model_residency::controller::Context;
 use model_residency::controller::pods::pod_name;
@@ -13,6 +14,7 @@ use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
 use model_residency::metrics::API_REQUESTS;
 use model_residency::operator::lease::{LeaderElector, LeaseConfig};
 use serde_json::{Value, json};
+use std::collections::BTreeSet;
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -684,6 +686,53 @@ async fn a_standby_takes_over_within_the_lease_and_never_writes_alongside() {
     assert!(!both.load(Ordering::SeqCst), "two replicas led at once");
 }
 
+/// The router's admission policy lists every spec field but demand: a
+/// field added to the CRD and left out would be the router's to change.
+#[test]
+#[ignore = "needs helm: scripts/test.sh provides it and runs this with --include-ignored"]
+fn the_routers_policy_guards_every_spec_field_but_demand() {
+    use kube::CustomResourceExt;
+    let helm = helm();
+    let docs = documents(&render(&helm, "front", "ns", &[]));
+    let policy = of_kind(&docs, "ValidatingAdmissionPolicy");
+    assert_eq!(policy.len(), 1);
+    let guarded: BTreeSet<String> = policy[0]["spec"]["validations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| {
+            let e = v["expression"].as_str()?;
+            let field = e.strip_prefix("has(object.spec.")?.split(')').next()?;
+            Some(field.to_owned())
+        })
+        .collect();
+    let crd = serde_json::to_value(ModelResidency::crd()).unwrap();
+    let fields: BTreeSet<String> =
+        crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .filter(|k| *k != "demand")
+            .cloned()
+            .collect();
+    assert_eq!(guarded, fields);
+    let matched = policy[0]["spec"]["matchConditions"][0]["expression"]
+        .as_str()
+        .unwrap();
+    assert!(
+        matched.contains("system:serviceaccount:ns:front-model-residency-router"),
+        "{matched}"
+    );
+    // Off: none.
+    let off = documents(&render(
+        &helm,
+        "front",
+        "ns",
+        &["--set", "router.demandOnlyPolicy=false"],
+    ));
+    assert!(of_kind(&off, "ValidatingAdmissionPolicy").is_empty());
+}
+
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn the_router_does_its_job_with_only_its_charts_rbac() {
@@ -752,6 +801,52 @@ async fn the_router_does_its_job_with_only_its_charts_rbac() {
     );
     serving.abort();
     operator.stop().await;
+
+    // Its patch right covers every field; the chart's admission policy
+    // leaves it spec.demand alone. A template swapped for a privileged pod
+    // mounting the node's / is refused, and so is a label or a finalizer;
+    // a demand write is taken.
+    let as_router: Api<ModelResidency> = Api::namespaced(
+        env.plane.client_as(&user, &groups).await.unwrap(),
+        &env.namespace,
+    );
+    let evil = json!({"spec": {"models": [{"name": "a", "size": "6Gi", "template": {"spec": {
+        "containers": [{"name": "s", "image": "i", "securityContext": {"privileged": true},
+                        "volumeMounts": [{"name": "root", "mountPath": "/host"}]}],
+        "volumes": [{"name": "root", "hostPath": {"path": "/"}}]}}}]}});
+    let refused = |patch: serde_json::Value| {
+        let api = as_router.clone();
+        async move {
+            api.patch("gpu", &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+        }
+    };
+    for (what, patch) in [
+        ("a template", evil),
+        ("the budget", json!({"spec": {"budget": "1Ti"}})),
+        ("a label", json!({"metadata": {"labels": {"x": "y"}}})),
+        ("a finalizer", json!({"metadata": {"finalizers": ["x/y"]}})),
+    ] {
+        match refused(patch).await {
+            Err(kube::Error::Api(e)) => {
+                assert!(e.message.contains("only spec.demand"), "{what}: {e:?}")
+            }
+            other => panic!("the router's patch of {what} was not refused: {other:?}"),
+        }
+    }
+    let template = admin.get("gpu").await.unwrap().spec.models[0]
+        .template
+        .clone();
+    assert_eq!(
+        serde_json::to_value(&template).unwrap()["spec"]["containers"][0]["securityContext"],
+        serde_json::Value::Null
+    );
+    model_residency::residency::demand::load(&as_router, "gpu", "a", Timestamp::now())
+        .await
+        .expect("a demand write as the router");
+    model_residency::residency::demand::unload(&as_router, "gpu", "a")
+        .await
+        .expect("a demand removal as the router");
 }
 
 #[tokio::test]
