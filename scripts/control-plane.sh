@@ -97,7 +97,7 @@ go_env() {
 build_etcd() {
   [ -x "$ETCD_DIR/etcd" ] && prints_line "etcd Version: ${ETCD_VERSION#v}" "$ETCD_DIR/etcd" --version && return 0
   local t0=$SECONDS work
-  work=$(mktemp -d "$CACHE_ROOT/build.XXXXXX")
+  work=$(mktemp -d "$CACHE_ROOT/build-control-plane.XXXXXX")
   log "go build etcd $ETCD_VERSION (about 2 minutes on 2 cores)"
   (cd "$PINS/etcd" && go build -trimpath -ldflags "-s -w" -o "$work/etcd" go.etcd.io/etcd/server/v3) \
     || { rm -rf "$work"; die "go build etcd failed (is the Go module proxy reachable?)"; }
@@ -115,7 +115,7 @@ build() {
   need_go
   go_env
   build_etcd
-  work=$(mktemp -d "$CACHE_ROOT/build.XXXXXX")
+  work=$(mktemp -d "$CACHE_ROOT/build-control-plane.XXXXXX")
   # A failed or interrupted build leaves nothing half-made behind.
   trap 'rm -rf "${work:-}"' EXIT
   local minor=${K8S_VERSION#v1.}
@@ -159,7 +159,7 @@ install() {
   exec 9>"$CACHE_ROOT/control-plane.lock"
   flock 9
   # Builds killed before their trap ran (kill -9, power loss) leave these.
-  rm -rf "$CACHE_ROOT"/build.*
+  rm -rf "$CACHE_ROOT"/build-control-plane.*
   if assets_ok "$ASSETS"; then
     log "cached control plane $K8S_VERSION at $ASSETS"
   else

@@ -53,7 +53,7 @@ build() {
   command -v go >/dev/null || die "Go is needed to build KEDA (Go 1.26 is installed on this machine kind)"
   export CGO_ENABLED=0 GOFLAGS=-mod=readonly GOTOOLCHAIN=local
   local work t0=$SECONDS
-  work=$(mktemp -d "$CACHE_ROOT/build.XXXXXX")
+  work=$(mktemp -d "$CACHE_ROOT/build-keda.XXXXXX")
   trap 'rm -rf "${work:-}"' EXIT
   log "go build KEDA $KEDA_VERSION operator and adapter (about 8 minutes on 2 cores)"
   local ld="-s -w -X $MODULE/version.Version=${KEDA_VERSION#v} -X $MODULE/version.GitCommit=$KEDA_VERSION-gomod"
@@ -76,7 +76,7 @@ install() {
   mkdir -p "$CACHE_ROOT"
   exec 9>"$CACHE_ROOT/keda.lock"
   flock 9
-  rm -rf "$CACHE_ROOT"/build.*
+  rm -rf "$CACHE_ROOT"/build-keda.*
   # shellcheck source=apt.sh
   . "$HERE/apt.sh"
   [ -x /usr/bin/prometheus ] || apt_install "${PACKAGES[@]}" || die "could not install ${PACKAGES[*]}"

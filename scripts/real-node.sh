@@ -74,7 +74,7 @@ build_into_cache() {
   local dir=$1 what=$2
   shift 2
   local work t0=$SECONDS
-  work=$(mktemp -d "$CACHE_ROOT/build.XXXXXX")
+  work=$(mktemp -d "$CACHE_ROOT/build-real-node.XXXXXX")
   log "go build $what"
   (cd "$dir" && go build -trimpath -o "$work/" "$@") || { rm -rf "$work"; die "go build $what failed (is the Go module proxy reachable?)"; }
   mkdir -p "$OUT"

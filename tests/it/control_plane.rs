@@ -272,3 +272,55 @@ async fn control_plane_reports_its_version() {
         env.plane.rss_bytes() >> 20
     );
 }
+
+/// A cache build cleans only its own leftovers: `control-plane.sh install`
+/// removed every `build.*` under the cache root, KEDA's build in progress
+/// included (a demo started beside a cold test run left KEDA without its
+/// operator binary). Run against a cache root of the test's own whose
+/// control plane is the built one, linked in.
+#[test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+fn a_cache_build_leaves_another_builds_work_alone() {
+    let assets = std::env::var("MODEL_RESIDENCY_ASSETS")
+        .expect("MODEL_RESIDENCY_ASSETS: scripts/test.sh sets it to the built control plane");
+    let version = std::process::Command::new("bash")
+        .args(["scripts/control-plane.sh", "version"])
+        .output()
+        .unwrap();
+    let version = String::from_utf8(version.stdout).unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let cached = root.path().join("control-plane");
+    std::fs::create_dir_all(&cached).unwrap();
+    let name = std::path::Path::new(&assets).file_name().unwrap();
+    assert!(
+        name.to_string_lossy().starts_with(version.trim()),
+        "{assets} is not {version}"
+    );
+    std::os::unix::fs::symlink(&assets, cached.join(name)).unwrap();
+    let others = ["build-keda.x1", "build-real-node.x2"];
+    for d in others.iter().chain(&["build-control-plane.killed"]) {
+        std::fs::create_dir_all(root.path().join(d)).unwrap();
+        std::fs::write(root.path().join(d).join("half-built"), "x").unwrap();
+    }
+    let out = std::process::Command::new("bash")
+        .args(["scripts/control-plane.sh", "install"])
+        .env("MODEL_RESIDENCY_CACHE", root.path())
+        .env_remove("MODEL_RESIDENCY_ASSETS")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for d in others {
+        assert!(
+            root.path().join(d).join("half-built").exists(),
+            "{d} was removed by the control plane's install"
+        );
+    }
+    assert!(
+        !root.path().join("build-control-plane.killed").exists(),
+        "its own leftover stays"
+    );
+}
