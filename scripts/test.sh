@@ -75,6 +75,10 @@ fi
 # cached).
 provide MODEL_RESIDENCY_OPENAI_PYTHON scripts/openai-sdk.sh "the OpenAI SDK" || true
 
+# The Gateway API Inference Extension's released InferencePool CRDs (v1.5
+# and v1.6, from its Go module: a few MB, no build) for the pools tests.
+provide MODEL_RESIDENCY_INFERENCE_CRDS scripts/inference-extension.sh "the Inference Extension's CRDs" || true
+
 # The OCI registry for the registry-artifact tests (Debian's
 # docker-registry, with htpasswd and openssl).
 provide MODEL_RESIDENCY_REGISTRY scripts/registry.sh "the OCI registry (docker-registry)" || true

@@ -113,12 +113,13 @@ struct CopiesArgs {
     #[arg(long, env = "INFERENCE_POOLS")]
     inference_pools: bool,
     /// The endpoint picker Service every InferencePool names (none: the
-    /// gateway picks; v1.5 of the extension made it optional).
+    /// gateway picks; the extension's v1.6 made it optional, its v1.5
+    /// requires it).
     #[arg(long, env = "ENDPOINT_PICKER")]
     endpoint_picker: Option<String>,
-    /// The endpoint picker's port (the extension's default: 9002).
-    #[arg(long, env = "ENDPOINT_PICKER_PORT")]
-    endpoint_picker_port: Option<u16>,
+    /// The endpoint picker Service's port.
+    #[arg(long, env = "ENDPOINT_PICKER_PORT", default_value_t = 9002)]
+    endpoint_picker_port: u16,
 }
 
 impl CopiesArgs {
@@ -142,13 +143,10 @@ impl CopiesArgs {
                 ..CopyPolicy::default()
             },
             pools: self.inference_pools.then(|| PoolConfig {
-                endpoint_picker: self.endpoint_picker.clone().map(|name| EndpointPickerRef {
-                    group: None,
-                    kind: None,
-                    name,
-                    port_number: self.endpoint_picker_port,
-                    failure_mode: None,
-                }),
+                endpoint_picker: self
+                    .endpoint_picker
+                    .clone()
+                    .map(|name| EndpointPickerRef::service(name, self.endpoint_picker_port)),
             }),
         })
     }

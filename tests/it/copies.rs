@@ -304,30 +304,21 @@ async fn serving_pods(h: &Harness) -> Vec<String> {
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn inference_pools_select_exactly_the_copies_that_serve() {
-    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-    use kube::CustomResourceExt;
     use kube::api::{Api, Patch, PatchParams};
-    use model_residency::api::InferencePool;
-    // The extension's CRD, from the published v1 fields (our type's).
+    use model_residency::api::{EndpointPickerRef, InferencePool};
+    // The extension's own released CRD (v1.6: the picker optional, its
+    // port an object, defaults the API server fills in).
     let mut h = Harness::start("copies-pools").await;
-    let crds: Api<CustomResourceDefinition> = Api::all(h.env.client.clone());
-    let mut crd = InferencePool::crd();
-    // k8s.io groups need it; the extension's own CRD carries this one.
-    crd.metadata.annotations = Some(
-        [(
-            "api-approved.kubernetes.io".to_owned(),
-            "https://github.com/kubernetes-sigs/gateway-api-inference-extension/pull/1173"
-                .to_owned(),
-        )]
-        .into(),
-    );
-    crds.patch(
-        "inferencepools.inference.networking.k8s.io",
-        &PatchParams::apply("test").force(),
-        &Patch::Apply(&crd),
-    )
-    .await
+    install_inference_crd(h.env.plane, "v1.6.0");
+    // A tenant's own pool named after a model: never the operator's to
+    // rewrite, own or delete.
+    let pools: Api<InferencePool> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    let theirs: InferencePool = serde_json::from_value(json!({
+        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "metadata": {"name": "big"},
+        "spec": {"selector": {"matchLabels": {"app": "theirs"}}, "targetPorts": [{"number": 38080}]}}))
     .unwrap();
+    pools.create(&Default::default(), &theirs).await.unwrap();
     // Four GPUs whose chat can sleep (the warm tier), with a big model
     // that takes a copy's room.
     for i in 0..GPUS {
@@ -351,11 +342,12 @@ async fn inference_pools_select_exactly_the_copies_that_serve() {
     h.copies = CopiesConfig {
         tick: Duration::from_millis(300),
         drain_grace: Duration::from_millis(200),
-        pools: Some(Default::default()),
+        pools: Some(model_residency::controller::copies::PoolConfig {
+            endpoint_picker: Some(EndpointPickerRef::service("epp".into(), 9002)),
+        }),
         ..CopiesConfig::default()
     };
     h.start_operator();
-    let pools: Api<InferencePool> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
     let copies = model_copies(&h, 2).await;
     for n in [2usize, 3, 1] {
         copies
@@ -415,6 +407,26 @@ async fn inference_pools_select_exactly_the_copies_that_serve() {
     let pool = pools.get("chat").await.unwrap();
     assert_eq!(selected(&h, &pool).await, serving_pods(&h).await);
     assert_eq!(serving_pods(&h).await.len(), 1);
+    // What is stored after the API server's defaulting is what the
+    // operator writes: ten quiet ticks apply nothing.
+    let patches = || {
+        h.ctx.metrics.sum_where(
+            "model_residency_api_requests_total",
+            r#"verb="patch",resource="inferencepools""#,
+        )
+    };
+    let before = patches();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(patches() - before, 0, "pools applied at steady state");
+    // The tenant's pool is as they made it, and the clash is said.
+    let big = pools.get("big").await.unwrap();
+    assert_eq!(big.spec, theirs.spec);
+    assert!(big.metadata.owner_references.is_none());
+    let clash = h.events_of("gpu-0").await;
+    assert!(
+        clash.iter().any(|e| e.contains("InferencePoolClash")),
+        "{clash:#?}"
+    );
     // Every model has its pool, owned by the residencies that list it.
     let other = pools.get("other").await.unwrap();
     assert_eq!(
@@ -441,6 +453,95 @@ async fn inference_pools_select_exactly_the_copies_that_serve() {
         pools.get_opt("other").await.ok()?.is_none().then_some(())
     })
     .await;
+}
+
+/// Applies the extension's released InferencePool CRD of `version` (from
+/// `scripts/inference-extension.sh`) to `plane`, and waits until it serves.
+fn install_inference_crd(
+    plane: &model_residency::local::control_plane::ControlPlane,
+    version: &str,
+) {
+    let dir = std::env::var("MODEL_RESIDENCY_INFERENCE_CRDS").expect(
+        "MODEL_RESIDENCY_INFERENCE_CRDS: scripts/test.sh sets it (scripts/inference-extension.sh)",
+    );
+    let kubectl = |args: &[&str]| {
+        let out = std::process::Command::new(model_residency::local::control_plane::kubectl())
+            .env("KUBECONFIG", plane.kubeconfig())
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "kubectl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let file = format!("{dir}/{version}.yaml");
+    kubectl(&["apply", "--server-side", "--force-conflicts", "-f", &file]);
+    kubectl(&[
+        "wait",
+        "--for=condition=Established",
+        "--timeout=30s",
+        "crd/inferencepools.inference.networking.k8s.io",
+    ]);
+}
+
+/// Against the extension's v1.5 CRD (its picker required): the pool the
+/// operator writes with `--endpoint-picker` is taken and, once stored
+/// (defaulted), not written again. Its own control plane: the shared one
+/// has v1.6's CRD of the same name.
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn inference_pools_are_taken_by_the_extensions_v1_5_crd() {
+    use kube::api::Api;
+    use model_residency::api::{EndpointPickerRef, InferencePool};
+    use model_residency::local::control_plane::ControlPlane;
+    use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
+    let plane = ControlPlane::start().expect("a control plane of the test's own");
+    install_inference_crd(&plane, "v1.5.0");
+    let client = plane.client().await.unwrap();
+    model_residency::local::install_crd(&client).await.unwrap();
+    crate::support::cluster::create_namespace(&client, "pools").await;
+    let _kubelet = FakeKubelet::start(client.clone(), KubeletConfig::instant(&["node-p"]))
+        .await
+        .unwrap();
+    let api: Api<ModelResidency> = Api::namespaced(client.clone(), "pools");
+    let r = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": "gpu"},
+        "spec": {"nodeName": "node-p", "device": "0", "budget": "8Gi", "gpu": {"mode": "env"},
+                 "models": [{"name": "chat", "size": "4Gi",
+                             "template": crate::support::operator::server_template("chat")}],
+                 "demand": {"chat": "2026-01-01T00:00:00Z"}}}))
+    .unwrap();
+    api.create(&Default::default(), &r).await.unwrap();
+    let mut ctx = model_residency::controller::Context::new(client.clone());
+    Arc::get_mut(&mut ctx).unwrap().copies = CopiesConfig {
+        tick: Duration::from_millis(200),
+        pools: Some(model_residency::controller::copies::PoolConfig {
+            endpoint_picker: Some(EndpointPickerRef::service("epp".into(), 9002)),
+        }),
+        ..CopiesConfig::default()
+    };
+    let metrics = ctx.metrics.clone();
+    let operator = model_residency::operator::spawn_with(ctx, "pools");
+    let pools: Api<InferencePool> = Api::namespaced(client.clone(), "pools");
+    let pool = eventually(30, "chat's pool", || async {
+        pools.get_opt("chat").await.ok()?
+    })
+    .await;
+    let picker = pool.spec.endpoint_picker_ref.unwrap();
+    assert_eq!(picker.port.map(|p| p.number), Some(9002));
+    let patches = || {
+        metrics.sum_where(
+            "model_residency_api_requests_total",
+            r#"verb="patch",resource="inferencepools""#,
+        )
+    };
+    let before = patches();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(patches() - before, 0, "pools applied at steady state");
+    operator.abort();
 }
 
 #[tokio::test]

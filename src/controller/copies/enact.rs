@@ -76,20 +76,39 @@ pub(super) async fn release(ctx: &Context, ns: &str, pod: &str) {
 /// An event on the model's first home: `warning` when a wanted copy has
 /// no home, normal when it has again.
 pub(super) async fn publish(ctx: &Context, r: &ModelResidency, warning: bool, note: String) {
-    use kube::runtime::events::{Event, EventType, Recorder};
+    use kube::runtime::events::EventType;
+    let (type_, reason) = if warning {
+        (EventType::Warning, "CopyUnplaced")
+    } else {
+        (EventType::Normal, "CopyPlaced")
+    };
+    event(ctx, r, type_, reason, note).await;
+}
+
+/// A Warning event on `r`.
+pub(super) async fn warn(ctx: &Context, r: &ModelResidency, reason: &str, note: String) {
+    event(
+        ctx,
+        r,
+        kube::runtime::events::EventType::Warning,
+        reason,
+        note,
+    )
+    .await;
+}
+
+async fn event(
+    ctx: &Context,
+    r: &ModelResidency,
+    type_: kube::runtime::events::EventType,
+    reason: &str,
+    note: String,
+) {
+    use kube::runtime::events::{Event, Recorder};
     let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
     let ev = Event {
-        type_: if warning {
-            EventType::Warning
-        } else {
-            EventType::Normal
-        },
-        reason: if warning {
-            "CopyUnplaced"
-        } else {
-            "CopyPlaced"
-        }
-        .into(),
+        type_,
+        reason: reason.into(),
         note: Some(note),
         action: "ScaleCopies".into(),
         secondary: None,

@@ -126,6 +126,8 @@ struct Scaler {
     draining: Arc<Mutex<HashSet<(String, String, String)>>>,
     /// Models whose wanted copy had no home at the last tick.
     unplaced: HashSet<ModelKey>,
+    /// Models whose InferencePool name another's pool holds (announced).
+    pool_clashes: Mutex<HashSet<ModelKey>>,
     /// The removals under way: aborted with the scaler (a removal of a
     /// scaler whose term ended must not write beside the next one's).
     removals: tokio::task::JoinSet<()>,
@@ -147,6 +149,7 @@ pub async fn run(
         models: HashMap::new(),
         draining: Arc::default(),
         unplaced: HashSet::new(),
+        pool_clashes: Mutex::default(),
         removals: tokio::task::JoinSet::new(),
     };
     scaler.release_stale_drains().await;

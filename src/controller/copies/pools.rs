@@ -21,7 +21,7 @@ use crate::residency::labels::{MANAGER, MODEL_LABEL, POOL_MODEL_LABEL, SERVING_L
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Resource, ResourceExt};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 /// What the pools say beyond their pods.
@@ -204,18 +204,36 @@ impl Scaler {
                 config.endpoint_picker.as_ref(),
             ));
         }
+        let mut clashes = HashSet::new();
         for pool in &wanted {
             let ns = pool.namespace().unwrap_or_default();
-            let same = existing.iter().any(|e| {
-                e.namespace() == pool.namespace()
-                    && e.name_any() == pool.name_any()
-                    && e.spec == pool.spec
-                    && e.metadata.owner_references == pool.metadata.owner_references
-            });
-            if same {
+            let ours = existing
+                .iter()
+                .find(|e| e.namespace() == pool.namespace() && e.name_any() == pool.name_any());
+            if ours.is_some_and(|e| {
+                e.spec == pool.spec && e.metadata.owner_references == pool.metadata.owner_references
+            }) {
                 continue;
             }
             let api: Api<InferencePool> = Api::namespaced(self.ctx.client.clone(), &ns);
+            if ours.is_none() {
+                // Not one the operator made: a pool of that name that is
+                // there is someone else's, and an apply would take it over
+                // (its selector rewritten, an owner reference that deletes
+                // it with the residency). Left alone, and said.
+                self.ctx.metrics.api_request("get", "inferencepools");
+                match api.get_opt(&pool.name_any()).await {
+                    Ok(None) => {}
+                    Ok(Some(_)) => {
+                        clashes.insert((ns, pool.name_any()));
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(pool = %pool.name_any(), error = %e, "pools: cannot read an InferencePool");
+                        continue;
+                    }
+                }
+            }
             self.ctx.metrics.api_request("patch", "inferencepools");
             let params = PatchParams::apply(MANAGER);
             if let Err(e) = api
@@ -225,6 +243,7 @@ impl Scaler {
                 tracing::warn!(pool = %pool.name_any(), error = %e, "pools: could not apply an InferencePool");
             }
         }
+        self.say_clashes(all, clashes).await;
         for old in &existing {
             let kept = wanted
                 .iter()
@@ -240,6 +259,35 @@ impl Scaler {
             if let Err(e) = api.delete(&old.name_any(), &DeleteParams::default()).await {
                 tracing::warn!(pool = %old.name_any(), error = %e, "pools: could not delete an InferencePool");
             }
+        }
+    }
+}
+
+impl Scaler {
+    /// A Warning event (`InferencePoolClash`) on a model's first home when
+    /// an InferencePool of its name that the operator did not make is in
+    /// the way, once per clash (and a log line each round it lasts).
+    async fn say_clashes(
+        &self,
+        all: &BTreeMap<ModelKey, Vec<Arc<ModelResidency>>>,
+        now: HashSet<ModelKey>,
+    ) {
+        let new: Vec<ModelKey> = {
+            let mut known = self.pool_clashes.lock().expect("clashes lock");
+            let new = now.difference(&known).cloned().collect();
+            *known = now;
+            new
+        };
+        for key in new {
+            let Some(first) = all.get(&key).and_then(|homes| homes.first()) else {
+                continue;
+            };
+            let (ns, model) = &key;
+            tracing::warn!(namespace = %ns, pool = %model, "pools: an InferencePool of this name is not the operator's; left alone");
+            let note = format!(
+                "InferencePool {model} in {ns} was not made by the operator (no {POOL_MODEL_LABEL} label): it is left as it is and {model} gets no pool here; rename one of them"
+            );
+            super::enact::warn(&self.ctx, first, "InferencePoolClash", note).await;
         }
     }
 }
@@ -304,13 +352,7 @@ mod tests {
     #[test]
     fn a_pool_selects_the_serving_copies_and_is_owned_by_every_home() {
         let a = Arc::new(residency("Loaded"));
-        let picker = EndpointPickerRef {
-            group: None,
-            kind: None,
-            name: "epp".into(),
-            port_number: Some(9002),
-            failure_mode: None,
-        };
+        let picker = EndpointPickerRef::service("epp".into(), 9002);
         let pool = pool_for("chat", "ns", &[&a], 8000, Some(&picker));
         let v = serde_json::to_value(&pool).unwrap();
         assert_eq!(v["apiVersion"], "inference.networking.k8s.io/v1");
@@ -318,7 +360,8 @@ mod tests {
             v["spec"],
             json!({"selector": {"matchLabels": {MODEL_LABEL: "chat", SERVING_LABEL: "true"}},
                    "targetPorts": [{"number": 8000}],
-                   "endpointPickerRef": {"name": "epp", "portNumber": 9002}})
+                   "endpointPickerRef": {"group": "", "kind": "Service", "name": "epp",
+                                         "port": {"number": 9002}, "failureMode": "FailClose"}})
         );
         assert_eq!(v["metadata"]["ownerReferences"][0]["controller"], false);
     }
