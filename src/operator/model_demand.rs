@@ -80,6 +80,13 @@ pub fn plan(
         .and_then(|r| r.spec.demand.get(model))
         .and_then(|t| t.parse::<Timestamp>().ok());
     let just_after = |t| later(t, Duration::from_micros(1));
+    // A standing request that was served and whose model then left the
+    // GPU (evicted, or put to sleep, to make room) is made again, at the
+    // soonest REASK_AFTER after it: a ModelDemand at 1 keeps asking for
+    // its model, as HPA at 1 means, and two at 1 whose models cannot
+    // share a GPU take turns instead of thrashing.
+    let standing =
+        standing.filter(|&at| reask_in(residency, model, at, now) != Some(Duration::ZERO));
     let requested_at = wanted
         .then(|| standing.unwrap_or_else(|| key_time.map_or(now, |k| now.max(just_after(k)))));
     let mut status = ModelDemandStatus {
@@ -191,6 +198,28 @@ fn mirror_the_model(
         let message = format!("{model} has no state on {r_name} yet");
         set.set(READY, false, "Pending", message);
     }
+}
+
+/// The soonest a ModelDemand at 1 asks again for a model that left its GPU.
+pub const REASK_AFTER: Duration = Duration::from_secs(30);
+
+/// When `model`, requested at `at`, is to be asked for again: it left
+/// `residency`'s GPU (Evicted or Sleeping) after that request was
+/// processed there; in zero once [`REASK_AFTER`] has passed since `at`.
+/// `None` while it has not left.
+fn reask_in(
+    residency: Option<&ModelResidency>,
+    model: &str,
+    at: Timestamp,
+    now: Timestamp,
+) -> Option<Duration> {
+    let m = residency.and_then(|r| r.status.as_ref()?.model(model))?;
+    let processed = m.last_requested.as_deref()?.parse::<Timestamp>().ok()?;
+    if !matches!(m.state, ModelState::Evicted | ModelState::Sleeping) || processed < at {
+        return None;
+    }
+    let since = Duration::try_from(now.duration_since(at)).unwrap_or_default();
+    Some(REASK_AFTER.saturating_sub(since))
 }
 
 /// Whether the key's time `key` is still the request a ModelDemand made at
@@ -418,6 +447,14 @@ async fn apply(md: Arc<ModelDemand>, ctx: &Context) -> Result<Action, Error> {
         ctx.metrics.api_request("patch", "modeldemands/status");
         result.map_err(|source| Error::PatchStatus { source })?;
     }
+    // A model that left its GPU is asked for again when its turn comes.
+    let standing = status.requested_at.as_deref().and_then(|t| t.parse().ok());
+    if let Some(wait) = standing
+        .filter(|_| md.spec.replicas >= 1)
+        .and_then(|at| reask_in(residency.as_deref(), &md.spec.model, at, Timestamp::now()))
+    {
+        return Ok(Action::requeue(wait.max(Duration::from_millis(100))));
+    }
     // A missing residency or model is a condition, not an error loop: the
     // residency watch wakes this object when that changes.
     Ok(Action::await_change())
@@ -614,6 +651,32 @@ mod tests {
             later,
         );
         assert_eq!(write, KeyWrite::Keep);
+    }
+
+    fn later_by(t: Timestamp, d: Duration) -> Timestamp {
+        later(t, d)
+    }
+
+    #[test]
+    fn at_one_a_model_evicted_after_its_request_is_asked_for_again() {
+        let later: Timestamp = "2026-11-30T04:00:00Z".parse().unwrap();
+        let mut r = residency(Some(NOW), Some("Evicted"));
+        // Evicted before the request was processed: it is coming.
+        let (write, _) = plan(&md(1, Some(NOW)), Some(&r), None, later);
+        assert_eq!(write, KeyWrite::Keep);
+        // Served, then evicted (a copy of another model took its room):
+        // asked again once REASK_AFTER has passed, and the status keeps
+        // the new request.
+        r.status.as_mut().unwrap().models[0].last_requested = Some(NOW.into());
+        let soon = later_by(now(), REASK_AFTER - Duration::from_secs(1));
+        let (write, _) = plan(&md(1, Some(NOW)), Some(&r), None, soon);
+        assert_eq!(write, KeyWrite::Keep, "its turn has not come");
+        let (write, status) = plan(&md(1, Some(NOW)), Some(&r), None, later);
+        assert_eq!(write, KeyWrite::Set(later));
+        assert_eq!(status.requested_at, Some(later.to_string()));
+        // At 0 nothing is asked.
+        let (write, _) = plan(&md(0, Some(NOW)), Some(&r), None, later);
+        assert_ne!(write, KeyWrite::Set(later));
     }
 
     #[test]

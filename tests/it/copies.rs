@@ -794,3 +794,77 @@ async fn a_second_model_copies_for_one_model_stands_aside_and_a_steady_state_is_
     })
     .await;
 }
+
+/// A copy makes room from idle models only: `slow`, held at 1 by a
+/// ModelDemand, is never a copy's victim (a copy evicted it 8 s after it
+/// was Ready, and it stayed evicted with its ModelDemand at 1).
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_copy_never_evicts_a_model_a_model_demand_holds() {
+    let mut h = Harness::start("copies-held").await;
+    h.gpu_mode = Some("env");
+    for i in 0..2 {
+        let r: ModelResidency = serde_json::from_value(json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+            "metadata": {"name": format!("gpu-{i}")},
+            "spec": {"nodeName": h.node, "device": i.to_string(), "budget": "8Gi", "gpu": {"mode": "env"},
+                "models": [
+                    {"name": "chat", "size": "4Gi", "template": (h.template)("chat"),
+                     "copies": {"min": 2, "scaleDownDelay": "1s"}},
+                    {"name": "slow", "size": "6Gi", "template": (h.template)("slow")}]},
+        }))
+        .unwrap();
+        h.api.create(&Default::default(), &r).await.unwrap();
+    }
+    let demands: kube::Api<model_residency::api::ModelDemand> =
+        kube::Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    let md = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelDemand",
+        "metadata": {"name": "slow"}, "spec": {"residency": "gpu-1", "model": "slow", "replicas": 1}}))
+    .unwrap();
+    demands.create(&Default::default(), &md).await.unwrap();
+    h.until_state("gpu-1", "slow", ModelState::Loaded, 30).await;
+    h.request("gpu-0", "chat").await;
+    // The copy scaler on (a stand-in router: min decides), well past the
+    // scale-down delay of everything.
+    let (router, _) = crate::support::artifact_server::serve().await;
+    h.stop_operator().await;
+    h.copies = CopiesConfig {
+        routers: vec![router],
+        tick: Duration::from_millis(200),
+        ..CopiesConfig::default()
+    };
+    h.start_operator();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let r = h.api.get("gpu-1").await.unwrap();
+    assert_eq!(
+        r.model_state("slow"),
+        ModelState::Loaded,
+        "{:?}",
+        h.events_of("gpu-1").await
+    );
+    assert!(
+        !r.spec.demand.contains_key("chat"),
+        "a copy of chat was asked on gpu-1"
+    );
+    assert!(
+        h.ctx
+            .metrics
+            .sum_where("model_residency_model_copies_unplaced", r#"model="chat""#)
+            == 1,
+        "the wanted copy is said to have no home"
+    );
+    // Held no more: the copy may take its room now.
+    demands
+        .patch(
+            "slow",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&json!({"spec": {"replicas": 0}})),
+        )
+        .await
+        .unwrap();
+    eventually(30, "chat's second copy on gpu-1", || async {
+        (loaded(&h).await.len() == 2).then_some(())
+    })
+    .await;
+}

@@ -93,7 +93,8 @@ async fn kubectl_scale_loads_and_unloads_a_model_and_scale_reads_it_back() {
     );
     let md = until_mirrored(&mds, "z", 0, "MadeRoom").await;
     assert_eq!(md.status.unwrap().state.as_deref(), Some("Evicted"));
-    // A standing request is not renewed: still evicted, nothing written.
+    // A standing request is not renewed at once: still evicted, nothing
+    // written (it is asked again REASK_AFTER, 30 s, after its request).
     let key = h.api.get("gpu").await.unwrap().spec.demand["zimage"].clone();
     tokio::time::sleep(std::time::Duration::from_secs(1)).await;
     assert_eq!(h.api.get("gpu").await.unwrap().spec.demand["zimage"], key);

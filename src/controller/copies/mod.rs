@@ -413,6 +413,7 @@ impl Scaler {
         policy: &CopyPolicy,
     ) -> (bool, Option<String>) {
         let model = key.1.as_str();
+        let held = self.held_by_model_demands(&key.0).await;
         let mut taken: HashSet<usize> = HashSet::new();
         let mut added = 0;
         let mut why = None;
@@ -424,7 +425,11 @@ impl Scaler {
                 .map(|(i, r)| (i, &**r))
                 .collect();
             let candidates: Vec<&ModelResidency> = free.iter().map(|(_, r)| *r).collect();
-            let idle = |r: &ModelResidency, victim: &str| idle(r, victim, in_flight, policy);
+            let idle = |r: &ModelResidency, victim: &str| {
+                held.as_ref()
+                    .is_some_and(|h| !h.contains(&(r.name_any(), victim.to_owned())))
+                    && idle(r, victim, in_flight, policy)
+            };
             let i = match place_copy(model, &candidates, idle) {
                 Ok(k) => free[k].0,
                 Err(e) => {
@@ -438,6 +443,27 @@ impl Scaler {
             }
         }
         (added > 0, why)
+    }
+
+    /// The `(residency, model)` keys the ModelDemands of namespace `ns` hold
+    /// at 1: their models are asked for, never a copy's victims. Read only
+    /// when a copy is to be added; unreadable, every model counts as held
+    /// (no victim is better than a wrong one).
+    async fn held_by_model_demands(&self, ns: &str) -> Option<HashSet<(String, String)>> {
+        let api: Api<crate::api::ModelDemand> = Api::namespaced(self.ctx.client.clone(), ns);
+        match api.list(&ListParams::default()).await {
+            Ok(list) => Some(
+                list.items
+                    .into_iter()
+                    .filter(|d| d.spec.replicas >= 1)
+                    .map(|d| (d.spec.residency, d.spec.model))
+                    .collect(),
+            ),
+            Err(e) => {
+                tracing::warn!(namespace = %ns, error = %e, "copies: cannot list ModelDemands; no model is a copy's victim this round");
+                None
+            }
+        }
     }
 
     /// Says (a metric, and an event on the change) whether a wanted copy
@@ -536,19 +562,23 @@ fn announce(unplaced: &mut HashSet<ModelKey>, key: &ModelKey, now_unplaced: bool
 }
 
 /// Whether `victim` on `r` may be evicted for a copy: no request in flight
-/// for it in its namespace, and not requested on `r` within the
-/// scale-down delay.
+/// for it in its namespace, not requested on `r` and not Ready there
+/// within the scale-down delay (a model that just came up has had no time
+/// to be asked for: a copy evicted one 8 s after its load).
 fn idle(r: &ModelResidency, victim: &str, in_flight: &InFlight, policy: &CopyPolicy) -> bool {
     let key = (r.namespace().unwrap_or_default(), victim.to_owned());
     if in_flight.get(&key).is_some_and(|&n| n > 0.0) {
         return false;
     }
-    let last = recorded_time(r.spec.demand.get(victim).map(String::as_str));
-    let recent = last.is_some_and(|t| {
-        let age = Timestamp::now().duration_since(t);
-        age.as_secs_f64() < policy.scale_down_delay
-    });
-    !recent
+    let recent = |t: Option<Timestamp>| {
+        t.is_some_and(|t| {
+            let age = Timestamp::now().duration_since(t);
+            age.as_secs_f64() < policy.scale_down_delay
+        })
+    };
+    let requested = recorded_time(r.spec.demand.get(victim).map(String::as_str));
+    let ready = recorded_time(r.model_status(victim).and_then(|m| m.loaded_at.as_deref()));
+    !recent(requested) && !recent(ready)
 }
 
 #[cfg(test)]
@@ -636,5 +666,13 @@ mod tests {
             .demand
             .insert("chat".into(), Timestamp::now().to_string());
         assert!(!idle(&r, "chat", &quiet, &policy));
+        // Requested long ago, but Ready only now: not idle yet.
+        let mut fresh = residency("b", json!({}));
+        fresh.status = Some(
+            serde_json::from_value(json!({"models": [
+            {"name": "chat", "state": "Loaded", "loadedAt": Timestamp::now().to_string()}]}))
+            .unwrap(),
+        );
+        assert!(!idle(&fresh, "chat", &quiet, &policy));
     }
 }
