@@ -144,6 +144,9 @@ pub struct Metrics {
     pub copies: Family<ModelLabels, Gauge>,
     pub copies_wanted: Family<ModelLabels, Gauge>,
     pub copies_unplaced: Family<ModelLabels, Gauge>,
+    /// Routers the copy scaler could not read in its last round (no copy
+    /// is removed while one is unread).
+    pub copies_routers_unread: Gauge,
 }
 
 /// A model of one namespace, as the copy metrics label it.
@@ -174,6 +177,7 @@ impl Metrics {
             copies: Family::default(),
             copies_wanted: Family::default(),
             copies_unplaced: Family::default(),
+            copies_routers_unread: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register_collector(Box::new(m.residencies.clone()));
@@ -222,6 +226,11 @@ impl Metrics {
             "model_copies_unplaced",
             "1 while a copy a model wants has no GPU to go to (every other GPU would evict a busy model, or is full of loads), else 0",
             m.copies_unplaced.clone(),
+        );
+        registry.register(
+            "copies_routers_unread",
+            "Routers (or the router pods' list) the copy scaler could not read in its last round: while above 0, no copy is removed (the summed count would be too low)",
+            m.copies_routers_unread.clone(),
         );
         Metrics { registry, ..m }
     }

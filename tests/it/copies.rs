@@ -10,7 +10,7 @@ use model_residency::api::{ModelResidency, ModelState};
 use model_residency::controller::copies::CopiesConfig;
 use model_residency::engine::copies::CopyPolicy;
 use model_residency::local::model_server::SLEEP_ANNOTATION;
-use model_residency::residency::labels::DRAINING_LABEL;
+use model_residency::residency::labels::{DRAINING_LABEL, SERVING_LABEL};
 use model_residency::router::Config;
 use serde_json::json;
 use std::net::SocketAddr;
@@ -348,6 +348,28 @@ async fn inference_pools_select_exactly_the_copies_that_serve() {
         ..CopiesConfig::default()
     };
     h.start_operator();
+    // Watched throughout: a copy being removed is never still selected
+    // by its pool (draining and serving at once).
+    let both = Arc::new(AtomicUsize::new(0));
+    let watcher = {
+        let (pods, both) = (h.pods.clone(), both.clone());
+        tokio::spawn(async move {
+            // Bounded: 20 polls a second for at most 3 minutes.
+            for _ in 0..3600 {
+                if let Ok(list) = pods.list(&Default::default()).await {
+                    for p in list.items {
+                        let labels = p.metadata.labels.unwrap_or_default();
+                        if labels.contains_key(DRAINING_LABEL)
+                            && labels.get(SERVING_LABEL).map(String::as_str) == Some("true")
+                        {
+                            both.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
     let copies = model_copies(&h, 2).await;
     for n in [2usize, 3, 1] {
         copies
@@ -407,6 +429,12 @@ async fn inference_pools_select_exactly_the_copies_that_serve() {
     let pool = pools.get("chat").await.unwrap();
     assert_eq!(selected(&h, &pool).await, serving_pods(&h).await);
     assert_eq!(serving_pods(&h).await.len(), 1);
+    watcher.abort();
+    assert_eq!(
+        both.load(Ordering::Relaxed),
+        0,
+        "a draining copy kept its serving label"
+    );
     // What is stored after the API server's defaulting is what the
     // operator writes: ten quiet ticks apply nothing.
     let patches = || {
@@ -563,6 +591,14 @@ async fn the_copy_scaler_stops_with_its_operators_term() {
         (polls.load(Ordering::SeqCst) >= 3).then_some(())
     })
     .await;
+    // Its 404 is an unread router, and said so (no copy is removed while
+    // one is unread): it was a debug line only.
+    assert_eq!(
+        h.ctx
+            .metrics
+            .sum_where("model_residency_copies_routers_unread", ""),
+        1
+    );
     // A lost lease aborts the leader's controller task; the copy scaler it
     // started (and its removals) must end with it, or the old leader goes
     // on adding and removing copies beside the new one.

@@ -3,7 +3,7 @@
 
 use crate::api::{ModelResidency, ModelState};
 use crate::controller::Context;
-use crate::residency::labels::{DRAINING_LABEL, RETIRE_ANNOTATION};
+use crate::residency::labels::{DRAINING_LABEL, RETIRE_ANNOTATION, SERVING_LABEL};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
@@ -41,7 +41,12 @@ pub(super) async fn drain_and_retire(
 ) {
     let (ns, residency, model) = key;
     let pod = crate::controller::pods::pod_name(residency, model);
-    set_label(ctx, ns, &pod, DRAINING_LABEL, true).await;
+    // Out of the routers and out of its InferencePool at once: a gateway
+    // gets the same drain window as the routers (the serving label went
+    // at the pools' next tick, up to after the copy was retired).
+    let drain = serde_json::json!({"metadata": {"labels": {
+        DRAINING_LABEL: "true", SERVING_LABEL: null}}});
+    patch_pod(ctx, ns, &pod, &drain).await;
     tokio::time::sleep(grace).await;
     let retire = serde_json::json!({"metadata": {"annotations": {
         RETIRE_ANNOTATION: Timestamp::now().to_string()}}});

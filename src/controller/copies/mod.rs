@@ -126,6 +126,10 @@ struct Scaler {
     draining: Arc<Mutex<HashSet<(String, String, String)>>>,
     /// Models whose wanted copy had no home at the last tick.
     unplaced: HashSet<ModelKey>,
+    /// The routers unread in the last round (their addresses), and what
+    /// each said.
+    unread: Vec<String>,
+    unread_detail: String,
     /// Models whose InferencePool name another's pool holds (announced).
     pool_clashes: Mutex<HashSet<ModelKey>>,
     /// The removals under way: aborted with the scaler (a removal of a
@@ -150,6 +154,8 @@ pub async fn run(
         draining: Arc::default(),
         unplaced: HashSet::new(),
         pool_clashes: Mutex::default(),
+        unread: Vec::new(),
+        unread_detail: String::new(),
         removals: tokio::task::JoinSet::new(),
     };
     scaler.release_stale_drains().await;
@@ -248,16 +254,13 @@ fn policy_of(
 impl Scaler {
     /// Every router's in-flight counts, summed per model; `false` when one
     /// could not be read.
-    async fn read_routers(&self) -> (InFlight, bool) {
+    async fn read_routers(&mut self) -> (InFlight, bool) {
         let mut addrs = self.config.routers.clone();
-        let mut complete = true;
+        let mut unread: Vec<String> = Vec::new();
         if let Some(selector) = &self.config.router_selector {
             match self.router_pods(selector).await {
                 Ok(found) => addrs.extend(found),
-                Err(e) => {
-                    tracing::warn!(error = %e, "copies: cannot list the router pods");
-                    complete = false;
-                }
+                Err(e) => unread.push(format!("the router pods' list ({e})")),
             }
         }
         let mut sums: InFlight = HashMap::new();
@@ -273,13 +276,37 @@ impl Scaler {
                         *sums.entry(key).or_default() += n;
                     }
                 }
-                other => {
-                    tracing::debug!(%addr, answer = ?other.map(|r| r.map(|a| a.status)), "copies: a router did not answer");
-                    complete = false;
-                }
+                Ok(Ok(a)) => unread.push(format!("{addr} (HTTP {})", a.status)),
+                Ok(Err(e)) => unread.push(format!("{addr} ({e})")),
+                Err(_) => unread.push(format!("{addr} (no answer in time)")),
             }
         }
-        (sums, complete)
+        self.say_unread(&unread);
+        (sums, unread.is_empty())
+    }
+
+    /// Says where an operator looks that routers went unread (no copy is
+    /// removed meanwhile): the metric each round, a warning when the set
+    /// of unread routers changes, and the routers in each ModelCopies
+    /// message that waits on them.
+    fn say_unread(&mut self, unread: &[String]) {
+        self.ctx
+            .metrics
+            .copies_routers_unread
+            .set(unread.len() as i64);
+        let now: Vec<String> = unread
+            .iter()
+            .map(|u| u.split(' ').next().unwrap_or_default().to_owned())
+            .collect();
+        if now != self.unread {
+            if unread.is_empty() {
+                tracing::info!("copies: every router answers again; copies may be removed");
+            } else {
+                tracing::warn!(unread = ?unread, "copies: routers could not be read; no copy is removed until they are");
+            }
+            self.unread = now;
+        }
+        self.unread_detail = unread.join(", ");
     }
 
     /// The Ready router pods' `/metrics` addresses.

@@ -118,7 +118,10 @@ impl Scaler {
                         "the last copy stays while {requests} requests for {model} are in flight"
                     )
                 } else {
-                    format!("the last copy stays while a router's count of {model} is unread")
+                    format!(
+                        "the last copy stays while a router's count of {model} is unread: {}",
+                        self.unread_detail
+                    )
                 });
             } else {
                 self.remove(model, homes, &copies);
