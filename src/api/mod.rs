@@ -305,6 +305,11 @@ pub struct ModelResidencyStatus {
     /// since it was chosen; each model's rate decays over it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub served: Option<u64>,
+    /// spec.eviction cost and rate: how many loads more than the seed's
+    /// LRU they made recently (decayed over 256 requests); past 0.5 their
+    /// victims are taken least recently used first until it falls back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lag: Option<f64>,
     /// One entry per registry model, plus one per demanded unknown model.
     /// Written whole by the operator (the only writer of this status): an
     /// atomic list.

@@ -170,6 +170,9 @@ struct Slot {
     registered: bool,
     /// Engine clock at the model's last request (0: never).
     last_used: u64,
+    /// Unloaded (not evicted) since its last request: the seed's LRU
+    /// would not hold it either ([`Engine::lag`]).
+    unloaded: bool,
     /// [`Eviction::Rate`]'s request rate: requests served, each decayed
     /// by its age in requests, as of `rate_at`. Kept across evictions.
     rate: f64,
@@ -216,6 +219,18 @@ impl Linked for Slots {
     }
 }
 
+/// Requests over which `cost` and `rate` weigh their loads against the
+/// seed's LRU's ([`Engine::lag`]). 256 and a limit of 0.5 load: on the
+/// three thrash shapes (scripts/thrash-traces.py) `rate` made 12 / 68 /
+/// 3,023 loads to LRU's 8 / 40 / 3,001 (379 / 2,325 / 5,998 unbounded);
+/// on the seven traces of scripts/traces.py its waiting moved by 0.5% at
+/// most (64 and a limit of 4: 16 / 111 / 3,410).
+const LAG_WINDOW: f64 = 256.0;
+
+/// Loads `cost` and `rate` may lag LRU by, recently, before their victims
+/// are taken least recently used first.
+const LAG_LIMIT: f64 = 0.5;
+
 /// One GPU's residency state: a registry of models and the resident subset.
 #[derive(Clone, Debug)]
 pub struct Engine {
@@ -255,6 +270,13 @@ pub struct Engine {
     /// Requests served (hits, wakes, loads) under [`Eviction::Rate`]: its
     /// clock.
     served: u64,
+    /// `cost` and `rate`: how many more loads they made than the seed's
+    /// LRU would have on the same requests, recently (decayed over
+    /// [`LAG_WINDOW`] requests; a wake counts as its share of a load).
+    /// Past [`LAG_LIMIT`] victims are taken least recently used first
+    /// until it falls back: the bound that keeps them near LRU where
+    /// their keys mislead them (module docs of `warm`).
+    lag: f64,
     /// The request a ceiling measurement is at, for [`Known::NextRequest`].
     known_at: u64,
 }
@@ -284,6 +306,7 @@ impl Engine {
             slept: Vec::new(),
             order: Vec::new(),
             served: 0,
+            lag: 0.0,
             known_at: 0,
         }
     }
@@ -388,6 +411,7 @@ impl Engine {
             base: 0.0,
             registered: true,
             last_used: 0,
+            unloaded: false,
             rate: 0.0,
             rate_at: 0,
             known: None,
@@ -564,6 +588,9 @@ impl Engine {
     /// A request for a registered model: hit, wake or load (making room),
     /// queue, or refuse.
     pub fn request(&mut self, id: ModelId) -> Admission<'_> {
+        // Whether the seed's LRU would hold it now: before this request
+        // moves it to the front.
+        let lru_holds = (self.eviction != Eviction::Lru).then(|| self.lru_would_hold(id));
         self.clock += 1;
         self.evicted.clear();
         self.slept.clear();
@@ -573,6 +600,7 @@ impl Engine {
         if resident && !asleep {
             self.counters.hits += 1;
             self.used_now(id);
+            self.weigh_against_lru(lru_holds, 0.0);
             return Admission::Hit;
         }
         if let Err(reason) = self.check_fit(id, size) {
@@ -588,6 +616,13 @@ impl Engine {
         }
         self.make_room(need, Some(id));
         if asleep {
+            let c = self.slots.0[id.index()].costs;
+            let share = if c.load > 0.0 {
+                (c.wake / c.load).min(1.0)
+            } else {
+                1.0
+            };
+            self.weigh_against_lru(lru_holds, share);
             self.wake(id);
             self.counters.wakes += 1;
             self.used_now(id);
@@ -595,6 +630,7 @@ impl Engine {
                 evicted: &self.evicted,
             };
         }
+        self.weigh_against_lru(lru_holds, 1.0);
         self.make_resident(id);
         self.counters.loads += 1;
         self.count_rate(id);
@@ -639,6 +675,7 @@ impl Engine {
         }
         self.remove_resident(id);
         self.counters.unloads += 1;
+        self.slots.0[id.index()].unloaded = true;
         true
     }
 
@@ -680,6 +717,21 @@ impl Engine {
         self.clock += 1;
         self.make_resident(id);
         Ok(())
+    }
+
+    /// Places a model that is not resident as the most recently used one
+    /// in the recency order only (no residency, no request counted): for
+    /// rebuilding what the seed's LRU would hold ([`Engine::lag`]) from a
+    /// status, in the order of the models' last uses, residents restored
+    /// in between.
+    pub fn restore_recency(&mut self, id: ModelId) {
+        if self.slots.0[id.index()].resident {
+            return;
+        }
+        self.clock += 1;
+        let slot = &mut self.slots.0[id.index()];
+        slot.last_used = self.clock;
+        slot.unloaded = false;
     }
 
     /// [`Engine::restore`] for a model that is sleeping. Fails, changing
@@ -968,6 +1020,7 @@ impl Engine {
         self.count_rate(id);
         let slot = &mut self.slots.0[id.index()];
         slot.last_used = self.clock;
+        slot.unloaded = false;
         slot.uses += 1;
         slot.base = self.inflation;
         let (list, slots) = self.list_of(id);
@@ -999,6 +1052,9 @@ impl Engine {
         order.clear();
         order.extend(self.ready_residents().filter(|&v| Some(ModelId(v)) != keep));
         match self.eviction {
+            // Lagging LRU: its order (ready_residents' own) until it
+            // catches up.
+            _ if self.lag > LAG_LIMIT => {}
             Eviction::Cost => self.sort_by_value(&mut order),
             Eviction::Rate => self.sort_by_rate(&mut order, false),
             Eviction::Lru => {}
@@ -1030,6 +1086,50 @@ impl Engine {
         self.slept.drain(..slept);
         self.counters.sleeps += self.slept.len() as u64;
         self.order = order;
+    }
+
+    /// Whether the seed's LRU, with this budget, would hold `id` now: the
+    /// models used since its last use and itself fit the budget (its stack
+    /// distance, in bytes). Never used: no.
+    fn lru_would_hold(&self, id: ModelId) -> bool {
+        let me = &self.slots.0[id.index()];
+        if me.last_used == 0 || me.unloaded {
+            return false;
+        }
+        let mut bytes = me.size;
+        for s in &self.slots.0 {
+            if s.registered && !s.unloaded && s.last_used > me.last_used {
+                bytes = bytes.saturating_add(s.size);
+                if bytes > self.budget {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Counts one request against the seed's LRU: `ours` is what it cost
+    /// here in loads (1 a load, a wake its share of one, 0 a hit), against
+    /// a load where LRU would not have held it.
+    fn weigh_against_lru(&mut self, lru_holds: Option<bool>, ours: f64) {
+        let Some(holds) = lru_holds else {
+            return;
+        };
+        let theirs = if holds { 0.0 } else { 1.0 };
+        self.lag = self.lag * (1.0 - 1.0 / LAG_WINDOW) + ours - theirs;
+    }
+
+    /// How far `cost` or `rate` lags the seed's LRU recently, in loads
+    /// (carried in status, as the rate's clock is).
+    pub fn lag(&self) -> f64 {
+        self.lag
+    }
+
+    /// Carries the lag over from an earlier run (see [`Engine::lag`]).
+    pub fn resume_lag(&mut self, lag: f64) {
+        if lag.is_finite() {
+            self.lag = lag;
+        }
     }
 
     /// Lowest value first; ties least recently used first.
@@ -1233,6 +1333,7 @@ impl Engine {
         let slot = &mut self.slots.0[id.index()];
         slot.resident = true;
         slot.last_used = self.clock;
+        slot.unloaded = false;
         let (size, pinned) = (slot.footprint(), slot.pinned);
         self.used += size;
         if pinned {

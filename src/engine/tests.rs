@@ -607,3 +607,71 @@ fn a_resumed_rate_decays_from_where_it_was_counted() {
     e.resume_rate(m[1], f64::NAN, 9999);
     assert_eq!(e.rate_state(m[1]), (0.0, 1500));
 }
+
+/// Replays `requests` (each load ready at once) under `eviction`: the
+/// loads made.
+fn loads_under(eviction: Eviction, budget: Bytes, sizes: &[Bytes], requests: &[usize]) -> u64 {
+    let mut e = Engine::new(budget);
+    e.set_eviction(eviction);
+    let ids: Vec<ModelId> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| e.register(&format!("m{i}"), s, false).unwrap())
+        .collect();
+    for &r in requests {
+        e.request(ids[r]);
+    }
+    e.counters().loads
+}
+
+/// #54: after a change of working set `rate` kept the old group (its
+/// decayed rates outweighed the new group's for about 500 requests), and
+/// `rate` and `cost` made room of a large model used every other request
+/// for each small one. The lag against LRU bounds both.
+#[test]
+fn cost_and_rate_stay_near_lru_where_their_keys_mislead_them() {
+    let mut seed = 11u64;
+    let mut next = move |n: usize| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) as usize % n
+    };
+    // Four hot models, then four others, on room for four.
+    let shift: Vec<usize> = (0..10_000)
+        .map(|r| next(4) + if r < 5_000 { 0 } else { 4 })
+        .collect();
+    // The two groups alternating every 1,000 requests.
+    let alternate: Vec<usize> = (0..10_000)
+        .map(|r| next(4) + 4 * ((r / 1_000) % 2))
+        .collect();
+    let tens = [10u64; 8];
+    // One model of 60 every other request among six of 10 cycling, on 80.
+    let big: Vec<usize> = (0..6_000)
+        .map(|r| if r % 2 == 0 { 0 } else { 1 + (r / 2) % 6 })
+        .collect();
+    let big_sizes = [60, 10, 10, 10, 10, 10, 10];
+    for (what, budget, sizes, trace, bound) in [
+        ("shift", 40, &tens[..], &shift, 1.5),
+        ("alternate", 40, &tens[..], &alternate, 2.0),
+        ("big", 80, &big_sizes[..], &big, 1.05),
+    ] {
+        let lru = loads_under(Eviction::Lru, budget, sizes, trace) as f64;
+        for eviction in [Eviction::Cost, Eviction::Rate] {
+            let loads = loads_under(eviction, budget, sizes, trace) as f64;
+            assert!(
+                loads <= bound * lru,
+                "{what}: {eviction:?} made {loads} loads, LRU {lru}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_lag_is_carried_over_and_nonsense_is_ignored() {
+    let (mut e, _) = engine(10, &[("a", 4, false)]);
+    e.resume_lag(3.5);
+    assert_eq!(e.lag(), 3.5);
+    e.resume_lag(f64::NAN);
+    assert_eq!(e.lag(), 3.5);
+}

@@ -330,6 +330,12 @@ pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
     }
     let mut removed = Vec::new();
     let mut residents: Vec<&ModelStatus> = Vec::new();
+    // Evicted models come back into the recency order too (not onto the
+    // GPU): what the seed's LRU would hold is what `cost` and `rate` are
+    // weighed against.
+    let evicted: Vec<&ModelStatus> = recorded_models(status)
+        .filter(|m| m.state == ModelState::Evicted && engine.id(&m.name).is_some())
+        .collect();
     for m in recorded_models(status).filter(|m| m.is_resident()) {
         if engine.id(&m.name).is_none() {
             let Some(size) = recorded_size(m) else {
@@ -342,6 +348,7 @@ pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
         }
         residents.push(m);
     }
+    residents.extend(evicted);
     residents.sort_by(|a, b| {
         recorded_time(a.last_used.as_deref())
             .cmp(&recorded_time(b.last_used.as_deref()))
@@ -350,6 +357,10 @@ pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
     let mut overflow = Vec::new();
     for m in residents {
         let id = engine.id(&m.name).expect("registered above");
+        if m.state == ModelState::Evicted {
+            engine.restore_recency(id);
+            continue;
+        }
         let restored = if m.state == ModelState::Sleeping {
             engine.restore_asleep(id)
         } else {
@@ -366,6 +377,9 @@ pub fn restore(valid: &Valid<'_>, status: &ModelResidencyStatus) -> Restored {
     }
     if let Some(inflation) = status.inflation {
         engine.resume_inflation(inflation);
+    }
+    if let Some(lag) = status.lag {
+        engine.resume_lag(lag);
     }
     let peak = status
         .peak

@@ -295,6 +295,9 @@ impl<'a> Decider<'a> {
                 .then(|| format_bytes_rounded(host_used)),
             inflation: cost.then(|| self.engine.inflation()),
             served: rate.then(|| self.engine.served()),
+            // Rounded: a status write per request's float noise is not
+            // worth a write.
+            lag: (cost || rate).then(|| (self.engine.lag() * 1000.0).round() / 1000.0),
             ..ModelResidencyStatus::default()
         };
         status.recount();
