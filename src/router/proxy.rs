@@ -287,6 +287,46 @@ mod tests {
             .unwrap();
     }
 
+    /// A server that refuses a body before it has all of it (a 413 for a
+    /// too-large upload) answers and closes: its answer is the client's,
+    /// not a 502 of the router's own.
+    #[tokio::test]
+    async fn an_early_answer_before_the_body_is_sent_is_passed_through() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut head = [0u8; 4096];
+            let _ = s.read(&mut head).await.unwrap();
+            let body = r#"{"error":"too large"}"#;
+            let answer = format!(
+                "HTTP/1.1 413 Payload Too Large\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            s.write_all(answer.as_bytes()).await.unwrap();
+            // Closed with most of the upload unread, as a server that
+            // stops reading does.
+            drop(s);
+        });
+        let (parts, _) = Request::post("/v1/completions")
+            .header("content-length", 32 << 20)
+            .body(())
+            .unwrap()
+            .into_parts();
+        let body = Bytes::from(vec![b'x'; 32 << 20]);
+        let answer = send(&upstream(), addr, &parts, body).await;
+        server.await.unwrap();
+        let answer = match answer {
+            Ok(a) => a,
+            Err(SendError::Connect(e) | SendError::Other(e)) => panic!("no answer: {e}"),
+        };
+        assert_eq!(answer.status(), 413);
+        use http_body_util::BodyExt;
+        let text = answer.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(text, r#"{"error":"too large"}"#);
+    }
+
     #[tokio::test]
     async fn a_kept_alive_connection_closed_under_a_request_sends_it_once_more_on_a_new_one() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -521,3 +521,50 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod early_answer {
+    use super::*;
+
+    /// The fake server refuses a body over its 1 MiB before reading the rest;
+    /// the router's proxy passes its answer on (#54 S3.14).
+    #[tokio::test]
+    async fn a_refused_large_body_is_answered_through_the_proxy() {
+        let s = FakeModelServer::start(
+            "127.0.0.1:0".parse().unwrap(),
+            Identity {
+                model: "m".into(),
+                pod: "p".into(),
+            },
+            Duration::from_millis(10),
+            SleepBehaviour::default(),
+        )
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (parts, _) = Request::post("/v1/chat/completions")
+            .header("content-length", 30 << 20)
+            .body(())
+            .unwrap()
+            .into_parts();
+        let mut failed = Vec::new();
+        for _ in 0..3 {
+            let body = Bytes::from(vec![b'x'; 30 << 20]);
+            match crate::router::proxy::send(
+                &crate::router::proxy::upstream(),
+                s.addr,
+                &parts,
+                body,
+            )
+            .await
+            {
+                Ok(a) => assert!(a.status().is_client_error(), "{}", a.status()),
+                Err(
+                    crate::router::proxy::SendError::Connect(e)
+                    | crate::router::proxy::SendError::Other(e),
+                ) => failed.push(e),
+            }
+        }
+        assert!(failed.is_empty(), "{failed:?}");
+    }
+}
