@@ -83,7 +83,9 @@ struct CopiesArgs {
     /// /metrics is read (the chart sets it).
     #[arg(long, env = "ROUTER_SELECTOR")]
     router_selector: Option<String>,
-    /// The router pods' namespace (default: every namespace).
+    /// The router pods' namespace: required with --router-selector (any
+    /// tenant's pod carrying the labels would otherwise feed the copy
+    /// signal).
     #[arg(long, env = "ROUTER_NAMESPACE")]
     router_namespace: Option<String>,
     /// The router pods' port.
@@ -124,6 +126,11 @@ struct CopiesArgs {
 
 impl CopiesArgs {
     fn config(&self) -> Result<CopiesConfig, Failure> {
+        if self.router_selector.is_some() && self.router_namespace.is_none() {
+            return Err(Failure::bad_input(
+                "--router-selector needs --router-namespace: router pods are read in that namespace only (in every namespace, any tenant's pod carrying the labels would feed the copy signal)",
+            ));
+        }
         if self.copies_tick.is_zero() || self.copies_target_in_flight == 0 {
             return Err(Failure::bad_input(
                 "--copies-tick and --copies-target-in-flight must be above zero",

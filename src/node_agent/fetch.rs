@@ -84,6 +84,12 @@ pub enum FetchError {
         "the artifact is larger than its declared size {declared} bytes (stopped at {got} bytes)"
     )]
     TooLarge { declared: u64, got: u64 },
+    /// A layer's tar (and PAX) headers claim more than its room: found
+    /// before a byte is unpacked, so nothing was read past the headers.
+    #[error(
+        "the artifact's layers declare {claimed} bytes in their tar headers, more than its declared size {declared} bytes (nothing was unpacked)"
+    )]
+    LayersTooLarge { declared: u64, claimed: u64 },
     #[error("writing to the cache directory: {0}")]
     Io(String),
     #[error("{reference:?} is not an OCI reference: {why}")]
@@ -128,7 +134,7 @@ impl FetchError {
             | FetchError::InvalidLayer { .. } => "InvalidArtifact",
             FetchError::Status { .. } | FetchError::Transfer { .. } => "DownloadFailed",
             FetchError::ChecksumMismatch { .. } => "ChecksumMismatch",
-            FetchError::TooLarge { .. } => "LargerThanDeclared",
+            FetchError::TooLarge { .. } | FetchError::LayersTooLarge { .. } => "LargerThanDeclared",
             FetchError::Io(_) => "DiskError",
             FetchError::RegistryAuth { .. } => "RegistryAuthFailed",
             FetchError::ManifestNotFound { .. } => "ManifestNotFound",

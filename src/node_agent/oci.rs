@@ -919,9 +919,9 @@ pub fn unpack_layer(
         // disk holds it.
         total = total.saturating_add(on_disk(&entry));
         if total > room {
-            return Err(FetchError::TooLarge {
+            return Err(FetchError::LayersTooLarge {
                 declared: room,
-                got: total,
+                claimed: total,
             });
         }
     }
@@ -1657,6 +1657,12 @@ mod tests {
         let (to, result) = unpack_in(dir.path(), "bomb", bomb.clone(), 100 << 10);
         let err = result.unwrap_err();
         assert_eq!(err.reason(), "LargerThanDeclared", "{err}");
+        // Its message says what the headers claim, not bytes it read.
+        assert!(
+            matches!(err, FetchError::LayersTooLarge { declared, claimed } if declared == 100 << 10 && claimed == big),
+            "{err}"
+        );
+        assert!(err.to_string().contains("nothing was unpacked"), "{err}");
         assert!(!to.exists() && leftovers(dir.path()).is_empty());
         // With room for it, it is unpacked at its real size.
         assert_eq!(unpack_in(dir.path(), "bomb", bomb, 1 << 20).1.unwrap(), big);

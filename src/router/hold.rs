@@ -207,6 +207,16 @@ impl Router {
             })
             .collect();
         let i = match place(model, &residencies, &pending) {
+            Placement::Nowhere { why, refusing } if refusing.is_empty() => {
+                // No home refuses it: each is unusable for now (another
+                // residency holds its GPU, its claim is not allocated).
+                // That can pass: a 503 to retry, not "waiting will not
+                // help".
+                return Err(Refusal::ModelUnavailable {
+                    message: format!("{why} (this may pass: retry)"),
+                    retry_after: Duration::from_secs(5),
+                });
+            }
             Placement::Nowhere { why, refusing } => {
                 // The request still reaches the residencies (at most once
                 // per resolution), so their status and counters show the

@@ -96,6 +96,19 @@ fn simulate_json_has_the_documented_keys() {
 }
 
 #[test]
+fn a_router_selector_needs_its_namespace() {
+    // In every namespace, any tenant's pod with the labels would feed the
+    // copy signal: refused before the cluster is asked anything.
+    let out = run(&["run", "--router-selector", "app=router"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--router-selector needs --router-namespace"),
+        "{err}"
+    );
+}
+
+#[test]
 fn bad_input_exits_2_with_file_line_and_problem() {
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("t.csv");

@@ -89,6 +89,14 @@ async fn two_residencies_on_one_gpu_share_one_budget() {
         "two budgets on one GPU"
     );
     wait_event(&h, "younger", "GpuConflict").await;
+    // A request for b meanwhile: its only GPU is another's for now, which
+    // can pass (a 503 to retry, with Retry-After, not model_refused).
+    let router = crate::support::router::RouterUnderTest::start(&h, Default::default()).await;
+    let a = router.chat("b").await;
+    assert_eq!(a.status, 503, "{}", a.body);
+    assert!(a.body.contains("model_unavailable"), "{}", a.body);
+    assert!(a.headers.contains_key("retry-after"), "{:?}", a.headers);
+    drop(router);
     let metrics = h.ctx.metrics.encode();
     let line =
         format!("model_residency_gpu_conflict{{namespace=\"{ns}\",residency=\"younger\"}} 1");
