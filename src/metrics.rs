@@ -147,6 +147,8 @@ pub struct Metrics {
     /// Routers the copy scaler could not read in its last round (no copy
     /// is removed while one is unread).
     pub copies_routers_unread: Gauge,
+    /// Model servers found asleep while their status said Loaded.
+    pub found_asleep: Counter,
 }
 
 /// A model of one namespace, as the copy metrics label it.
@@ -178,6 +180,7 @@ impl Metrics {
             copies_wanted: Family::default(),
             copies_unplaced: Family::default(),
             copies_routers_unread: Gauge::default(),
+            found_asleep: Counter::default(),
             registry: Registry::default(),
         };
         registry.register_collector(Box::new(m.residencies.clone()));
@@ -231,6 +234,11 @@ impl Metrics {
             "copies_routers_unread",
             "Routers (or the router pods' list) the copy scaler could not read in its last round: while above 0, no copy is removed (the summed count would be too low)",
             m.copies_routers_unread.clone(),
+        );
+        registry.register(
+            "found_asleep",
+            "Model servers the sleep audit found asleep while their status said Loaded (their sleep endpoint called outside the operator), each woken",
+            m.found_asleep.clone(),
         );
         Metrics { registry, ..m }
     }

@@ -57,6 +57,12 @@ pub struct Args {
     /// decisions until then.
     #[arg(long, env = "POD_CALL_TIMEOUT_MAX", default_value = "2m", value_parser = parse_duration)]
     pod_call_timeout_max: std::time::Duration,
+    /// How often each Loaded model that can sleep (spec.models[].sleep with
+    /// a status request: vLLM's /is_sleeping) is asked whether it sleeps;
+    /// one found asleep behind the operator's back is woken, with a
+    /// FoundAsleep event. 0s: never.
+    #[arg(long, env = "SLEEP_AUDIT_INTERVAL", default_value = "30s", value_parser = parse_duration)]
+    sleep_audit_interval: std::time::Duration,
     /// How the watches get their initial state: stream (a streaming list,
     /// less memory at a restart) or list (for API servers with the
     /// WatchList feature off).
@@ -200,6 +206,7 @@ pub async fn run(args: Args) -> Result<(), Failure> {
     {
         let fresh = Arc::get_mut(&mut ctx).expect("a new context");
         fresh.pod_call_timeout_max = args.pod_call_timeout_max;
+        fresh.sleep_audit = args.sleep_audit_interval;
         fresh.copies = copies;
     }
     if !args.leader_elect {

@@ -19,6 +19,7 @@ pub mod pod_cache;
 pub mod pod_calls;
 pub mod pods;
 pub mod relist;
+pub mod sleep_audit;
 pub mod templates;
 pub mod written;
 
@@ -149,6 +150,9 @@ pub struct Context {
     /// Copies of models under load: where the routers are (off when
     /// none is named) and the policy's defaults.
     pub copies: copies::CopiesConfig,
+    /// How often Loaded models that can sleep are asked whether they do
+    /// (`--sleep-audit-interval`; zero: never).
+    pub sleep_audit: Duration,
 }
 
 impl Context {
@@ -203,6 +207,7 @@ impl Context {
             asking: Arc::default(),
             pod_call_timeout_max: pod_calls::DEFAULT_CALL_TIMEOUT_MAX,
             copies: Default::default(),
+            sleep_audit: sleep_audit::DEFAULT_INTERVAL,
         })
     }
 }

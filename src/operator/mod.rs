@@ -92,6 +92,11 @@ pub async fn run(
         store.clone(),
         ctx.copies.clone(),
     )));
+    let _sleep_audit = AbortOnDrop(tokio::spawn(crate::controller::sleep_audit::run(
+        ctx.clone(),
+        store.clone(),
+        ctx.sleep_audit,
+    )));
     controller
         .reconcile_on(futures::stream::select(
             futures::stream::select(futures::stream::select(pod_events, claim_rx), asked_rx),

@@ -470,3 +470,44 @@ async fn a_level_2_wake_loads_the_weights_again_before_it_serves() {
         "{s}"
     );
 }
+
+/// A sleep sent to a model's server behind the operator's back (its
+/// endpoint is on the pod network) is found by the sleep audit and woken,
+/// with a FoundAsleep event: it stayed Loaded in status, asleep and
+/// answering nothing.
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_server_put_to_sleep_behind_the_operators_back_is_found_and_woken() {
+    let mut h = Harness::start("warm-audit").await;
+    h.stop_operator().await;
+    h.sleep_audit = Duration::from_millis(300);
+    h.start_operator();
+    create(&h, ("gpu", "0"), "sleep=50ms,wake=50ms", "8Gi", vllm()).await;
+    h.request("gpu", "a").await;
+    let (addr, _) = addr_of(&h, "gpu", "a").await;
+    let slept = crate::support::http::send(addr, "POST", "/sleep?level=1", "").await;
+    assert_eq!(slept.status, 200, "{}", slept.body);
+    assert_eq!(stats(&h, "gpu", "a").await["asleep"], true);
+    eventually(30, "a woken by the audit", || async {
+        (stats(&h, "gpu", "a").await["asleep"] == false).then_some(())
+    })
+    .await;
+    let events = eventually(10, "the FoundAsleep event", || async {
+        let events = events_for(&h, "gpu").await;
+        events
+            .iter()
+            .any(|(r, _)| r == "FoundAsleep")
+            .then_some(events)
+    })
+    .await;
+    let (_, note) = events.iter().find(|(r, _)| r == "FoundAsleep").unwrap();
+    assert!(note.contains("woken"), "{note}");
+    let r = h.api.get("gpu").await.unwrap();
+    assert_eq!(model(&r, "a").state, ModelState::Loaded);
+    assert_eq!(
+        h.ctx
+            .metrics
+            .sum_where("model_residency_found_asleep_total", ""),
+        1
+    );
+}

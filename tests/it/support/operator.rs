@@ -37,6 +37,8 @@ pub struct Harness {
     pub next_device: std::sync::atomic::AtomicU32,
     /// The copy scaler's settings the operator starts with (off by default).
     pub copies: model_residency::controller::copies::CopiesConfig,
+    /// How often the operator's sleep audit runs (its default unless set).
+    pub sleep_audit: Duration,
     /// The stand-in, unless the node is real.
     _kubelet: Option<FakeKubelet>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
@@ -107,6 +109,7 @@ impl Harness {
             last_time: Mutex::new(Timestamp::UNIX_EPOCH),
             next_device: Default::default(),
             copies: Default::default(),
+            sleep_audit: model_residency::controller::sleep_audit::DEFAULT_INTERVAL,
             _kubelet: kubelet,
             stop: None,
             task: None,
@@ -127,7 +130,9 @@ impl Harness {
             self.ctx.gpu_holder_image.clone(),
         );
         let mut ctx = ctx;
-        Arc::get_mut(&mut ctx).expect("a new context").copies = self.copies.clone();
+        let fresh = Arc::get_mut(&mut ctx).expect("a new context");
+        fresh.copies = self.copies.clone();
+        fresh.sleep_audit = self.sleep_audit;
         self.ctx = ctx.clone();
         self.task = Some(tokio::spawn(async move {
             model_residency::operator::run(
