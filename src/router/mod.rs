@@ -361,6 +361,9 @@ impl Router {
         let (parts, body) = req.into_parts();
         let mut body = http_body_util::Limited::new(body, limit);
         let mut chunks: Vec<Bytes> = Vec::new();
+        // A declared length is read into one buffer of that size: the
+        // frames and their concatenation would be held twice at its end.
+        let mut whole = declared.map(bytes::BytesMut::with_capacity);
         let mut read = 0usize;
         let deadline = tokio::time::Instant::now() + self.config.body_deadline;
         loop {
@@ -381,7 +384,14 @@ impl Router {
                     if let Ok(data) = frame.into_data() {
                         read += data.len();
                         held.grow(read)?;
-                        chunks.push(data);
+                        match whole.as_mut() {
+                            // A first frame that is the whole body is kept
+                            // as it is (no copy).
+                            Some(buf) if !(buf.is_empty() && Some(data.len()) == declared) => {
+                                buf.extend_from_slice(&data)
+                            }
+                            _ => chunks.push(data),
+                        }
                     }
                 }
                 Some(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
@@ -395,8 +405,9 @@ impl Router {
             }
         }
         // Most bodies come in one piece: no copy then.
-        let body = match chunks.len() {
-            1 => chunks.pop().expect("one chunk"),
+        let body = match (whole, chunks.len()) {
+            (_, 1) => chunks.pop().expect("one chunk"),
+            (Some(buf), 0) => buf.freeze(),
             _ => Bytes::from(chunks.concat()),
         };
         let model = match named {
