@@ -67,16 +67,21 @@ pub fn parse_bytes(input: &str) -> Result<Bytes, QuantityError> {
     if negative && mantissa != 0 {
         return Err(QuantityError::Negative(input.to_owned()));
     }
-    let (mut num, mut den) = (1u128, 10u128.pow(frac_part.len() as u32));
+    // `den` is None past u128: the value is then below one byte (the
+    // mantissa has at most 38 digits), and rounds up as any fraction does.
+    // (A quantity the CRD admits may have more than 38 fractional digits:
+    // `10u128.pow` overflowed, a panic in debug builds.)
+    let pow10 = |n: u32| 10u128.checked_pow(n);
+    let (mut num, mut den) = (1u128, u32::try_from(frac_part.len()).ok().and_then(pow10));
     match unit {
         "" => {}
         "Ki" | "Mi" | "Gi" | "Ti" | "Pi" | "Ei" => {
             let power = 1 + "KMGTPE".find(&unit[..1]).unwrap_or(0) as u32;
             num = 1u128 << (10 * power);
         }
-        "n" => den *= 1_000_000_000,
-        "u" => den *= 1_000_000,
-        "m" => den *= 1_000,
+        "n" => den = den.and_then(|d| d.checked_mul(1_000_000_000)),
+        "u" => den = den.and_then(|d| d.checked_mul(1_000_000)),
+        "m" => den = den.and_then(|d| d.checked_mul(1_000)),
         "k" | "M" | "G" | "T" | "P" | "E" => {
             let power = 1 + "kMGTPE".find(unit).unwrap_or(0) as u32;
             num = 10u128.pow(3 * power);
@@ -89,7 +94,7 @@ pub fn parse_bytes(input: &str) -> Result<Bytes, QuantityError> {
             if exp >= 0 {
                 num = 10u128.pow(exp as u32);
             } else {
-                den *= 10u128.pow(exp.unsigned_abs());
+                den = den.and_then(|d| d.checked_mul(pow10(exp.unsigned_abs())?));
             }
         }
         _ if unit.chars().all(|c| c.is_ascii_alphabetic()) => {
@@ -103,6 +108,9 @@ pub fn parse_bytes(input: &str) -> Result<Bytes, QuantityError> {
     let scaled = mantissa
         .checked_mul(num)
         .ok_or_else(|| QuantityError::Overflow(input.to_owned()))?;
+    let Some(den) = den else {
+        return Ok(Bytes::from(scaled > 0));
+    };
     Bytes::try_from(scaled.div_ceil(den)).map_err(|_| QuantityError::Overflow(input.to_owned()))
 }
 
@@ -218,6 +226,12 @@ mod tests {
             ("+3", 3),
             ("-0", 0),
             ("18446744073709551615", u64::MAX),
+            // More fractional digits than u128 holds as a power of ten
+            // (the CRD admits them): a fraction of a byte, rounded up.
+            (concat!("0.", "0000000000", "0000000000", "0000000000", "0000000001"), 1),
+            (concat!("0.", "0000000000", "0000000000", "0000000000", "0000000000"), 0),
+            (concat!("0.", "0000000000", "0000000000", "0000000001", "n"), 1),
+            ("1e-30", 1),
         ];
         for &(input, want) in cases {
             assert_eq!(parse_bytes(input), Ok(want), "{input}");
