@@ -374,3 +374,64 @@ fn every_flag_a_doc_shows_is_in_the_binarys_help() {
         unknown.join("\n")
     );
 }
+
+/// Every test a doc names by its function (a backticked snake_case name
+/// of four words or more that is not a metric, a field or a label) is a
+/// function of the tree.
+#[test]
+fn every_test_a_doc_names_exists() {
+    let mut fns = std::collections::BTreeSet::new();
+    for dir in ["src", "tests", "benches"] {
+        for file in files_under(dir) {
+            let text = std::fs::read_to_string(Path::new(ROOT).join(&file)).unwrap_or_default();
+            for piece in text.split("fn ").skip(1) {
+                let name: String = piece
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                fns.insert(name);
+            }
+        }
+    }
+    let mut missing = Vec::new();
+    let mut checked = 0;
+    for page in pages() {
+        let text = std::fs::read_to_string(&page).unwrap();
+        // A setting (`key = value`) is no test; a path's parts are not
+        // either.
+        for span in spans(&text).into_iter().filter(|s| !s.contains(" = ")) {
+            let words = span.split_whitespace().filter(|w| !w.contains(['/', '.']));
+            for word in words.flat_map(|w| {
+                w.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+            }) {
+                let name = word.rsplit("::").next().unwrap_or(word);
+                let looks_like_a_test = name.matches('_').count() >= 3
+                    && name
+                        .chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+                    && !name.starts_with("model_residency_")
+                    && !name.ends_with("_total")
+                    && !name.ends_with("_seconds")
+                    && !name.ends_with("_bytes");
+                if !looks_like_a_test {
+                    continue;
+                }
+                checked += 1;
+                if !fns.contains(name) {
+                    missing.push(format!("{}: {name}", page.display()));
+                }
+            }
+        }
+    }
+    missing.sort();
+    missing.dedup();
+    assert!(
+        missing.is_empty(),
+        "no such function:\n{}",
+        missing.join("\n")
+    );
+    assert!(
+        checked > 30,
+        "only {checked} names found: is the parser right?"
+    );
+}
