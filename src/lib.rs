@@ -2,7 +2,9 @@
 //!
 //! Below every process (none imports the reconciler):
 //! - [`api`]: the custom resources (`ModelResidency`, `ModelDemand`,
-//!   `NodeModelCache`) and their admission rules.
+//!   `ModelCopies`, `NodeModelCache`; the fields of the Gateway API Inference
+//!   Extension's `InferencePool` the operator writes) and their admission
+//!   rules.
 //! - [`engine`]: the pure VRAM-budgeted admission policy (LRU, cost, the
 //!   warm tier); no kube, no I/O.
 //! - [`residency`]: what every process knows of a residency: its validated
