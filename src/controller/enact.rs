@@ -76,8 +76,17 @@ async fn enact_pods(
         ctx.metrics.api_request("create", "pods");
         match result {
             Ok(created) => ctx.pods.created(&created),
-            // The previous pod of that name is still terminating.
-            Err(kube::Error::Api(s)) if s.code == 409 => outcome.retry_soon = true,
+            // The previous pod of that name is still terminating; or a pod
+            // this residency does not own holds the name, which no retry
+            // will free: said in status, with the templates' backoff.
+            Err(kube::Error::Api(s)) if s.code == 409 => match squatter(api, pod, ctx).await {
+                Some(message) => {
+                    let labels = pod.metadata.labels.as_ref();
+                    let model = labels.and_then(|l| l.get(MODEL_LABEL)).cloned();
+                    outcome.rejected.push((model.unwrap_or_default(), message));
+                }
+                None => outcome.retry_soon = true,
+            },
             Err(source) => match rejects_the_pod(&source) {
                 Some(message) => {
                     let labels = pod.metadata.labels.as_ref();
@@ -93,6 +102,33 @@ async fn enact_pods(
         }
     }
     Ok(outcome)
+}
+
+/// Why `pod`'s name is taken for good, if it is: a live pod of that name
+/// whose controller is not the residency that would own `pod` (made by
+/// hand, by another tool, by a residency of the same name before it was
+/// deleted and made again). The operator never deletes a pod it does not
+/// own; it retried the create every 500 ms for ever, saying nothing.
+async fn squatter(api: &Api<Pod>, pod: &Pod, ctx: &Context) -> Option<String> {
+    let name = pod.metadata.name.as_deref()?;
+    ctx.metrics.api_request("get", "pods");
+    let there = api.get_opt(name).await.ok()??;
+    if there.metadata.deletion_timestamp.is_some() {
+        return None;
+    }
+    let owner = |p: &Pod| {
+        p.metadata
+            .owner_references
+            .as_ref()?
+            .iter()
+            .find(|o| o.controller == Some(true))
+            .map(|o| o.uid.clone())
+    };
+    (owner(&there) != owner(pod)).then(|| {
+        format!(
+            "a pod named {name} that this residency does not own is in the way (delete or rename it; the operator never deletes a pod it does not own)"
+        )
+    })
 }
 
 /// Writes the decided status with server-side apply, unless it is what the

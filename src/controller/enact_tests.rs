@@ -164,10 +164,64 @@ async fn a_pod_already_gone_and_a_name_still_taken_are_not_errors() {
             status(409, "AlreadyExists"),
         )
         .await;
+        // Whose is it? The previous pod, still terminating.
+        let terminating = json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "gpu-b", "namespace": "ns",
+                         "deletionTimestamp": "2026-12-06T00:00:00Z"}});
+        let path = format!("{PODS}/gpu-b");
+        expect(&mut handle, Method::GET, &path, 200, terminating).await;
         expect(&mut handle, Method::PATCH, STATUS, 200, json!(r)).await;
     };
     let (result, ()) = tokio::join!(enact_now(&r, d, &ctx), server);
     assert!(result.unwrap(), "a taken name asks to look again soon");
+}
+
+/// A live pod of the name that the residency does not own will not go by
+/// waiting: the model says so (it was retried every 500 ms for ever).
+#[tokio::test]
+async fn a_name_taken_by_a_pod_the_residency_does_not_own_is_said_in_status() {
+    let (ctx, mut handle) = mocked();
+    let r = residency();
+    let mut d = decision();
+    d.delete.clear();
+    d.events.clear();
+    d.status.models = vec![crate::api::ModelStatus {
+        name: "b".into(),
+        state: crate::api::ModelState::Loading,
+        size: Some("1Gi".into()),
+        ..Default::default()
+    }];
+    let server = async {
+        expect(
+            &mut handle,
+            Method::POST,
+            PODS,
+            409,
+            status(409, "AlreadyExists"),
+        )
+        .await;
+        let theirs = json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "gpu-b", "namespace": "ns", "ownerReferences": [
+                {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "theirs",
+                 "uid": "another", "controller": true}]}});
+        let path = format!("{PODS}/gpu-b");
+        expect(&mut handle, Method::GET, &path, 200, theirs).await;
+        let sent = expect(&mut handle, Method::PATCH, STATUS, 200, json!(r)).await;
+        let b = &sent["status"]["models"][0];
+        assert_eq!(b["state"], "Failed", "{b}");
+        let message = b["message"].as_str().unwrap();
+        assert!(
+            message.contains("a pod named gpu-b that this residency does not own"),
+            "{message}"
+        );
+        // The model's LoadFailed event follows.
+        expect(&mut handle, Method::POST, EVENTS, 201, json!({})).await;
+    };
+    let (result, ()) = tokio::join!(enact_now(&r, d, &ctx), server);
+    assert!(
+        !result.unwrap(),
+        "no retry every 500 ms: the templates' backoff"
+    );
 }
 
 #[tokio::test]

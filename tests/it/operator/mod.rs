@@ -706,3 +706,45 @@ async fn demand_load_from_a_clock_behind_the_last_request_still_loads() {
         "{last}"
     );
 }
+
+/// A pod with a model pod's name that the residency does not own (made by
+/// hand) is in the way for good: the model says so, naming the pod, and the
+/// create is tried again with the templates' backoff, not every 500 ms for
+/// ever; once it is gone the model loads.
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_pod_of_a_model_pods_name_that_is_not_ours_is_said_and_waited_out() {
+    let h = Harness::start("op-squatter").await;
+    h.create("gpu", "8Gi", &[("a", "4Gi", false)]).await;
+    let name = pod_name("gpu", "a");
+    let theirs: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"nodeName": "elsewhere", "containers": [{"name": "c", "image": "i"}]}}))
+    .unwrap();
+    h.pods.create(&Default::default(), &theirs).await.unwrap();
+    h.request_nowait("gpu", "a").await;
+    let message = eventually(30, "a's status naming the pod", || async {
+        let r = h.api.get("gpu").await.ok()?;
+        let m = r.status.as_ref()?.model("a")?.message.clone()?;
+        m.contains("does not own").then_some(m.to_string())
+    })
+    .await;
+    assert!(message.contains(&name), "{message}");
+    let creates = || {
+        h.ctx
+            .metrics
+            .sum_where(API_REQUESTS, r#"verb="create",resource="pods""#)
+    };
+    let before = creates();
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    assert!(
+        creates() - before <= 1,
+        "{} creates in 3 s: not backed off",
+        creates() - before
+    );
+    h.pods
+        .delete(&name, &DeleteParams::default().grace_period(0))
+        .await
+        .unwrap();
+    h.until_state("gpu", "a", ModelState::Loaded, 60).await;
+}
