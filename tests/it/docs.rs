@@ -286,11 +286,11 @@ fn our_flags() -> std::collections::BTreeSet<String> {
         for file in files_under(dir) {
             let text = std::fs::read_to_string(Path::new(ROOT).join(&file)).unwrap_or_default();
             for piece in text.split(['"', '\'', ' ', '(', ')', '[', ']', '|', ',', '=']) {
-                if let Some(flag) = piece.strip_prefix("--") {
-                    if !flag.is_empty() && flag.chars().all(|c| c.is_ascii_lowercase() || c == '-')
-                    {
-                        flags.insert(flag.to_owned());
-                    }
+                if let Some(flag) = piece.strip_prefix("--")
+                    && !flag.is_empty()
+                    && flag.chars().all(|c| c.is_ascii_lowercase() || c == '-')
+                {
+                    flags.insert(flag.to_owned());
                 }
             }
         }
