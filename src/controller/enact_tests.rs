@@ -64,6 +64,20 @@ fn decision() -> Decision {
     }
 }
 
+/// A decision that only creates b's pod, b Loading in its status.
+fn creating_b() -> Decision {
+    let mut d = decision();
+    d.delete.clear();
+    d.events.clear();
+    d.status.models = vec![crate::api::ModelStatus {
+        name: "b".into(),
+        state: crate::api::ModelState::Loading,
+        size: Some("1Gi".into()),
+        ..Default::default()
+    }];
+    d
+}
+
 /// Enacts a decision with no sleeps or wakes: all of it in the reconcile.
 async fn enact_now(r: &ModelResidency, d: Decision, ctx: &Arc<Context>) -> super::Result<bool> {
     match enact(&Arc::new(r.clone()), "ns", d, ctx).await? {
@@ -182,15 +196,7 @@ async fn a_pod_already_gone_and_a_name_still_taken_are_not_errors() {
 async fn a_name_taken_by_a_pod_the_residency_does_not_own_is_said_in_status() {
     let (ctx, mut handle) = mocked();
     let r = residency();
-    let mut d = decision();
-    d.delete.clear();
-    d.events.clear();
-    d.status.models = vec![crate::api::ModelStatus {
-        name: "b".into(),
-        state: crate::api::ModelState::Loading,
-        size: Some("1Gi".into()),
-        ..Default::default()
-    }];
+    let d = creating_b();
     let server = async {
         expect(
             &mut handle,
@@ -228,15 +234,7 @@ async fn a_name_taken_by_a_pod_the_residency_does_not_own_is_said_in_status() {
 async fn a_create_the_api_server_rejects_is_written_into_the_status() {
     let (ctx, mut handle) = mocked();
     let r = residency();
-    let mut d = decision();
-    d.delete.clear();
-    d.events.clear();
-    d.status.models = vec![crate::api::ModelStatus {
-        name: "b".into(),
-        state: crate::api::ModelState::Loading,
-        size: Some("1Gi".into()),
-        ..Default::default()
-    }];
+    let d = creating_b();
     let server = async {
         let invalid = status(422, "Invalid");
         expect(&mut handle, Method::POST, PODS, 422, invalid).await;

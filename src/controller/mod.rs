@@ -155,6 +155,32 @@ pub struct Context {
     pub sleep_audit: Duration,
 }
 
+/// Publishes one event on `r` outside a reconcile (the copy scaler's, the
+/// sleep audit's); one the API server does not take is logged.
+pub(crate) async fn publish_event(
+    ctx: &Context,
+    r: &ModelResidency,
+    type_: kube::runtime::events::EventType,
+    reason: &str,
+    action: &str,
+    note: String,
+) {
+    use kube::Resource;
+    use kube::runtime::events::{Event, Recorder};
+    let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
+    let ev = Event {
+        type_,
+        reason: reason.into(),
+        note: Some(note),
+        action: action.into(),
+        secondary: None,
+    };
+    ctx.metrics.api_request("create", "events");
+    if let Err(e) = recorder.publish(&ev, &r.object_ref(&())).await {
+        tracing::warn!(%reason, error = %e, "could not publish an event");
+    }
+}
+
 impl Context {
     pub fn new(client: kube::Client) -> Arc<Self> {
         Self::with_options(

@@ -19,9 +19,9 @@ use super::decide::PodCall;
 use super::pods::pod_name;
 use crate::api::{ModelResidency, ModelState};
 use crate::residency::warm::{protocol, says_asleep};
-use kube::runtime::events::{Event, EventType, Recorder};
+use kube::ResourceExt;
+use kube::runtime::events::EventType;
 use kube::runtime::reflector::{ObjectRef, Store};
-use kube::{Resource, ResourceExt};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -121,16 +121,5 @@ async fn wake(ctx: &Context, r: &ModelResidency, call: PodCall) {
     };
     tracing::warn!(residency = %r.name_any(), %model, ok = result.is_ok(), "{note}");
     ctx.metrics.found_asleep.inc();
-    let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
-    let ev = Event {
-        type_: EventType::Warning,
-        reason: "FoundAsleep".into(),
-        note: Some(note),
-        action: "Wake".into(),
-        secondary: None,
-    };
-    ctx.metrics.api_request("create", "events");
-    if let Err(e) = recorder.publish(&ev, &r.object_ref(&())).await {
-        tracing::warn!(error = %e, "sleep audit: could not publish an event");
-    }
+    super::publish_event(ctx, r, EventType::Warning, "FoundAsleep", "Wake", note).await;
 }

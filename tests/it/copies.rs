@@ -61,6 +61,18 @@ pub(crate) async fn four_gpus_and_a_router(
     router
 }
 
+/// Starts the operator again with its copy scaler ticking every `tick_ms`
+/// and draining for `grace_ms`, no router named (ModelCopies own counts).
+pub(crate) async fn restart_with_scaler(h: &mut Harness, tick_ms: u64, grace_ms: u64) {
+    h.stop_operator().await;
+    h.copies = CopiesConfig {
+        tick: Duration::from_millis(tick_ms),
+        drain_grace: Duration::from_millis(grace_ms),
+        ..CopiesConfig::default()
+    };
+    h.start_operator();
+}
+
 /// Creates the ModelCopies `chat` owning the model's count, at `replicas`.
 pub(crate) async fn model_copies(
     h: &Harness,
@@ -225,13 +237,7 @@ async fn model_copies_scales_a_model_0_1_3_0_through_its_scale_subresource() {
     let mut h = Harness::start("copies-owned").await;
     four_gpus(&h).await;
     // No router: the built-in signal is off; the object owns the count.
-    h.stop_operator().await;
-    h.copies = CopiesConfig {
-        tick: Duration::from_millis(300),
-        drain_grace: Duration::from_millis(200),
-        ..CopiesConfig::default()
-    };
-    h.start_operator();
+    restart_with_scaler(&mut h, 300, 200).await;
     let api = model_copies(&h, 0).await;
     for n in [1usize, 3, 0] {
         let scale = json!({"spec": {"replicas": n}});
@@ -780,13 +786,7 @@ async fn copy_events(h: &Harness) -> u32 {
 async fn a_second_model_copies_for_one_model_stands_aside_and_a_steady_state_is_quiet() {
     let mut h = Harness::start("copies-dup").await;
     four_gpus(&h).await;
-    h.stop_operator().await;
-    h.copies = CopiesConfig {
-        tick: Duration::from_millis(200),
-        drain_grace: Duration::from_millis(100),
-        ..CopiesConfig::default()
-    };
-    h.start_operator();
+    restart_with_scaler(&mut h, 200, 100).await;
     let api = model_copies(&h, 3).await;
     // Created a second later: the younger.
     tokio::time::sleep(Duration::from_millis(1100)).await;

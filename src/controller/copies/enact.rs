@@ -6,9 +6,9 @@ use crate::controller::Context;
 use crate::residency::labels::{DRAINING_LABEL, RETIRE_ANNOTATION, SERVING_LABEL};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::{ObjectRef, Store};
-use kube::{Resource, ResourceExt};
 use std::time::{Duration, Instant};
 
 /// Writes `model`'s demand key on `r` now; whether it landed.
@@ -109,19 +109,7 @@ async fn event(
     reason: &str,
     note: String,
 ) {
-    use kube::runtime::events::{Event, Recorder};
-    let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
-    let ev = Event {
-        type_,
-        reason: reason.into(),
-        note: Some(note),
-        action: "ScaleCopies".into(),
-        secondary: None,
-    };
-    ctx.metrics.api_request("create", "events");
-    if let Err(e) = recorder.publish(&ev, &r.object_ref(&())).await {
-        tracing::warn!(error = %e, "copies: could not publish an event");
-    }
+    crate::controller::publish_event(ctx, r, type_, reason, "ScaleCopies", note).await;
 }
 
 /// Sets `label` to "true" on a model pod, or takes it off: the draining

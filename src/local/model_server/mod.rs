@@ -443,9 +443,9 @@ mod tests {
         })
     }
 
-    #[tokio::test]
-    async fn a_server_without_a_stop_keeps_serving() {
-        let s = FakeModelServer::start(
+    /// A fake server of model `m` on a loopback port, started in 10 ms.
+    pub(super) async fn started() -> FakeModelServer {
+        FakeModelServer::start(
             "127.0.0.1:0".parse().unwrap(),
             Identity {
                 model: "m".into(),
@@ -455,7 +455,12 @@ mod tests {
             SleepBehaviour::default(),
         )
         .await
-        .unwrap();
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_server_without_a_stop_keeps_serving() {
+        let s = started().await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         for _ in 0..3 {
             let a = send(s.addr, "GET", "/health", "").await.unwrap();
@@ -530,17 +535,7 @@ mod early_answer {
     /// the router's proxy passes its answer on (#54 S3.14).
     #[tokio::test]
     async fn a_refused_large_body_is_answered_through_the_proxy() {
-        let s = FakeModelServer::start(
-            "127.0.0.1:0".parse().unwrap(),
-            Identity {
-                model: "m".into(),
-                pod: "p".into(),
-            },
-            Duration::from_millis(10),
-            SleepBehaviour::default(),
-        )
-        .await
-        .unwrap();
+        let s = super::tests::started().await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         let (parts, _) = Request::post("/v1/chat/completions")
             .header("content-length", 30 << 20)
