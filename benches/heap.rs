@@ -26,6 +26,7 @@ struct Counting;
 static LIVE: AtomicIsize = AtomicIsize::new(0);
 
 // SAFETY: forwards to the system allocator unchanged; only counts.
+#[allow(unsafe_code)] // a global allocator is unsafe to implement
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);

@@ -95,6 +95,7 @@ fn tools() -> Tools {
 struct Proc(Child);
 
 impl Drop for Proc {
+    #[allow(unsafe_code)] // a libc call std has no safe wrapper for
     fn drop(&mut self) {
         // SIGTERM, not SIGKILL: nginx's master stops its workers on TERM,
         // while a killed master leaves them running.
@@ -124,6 +125,7 @@ async fn until_listening(addr: SocketAddr) {
 
 /// nginx as a plain reverse proxy to `upstream` (keep-alive upstream
 /// connections, as any tuned proxy has), on its own port.
+#[allow(unsafe_code)] // a libc call std has no safe wrapper for
 fn start_nginx(nginx: &str, upstream: SocketAddr, dir: &std::path::Path) -> (Proc, SocketAddr) {
     let port = free_port();
     let d = dir.display();

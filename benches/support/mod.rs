@@ -242,6 +242,7 @@ pub struct CountedRuntime {
 }
 
 impl CountedRuntime {
+    #[allow(unsafe_code)] // a libc call std has no safe wrapper for
     pub fn new(workers: usize) -> Self {
         let live = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
         let ended = std::sync::Arc::new(std::sync::Mutex::new(0.0));

@@ -58,6 +58,7 @@ pub fn fake_model_server(args: FakeModelServerArgs) -> Result<(), Failure> {
 /// A pod sandbox's process: waits for SIGTERM or SIGINT, reaping any
 /// child handed to it (it is PID 1 of the pod when the pod shares its
 /// process namespace).
+#[allow(unsafe_code)] // a libc call std has no safe wrapper for
 pub fn pause() -> Result<(), Failure> {
     // SAFETY: sigprocmask and sigwait on a set built here; no handler runs.
     unsafe {

@@ -68,6 +68,7 @@ pub enum NodeKind {
 }
 
 /// Why a real node cannot run here, if it cannot.
+#[allow(unsafe_code)] // a libc call std has no safe wrapper for
 fn real_node_unavailable() -> Option<String> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -806,6 +807,7 @@ struct Process {
 }
 
 impl Process {
+    #[allow(unsafe_code)] // a libc call std has no safe wrapper for
     fn stop(mut self) {
         say(&format!(
             "Stopping the {} with SIGTERM (a Deployment's pod shutdown)",

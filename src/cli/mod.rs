@@ -114,6 +114,7 @@ impl Failure {
 /// spreads them over as many arenas, each keeping pages of its own
 /// (docs/performance.md, Memory). The router keeps
 /// the default: its threads allocate on every request.
+#[allow(unsafe_code)] // a libc call std has no safe wrapper for
 fn one_arena() {
     let arena: std::ffi::c_uint = 0;
     // SAFETY: "thread.arena" takes a c_uint by pointer; no old value is
@@ -192,6 +193,7 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
 #[cfg(test)]
 mod tests {
     /// The calling thread's jemalloc arena.
+    #[allow(unsafe_code)] // a libc call std has no safe wrapper for
     fn arena() -> std::ffi::c_uint {
         let mut arena: std::ffi::c_uint = u32::MAX;
         let mut len = std::mem::size_of::<std::ffi::c_uint>();

@@ -675,3 +675,52 @@ fn the_lag_is_carried_over_and_nonsense_is_ignored() {
     e.resume_lag(f64::NAN);
     assert_eq!(e.lag(), 3.5);
 }
+
+/// The engine is the policy alone: no kube, no async runtime, no I/O
+/// (docs/layout.md's layers). Its sources are read as text: any `use` or
+/// path of those crates or std's I/O modules fails here.
+#[test]
+fn the_engine_uses_no_kube_no_runtime_and_no_io() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/engine");
+    let banned = [
+        "kube",
+        "k8s_openapi",
+        "tokio",
+        "hyper",
+        "reqwest",
+        "std::fs",
+        "std::net",
+        "std::io",
+        "std::process",
+        "std::thread",
+        "std::time::SystemTime",
+        "std::env",
+    ];
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().is_some_and(|n| n == "tests.rs") {
+            continue; // this test's own file (it reads files)
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or_default();
+            for b in banned {
+                let at_word = code.match_indices(b).any(|(i, _)| {
+                    let before = code[..i].chars().next_back();
+                    let after = code[i + b.len()..].chars().next();
+                    !before.is_some_and(|c| c.is_alphanumeric() || c == '_')
+                        && !after.is_some_and(|c| c.is_alphanumeric() || c == '_')
+                });
+                if at_word {
+                    found.push(format!("{}:{}: {b}", path.display(), n + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "the engine reaches outside itself:\n{}",
+        found.join("\n")
+    );
+}

@@ -181,6 +181,7 @@ impl Process {
 /// it dies: for every helper process a test, benchmark or the demo starts.
 /// Spawning happens on one thread that never exits, because
 /// `PR_SET_PDEATHSIG` fires when the *spawning thread* dies.
+#[allow(unsafe_code)] // a libc call std has no safe wrapper for
 pub fn spawn_owned(mut cmd: Command) -> std::io::Result<Child> {
     type Request = (Command, mpsc::Sender<std::io::Result<Child>>);
     static SPAWNER: std::sync::OnceLock<std::sync::Mutex<mpsc::Sender<Request>>> =
@@ -637,6 +638,7 @@ impl ControlPlane {
 /// User plus system CPU seconds from a `/proc/.../stat` file (a process's
 /// or a thread's): its 14th and 15th fields, counted after the command
 /// name's closing parenthesis (a name may hold spaces).
+#[allow(unsafe_code)] // a libc call std has no safe wrapper for
 pub fn cpu_seconds_of(stat: &Path) -> Option<f64> {
     let text = fs::read_to_string(stat).ok()?;
     let fields: Vec<&str> = text.rsplit_once(')')?.1.split_whitespace().collect();

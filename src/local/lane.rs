@@ -159,6 +159,7 @@ fn collect_dirs(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
+#[allow(unsafe_code)] // a libc call std has no safe wrapper for
 fn kill_members(dir: &Path) {
     let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) else {
         return;

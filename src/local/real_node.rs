@@ -374,6 +374,7 @@ fn bind(from: &Path, to: &Path) -> std::io::Result<()> {
     mount(&from.to_string_lossy(), to, "", libc::MS_BIND, None)
 }
 
+#[allow(unsafe_code)] // a libc call std has no safe wrapper for
 fn mount(
     source: &str,
     target: &Path,

@@ -829,6 +829,7 @@ pub(super) fn disk_writer(
 /// Starts the kernel writing the file's pages out while the download goes
 /// on (Linux `sync_file_range` with WRITE only: it does not wait), so the
 /// final sync finds little left to flush. Elsewhere, nothing.
+#[allow(unsafe_code)] // a libc call std has no safe wrapper for
 fn start_writeback(file: &std::fs::File, written: u64) {
     #[cfg(target_os = "linux")]
     {

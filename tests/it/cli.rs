@@ -419,6 +419,7 @@ fn works_as_a_kubectl_plugin_name() {
 
 #[test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+#[allow(unsafe_code)] // a libc call std has no safe wrapper for
 fn local_cluster_comes_up_with_the_crds_and_says_what_to_run_next() {
     use std::io::{BufRead, BufReader};
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_model-residency"));
@@ -536,6 +537,7 @@ fn bad_flags_of_the_long_running_commands_exit_2_before_touching_the_cluster() {
 
 #[test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+#[allow(unsafe_code)] // a libc call std has no safe wrapper for
 fn the_demo_runs_end_to_end() {
     // The README's main job, as `scripts/demo.sh` runs it (with this
     // build): every step it explains must happen.

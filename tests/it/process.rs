@@ -25,6 +25,7 @@ async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+#[allow(unsafe_code)] // a libc call std has no safe wrapper for
 async fn run_checks_serves_reconciles_and_stops_on_sigterm() {
     let env = test_env("process").await;
     let bin = env!("CARGO_BIN_EXE_model-residency");

@@ -30,6 +30,7 @@ struct Vllm {
 }
 
 impl Drop for Vllm {
+    #[allow(unsafe_code)] // a libc call std has no safe wrapper for
     fn drop(&mut self) {
         // Its engine and worker are its children: the whole group goes
         // (the group is the child's own: it was started with process_group(0)).
