@@ -113,6 +113,21 @@ async fn expect(
     sent
 }
 
+/// b's create answered 409, and the read of the pod holding its name
+/// answered with one of `metadata`.
+async fn name_taken_by(handle: &mut ApiHandle, metadata: Value) {
+    expect(
+        handle,
+        Method::POST,
+        PODS,
+        409,
+        status(409, "AlreadyExists"),
+    )
+    .await;
+    let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": metadata});
+    expect(handle, Method::GET, &format!("{PODS}/gpu-b"), 200, pod).await;
+}
+
 fn status(code: u16, reason: &str) -> Value {
     json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
            "code": code, "reason": reason, "message": format!("{reason} (mocked)")})
@@ -170,20 +185,10 @@ async fn a_pod_already_gone_and_a_name_still_taken_are_not_errors() {
             status(404, "NotFound"),
         )
         .await;
-        expect(
-            &mut handle,
-            Method::POST,
-            PODS,
-            409,
-            status(409, "AlreadyExists"),
-        )
-        .await;
         // Whose is it? The previous pod, still terminating.
-        let terminating = json!({"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "gpu-b", "namespace": "ns",
-                         "deletionTimestamp": "2026-12-06T00:00:00Z"}});
-        let path = format!("{PODS}/gpu-b");
-        expect(&mut handle, Method::GET, &path, 200, terminating).await;
+        let terminating = json!({"name": "gpu-b", "namespace": "ns",
+                                 "deletionTimestamp": "2026-12-06T00:00:00Z"});
+        name_taken_by(&mut handle, terminating).await;
         expect(&mut handle, Method::PATCH, STATUS, 200, json!(r)).await;
     };
     let (result, ()) = tokio::join!(enact_now(&r, d, &ctx), server);
@@ -198,20 +203,10 @@ async fn a_name_taken_by_a_pod_the_residency_does_not_own_is_said_in_status() {
     let r = residency();
     let d = creating_b();
     let server = async {
-        expect(
-            &mut handle,
-            Method::POST,
-            PODS,
-            409,
-            status(409, "AlreadyExists"),
-        )
-        .await;
-        let theirs = json!({"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "gpu-b", "namespace": "ns", "ownerReferences": [
-                {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "theirs",
-                 "uid": "another", "controller": true}]}});
-        let path = format!("{PODS}/gpu-b");
-        expect(&mut handle, Method::GET, &path, 200, theirs).await;
+        let theirs = json!({"name": "gpu-b", "namespace": "ns", "ownerReferences": [
+            {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "theirs",
+             "uid": "another", "controller": true}]});
+        name_taken_by(&mut handle, theirs).await;
         let sent = expect(&mut handle, Method::PATCH, STATUS, 200, json!(r)).await;
         let b = &sent["status"]["models"][0];
         assert_eq!(b["state"], "Failed", "{b}");

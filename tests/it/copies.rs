@@ -49,27 +49,53 @@ pub(crate) async fn four_gpus_and_a_router(
     h.gpu_mode = Some("env");
     four_gpus(h).await;
     let router = RouterUnderTest::start(h, Config::default()).await;
-    h.stop_operator().await;
-    h.copies = CopiesConfig {
-        routers: vec![router.addr],
-        tick,
-        drain_grace: Duration::from_millis(300),
-        defaults,
-        ..CopiesConfig::default()
-    };
-    h.start_operator();
+    restart_with(
+        h,
+        CopiesConfig {
+            routers: vec![router.addr],
+            tick,
+            drain_grace: Duration::from_millis(300),
+            defaults,
+            ..CopiesConfig::default()
+        },
+    )
+    .await;
     router
 }
 
 /// Starts the operator again with its copy scaler ticking every `tick_ms`
 /// and draining for `grace_ms`, no router named (ModelCopies own counts).
 pub(crate) async fn restart_with_scaler(h: &mut Harness, tick_ms: u64, grace_ms: u64) {
-    h.stop_operator().await;
-    h.copies = CopiesConfig {
+    let config = CopiesConfig {
         tick: Duration::from_millis(tick_ms),
         drain_grace: Duration::from_millis(grace_ms),
         ..CopiesConfig::default()
     };
+    restart_with(h, config).await;
+}
+
+/// Starts the operator again with its copy scaler on, every `tick_ms`,
+/// reading one stand-in router: any loopback server that counts its
+/// requests (its 404s make the round incomplete and decide nothing; a
+/// model's `copies.min` decides). How many reads it had.
+pub(crate) async fn restart_with_a_stand_in_router(
+    h: &mut Harness,
+    tick_ms: u64,
+) -> Arc<AtomicUsize> {
+    let (addr, polls) = crate::support::artifact_server::serve().await;
+    let config = CopiesConfig {
+        routers: vec![addr],
+        tick: Duration::from_millis(tick_ms),
+        ..CopiesConfig::default()
+    };
+    restart_with(h, config).await;
+    polls
+}
+
+/// Starts the operator again with the copy scaler's `config`.
+pub(crate) async fn restart_with(h: &mut Harness, config: CopiesConfig) {
+    h.stop_operator().await;
+    h.copies = config;
     h.start_operator();
 }
 
@@ -344,16 +370,18 @@ async fn inference_pools_select_exactly_the_copies_that_serve() {
         .unwrap();
         h.api.create(&Default::default(), &r).await.unwrap();
     }
-    h.stop_operator().await;
-    h.copies = CopiesConfig {
-        tick: Duration::from_millis(300),
-        drain_grace: Duration::from_millis(200),
-        pools: Some(model_residency::controller::copies::PoolConfig {
-            endpoint_picker: Some(EndpointPickerRef::service("epp".into(), 9002)),
-        }),
-        ..CopiesConfig::default()
-    };
-    h.start_operator();
+    restart_with(
+        &mut h,
+        CopiesConfig {
+            tick: Duration::from_millis(300),
+            drain_grace: Duration::from_millis(200),
+            pools: Some(model_residency::controller::copies::PoolConfig {
+                endpoint_picker: Some(EndpointPickerRef::service("epp".into(), 9002)),
+            }),
+            ..CopiesConfig::default()
+        },
+    )
+    .await;
     // Watched throughout: a copy being removed is never still selected
     // by its pool (draining and serving at once).
     let both = Arc::new(AtomicUsize::new(0));
@@ -582,17 +610,8 @@ async fn inference_pools_are_taken_by_the_extensions_v1_5_crd() {
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn the_copy_scaler_stops_with_its_operators_term() {
     let mut h = Harness::start("copies-term").await;
-    // Any loopback server that counts its requests stands in for the
-    // router: the scaler's reads of it are what is counted (its 404s
-    // decide nothing).
-    let (addr, polls) = crate::support::artifact_server::serve().await;
-    h.stop_operator().await;
-    h.copies = CopiesConfig {
-        routers: vec![addr],
-        tick: Duration::from_millis(100),
-        ..CopiesConfig::default()
-    };
-    h.start_operator();
+    // The scaler's reads of the stand-in router are what is counted.
+    let polls = restart_with_a_stand_in_router(&mut h, 100).await;
     eventually(30, "the copy scaler to read the router", || async {
         (polls.load(Ordering::SeqCst) >= 3).then_some(())
     })
@@ -863,14 +882,7 @@ async fn a_copy_never_evicts_a_model_a_model_demand_holds() {
     h.request("gpu-0", "chat").await;
     // The copy scaler on (a stand-in router: min decides), well past the
     // scale-down delay of everything.
-    let (router, _) = crate::support::artifact_server::serve().await;
-    h.stop_operator().await;
-    h.copies = CopiesConfig {
-        routers: vec![router],
-        tick: Duration::from_millis(200),
-        ..CopiesConfig::default()
-    };
-    h.start_operator();
+    restart_with_a_stand_in_router(&mut h, 200).await;
     tokio::time::sleep(Duration::from_secs(4)).await;
     let r = h.api.get("gpu-1").await.unwrap();
     assert_eq!(

@@ -18,15 +18,25 @@ fn pages() -> Vec<PathBuf> {
     pages
 }
 
-/// `[text](target)` targets outside code spans and blocks.
-fn links(text: &str) -> Vec<String> {
-    let mut out = Vec::new();
+/// The lines of `text` but its code fences, each with whether it is
+/// inside a code block.
+fn lines_and_code(text: &str) -> Vec<(&str, bool)> {
     let mut in_code = false;
+    let mut out = Vec::new();
     for line in text.lines() {
         if line.trim_start().starts_with("```") {
             in_code = !in_code;
-            continue;
+        } else {
+            out.push((line, in_code));
         }
+    }
+    out
+}
+
+/// `[text](target)` targets outside code spans and blocks.
+fn links(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (line, in_code) in lines_and_code(text) {
         if in_code {
             continue;
         }
@@ -54,16 +64,11 @@ fn anchor(heading: &str) -> String {
 }
 
 fn anchors(text: &str) -> Vec<String> {
-    let mut in_code = false;
-    let mut out = Vec::new();
-    for line in text.lines() {
-        if line.trim_start().starts_with("```") {
-            in_code = !in_code;
-        } else if !in_code && line.starts_with('#') {
-            out.push(anchor(line.trim_start_matches('#')));
-        }
-    }
-    out
+    lines_and_code(text)
+        .into_iter()
+        .filter(|(line, in_code)| !in_code && line.starts_with('#'))
+        .map(|(line, _)| anchor(line.trim_start_matches('#')))
+        .collect()
 }
 
 #[test]
@@ -123,12 +128,7 @@ fn the_anchor_rule_is_githubs() {
 /// is one span per line).
 fn spans(text: &str) -> Vec<String> {
     let mut out = Vec::new();
-    let mut in_code = false;
-    for line in text.lines() {
-        if line.trim_start().starts_with("```") {
-            in_code = !in_code;
-            continue;
-        }
+    for (line, in_code) in lines_and_code(text) {
         if in_code {
             out.push(line.to_owned());
             continue;
@@ -172,6 +172,13 @@ fn named_paths(text: &str) -> Vec<String> {
     out
 }
 
+/// Fails with `what` and every finding, once each, if there is any.
+fn assert_none(what: &str, mut found: Vec<String>) {
+    found.sort();
+    found.dedup();
+    assert!(found.is_empty(), "{what}:\n{}", found.join("\n"));
+}
+
 /// Every path of the tree a doc names exists (the reliability page named
 /// 19 test files that had moved).
 #[test]
@@ -187,9 +194,7 @@ fn every_path_a_doc_names_exists() {
             }
         }
     }
-    missing.sort();
-    missing.dedup();
-    assert!(missing.is_empty(), "no such path:\n{}", missing.join("\n"));
+    assert_none("no such path", missing);
     assert!(
         checked > 50,
         "only {checked} paths found: is the parser right?"
@@ -366,13 +371,7 @@ fn every_flag_a_doc_shows_is_in_the_binarys_help() {
             }
         }
     }
-    unknown.sort();
-    unknown.dedup();
-    assert!(
-        unknown.is_empty(),
-        "flags no --help shows:\n{}",
-        unknown.join("\n")
-    );
+    assert_none("flags no --help shows", unknown);
 }
 
 /// Every test a doc names by its function (a backticked snake_case name
@@ -423,13 +422,7 @@ fn every_test_a_doc_names_exists() {
             }
         }
     }
-    missing.sort();
-    missing.dedup();
-    assert!(
-        missing.is_empty(),
-        "no such function:\n{}",
-        missing.join("\n")
-    );
+    assert_none("no such function", missing);
     assert!(
         checked > 30,
         "only {checked} names found: is the parser right?"

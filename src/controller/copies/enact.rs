@@ -87,29 +87,13 @@ pub(super) async fn publish(ctx: &Context, r: &ModelResidency, warning: bool, no
     } else {
         (EventType::Normal, "CopyPlaced")
     };
-    event(ctx, r, type_, reason, note).await;
+    crate::controller::publish_event(ctx, r, type_, reason, "ScaleCopies", note).await;
 }
 
 /// A Warning event on `r`.
 pub(super) async fn warn(ctx: &Context, r: &ModelResidency, reason: &str, note: String) {
-    event(
-        ctx,
-        r,
-        kube::runtime::events::EventType::Warning,
-        reason,
-        note,
-    )
-    .await;
-}
-
-async fn event(
-    ctx: &Context,
-    r: &ModelResidency,
-    type_: kube::runtime::events::EventType,
-    reason: &str,
-    note: String,
-) {
-    crate::controller::publish_event(ctx, r, type_, reason, "ScaleCopies", note).await;
+    use kube::runtime::events::EventType;
+    crate::controller::publish_event(ctx, r, EventType::Warning, reason, "ScaleCopies", note).await;
 }
 
 /// Sets `label` to "true" on a model pod, or takes it off: the draining

@@ -126,10 +126,9 @@ struct Scaler {
     draining: Arc<Mutex<HashSet<(String, String, String)>>>,
     /// Models whose wanted copy had no home at the last tick.
     unplaced: HashSet<ModelKey>,
-    /// The routers unread in the last round (their addresses), and what
-    /// each said.
+    /// The routers unread in the last round, each as its address and
+    /// what it said.
     unread: Vec<String>,
-    unread_detail: String,
     /// Models whose InferencePool name another's pool holds (announced).
     pool_clashes: Mutex<HashSet<ModelKey>>,
     /// The removals under way: aborted with the scaler (a removal of a
@@ -155,7 +154,6 @@ pub async fn run(
         unplaced: HashSet::new(),
         pool_clashes: Mutex::default(),
         unread: Vec::new(),
-        unread_detail: String::new(),
         removals: tokio::task::JoinSet::new(),
     };
     scaler.release_stale_drains().await;
@@ -294,19 +292,21 @@ impl Scaler {
             .metrics
             .copies_routers_unread
             .set(unread.len() as i64);
-        let now: Vec<String> = unread
-            .iter()
-            .map(|u| u.split(' ').next().unwrap_or_default().to_owned())
-            .collect();
-        if now != self.unread {
+        // Said when the set of routers changes, not each round a router
+        // says something new.
+        let addresses = |all: &[String]| -> Vec<String> {
+            all.iter()
+                .map(|u| u.split(' ').next().unwrap_or_default().to_owned())
+                .collect()
+        };
+        if addresses(unread) != addresses(&self.unread) {
             if unread.is_empty() {
                 tracing::info!("copies: every router answers again; copies may be removed");
             } else {
                 tracing::warn!(unread = ?unread, "copies: routers could not be read; no copy is removed until they are");
             }
-            self.unread = now;
         }
-        self.unread_detail = unread.join(", ");
+        self.unread = unread.to_vec();
     }
 
     /// The Ready router pods' `/metrics` addresses.

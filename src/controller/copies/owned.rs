@@ -120,7 +120,7 @@ impl Scaler {
                 } else {
                     format!(
                         "the last copy stays while a router's count of {model} is unread: {}",
-                        self.unread_detail
+                        self.unread.join(", ")
                     )
                 });
             } else {

@@ -178,11 +178,16 @@ impl Scaler {
     ) {
         let api: Api<InferencePool> =
             crate::cluster::api_in(&self.ctx.client, self.namespace.as_deref());
-        let existing = match api
-            .list(&ListParams::default().labels(POOL_MODEL_LABEL))
+        // Every pool, the operator's (its label) and others': one list a
+        // tick, not a read per pool that is not the operator's.
+        let (existing, others): (Vec<InferencePool>, Vec<InferencePool>) = match api
+            .list(&ListParams::default())
             .await
         {
-            Ok(list) => list.items,
+            Ok(list) => list
+                .items
+                .into_iter()
+                .partition(|p| p.labels().contains_key(POOL_MODEL_LABEL)),
             Err(e) => {
                 tracing::warn!(error = %e, "pools: cannot list InferencePools (is the Gateway API Inference Extension's CRD installed?)");
                 return;
@@ -215,25 +220,19 @@ impl Scaler {
             }) {
                 continue;
             }
-            let api: Api<InferencePool> = Api::namespaced(self.ctx.client.clone(), &ns);
-            if ours.is_none() {
-                // Not one the operator made: a pool of that name that is
-                // there is someone else's, and an apply would take it over
-                // (its selector rewritten, an owner reference that deletes
-                // it with the residency). Left alone, and said.
-                self.ctx.metrics.api_request("get", "inferencepools");
-                match api.get_opt(&pool.name_any()).await {
-                    Ok(None) => {}
-                    Ok(Some(_)) => {
-                        clashes.insert((ns, pool.name_any()));
-                        continue;
-                    }
-                    Err(e) => {
-                        tracing::warn!(pool = %pool.name_any(), error = %e, "pools: cannot read an InferencePool");
-                        continue;
-                    }
-                }
+            // Not one the operator made: a pool of that name that is there
+            // is someone else's, and an apply would take it over (its
+            // selector rewritten, an owner reference that deletes it with
+            // the residency). Left alone, and said.
+            let theirs = ours.is_none()
+                && others
+                    .iter()
+                    .any(|o| o.namespace() == pool.namespace() && o.name_any() == pool.name_any());
+            if theirs {
+                clashes.insert((ns, pool.name_any()));
+                continue;
             }
+            let api: Api<InferencePool> = Api::namespaced(self.ctx.client.clone(), &ns);
             self.ctx.metrics.api_request("patch", "inferencepools");
             let params = PatchParams::apply(MANAGER);
             if let Err(e) = api
