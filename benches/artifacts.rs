@@ -99,7 +99,7 @@ async fn throughput(mib: usize, rounds: usize) {
         sha256: Some(sha),
     }];
     let allowed = vec![format!("http://{addr}/")];
-    let http = client().unwrap();
+    let http = client(&allowed).unwrap();
     // Floors, each alternating with the agent: the transfer alone; the
     // issue's floor, the transfer and its sha256 (one after the other, as a
     // script would); and that, durable as the agent's (fsync of the file).

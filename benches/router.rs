@@ -358,7 +358,7 @@ async fn router_metric(router: SocketAddr, name: &str) -> u64 {
     let answer = model_residency::http::send(router, "GET", "/metrics", "")
         .await
         .unwrap();
-    model_residency::metrics::sum_where(&answer.body, name, "")
+    model_residency::exposition::sum_where(&answer.body, name, "")
 }
 
 /// A bare hyper forwarder, run in its own process (the bench starts itself

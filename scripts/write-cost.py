@@ -15,7 +15,7 @@ anew, its status applied as the operator does (server-side apply, field
 manager `model-residency`, forced) `--writes` times, then as many demand
 merge patches as the router sends; prints each kind's p50 round trip, the
 object's size and its managedFields' size. One kept-alive connection on
-loopback; figures are ratios within a round (docs/performance-history.md).
+loopback; figures are ratios within a round (history/README.md).
 """
 
 import argparse

@@ -22,7 +22,8 @@
 //! - [`simulate`]: replaying request traces through the engine.
 //!
 //! Shared plumbing: [`cluster`] (API handles, status writes, watch
-//! backoff), [`http`] (admin endpoints, a small client), [`metrics`],
+//! backoff), [`http`] (admin endpoints, a small client), [`metrics`] (the
+//! operator's), [`exposition`] (the Prometheus text format, every process's),
 //! [`panic_guard`]; `local` (feature `local`): a local control plane, a
 //! real node in a lane of its own, the kubelet stand-in, the fake model
 //! server, local images and a registry (tests, benchmarks, demo), not in
@@ -32,6 +33,7 @@ pub mod api;
 pub mod cluster;
 pub mod controller;
 pub mod engine;
+pub mod exposition;
 pub mod http;
 #[cfg(feature = "local")]
 pub mod local;

@@ -88,7 +88,7 @@ pub struct ModelResidencySpec {
     // Boxed, as the status's `gpu`: inline, the two made a cached
     // residency (with its Arc) 1,096 bytes, jemalloc's 1,280 class; boxed,
     // 856 (the 896 class) plus the two boxes (112 and 160), 112 bytes less
-    // (docs/performance-history.md, Memory).
+    // (history/5-memory.md).
     #[serde(default, skip_serializing_if = "is_default_gpu")]
     pub gpu: Box<GpuSpec>,
     /// VRAM budget: the most the resident models may declare together. A

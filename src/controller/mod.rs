@@ -193,7 +193,8 @@ impl Context {
     }
 
     /// [`Self::new`] whose GPU holder pods run `image` (a local cluster's
-    /// own pause image on a real node).
+    /// own pause image on a real node). Tests only (feature `local`).
+    #[cfg(feature = "local")]
     pub fn with_holder_image(client: kube::Client, image: &str) -> Arc<Self> {
         Self::with_options(
             client,

@@ -60,7 +60,7 @@
 //!
 //! Its clock is requests served, not time, so it needs no clock that can
 //! lie and reads the same in `simulate` and in the operator (which keeps
-//! it in status). On four traces (docs/performance-history.md) it waits
+//! it in status). On four traces (history/1-policies-on-traces.md) it waits
 //! 1.15-1.42x less than `cost` with the warm tier at 256Gi of host memory
 //! and 1.12-1.57x at 512Gi, and 1.13-1.24x less without the warm tier.
 //! The half-life trades the shifting trace (shorter is better: 1.17x at

@@ -5,10 +5,9 @@
 //! check its size, so the GETs themselves are made here, with the agent's
 //! limits:
 //!
-//! - a redirect is followed only to the registry itself or under an
-//!   allowed http(s) source (`--allowed-sources`, the rule http files
-//!   follow); credentials never travel to another host (reqwest drops
-//!   `Authorization` when the host changes);
+//! - a redirect is followed only by the agent's one rule
+//!   ([`super::transport`]): to the registry itself or under an allowed
+//!   http(s) source;
 //! - a manifest is read up to its limit and no further;
 //! - a descriptor's `urls` (foreign layers) are never fetched: a blob
 //!   comes from the registry that named it.
@@ -17,11 +16,6 @@ use oci_client::errors::{OciDistributionError, OciEnvelope};
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Reference, RegistryOperation};
 use reqwest::header::{ACCEPT, AUTHORIZATION, HeaderValue, RANGE};
-use std::time::Duration;
-
-/// Redirects followed per request at most (object stores and CDNs answer
-/// one or two).
-const MAX_REDIRECTS: usize = 5;
 
 /// What a read can fail with, before the artifact's reasons are given.
 #[derive(Debug)]
@@ -34,68 +28,6 @@ pub enum ReadError {
     TooLarge { bytes: usize },
     /// The connection or the body broke.
     Transfer(String),
-}
-
-/// The http client for the registry reads: the system's roots plus the
-/// agent's CA bundle, and the redirect rule above. One for every registry:
-/// the redirect rule takes the registry from the request that began the
-/// chain, and its connections are pooled across reads.
-pub fn client(ca_pem: Option<&[u8]>, allowed: &[String]) -> Result<reqwest::Client, String> {
-    // The tree's TLS is ring's; reqwest (and oci-client through it) takes
-    // the process's provider and panics if none was installed yet.
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let allowed = allowed.to_vec();
-    let policy = reqwest::redirect::Policy::custom(move |attempt| {
-        if attempt.previous().len() > MAX_REDIRECTS {
-            return attempt.error(format!("more than {MAX_REDIRECTS} times"));
-        }
-        let next = attempt.url().as_str().to_owned();
-        // The chain's first URL is the registry's own request.
-        let first = attempt.previous().first().map_or("", |u| u.as_str());
-        if followed(&next, first, &allowed) {
-            attempt.follow()
-        } else {
-            let why = format!(
-                "({}) to {next}, which is neither the registry nor under an allowed source (--allowed-sources: {})",
-                attempt.status(),
-                allowed.join(", ")
-            );
-            attempt.error(why)
-        }
-    });
-    let mut builder = reqwest::Client::builder()
-        .redirect(policy)
-        .connect_timeout(Duration::from_secs(10))
-        .read_timeout(Duration::from_secs(60));
-    if let Some(pem) = ca_pem {
-        let certs = reqwest::Certificate::from_pem_bundle(pem)
-            .map_err(|e| format!("the registry CA bundle: {e}"))?;
-        for cert in certs {
-            builder = builder.add_root_certificate(cert);
-        }
-    }
-    builder.build().map_err(|e| e.to_string())
-}
-
-/// Whether a redirect to `next` is followed in a chain that began at
-/// `first` (a registry read): on that registry's own https origin, or
-/// under an allowed http(s) prefix.
-fn followed(next: &str, first: &str, allowed: &[String]) -> bool {
-    let own = first
-        .parse::<http::Uri>()
-        .ok()
-        .filter(|u| u.scheme_str() == Some("https"))
-        .and_then(|u| u.authority().map(|a| format!("https://{a}/")));
-    if own.is_some_and(|own| next.starts_with(&own)) {
-        return true;
-    }
-    let Ok(uri) = next.parse::<http::Uri>() else {
-        return false;
-    };
-    allowed
-        .iter()
-        .filter(|p| p.starts_with("http://") || p.starts_with("https://"))
-        .any(|prefix| super::fetch::is_under(&uri, prefix))
 }
 
 /// One logged-in conversation with a repository.
@@ -159,17 +91,16 @@ impl Session {
         for (name, value) in headers {
             request = request.header(name, value);
         }
-        request.send().await.map_err(|e| {
-            if e.is_redirect() {
-                ReadError::Redirect {
+        request
+            .send()
+            .await
+            .map_err(|e| match super::transport::redirect_reason(&e) {
+                Some(why) => ReadError::Redirect {
                     uri: url.clone(),
-                    why: std::error::Error::source(&e)
-                        .map_or_else(|| e.to_string(), |s| s.to_string()),
-                }
-            } else {
-                ReadError::Transfer(super::fetch::error_chain(&e))
-            }
-        })
+                    why,
+                },
+                None => ReadError::Transfer(super::fetch::error_chain(&e)),
+            })
     }
 
     /// The manifest named by `tag_or_digest` and the sha256 of its bytes;
@@ -298,7 +229,12 @@ mod tests {
     async fn a_manifest_without_end_is_read_to_its_limit_and_no_further() {
         let (base, sent) = endless_server().await;
         let session = Session {
-            http: client(None, &[]).unwrap(),
+            http: super::super::transport::client(
+                super::super::transport::Reads::Registry,
+                None,
+                &[],
+            )
+            .unwrap(),
             base,
             authorization: None,
         };
@@ -311,33 +247,5 @@ mod tests {
         // The agent hung up: the server could not send its 256 MiB.
         let sent = sent.await.unwrap();
         assert!(sent < 64 << 20, "the server sent {sent} bytes");
-    }
-
-    #[test]
-    fn redirects_are_followed_to_the_registry_or_allowed_http_sources_only() {
-        // The read that began the chain.
-        let own = "https://reg.example:5000/v2/x/manifests/v1";
-        let allowed = [
-            "oci://reg.example:5000/models".to_owned(),
-            "https://cdn.example/blobs".to_owned(),
-        ];
-        assert!(followed(
-            "https://reg.example:5000/v2/x/blobs/y",
-            own,
-            &allowed
-        ));
-        assert!(followed(
-            "https://cdn.example/blobs/sha256/y",
-            own,
-            &allowed
-        ));
-        // Plain http to the same host, another port, another host, a path
-        // beside the allowed one: all refused.
-        assert!(!followed("http://reg.example:5000/v2/x", own, &allowed));
-        assert!(!followed("https://reg.example:5001/v2/x", own, &allowed));
-        assert!(!followed("http://127.0.0.1:9/anything", own, &allowed));
-        assert!(!followed("https://cdn.example/blobsmith/y", own, &allowed));
-        // An oci:// prefix allows the registry, not an http host of that name.
-        assert!(!followed("https://reg.example:5000.evil/v2", own, &allowed));
     }
 }

@@ -25,9 +25,6 @@
 use super::blobs::{Store, blob_id};
 use super::keep::Blob;
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -354,21 +351,15 @@ pub fn encode_hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-type Https = hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>;
-
-/// The download client's type.
-pub type HttpsClient = Client<Https, Empty<Bytes>>;
+/// The download client's type: the agent's one stack
+/// ([`super::transport`]).
+pub type HttpsClient = reqwest::Client;
 
 /// The download client: http and https (verified against the system's CA
-/// certificates), pooled.
-pub fn client() -> Result<HttpsClient, FetchError> {
-    let https = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_native_roots()
-        .map_err(|e| FetchError::Io(format!("no system CA certificates for https: {e}")))?
-        .https_or_http()
-        .enable_http1()
-        .build();
-    Ok(Client::builder(TokioExecutor::new()).build(https))
+/// certificates), pooled, following redirects only under `allowed`.
+pub fn client(allowed: &[String]) -> Result<HttpsClient, FetchError> {
+    super::transport::client(super::transport::Reads::Files, None, allowed)
+        .map_err(|e| FetchError::Io(format!("the download client: {e}")))
 }
 
 /// A fetch's progress, readable while it runs.
@@ -396,7 +387,9 @@ pub struct Fetched {
 }
 
 /// Fetches `files` into `<cache>/<key>/`, replacing whatever was there,
-/// within `declared` bytes (plus [`size_limit`]'s margin).
+/// within `declared` bytes (plus [`size_limit`]'s margin). Sources are
+/// checked against `allowed`; redirects follow `client`'s rule, built by
+/// [`client`] from the same list.
 pub async fn fetch(
     client: &HttpsClient,
     cache: &Path,
@@ -419,10 +412,7 @@ pub async fn fetch(
     tokio::fs::create_dir_all(&partial).await.map_err(io)?;
     let store = Store::new(cache);
     store.create().map_err(io)?;
-    let result = download_all(
-        client, &store, &partial, &checked, declared, allowed, progress,
-    )
-    .await;
+    let result = download_all(client, &store, &partial, &checked, declared, progress).await;
     let result = match result {
         Ok(fetched) => {
             let target = cache.join(key);
@@ -475,79 +465,44 @@ pub(super) fn range_starts_at(headers: &http::HeaderMap, offset: u64) -> bool {
         .is_some_and(|(from, _)| from.trim().parse() == Ok(offset))
 }
 
-/// Redirects followed per file at most (object stores and CDNs answer one
-/// or two).
-const MAX_REDIRECTS: usize = 5;
-
-/// Where a redirect's `Location` points, resolved against the URI that
-/// answered it (an absolute URI, `//host/path`, `/path` or `path`).
-fn redirect_target(from: &http::Uri, location: &str) -> Option<http::Uri> {
-    let scheme = from.scheme_str()?;
-    let authority = from.authority()?.as_str();
-    let absolute = if location.contains("://") {
-        location.to_owned()
-    } else if let Some(rest) = location.strip_prefix("//") {
-        format!("{scheme}://{rest}")
-    } else if location.starts_with('/') {
-        format!("{scheme}://{authority}{location}")
-    } else {
-        let dir = from.path().rsplit_once('/').map_or("", |(dir, _)| dir);
-        format!("{scheme}://{authority}{dir}/{location}")
-    };
-    absolute.parse().ok()
-}
-
-/// Sends a GET for `uri` (with `range` if given), following redirects whose
-/// every hop is itself under an allowed source; any other redirect is a
-/// permanent failure that says why (it can never succeed as it stands).
+/// Sends a GET for `uri` (with `range` if given); redirects are followed
+/// by the agent's one rule ([`super::transport`]), each hop under an
+/// allowed source; any other redirect is a permanent failure that says
+/// why (it can never succeed as it stands).
 async fn get_following(
     client: &HttpsClient,
     uri: &str,
     range: Option<String>,
-    allowed: &[String],
-) -> Result<http::Response<hyper::body::Incoming>, FetchError> {
+) -> Result<reqwest::Response, FetchError> {
     let redirect = |why: String| FetchError::Redirect {
         uri: uri.to_owned(),
         why,
     };
-    let mut at: http::Uri = uri.parse().map_err(|_| FetchError::BadUri {
+    let url = reqwest::Url::parse(uri).map_err(|_| FetchError::BadUri {
         uri: uri.to_owned(),
     })?;
-    for _ in 0..=MAX_REDIRECTS {
-        let mut request = http::Request::get(at.clone());
-        if let Some(range) = &range {
-            request = request.header(http::header::RANGE, range);
-        }
-        let request = request.body(Empty::new()).map_err(|e| FetchError::BadUri {
-            uri: format!("{uri}: {e}"),
-        })?;
-        let response = client
-            .request(request)
-            .await
-            .map_err(|e| FetchError::Transfer {
-                uri: uri.to_owned(),
-                message: error_chain(&e),
-            })?;
-        if !response.status().is_redirection() {
-            return Ok(response);
-        }
-        let status = response.status().as_u16();
-        let location = response
-            .headers()
-            .get(http::header::LOCATION)
-            .and_then(|l| l.to_str().ok())
-            .ok_or_else(|| redirect(format!("({status}) without a Location")))?;
-        let next = redirect_target(&at, location)
-            .ok_or_else(|| redirect(format!("({status}) to {location:?}, not a URI")))?;
-        if !allowed.iter().any(|prefix| is_under(&next, prefix)) {
-            return Err(redirect(format!(
-                "({status}) to {next}, which is not under an allowed source (--allowed-sources: {})",
-                allowed.join(", ")
-            )));
-        }
-        at = next;
+    let mut request = client.get(url);
+    if let Some(range) = &range {
+        request = request.header(http::header::RANGE, range);
     }
-    Err(redirect(format!("more than {MAX_REDIRECTS} times")))
+    let response =
+        request
+            .send()
+            .await
+            .map_err(|e| match super::transport::redirect_reason(&e) {
+                Some(why) => redirect(why),
+                None => FetchError::Transfer {
+                    uri: uri.to_owned(),
+                    message: error_chain(&e),
+                },
+            })?;
+    // reqwest hands back a redirect it could not follow for want of a
+    // Location.
+    if response.status().is_redirection() {
+        let status = response.status().as_u16();
+        return Err(redirect(format!("({status}) without a Location")));
+    }
+    Ok(response)
 }
 
 async fn download_all(
@@ -556,7 +511,6 @@ async fn download_all(
     dir: &Path,
     files: &[Checked],
     declared: u64,
-    allowed: &[String],
     progress: &Progress,
 ) -> Result<Fetched, FetchError> {
     let mut budget = Budget::new(declared, progress);
@@ -583,7 +537,7 @@ async fn download_all(
                 (hex, size)
             }
             _ => {
-                let (digest, kept) = download_one(client, dir, f, allowed, &mut budget).await?;
+                let (digest, kept) = download_one(client, dir, f, &mut budget).await?;
                 resumed += kept;
                 let hex = encode_hex(digest.as_ref());
                 let size = store.adopt(&path, &hex).map_err(io)?;
@@ -654,7 +608,6 @@ async fn download_one(
     client: &HttpsClient,
     dir: &Path,
     f: &Checked,
-    allowed: &[String],
     budget: &mut Budget<'_>,
 ) -> Result<(ring::digest::Digest, u64), FetchError> {
     let transfer = |message: String| FetchError::Transfer {
@@ -672,7 +625,7 @@ async fn download_one(
         None => 0,
     };
     let range = (have > 0).then(|| format!("bytes={have}-"));
-    let response = get_following(client, &f.uri, range, allowed).await?;
+    let response = get_following(client, &f.uri, range).await?;
     let start = start_of(&response, have, &f.uri)?;
     let kept = match start {
         Start::Whole => 0,
@@ -683,16 +636,12 @@ async fn download_one(
     // chunk, so the network, the hash and the disk overlap.
     let (chunks, mut sink) = disk_writer(path.clone(), kept);
     let mut pending = bytes::BytesMut::with_capacity(WRITE_CHUNK);
-    let mut body = response.into_body();
+    let mut body = response;
     let received: Result<(), FetchError> = async {
         if matches!(start, Start::Complete(_)) {
             return Ok(());
         }
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|e| transfer(error_chain(&e)))?;
-            let Ok(data) = frame.into_data() else {
-                continue;
-            };
+        while let Some(data) = body.chunk().await.map_err(|e| transfer(error_chain(&e)))? {
             budget.add(data.len() as u64)?;
             pending.extend_from_slice(&data);
             if pending.len() >= WRITE_CHUNK {
@@ -722,11 +671,7 @@ async fn download_one(
 }
 
 /// Where an answer to a GET from `have` bytes on starts the file.
-fn start_of(
-    response: &http::Response<hyper::body::Incoming>,
-    have: u64,
-    uri: &str,
-) -> Result<Start, FetchError> {
+fn start_of(response: &reqwest::Response, have: u64, uri: &str) -> Result<Start, FetchError> {
     Ok(match response.status() {
         http::StatusCode::OK => Start::Whole,
         http::StatusCode::PARTIAL_CONTENT

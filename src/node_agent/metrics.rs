@@ -140,7 +140,7 @@ impl AgentMetrics {
     }
 
     pub fn encode(&self) -> String {
-        crate::metrics::exposition(&self.registry)
+        crate::exposition::exposition(&self.registry)
     }
 }
 

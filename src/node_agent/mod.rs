@@ -26,3 +26,4 @@ pub mod fetch;
 pub mod keep;
 pub mod metrics;
 pub mod oci;
+pub mod transport;

@@ -453,7 +453,9 @@ impl Drop for AbortOnDrop {
 }
 
 /// Starts a controller for one namespace in the background (tests,
-/// benchmarks): its context, to read the metrics, and its task.
+/// benchmarks): its context, to read the metrics, and its task. Not in the
+/// operator image's API (feature `local`).
+#[cfg(feature = "local")]
 pub fn spawn_for_namespace(
     client: kube::Client,
     namespace: &str,

@@ -131,11 +131,11 @@ impl Default for RouterMetrics {
 
 impl RouterMetrics {
     pub fn encode(&self) -> String {
-        crate::metrics::exposition(&self.registry)
+        crate::exposition::exposition(&self.registry)
     }
 
     /// The sum of a metric's samples whose labels contain `labels`.
     pub fn sum_where(&self, metric: &str, labels: &str) -> u64 {
-        crate::metrics::sum_where(&self.encode(), metric, labels)
+        crate::exposition::sum_where(&self.encode(), metric, labels)
     }
 }

@@ -38,8 +38,8 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
-    /// An endpoint that is only a name and a counter (balancing's tests
-    /// and bench).
+    /// An endpoint that is only a name and a counter (balancing's tests).
+    #[cfg(test)]
     pub fn for_tests(pod: &str, in_flight: Arc<AtomicUsize>) -> Self {
         Endpoint {
             residency: 0,

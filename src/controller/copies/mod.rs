@@ -191,7 +191,7 @@ fn homes_by_model(store: &Store<ModelResidency>) -> BTreeMap<ModelKey, Vec<Arc<M
 /// several namespaces) or none (an older router) is left out: it cannot
 /// say whose model it counts.
 fn in_flight_by_model(exposition: &str) -> impl Iterator<Item = (ModelKey, f64)> + '_ {
-    crate::metrics::by_labels(exposition, IN_FLIGHT_METRIC, ["namespace", "model"])
+    crate::exposition::by_labels(exposition, IN_FLIGHT_METRIC, ["namespace", "model"])
         .into_iter()
         .filter(|([ns, _], _)| !ns.is_empty())
         .map(|([ns, model], n)| ((ns, model), n))

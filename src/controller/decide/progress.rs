@@ -6,7 +6,7 @@
 //! A storm of 5,000 requests on 1,000 GPUs wrote 8,093 statuses with none
 //! held; on 12-05's machine, where the API server took longer than 2 s to
 //! start a pod under the storm, 7,082 with a 2 s hold, 6,643 with 5 s and
-//! 6,487 with 10 s (docs/performance-history.md). The
+//! 6,487 with 10 s (history/4-scale.md). The
 //! admission itself (counted, the routers' answer to wait), Ready (with its
 //! event) and every other change are written at once; a held status is
 //! written by the end of the hold, so `kubectl` is at most that far behind

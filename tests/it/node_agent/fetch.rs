@@ -50,7 +50,7 @@ async fn an_artifact_is_fetched_verified_and_renamed_into_place() {
         },
     ];
     let progress = Progress::default();
-    let client = client().unwrap();
+    let client = client(&allowed).unwrap();
     let fetched = fetch(
         &client,
         cache.path(),
@@ -87,7 +87,7 @@ async fn each_failure_says_why_and_leaves_nothing_behind() {
     let (addr, requests) = serve().await;
     let cache = tempfile::tempdir().unwrap();
     let allowed = vec![format!("http://{addr}/")];
-    let client = client().unwrap();
+    let client = client(&allowed).unwrap();
     // A good artifact already in place must not be disturbed by the
     // failures of others.
     fetch(
@@ -207,7 +207,7 @@ async fn a_download_cut_short_resumes_where_it_stopped() {
     let (addr, _, log) = serve_logged().await;
     let cache = tempfile::tempdir().unwrap();
     let allowed = vec![format!("http://{addr}/")];
-    let client = client().unwrap();
+    let client = client(&allowed).unwrap();
     let get = |path: &'static str, sha: Option<String>| {
         let (client, cache, allowed) = (client.clone(), cache.path().to_owned(), allowed.clone());
         async move {
@@ -322,7 +322,7 @@ async fn redirects_are_followed_only_through_allowed_sources() {
     let (addr, _, log) = serve_logged().await;
     let cache = tempfile::tempdir().unwrap();
     let allowed = vec![format!("http://{addr}/store/")];
-    let client = client().unwrap();
+    let client = client(&allowed).unwrap();
     let sum = Some(sha256_hex(&weights()));
     let get = |path: &'static str| {
         let (client, cache, allowed, sum) = (&client, cache.path(), &allowed, sum.clone());

@@ -39,7 +39,7 @@ impl Agent {
     async fn metric(&self, metric: &str, labels: &str) -> u64 {
         let answer = send(self.http, "GET", "/metrics", "").await;
         assert_eq!(answer.status, 200, "{}", answer.body);
-        model_residency::metrics::sum_where(&answer.body, metric, labels)
+        model_residency::exposition::sum_where(&answer.body, metric, labels)
     }
 }
 
