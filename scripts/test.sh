@@ -21,12 +21,13 @@ provide() {
 }
 
 # The Python environments (vLLM's and the OpenAI SDK's: downloads, no apt,
-# no Go) are made in the background from the start, beside the control
-# plane's Go build: on a fresh machine that overlaps about two minutes of
-# downloads with it; when cached they answer at once either way.
+# no Go) and cargo-deny (about 2-6 minutes of cargo on a fresh machine) are
+# made in the background from the start, beside the control plane's Go
+# build: on a fresh machine that overlaps their downloads and the Go
+# build's serial parts; when cached they answer at once either way.
 early=$(mktemp -d)
 trap 'rm -rf "$early"' EXIT
-for script in scripts/vllm.sh scripts/openai-sdk.sh; do
+for script in scripts/vllm.sh scripts/openai-sdk.sh scripts/cargo-deny.sh; do
   name=$(basename "$script" .sh)
   (
     rc=0
@@ -107,6 +108,11 @@ fi
 bash scripts/build-tools.sh
 cargo fmt --all -- --check
 cargo clippy --locked --all-targets -- -D warnings
+# The supply chain (deny.toml): licences, banned crates, sources. Not
+# RustSec advisories: their database is on GitHub, out of reach here.
+if provide CARGO_DENY scripts/cargo-deny.sh "cargo-deny"; then
+  "$CARGO_DENY" --log-level error check --hide-inclusion-graph licenses bans sources
+fi
 log=$(mktemp)
 trap 'rm -f "$log"; rm -rf "$early"' EXIT
 status=0

@@ -1,103 +1,22 @@
 //! Model registry files for `simulate --registry`: either a YAML list of
-//! `{name, size, pinned}` models, or a whole `ModelResidency` manifest whose
-//! `spec.models` is that list (so one file serves `kubectl apply` and the
-//! simulator; templates are accepted and ignored here). A model's
-//! `loadTime` and `sleep` give the simulator its costs and its warm tier.
+//! models or a whole `ModelResidency` manifest whose `spec.models` is that
+//! list, so one file serves `kubectl apply` and the simulator. An entry is
+//! the CRD's own [`ModelSpec`] (every field of `spec.models[]`, templates,
+//! artifacts and copies included, though only size, pinned, loadTime and
+//! sleep matter to a replay), checked by the operator's own validation,
+//! and the engine is built by the operator's own restore: what the
+//! simulator replays is what the operator would decide.
 
-use crate::api::SleepSpec;
-use crate::engine::{Bytes, Costs, Engine, RegistryError, Sleep};
-use crate::quantity::{QuantityError, parse_bytes};
-use crate::residency::warm::{declared_costs, sleep_figures};
-use serde::Deserialize;
+use crate::api::{ModelResidency, ModelResidencyStatus, ModelSpec};
+use crate::engine::{Bytes, Engine};
+use crate::residency::state::{InvalidSpec, restore, validate_with_budget};
 use std::path::Path;
-
-/// One registry entry, sizes resolved to bytes.
-#[derive(Clone, Debug, PartialEq)]
-pub struct RegistryModel {
-    pub name: String,
-    pub size: Bytes,
-    pub pinned: bool,
-    /// Seconds a load and a wake take, as declared (loadTime,
-    /// sleep.wakeTime).
-    pub load_seconds: Option<f64>,
-    pub wake_seconds: Option<f64>,
-    /// How it sleeps, if it can.
-    pub sleep: Option<Sleep>,
-}
 
 /// Load and wake seconds for the models that declare none.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DefaultCosts {
     pub load: Option<f64>,
     pub wake: Option<f64>,
-}
-
-impl RegistryModel {
-    /// A model that cannot sleep, at the default costs.
-    pub fn plain(name: &str, size: Bytes, pinned: bool) -> Self {
-        RegistryModel {
-            name: name.into(),
-            size,
-            pinned,
-            load_seconds: None,
-            wake_seconds: None,
-            sleep: None,
-        }
-    }
-
-    /// Its costs: declared, else the defaults given, else the project's.
-    pub fn costs(&self, defaults: DefaultCosts) -> Costs {
-        let load = self.load_seconds.or(defaults.load);
-        let wake = self.wake_seconds.or(defaults.wake);
-        let mut costs = declared_costs(None, None, load, None);
-        if let Some(wake) = wake {
-            costs.wake = wake;
-        }
-        costs
-    }
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Entry {
-    name: String,
-    size: SizeValue,
-    #[serde(default)]
-    pinned: bool,
-    #[serde(default, rename = "loadTime")]
-    load_time: Option<String>,
-    #[serde(default)]
-    sleep: Option<SleepSpec>,
-    // Accepted so CRD model lists load unchanged.
-    #[serde(default)]
-    #[allow(dead_code)]
-    template: Option<serde_json::Value>,
-    #[serde(default, rename = "keepAlive")]
-    #[allow(dead_code)]
-    keep_alive: Option<String>,
-    #[serde(default)]
-    #[allow(dead_code)]
-    artifact: Option<serde_json::Value>,
-}
-
-/// A `ModelResidency` manifest; only `spec.models` matters here.
-#[derive(Deserialize)]
-struct Manifest {
-    spec: ManifestSpec,
-}
-
-#[derive(Deserialize)]
-struct ManifestSpec {
-    models: Vec<Entry>,
-}
-
-/// A size as YAML writes it: a quantity string or a bare number.
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum SizeValue {
-    Bytes(u64),
-    Negative(i64),
-    Quantity(String),
 }
 
 /// A registry file that cannot be used, naming the file and the problem.
@@ -108,25 +27,14 @@ pub enum RegistryFileError {
         path: String,
         source: std::io::Error,
     },
-    #[error("{path}: {source}")]
-    Yaml {
-        path: String,
-        source: Box<serde_saphyr::Error>,
-    },
-    #[error("{path}: model {name:?}: size: {source}")]
-    Size {
-        path: String,
-        name: String,
-        source: QuantityError,
-    },
-    #[error("{path}: {source}")]
-    Registry { path: String, source: RegistryError },
     #[error("{path}: {problem}")]
-    Warm { path: String, problem: String },
+    Yaml { path: String, problem: String },
+    #[error("{path}: {source}")]
+    Invalid { path: String, source: InvalidSpec },
 }
 
 /// Reads and validates a registry file.
-pub fn load(path: &Path) -> Result<Vec<RegistryModel>, RegistryFileError> {
+pub fn load(path: &Path) -> Result<Vec<ModelSpec>, RegistryFileError> {
     let shown = path.display().to_string();
     let text = std::fs::read_to_string(path).map_err(|source| RegistryFileError::Read {
         path: shown.clone(),
@@ -136,98 +44,81 @@ pub fn load(path: &Path) -> Result<Vec<RegistryModel>, RegistryFileError> {
 }
 
 /// Parses registry YAML; `origin` names the source in errors.
-pub fn parse(text: &str, origin: &str) -> Result<Vec<RegistryModel>, RegistryFileError> {
-    let yaml_error = |source| RegistryFileError::Yaml {
+pub fn parse(text: &str, origin: &str) -> Result<Vec<ModelSpec>, RegistryFileError> {
+    let yaml = |problem: String| RegistryFileError::Yaml {
         path: origin.to_owned(),
-        source: Box::new(source),
+        problem,
     };
-    // A list starts with `-` or `[`; anything else is read as a manifest.
-    let is_list = text
-        .lines()
-        .map(str::trim_start)
-        .find(|l| !l.is_empty() && !l.starts_with('#') && *l != "---")
-        .is_some_and(|l| l.starts_with('-') || l.starts_with('['));
-    let entries: Vec<Entry> = if is_list {
-        serde_saphyr::from_str(text).map_err(yaml_error)?
-    } else {
-        serde_saphyr::from_str::<Manifest>(text)
-            .map_err(yaml_error)?
-            .spec
-            .models
+    let doc: serde_json::Value = serde_saphyr::from_str(text).map_err(|e| yaml(e.to_string()))?;
+    // A list, or a manifest whose spec.models is one.
+    let list = match &doc {
+        serde_json::Value::Array(_) => doc,
+        serde_json::Value::Object(o) => match o.get("spec").and_then(|s| s.get("models")) {
+            Some(models) => models.clone(),
+            None => return Err(yaml("missing field `spec` with `models`: neither a list of models nor a ModelResidency manifest".into())),
+        },
+        _ => return Err(yaml("neither a list of models nor a ModelResidency manifest".into())),
     };
-    let mut models = Vec::with_capacity(entries.len());
-    for e in entries {
-        let size = match e.size {
-            SizeValue::Bytes(b) => Ok(b),
-            SizeValue::Negative(n) => Err(QuantityError::Negative(n.to_string())),
-            SizeValue::Quantity(q) => parse_bytes(&q),
+    let known = model_fields();
+    let entries = list.as_array().map(Vec::as_slice).unwrap_or_default();
+    for (i, entry) in entries.iter().enumerate() {
+        for key in entry.as_object().into_iter().flat_map(|o| o.keys()) {
+            if !known.iter().any(|k| k == key) {
+                return Err(yaml(format!(
+                    "models[{i}]: unknown field `{key}`, expected one of {}",
+                    known.join(", ")
+                )));
+            }
         }
-        .map_err(|source| RegistryFileError::Size {
-            path: origin.to_owned(),
-            name: e.name.clone(),
-            source,
-        })?;
-        if let Some(t) = &e.load_time
-            && crate::residency::warm::seconds(t).is_none()
-        {
-            return Err(RegistryFileError::Warm {
-                path: origin.to_owned(),
-                problem: format!(
-                    "model {:?}: loadTime: {t:?} is not a duration like 45s",
-                    e.name
-                ),
-            });
-        }
-        let sleep = match &e.sleep {
-            Some(spec) => Some(sleep_figures(&e.name, spec, size).map_err(|problem| {
-                RegistryFileError::Warm {
-                    path: origin.to_owned(),
-                    problem,
-                }
-            })?),
-            None => None,
-        };
-        let wake_seconds = e
-            .sleep
-            .as_ref()
-            .and_then(|s| s.wake_time.as_deref())
-            .and_then(crate::residency::warm::seconds);
-        models.push(RegistryModel {
-            load_seconds: e
-                .load_time
-                .as_deref()
-                .and_then(crate::residency::warm::seconds),
-            wake_seconds,
-            name: e.name,
-            size,
-            pinned: e.pinned,
-            sleep,
-        });
     }
-    // Validate names and sizes the way the engine will use them.
-    build_engine(0, &models).map_err(|source| RegistryFileError::Registry {
-        path: origin.to_owned(),
-        source,
+    let models: Vec<ModelSpec> = serde_json::from_value(list).map_err(|e| yaml(e.to_string()))?;
+    // Validated as the operator validates a residency's registry.
+    build_engine(1, &models, DefaultCosts::default()).map_err(|source| {
+        RegistryFileError::Invalid {
+            path: origin.to_owned(),
+            source,
+        }
     })?;
     Ok(models)
 }
 
-/// An engine with `budget` and every model registered (none resident).
-pub fn build_engine(budget: Bytes, models: &[RegistryModel]) -> Result<Engine, RegistryError> {
-    build_engine_with(budget, models, DefaultCosts::default())
+/// The fields of a `spec.models[]` entry, as the CRD's schema names them.
+fn model_fields() -> Vec<String> {
+    let schema = serde_json::to_value(schemars::schema_for!(ModelSpec)).unwrap_or_default();
+    schema["properties"]
+        .as_object()
+        .map(|p| p.keys().cloned().collect())
+        .unwrap_or_default()
 }
 
-/// [`build_engine`], with the costs of models that declare none.
-pub fn build_engine_with(
+/// An engine with `budget` and every model registered (none resident),
+/// built as the operator builds one from a residency with no status; the
+/// models that declare no loadTime or wakeTime take `defaults`.
+pub fn build_engine(
     budget: Bytes,
-    models: &[RegistryModel],
+    models: &[ModelSpec],
     defaults: DefaultCosts,
-) -> Result<Engine, RegistryError> {
-    let mut engine = Engine::new(budget);
-    for m in models {
-        let id = engine.register(&m.name, m.size, m.pinned)?;
-        engine.set_sleep(id, m.sleep)?;
-        engine.set_costs(id, m.costs(defaults));
+) -> Result<Engine, InvalidSpec> {
+    let r: ModelResidency = serde_json::from_value(serde_json::json!({
+        "apiVersion": "residency.dev/v1alpha1",
+        "kind": "ModelResidency",
+        "metadata": {"name": "simulate"},
+        "spec": {"device": "0", "budget": budget.to_string(), "models": models},
+    }))
+    .map_err(|e| InvalidSpec::Warm(format!("spec.models: {e}")))?;
+    let valid = validate_with_budget(&r, budget)?;
+    let mut engine = restore(&valid, &ModelResidencyStatus::default()).engine;
+    for m in &valid.models {
+        let load_declared = m.spec.load_time.is_some();
+        let wake_declared = m.spec.sleep.as_ref().is_some_and(|s| s.wake_time.is_some());
+        if let Some(id) = engine.id(m.name()) {
+            let costs = crate::residency::warm::costs(
+                m.spec,
+                defaults.load.filter(|_| !load_declared),
+                defaults.wake.filter(|_| !wake_declared),
+            );
+            engine.set_costs(id, costs);
+        }
     }
     Ok(engine)
 }
@@ -235,67 +126,79 @@ pub fn build_engine_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::{Costs, Sleep};
+
+    fn engine(text: &str) -> Engine {
+        build_engine(
+            16 << 30,
+            &parse(text, "test.yaml").unwrap(),
+            DefaultCosts::default(),
+        )
+        .unwrap()
+    }
 
     #[test]
     fn reads_quantities_numbers_and_pins() {
-        let models = parse(
+        let e = engine(
             "- {name: a, size: 10Mi}\n- {name: b, size: 2048, pinned: true}\n- name: c\n  size: 1Gi\n  template: {spec: {containers: []}}\n",
-            "test.yaml",
-        )
-        .unwrap();
+        );
+        let got: Vec<(String, u64, bool)> = e
+            .models()
+            .map(|id| (e.name(id).to_owned(), e.size(id), e.is_pinned(id)))
+            .collect();
         assert_eq!(
-            models,
-            vec![
-                RegistryModel::plain("a", 10 << 20, false),
-                RegistryModel::plain("b", 2048, true),
-                RegistryModel::plain("c", 1 << 30, false),
+            got,
+            [
+                ("a".into(), 10 << 20, false),
+                ("b".into(), 2048, true),
+                ("c".into(), 1 << 30, false)
             ]
         );
     }
 
     #[test]
-    fn reads_the_models_of_a_modelresidency_manifest() {
-        let text = "# a GPU\napiVersion: residency.dev/v1alpha1\nkind: ModelResidency\nmetadata: {name: g}\nspec:\n  nodeName: n\n  budget: 1Gi\n  models:\n  - {name: a, size: 1Mi, pinned: true}\n";
+    fn reads_the_models_of_a_modelresidency_manifest_copies_and_all() {
+        let text = "# a GPU\napiVersion: residency.dev/v1alpha1\nkind: ModelResidency\nmetadata: {name: g}\nspec:\n  nodeName: n\n  budget: 1Gi\n  models:\n  - {name: a, size: 1Mi, pinned: true, copies: {max: 4}, keepAlive: 10m}\n";
         let models = parse(text, "m.yaml").unwrap();
-        assert_eq!(models, vec![RegistryModel::plain("a", 1 << 20, true)]);
+        assert_eq!(models.len(), 1);
+        assert!(models[0].pinned && models[0].copies.is_some());
+        let e = build_engine(1 << 30, &models, DefaultCosts::default()).unwrap();
+        assert!(e.is_pinned(e.id("a").unwrap()));
     }
 
     #[test]
     fn reads_load_times_and_how_models_sleep() {
         let text = "- {name: a, size: 10Gi, loadTime: 45s, sleep: {preset: vllm, sleepingSize: 1Gi, hostMemory: 8Gi, wakeTime: 1500ms}}\n- {name: b, size: 4Gi, sleep: {level: 2, sleepingSize: 512Mi}}\n- {name: c, size: 2Gi}\n";
         let models = parse(text, "w.yaml").unwrap();
-        let a = &models[0];
-        assert_eq!((a.load_seconds, a.wake_seconds), (Some(45.0), Some(1.5)));
+        let defaults = DefaultCosts {
+            load: Some(30.0),
+            wake: None,
+        };
+        let e = build_engine(16 << 30, &models, defaults).unwrap();
+        let (a, b, c) = (e.id("a").unwrap(), e.id("b").unwrap(), e.id("c").unwrap());
         assert_eq!(
-            a.sleep,
+            e.sleep_of(a),
             Some(Sleep {
                 sleeping_size: 1 << 30,
                 host_memory: 8 << 30
             })
         );
-        assert_eq!(models[1].sleep.map(|s| s.host_memory), Some(0), "level 2");
-        let defaults = DefaultCosts {
-            load: Some(30.0),
-            wake: None,
-        };
+        assert_eq!(e.sleep_of(b).map(|s| s.host_memory), Some(0), "level 2");
+        // Declared costs stand; the defaults fill what is not declared.
         assert_eq!(
-            models[2].costs(defaults),
-            Costs {
-                load: 30.0,
-                wake: 1.5
-            }
-        );
-        assert_eq!(
-            a.costs(defaults),
+            e.costs(a),
             Costs {
                 load: 45.0,
                 wake: 1.5
             }
         );
-        let engine = build_engine_with(16 << 30, &models, defaults).unwrap();
-        let id = engine.id("a").unwrap();
-        assert_eq!(engine.costs(id).load, 45.0);
-        assert!(engine.sleep_of(id).is_some());
+        assert_eq!(
+            e.costs(c),
+            Costs {
+                load: 30.0,
+                wake: 1.5
+            }
+        );
         for (yaml, want) in [
             (
                 "- {name: a, size: 1Gi, sleep: {sleepingSize: 2Gi}}\n",
@@ -303,7 +206,7 @@ mod tests {
             ),
             (
                 "- {name: a, size: 1Gi, loadTime: soon}\n",
-                "loadTime: \"soon\" is not a duration",
+                "\"soon\" is not a duration",
             ),
             (
                 "- {name: a, size: 1Gi, sleep: {sleepingSize: 1Mi, wakeTime: x}}\n",
@@ -322,10 +225,7 @@ mod tests {
     #[test]
     fn bad_files_name_the_file_and_the_problem() {
         let cases = [
-            (
-                "- {name: a, size: -5}\n",
-                "test.yaml: model \"a\": size: \"-5\" is negative",
-            ),
+            ("- {name: a, size: -5}\n", "spec.models[a].size: "),
             ("- {name: a, size: 5MB}\n", "unknown unit \"MB\""),
             ("- {name: a}\n", "missing field `size`"),
             (
@@ -334,9 +234,9 @@ mod tests {
             ),
             (
                 "- {name: a, size: 1}\n- {name: a, size: 2}\n",
-                "\"a\" is already registered",
+                "\"a\" is listed twice",
             ),
-            ("- {name: a, size: 0}\n", "size 0"),
+            ("- {name: a, size: 0}\n", "must be positive"),
             ("name: a\n", "missing field `spec`"),
             (
                 "kind: ModelResidency\nspec: {models: [{name: a, size: 2, sise: 1}]}\n",

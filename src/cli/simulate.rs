@@ -184,8 +184,12 @@ pub fn run(args: Args) -> Result<(), Failure> {
         load: args.load_seconds,
         wake: args.wake_seconds,
     };
-    let mut engine =
-        registry::build_engine_with(budget, &models, defaults).map_err(Failure::bad_input)?;
+    let mut engine = registry::build_engine(budget, &models, defaults).map_err(|e| {
+        Failure::bad_input(match &args.registry {
+            Some(path) => format!("{}: {e}", path.display()),
+            None => e.to_string(),
+        })
+    })?;
     engine.set_eviction(match args.eviction {
         EvictionArg::Lru => model_residency::engine::Eviction::Lru,
         EvictionArg::Cost => model_residency::engine::Eviction::Cost,
