@@ -197,17 +197,17 @@ mod tests {
         assert!(turns.try_take(&key("a")).is_none(), "a is taken");
         let b = turns.try_take(&key("b"));
         assert!(b.is_some(), "another residency is not");
-        let waiter = tokio::spawn({
-            let turns = turns.clone();
-            async move { turns.take(&key("a")).await }
-        });
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(!waiter.is_finished(), "waits while a is held");
+        // Polled by hand: pending (not merely slow) while a is held.
+        let a_key = key("a");
+        let mut waiter = std::pin::pin!(turns.take(&a_key));
+        assert!(
+            futures::poll!(&mut waiter).is_pending(),
+            "waits while a is held"
+        );
         drop(a);
         let again = tokio::time::timeout(Duration::from_secs(1), waiter)
             .await
-            .expect("woken when a is released")
-            .unwrap();
+            .expect("woken when a is released");
         assert!(turns.try_take(&key("a")).is_none(), "the waiter holds a");
         drop(again);
         assert!(turns.try_take(&key("a")).is_some());

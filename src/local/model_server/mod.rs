@@ -180,11 +180,37 @@ pub struct Tuning {
 }
 
 /// Pod annotation giving the fake server a KV cache of prompt prefixes
-/// (`slots=8,hit=5ms,miss=60ms`): a request whose prompt prefix (the
-/// router's key, [`crate::router::balance::prompt_prefix`]) is among the
-/// last `slots` it saw waits `hit` before it answers, any other `miss`, as
-/// a server with prefix caching prefills a cached prefix faster.
+/// (`slots=8,hit=5ms,miss=60ms`): a request whose prompt prefix (its own
+/// key, [`cached_prefix`], not the router's) is among the last `slots` it
+/// saw waits `hit` before it answers, any other `miss`, as a server with
+/// prefix caching prefills a cached prefix faster.
 pub const PREFIX_CACHE_ANNOTATION: &str = "kubelet-standin.residency.dev/prefix-cache";
+
+/// What the fake's prefix cache is keyed by, as a server caches the KV of
+/// a prompt's leading blocks: a chat's first message (its system prompt,
+/// the part requests share), or a completion prompt's first
+/// [`PROMPT_BLOCK`] characters. Its own rule, so that the balance bench
+/// measures the router's prefix key against a server's, not against
+/// itself.
+pub fn cached_prefix(request: &serde_json::Value) -> Option<String> {
+    if let Some(first) = request["messages"].as_array().and_then(|m| m.first()) {
+        return match &first["content"] {
+            serde_json::Value::String(s) => Some(s.clone()),
+            serde_json::Value::Array(parts) => Some(
+                parts
+                    .iter()
+                    .filter_map(|p| p["text"].as_str())
+                    .collect::<String>(),
+            ),
+            _ => None,
+        };
+    }
+    let prompt = request["prompt"].as_str()?;
+    Some(prompt.chars().take(PROMPT_BLOCK).collect())
+}
+
+/// The characters of a completion prompt the fake's prefix cache keys by.
+pub const PROMPT_BLOCK: usize = 256;
 
 /// The fake's prefix cache (see [`PREFIX_CACHE_ANNOTATION`]).
 #[derive(Debug)]
@@ -524,6 +550,31 @@ mod tests {
             send(addr, "GET", "/health", "").await.is_err(),
             "no longer accepting"
         );
+    }
+
+    #[test]
+    fn the_prefix_cache_keys_by_the_first_message_or_the_prompts_first_block() {
+        let chat = |system: &str, user: &str| {
+            serde_json::json!({"messages": [
+                {"role": "system", "content": system}, {"role": "user", "content": user}]})
+        };
+        // One system prompt, two questions: one key, as a server's cache of
+        // the shared leading blocks.
+        assert_eq!(
+            cached_prefix(&chat("be brief", "a?")),
+            cached_prefix(&chat("be brief", "b?"))
+        );
+        assert_ne!(
+            cached_prefix(&chat("be brief", "a?")),
+            cached_prefix(&chat("be long", "a?"))
+        );
+        let parts =
+            serde_json::json!({"messages": [{"content": [{"text": "be "}, {"text": "brief"}]}]});
+        assert_eq!(cached_prefix(&parts).as_deref(), Some("be brief"));
+        let long = "x".repeat(PROMPT_BLOCK) + "tail";
+        let prompt = serde_json::json!({ "prompt": long });
+        assert_eq!(cached_prefix(&prompt).map(|p| p.len()), Some(PROMPT_BLOCK));
+        assert_eq!(cached_prefix(&serde_json::json!({})), None);
     }
 }
 

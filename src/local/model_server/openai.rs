@@ -49,7 +49,7 @@ pub(super) async fn answer(req: Request<Incoming>, server: &Arc<Server>) -> Resp
                 state.until_awake().await;
             }
             if let Some(cache) = &server.prefix
-                && let Some(prefix) = crate::router::balance::prompt_prefix(&body)
+                && let Some(prefix) = super::cached_prefix(&request)
             {
                 tokio::time::sleep(cache.prefill(&prefix)).await;
             }

@@ -546,6 +546,12 @@ async fn autoscaler_and_admin_race_the_reconciler() {
     let plane = own_plane();
     let rig = rig(&plane).await;
     let (ctx, _operator) = start_operator(rig.client.clone());
+    // The budget moves between 9 and 14Gi: live pods never hold more than
+    // the largest.
+    let watcher = crate::support::operator::BudgetWatcher::start(
+        rig.pods.clone(),
+        BTreeMap::from([("gpu".to_owned(), 14 * GI)]),
+    );
     let stop = Arc::new(AtomicBool::new(false));
     let ok = Arc::new(AtomicU64::new(0));
     // Two autoscalers...
@@ -561,14 +567,14 @@ async fn autoscaler_and_admin_race_the_reconciler() {
             let mut edits = 0;
             while !stop.load(Ordering::Relaxed) {
                 let budget = format!("{}Gi", 9 + next() % 6);
-                let _ = api
+                let edit = api
                     .patch(
                         "gpu",
                         &PatchParams::default(),
                         &Patch::Merge(json!({"spec": {"budget": budget}})),
                     )
                     .await;
-                edits += 1;
+                edits += u64::from(edit.is_ok());
                 tokio::time::sleep(Duration::from_millis(150)).await;
             }
             // Leave it as the test expects.
@@ -591,10 +597,35 @@ async fn autoscaler_and_admin_race_the_reconciler() {
     let r = rig.api.get("gpu").await.unwrap();
     let s = r.status.unwrap();
     assert_eq!(s.budget.as_deref(), Some(format!("{BUDGET_GI}Gi").as_str()));
-    eprintln!(
-        "races: {} demand writes, {edits} budget edits, {} reconciles, {} writes",
+    let (demand_writes, reconciles, writes) = (
         ok.load(Ordering::Relaxed),
         ctx.metrics.sum(RECONCILES),
-        ctx.metrics.sum(API_REQUESTS)
+        ctx.metrics.sum(API_REQUESTS),
+    );
+    eprintln!(
+        "races: {demand_writes} demand writes, {edits} budget edits, {reconciles} reconciles, {writes} writes"
+    );
+    // The race happened: both kinds of writes went in, and the operator
+    // worked through them.
+    assert!(
+        demand_writes >= 20 && edits >= 5,
+        "too few racing writes: {demand_writes} demand, {edits} budget"
+    );
+    assert!(
+        reconciles >= 10 && writes > 0,
+        "{reconciles} reconciles, {writes} writes"
+    );
+    assert!(
+        s.counters.loads > 0 && s.counters.evictions > 0,
+        "{:?}",
+        s.counters
+    );
+    assert_eq!(
+        watcher.violations.lock().unwrap().clone(),
+        Vec::<String>::new()
+    );
+    assert!(
+        *watcher.events.lock().unwrap() > 0,
+        "the watcher saw no pod"
     );
 }

@@ -556,12 +556,19 @@ async fn a_converged_residency_is_not_written_again() {
     h.request("gpu", "qwen-llm").await;
     h.request("gpu", "oversized").await;
     h.converged("gpu").await;
-    // Let the last watch events settle, then force reconciles with metadata
-    // changes that do not touch the spec.
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    // Waits for the watch to have caught up with every status write the
+    // operator made (its record of them empties then), then forces
+    // reconciles with metadata changes that do not touch the spec, each
+    // waited for.
+    eventually(
+        10,
+        "the watch to catch up with the operator's writes",
+        || async { (h.ctx.written.pending() == 0).then_some(()) },
+    )
+    .await;
     let writes = h.ctx.metrics.sum(API_REQUESTS);
-    let reconciles = h.ctx.metrics.sum(RECONCILES);
     for i in 0..5 {
+        let reconciles = h.ctx.metrics.sum(RECONCILES);
         h.api
             .patch(
                 "gpu",
@@ -570,12 +577,11 @@ async fn a_converged_residency_is_not_written_again() {
             )
             .await
             .unwrap();
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        eventually(10, "the poke to be reconciled", || async {
+            (h.ctx.metrics.sum(RECONCILES) > reconciles).then_some(())
+        })
+        .await;
     }
-    eventually(10, "the pokes to be reconciled", || async {
-        (h.ctx.metrics.sum(RECONCILES) >= reconciles + 3).then_some(())
-    })
-    .await;
     assert_eq!(
         h.ctx.metrics.sum(API_REQUESTS),
         writes,

@@ -298,8 +298,11 @@ async fn a_storm_with_sleeps_and_wakes_never_exceeds_the_vram_or_the_host_budget
         s.counters
     );
     assert!(s.inflation.is_some(), "eviction cost keeps its inflation");
-    // Let the watcher see the last events.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The watcher has seen the converged object and judged what it held.
+    eventually(10, "the budget watcher to catch up", || async {
+        watcher.caught_up(&r).then_some(())
+    })
+    .await;
     for m in &s.models {
         eprintln!(
             "{} {:?} {:?} {:?} {:?}",

@@ -525,6 +525,9 @@ pub struct WarmBudgetWatcher {
     pub violations: Arc<Mutex<Vec<String>>>,
     /// Events seen, and the most pods counted asleep at once.
     pub events: Arc<Mutex<(u64, usize)>>,
+    /// The newest residency resourceVersion seen, and the breaches still
+    /// waiting for the residency watch to catch up (see [`Self::caught_up`]).
+    seen: Arc<Mutex<(u64, usize)>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -670,7 +673,8 @@ impl WarmBudgetWatcher {
     pub fn start(pods: Api<Pod>, residencies: Api<ModelResidency>) -> Self {
         let violations: Arc<Mutex<Vec<String>>> = Arc::default();
         let events: Arc<Mutex<(u64, usize)>> = Arc::default();
-        let (v, e) = (violations.clone(), events.clone());
+        let seen: Arc<Mutex<(u64, usize)>> = Arc::default();
+        let (v, e, s) = (violations.clone(), events.clone(), seen.clone());
         let task = tokio::spawn(async move {
             let cfg = watcher::Config::default().labels(RESIDENCY_LABEL);
             let mut pod_events = std::pin::pin!(watcher(pods, cfg).default_backoff());
@@ -757,13 +761,23 @@ impl WarmBudgetWatcher {
                     }
                     false
                 });
+                *s.lock().unwrap() = (view.residency_rv, pending.len());
             }
         });
         WarmBudgetWatcher {
             violations,
             events,
+            seen,
             task,
         }
+    }
+
+    /// Whether the watcher has seen `r` (its resourceVersion or a newer
+    /// one) and judged every breach it held: what a test waits for before
+    /// it reads the violations.
+    pub fn caught_up(&self, r: &ModelResidency) -> bool {
+        let (seen, pending) = *self.seen.lock().unwrap();
+        seen >= rv(&r.metadata) && pending == 0
     }
 }
 
