@@ -17,6 +17,13 @@
 //! temporary directory as soon as the owning process is gone, whether it
 //! exited, panicked or was killed.
 
+mod files;
+mod process;
+
+use files::*;
+use process::*;
+pub use process::{cpu_seconds_of, spawn_owned};
+
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use std::fs;
 use std::io::Write;
@@ -134,127 +141,6 @@ pub struct ControlPlane {
     pub startup: Duration,
     /// Started for a real kubelet ([`PlaneOptions::real_node`]).
     real_node: bool,
-}
-
-/// A child process started by this module.
-struct Process {
-    name: &'static str,
-    child: Option<Child>,
-    log: PathBuf,
-}
-
-impl Process {
-    fn not_started(name: &'static str, dir: &Path) -> Self {
-        Process {
-            name,
-            child: None,
-            log: dir.join(format!("{name}.log")),
-        }
-    }
-
-    fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    fn exited(&mut self) -> bool {
-        match &mut self.child {
-            Some(c) => !matches!(c.try_wait(), Ok(None)),
-            None => true,
-        }
-    }
-
-    fn log_tail(&self) -> String {
-        let text = fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(20)..].join("\n")
-    }
-}
-
-/// Spawns a process that is killed (SIGKILL) when this process dies, however
-/// it dies: for every helper process a test, benchmark or the demo starts.
-/// Spawning happens on one thread that never exits, because
-/// `PR_SET_PDEATHSIG` fires when the *spawning thread* dies.
-#[allow(unsafe_code)] // a libc call std has no safe wrapper for
-pub fn spawn_owned(mut cmd: Command) -> std::io::Result<Child> {
-    type Request = (Command, mpsc::Sender<std::io::Result<Child>>);
-    static SPAWNER: std::sync::OnceLock<std::sync::Mutex<mpsc::Sender<Request>>> =
-        std::sync::OnceLock::new();
-    let sender = SPAWNER.get_or_init(|| {
-        let (tx, rx) = mpsc::channel::<Request>();
-        std::thread::Builder::new()
-            .name("control-plane-spawner".into())
-            .spawn(move || {
-                for (mut cmd, reply) in rx {
-                    let _ = reply.send(cmd.spawn());
-                }
-                // The sender lives in a static: the loop only ends at exit.
-            })
-            .expect("spawn thread");
-        std::sync::Mutex::new(tx)
-    });
-    // SAFETY: prctl is async-signal-safe; no allocation happens in the hook.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let (tx, rx) = mpsc::channel();
-    sender
-        .lock()
-        .map_err(|_| std::io::Error::other("spawner lock poisoned"))?
-        .send((cmd, tx))
-        .map_err(|_| std::io::Error::other("spawner thread gone"))?;
-    rx.recv()
-        .map_err(|_| std::io::Error::other("spawner thread gone"))?
-}
-
-fn free_port() -> std::io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-/// The version a Kubernetes binary reports (`Kubernetes v1.37.2`).
-fn binary_version(binary: &Path) -> Option<String> {
-    let out = Command::new(binary).arg("--version").output().ok()?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.split_whitespace()
-        .find(|w| w.starts_with("v1."))
-        .map(str::to_owned)
-}
-
-fn start_process(
-    name: &'static str,
-    binary: &Path,
-    args: &[String],
-    dir: &Path,
-) -> std::io::Result<Process> {
-    let log = dir.join(format!("{name}.log"));
-    let out = fs::File::create(&log)?;
-    let mut cmd = Command::new(binary);
-    cmd.args(args)
-        .stdin(Stdio::null())
-        .stdout(out.try_clone()?)
-        .stderr(out)
-        // Not in the terminal's process group: Ctrl-C reaches the owner,
-        // whose death then takes these down in order.
-        .process_group(0);
-    let child = spawn_owned(cmd).map_err(|e| {
-        std::io::Error::new(e.kind(), format!("cannot start {}: {e}", binary.display()))
-    })?;
-    Ok(Process {
-        name,
-        child: Some(child),
-        log,
-    })
 }
 
 impl ControlPlane {
@@ -635,19 +521,6 @@ impl ControlPlane {
     }
 }
 
-/// User plus system CPU seconds from a `/proc/.../stat` file (a process's
-/// or a thread's): its 14th and 15th fields, counted after the command
-/// name's closing parenthesis (a name may hold spaces).
-#[allow(unsafe_code)] // a libc call std has no safe wrapper for
-pub fn cpu_seconds_of(stat: &Path) -> Option<f64> {
-    let text = fs::read_to_string(stat).ok()?;
-    let fields: Vec<&str> = text.rsplit_once(')')?.1.split_whitespace().collect();
-    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    // SAFETY: sysconf reads a constant of the running system.
-    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    (per_second > 0).then(|| ticks / per_second as f64)
-}
-
 impl Drop for ControlPlane {
     fn drop(&mut self) {
         // Reverse order of start; the TempDir removes the directory.
@@ -660,87 +533,4 @@ impl Drop for ControlPlane {
             let _ = j.wait();
         }
     }
-}
-
-/// The control plane's directory: etcd fsyncs every write, and on tmpfs
-/// that costs nothing. In a lane, under the lane's directory instead: the
-/// janitor dies with the lane, and the lane removes its directory.
-fn plane_dir() -> std::io::Result<tempfile::TempDir> {
-    let base = Path::new("/dev/shm");
-    let builder = tempfile::Builder::new()
-        .prefix("model-residency-cp.")
-        .clone();
-    if base.is_dir() && super::lane::current().is_none() {
-        builder.tempdir_in(base)
-    } else {
-        builder.tempdir()
-    }
-}
-
-/// Credentials: a static admin token (and the real node's kubelet's) and a
-/// service-account key.
-fn write_credentials(d: &Path, options: &PlaneOptions) -> Result<(), ControlPlaneError> {
-    let mut tokens = format!("{ADMIN_TOKEN},admin,admin,\"system:masters\"\n");
-    if let Some(node) = &options.real_node {
-        tokens +=
-            &format!("{KUBELET_TOKEN},system:node:{node},system:node:{node},\"system:nodes\"\n");
-    }
-    fs::write(d.join("tokens.csv"), tokens)?;
-    super::tls::openssl(d, &["genrsa", "-out", "sa.key", "2048"])?;
-    // The front proxy's CA and the client certificate the API server
-    // proxies to extension API servers with.
-    super::tls::issue_certificate(d, "front-proxy-ca", "front-proxy-ca", None, &[])?;
-    super::tls::issue_certificate(
-        d,
-        "front-proxy-client",
-        "front-proxy-client",
-        Some("front-proxy-ca"),
-        &["extendedKeyUsage=clientAuth"],
-    )?;
-    Ok(())
-}
-
-fn etcd_args(dir: &Path, port: u16, peer: u16) -> Vec<String> {
-    vec![
-        "--name=default".into(),
-        format!("--data-dir={}", dir.join("etcd").display()),
-        format!("--listen-client-urls=http://127.0.0.1:{port}"),
-        format!("--advertise-client-urls=http://127.0.0.1:{port}"),
-        format!("--listen-peer-urls=http://127.0.0.1:{peer}"),
-        format!("--initial-advertise-peer-urls=http://127.0.0.1:{peer}"),
-        format!("--initial-cluster=default=http://127.0.0.1:{peer}"),
-        "--log-level=warn".into(),
-    ]
-}
-
-fn write_kubeconfig(path: &Path, port: u16) -> std::io::Result<()> {
-    let mut f = fs::File::create(path)?;
-    write!(
-        f,
-        "apiVersion: v1
-kind: Config
-clusters:
-- name: local
-  cluster:
-    server: https://127.0.0.1:{port}
-    insecure-skip-tls-verify: true
-users:
-- name: admin
-  user:
-    token: {ADMIN_TOKEN}
-contexts:
-- name: local
-  context: {{cluster: local, user: admin, namespace: default}}
-current-context: local
-"
-    )
-}
-
-async fn client_from(kubeconfig: &Path) -> Result<kube::Client, ControlPlaneError> {
-    let kc =
-        Kubeconfig::read_from(kubeconfig).map_err(|e| ControlPlaneError::Config(e.to_string()))?;
-    let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-        .await
-        .map_err(|e| ControlPlaneError::Config(e.to_string()))?;
-    Ok(kube::Client::try_from(config)?)
 }
