@@ -200,6 +200,7 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
             let mut r = ModelResidency::new(
                 "gpu",
                 ModelResidencySpec {
+                    catalog: None,
                     node_name: Some("node-a".into()),
                     device: "0".into(),
                     gpu: Default::default(),

@@ -7,6 +7,7 @@ mod copies;
 mod demand_map;
 mod gpu;
 mod inference_pool;
+mod model_catalog;
 mod model_copies;
 mod model_demand;
 pub mod rules;
@@ -25,6 +26,7 @@ pub use gpu::{
 pub use inference_pool::{
     EndpointPickerRef, InferencePool, InferencePoolSpec, PoolPort, PoolSelector,
 };
+pub use model_catalog::{CatalogRef, ModelCatalog, ModelCatalogSpec, ModelCatalogStatus};
 pub use model_copies::{ModelCopies, ModelCopiesSpec, ModelCopiesStatus};
 pub use model_demand::{ModelDemand, ModelDemandSpec, ModelDemandStatus};
 pub use warm::{EvictionPolicy, PodRequest, SleepPreset, SleepSpec, WarmSpec};
@@ -106,9 +108,18 @@ pub struct ModelResidencySpec {
     /// The model registry: every model this GPU may serve, at most 1000
     /// (the object, status included, must stay well under etcd's request
     /// limit, and the API server's budget for checking it). Keyed by name: server-side apply merges two managers'
-    /// models by name.
+    /// models by name. With spec.catalog, these are added to the
+    /// catalog's, an entry here overriding the catalog's of its name.
+    #[serde(default)]
     #[schemars(length(max = 1000), extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub models: Vec<ModelSpec>,
+    /// Models declared once in a ModelCatalog of this namespace: all of
+    /// its models, or those listed. The registry is the catalog's entries
+    /// and spec.models; a missing catalog (or a listed model it lacks)
+    /// leaves the residency Ready=False (CatalogUnavailable) with nothing
+    /// unloaded or evicted for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub catalog: Option<CatalogRef>,
     /// Unload a resident model that has not been requested for this long
     /// (a duration: 90s, 10m, 1h30m), a sleeping one too (its pod is
     /// deleted and its host memory freed). Unset: keep it until it is
@@ -599,10 +610,11 @@ pub fn model_demand_crd_yaml() -> String {
 }
 
 /// Every CRD of the project, as committed under `crds/` (file name, YAML).
-pub fn crd_files() -> [(&'static str, String); 4] {
+pub fn crd_files() -> [(&'static str, String); 5] {
     use kube::CustomResourceExt;
     [
         ("modelresidency.yaml", crd_yaml()),
+        ("modelcatalog.yaml", yaml_document(&ModelCatalog::crd())),
         ("modeldemand.yaml", model_demand_crd_yaml()),
         ("modelcopies.yaml", yaml_document(&ModelCopies::crd())),
         ("nodemodelcache.yaml", yaml_document(&NodeModelCache::crd())),

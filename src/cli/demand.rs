@@ -28,7 +28,11 @@ pub enum DemandCommand {
     Unload { residency: String, model: String },
 }
 
-async fn api(target: &Target) -> Result<Api<ModelResidency>, Failure> {
+async fn api_of<K>(target: &Target) -> Result<Api<K>, Failure>
+where
+    K: kube::Resource<Scope = kube::core::NamespaceResourceScope>,
+    K::DynamicType: Default,
+{
     let client = kube::Client::try_default()
         .await
         .map_err(|e| Failure::other(format!("cannot reach the cluster: {e}")))?;
@@ -56,7 +60,7 @@ pub async fn demand(target: Target, command: DemandCommand) -> Result<(), Failur
             "{model:?} is not a model name (a DNS label: lowercase letters, digits and '-', at most 63)"
         )));
     }
-    let api = api(&target).await?;
+    let api: Api<ModelResidency> = api_of(&target).await?;
     match command {
         DemandCommand::Load { residency, model } => {
             let mut at = Timestamp::now();
@@ -84,7 +88,24 @@ pub async fn demand(target: Target, command: DemandCommand) -> Result<(), Failur
                     .map_err(|e| not_found(e, &residency))?;
             }
             println!("requested {model} on {residency} at {at}");
-            if !r.spec.models.iter().any(|m| m.name == model) {
+            // Its registry with its catalog, if it names one (read now).
+            let catalog = match &r.spec.catalog {
+                Some(c) => {
+                    let catalogs: Api<model_residency::api::ModelCatalog> = api_of(&target).await?;
+                    catalogs.get_opt(&c.name).await.ok().flatten()
+                }
+                None => None,
+            };
+            let registry = match model_residency::residency::catalog::resolve(&r, catalog.as_ref())
+            {
+                Ok(Some(resolved)) => resolved.spec.models,
+                Ok(None) => r.spec.models.clone(),
+                Err(problem) => {
+                    eprintln!("warning: {problem}");
+                    r.spec.models.clone()
+                }
+            };
+            if !registry.iter().any(|m| m.name == model) {
                 eprintln!(
                     "warning: {model:?} is not in {residency}'s registry; it will be refused (UnknownModel)"
                 );
@@ -101,7 +122,7 @@ pub async fn demand(target: Target, command: DemandCommand) -> Result<(), Failur
 }
 
 pub async fn status(target: Target, residency: String) -> Result<(), Failure> {
-    let api = api(&target).await?;
+    let api: Api<ModelResidency> = api_of(&target).await?;
     let r = api
         .get(&residency)
         .await

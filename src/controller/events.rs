@@ -22,6 +22,9 @@ pub enum EventReason {
     Moved,
     TemplateChanged,
     InvalidSpec,
+    /// The ModelCatalog a residency names is not there, or lacks a model
+    /// it lists: nothing is acted on until it is.
+    CatalogUnavailable,
     GpuConflict,
     /// claim mode: the GPU is not this residency's (yet); the message says
     /// why (the status's Ready reason names it).
@@ -47,6 +50,7 @@ impl EventReason {
             EventReason::Moved => "Moved",
             EventReason::TemplateChanged => "TemplateChanged",
             EventReason::InvalidSpec => "InvalidSpec",
+            EventReason::CatalogUnavailable => "CatalogUnavailable",
             EventReason::GpuConflict => "GpuConflict",
             EventReason::GpuUnavailable => "GpuUnavailable",
             EventReason::ClockSkew => "ClockSkew",
@@ -67,7 +71,7 @@ impl EventReason {
             }
             EventReason::Refused | EventReason::ClockSkew => "Admit",
             EventReason::Resized | EventReason::Moved | EventReason::TemplateChanged => "Replace",
-            EventReason::InvalidSpec => "Validate",
+            EventReason::InvalidSpec | EventReason::CatalogUnavailable => "Validate",
             EventReason::Slept | EventReason::SleepFailed => "Sleep",
             EventReason::Woken | EventReason::WakeFailed => "Wake",
         }
@@ -80,6 +84,7 @@ impl EventReason {
             EventReason::Refused
                 | EventReason::LoadFailed
                 | EventReason::InvalidSpec
+                | EventReason::CatalogUnavailable
                 | EventReason::GpuConflict
                 | EventReason::GpuUnavailable
                 | EventReason::ClockSkew

@@ -153,6 +153,9 @@ pub struct Context {
     /// How often Loaded models that can sleep are asked whether they do
     /// (`--sleep-audit-interval`; zero: never).
     pub sleep_audit: Duration,
+    /// The ModelCatalogs residencies name; filled by [`run`]'s catalog
+    /// watch (crate::operator).
+    pub catalogs: Arc<crate::residency::catalog::Catalogs>,
 }
 
 /// Publishes one event on `r` outside a reconcile (the copy scaler's, the
@@ -235,6 +238,7 @@ impl Context {
             pod_call_timeout_max: pod_calls::DEFAULT_CALL_TIMEOUT_MAX,
             copies: Default::default(),
             sleep_audit: sleep_audit::DEFAULT_INTERVAL,
+            catalogs: Default::default(),
         })
     }
 }
@@ -256,6 +260,21 @@ async fn reconcile_unguarded(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Resul
         return Ok(Action::await_change());
     }
     let ns = r.namespace().ok_or(Error::Incomplete("namespace"))?;
+    // Its registry with the catalog it names; one that cannot be read
+    // changes nothing but Ready (a deleted catalog evicts nothing).
+    if r.spec.catalog.is_some() {
+        ctx.catalogs.wait_ready().await;
+    }
+    let r = match ctx.catalogs.resolve(r.clone()) {
+        Ok(resolved) => resolved,
+        Err(problem) => {
+            let decision = decide::catalog_unavailable(&r, &problem, Timestamp::now());
+            return match enact(&r, &ns, decision, &ctx).await? {
+                Enacted::Done(true) => Ok(Action::requeue(Duration::from_millis(500))),
+                _ => Ok(Action::await_change()),
+            };
+        }
+    };
     let name = r.name_any();
     // A name that cannot be a label value cannot select pods either; decide
     // reports it as InvalidSpec and touches no pods.

@@ -46,6 +46,7 @@ fn residency() -> ModelResidency {
     let mut r = ModelResidency::new(
         "gpu0",
         ModelResidencySpec {
+            catalog: None,
             node_name: Some("node-a".into()),
             device: "GPU-1234".into(),
             gpu: Box::new(crate::api::GpuSpec {

@@ -58,6 +58,9 @@ async fn audit(ctx: &Context, store: &Store<ModelResidency>) {
             continue;
         }
         let r = cached::unpacked(r);
+        let Ok(r) = ctx.catalogs.resolve(r) else {
+            continue;
+        };
         let ns = r.namespace().unwrap_or_default();
         for m in &r.spec.models {
             let Some(spec) = m.sleep.as_deref() else {

@@ -11,7 +11,7 @@ pub mod real_node;
 pub mod registry;
 pub mod tls;
 
-use crate::api::{ModelCopies, ModelDemand, ModelResidency, NodeModelCache};
+use crate::api::{ModelCatalog, ModelCopies, ModelDemand, ModelResidency, NodeModelCache};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
@@ -24,6 +24,7 @@ pub async fn install_crd(client: &kube::Client) -> Result<(), kube::Error> {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     for crd in [
         ModelResidency::crd(),
+        ModelCatalog::crd(),
         ModelDemand::crd(),
         ModelCopies::crd(),
         NodeModelCache::crd(),
@@ -33,6 +34,7 @@ pub async fn install_crd(client: &kube::Client) -> Result<(), kube::Error> {
         crds.patch(&name, &pp, &Patch::Apply(crd)).await?;
     }
     served::<ModelResidency>(client).await?;
+    served::<ModelCatalog>(client).await?;
     served::<ModelDemand>(client).await?;
     served::<ModelCopies>(client).await?;
     served::<NodeModelCache>(client).await

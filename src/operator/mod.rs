@@ -76,6 +76,7 @@ pub async fn run(
         kube::runtime::controller::Config::default().concurrency(RECONCILE_CONCURRENCY),
     );
     let pod_events = pod_events(&ctx, pods);
+    let catalog_events = catalog_events(ctx.clone(), namespace.as_deref(), store.clone()).await;
     let cache_events = node_cache_events(ctx.clone(), store.clone()).await;
     let gpu_events = gpu_events(ctx.clone(), namespace.as_deref(), store.clone()).await;
     // Ended with this function however it ends: a lost lease aborts it
@@ -102,7 +103,7 @@ pub async fn run(
             futures::stream::select(futures::stream::select(pod_events, claim_rx), asked_rx),
             futures::stream::select(
                 futures::stream::select(cache_events, handed_back_rx),
-                gpu_events,
+                futures::stream::select(gpu_events, catalog_events),
             ),
         ))
         .graceful_shutdown_on(shutdown)
@@ -245,6 +246,7 @@ async fn start_model_demands(
         namespace.map(str::to_owned),
         shutdown,
         residencies,
+        ctx.catalogs.clone(),
         changed,
     );
     Some(AbortOnDrop(tokio::spawn(task)))
@@ -253,6 +255,47 @@ async fn start_model_demands(
 /// The nodes' artifact caches (`NodeModelCache`, when its opt-in CRD is
 /// installed): each change is recorded in the context and wakes the
 /// residencies on that node (a model waiting in Fetching may start).
+/// The ModelCatalogs, watched into `ctx.catalogs`: a change to one
+/// (deleted included) reconciles every residency that names it. A cluster
+/// that does not serve the kind (CRDs of an earlier release) leaves the
+/// catalogs empty: a residency naming one says its catalog is missing.
+async fn catalog_events(
+    ctx: Arc<Context>,
+    namespace: Option<&str>,
+    residencies: reflector::Store<ModelResidency>,
+) -> futures::stream::BoxStream<'static, ObjectRef<ModelResidency>> {
+    use crate::api::ModelCatalog;
+    use crate::residency::catalog::Catalogs;
+    let api: Api<ModelCatalog> = crate::cluster::api_in(&ctx.client, namespace);
+    if let Err(e) = api
+        .list_metadata(&kube::api::ListParams::default().limit(1))
+        .await
+    {
+        tracing::info!(error = %e, "ModelCatalog objects are not served: residencies naming a catalog say it is missing");
+        return futures::stream::empty().boxed();
+    }
+    let (store, writer) = reflector::store();
+    ctx.catalogs.set(store);
+    reflector(writer, watcher(api, watcher::Config::default()))
+        .backoff(crate::cluster::WatchBackoff::default())
+        .flat_map(move |event| {
+            let touched = match event {
+                Ok(
+                    watcher::Event::Apply(c)
+                    | watcher::Event::InitApply(c)
+                    | watcher::Event::Delete(c),
+                ) => Catalogs::users(&residencies, &ObjectRef::from_obj(&c)),
+                Ok(_) => Vec::new(),
+                Err(e) => {
+                    tracing::debug!(error = %e, "catalog watch");
+                    Vec::new()
+                }
+            };
+            futures::stream::iter(touched)
+        })
+        .boxed()
+}
+
 async fn node_cache_events(
     ctx: Arc<Context>,
     residencies: reflector::Store<ModelResidency>,

@@ -326,6 +326,8 @@ pub struct Context {
     /// The residency controller's cache: a ModelDemand reads its residency
     /// there (no read per reconcile, no second watch of every residency).
     pub residencies: Store<ModelResidency>,
+    /// The catalogs the residencies name (the residency controller's).
+    pub catalogs: Arc<crate::residency::catalog::Catalogs>,
     /// This controller's cache of ModelDemands: who holds a model's key.
     pub demands: Store<ModelDemand>,
     /// The last request time this process wrote for each key. A reconcile
@@ -367,6 +369,9 @@ fn residency_of(ctx: &Context, (ns, residency, _): DemandKey<'_>) -> Option<Arc<
     ctx.residencies
         .get(&ObjectRef::new(residency).within(ns.unwrap_or_default()))
         .map(crate::controller::cached::unpacked)
+        // One whose catalog cannot be read is read with its inline models
+        // only (it acts on nothing meanwhile).
+        .map(|r| ctx.catalogs.resolve(r.clone()).unwrap_or(r))
 }
 
 async fn write_key(
@@ -534,6 +539,7 @@ pub async fn run(
     namespace: Option<String>,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
     residencies: Store<ModelResidency>,
+    catalogs: Arc<crate::residency::catalog::Catalogs>,
     changed: impl futures::Stream<Item = ObjectRef<ModelResidency>> + Send + 'static,
 ) {
     let demands: Api<ModelDemand> = crate::cluster::api_in(&client, namespace.as_deref());
@@ -568,6 +574,7 @@ pub async fn run(
         client,
         metrics,
         residencies,
+        catalogs,
         demands: demand_cache,
         written: Default::default(),
     });

@@ -2,10 +2,12 @@
 //! state restored from status (`state`), the words its status uses
 //! (`reasons`), its conditions (`conditions`), the one write that requests
 //! or unloads a model (`demand`), where its GPU is and how its pods get it (`gpu`), the names on its pods (`labels`),
-//! and where a model's load or its next copy goes (`placement`).
+//! where a model's load or its next copy goes (`placement`), and its
+//! registry with the ModelCatalog it names (`catalog`).
 //! The operator, the router, the node agent and the CLI all build on this;
 //! none of it knows the reconciler. No I/O but the demand merge patch.
 
+pub mod catalog;
 pub mod conditions;
 pub mod demand;
 pub mod gpu;

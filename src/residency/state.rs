@@ -429,6 +429,7 @@ mod tests {
         let mut r = ModelResidency::new(
             "gpu",
             ModelResidencySpec {
+                catalog: None,
                 node_name: Some("n".into()),
                 device: "0".into(),
                 gpu: Default::default(),

@@ -1,12 +1,14 @@
-//! The router's watches: residencies and their model pods, folded into a
-//! new [`Snapshot`] after each change, and the recency ticks that turn hits
-//! into demand writes.
+//! The router's watches: residencies, the ModelCatalogs they name and
+//! their model pods, folded into a new [`Snapshot`] after each change (a
+//! residency's models read with its catalog), and the recency ticks that
+//! turn hits into demand writes.
 
 use super::Router;
 use super::recency::Key;
 use super::snapshot::Snapshot;
-use crate::api::{ModelResidency, ModelState};
+use crate::api::{ModelCatalog, ModelResidency, ModelState};
 use crate::cluster::reflect;
+use crate::residency::catalog::Catalogs;
 use crate::residency::labels::MODEL_LABEL;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
@@ -39,7 +41,31 @@ pub(super) async fn watch_cluster(
     let (residencies, residency_writer) = reflector::store();
     let (pods, pod_writer) = reflector::store();
     let changed = Arc::new(Notify::new());
-    let feed = futures::future::join(
+    // The catalogs, where the cluster serves them (CRDs of an earlier
+    // release do not: every residency is then read as it is).
+    let catalog_api: Api<ModelCatalog> =
+        crate::cluster::api_in(&client, config.namespace.as_deref());
+    let catalogs = Catalogs::default();
+    let served = catalog_api
+        .list_metadata(&kube::api::ListParams::default().limit(1))
+        .await
+        .is_ok();
+    let catalog_feed = async {
+        if served {
+            let (store, writer) = reflector::store();
+            catalogs.set(store);
+            reflect(
+                writer,
+                catalog_api,
+                watcher::Config::default(),
+                changed.clone(),
+                "router's catalog watch",
+            )
+            .await;
+        }
+    };
+    let feed = futures::future::join3(
+        catalog_feed,
         reflect(
             residency_writer,
             residency_api,
@@ -59,10 +85,11 @@ pub(super) async fn watch_cluster(
         let synced = async {
             let _ = residencies.wait_until_ready().await;
             let _ = pods.wait_until_ready().await;
+            catalogs.wait_ready().await;
         };
         synced.await;
         loop {
-            let mut snapshot = build(&residencies, &pods);
+            let mut snapshot = build(&residencies, &catalogs, &pods);
             let Some(r) = router.upgrade() else {
                 return;
             };
@@ -79,8 +106,16 @@ pub(super) async fn watch_cluster(
     tokio::join!(feed, publish);
 }
 
-fn build(residencies: &Store<ModelResidency>, pods: &Store<Pod>) -> Snapshot {
-    Snapshot::build(true, residencies.state(), &pods.state())
+/// The snapshot of the residencies, each read with its catalog (one whose
+/// catalog cannot be read, with its own models only: it loads nothing
+/// meanwhile, and says so in its status).
+fn build(residencies: &Store<ModelResidency>, catalogs: &Catalogs, pods: &Store<Pod>) -> Snapshot {
+    let residencies = residencies
+        .state()
+        .into_iter()
+        .map(|r| catalogs.resolve(r.clone()).unwrap_or(r))
+        .collect();
+    Snapshot::build(true, residencies, &pods.state())
 }
 
 /// Whether `key`'s model is Loaded or Loading on its residency, and not a copy

@@ -100,6 +100,7 @@ fn chart_lints_and_renders_hardened_least_privilege_manifests() {
     assert_eq!(
         names,
         [
+            "modelcatalogs.residency.dev",
             "modelcopies.residency.dev",
             "modeldemands.residency.dev",
             "modelresidencies.residency.dev",

@@ -394,6 +394,7 @@ fn crd_prints_the_committed_crd() {
     assert!(out.status.success());
     let committed: String = [
         "crds/modelresidency.yaml",
+        "crds/modelcatalog.yaml",
         "crds/modeldemand.yaml",
         "crds/modelcopies.yaml",
         "crds/nodemodelcache.yaml",

@@ -6,6 +6,7 @@
 //! their own (`tests/engine_*.rs`, `tests/decide_fuzz.rs`).
 
 mod autoscaling;
+mod catalog;
 mod chart;
 mod cli;
 mod control_plane;

@@ -41,6 +41,7 @@ use crate::api::{ModelResidency, ModelState};
 use crate::controller::Context;
 use crate::controller::cached;
 use crate::engine::copies::{CopyPolicy, CopyScaler, Step};
+use crate::residency::catalog::Catalogs;
 mod enact;
 mod owned;
 mod pools;
@@ -167,11 +168,19 @@ pub async fn run(
     }
 }
 
-/// Each model's homes (the residencies of its namespace whose registry
-/// lists it), sorted by name, from the cache (their statuses packed:
-/// whoever reads them unpacks those it reads).
-fn homes_by_model(store: &Store<ModelResidency>) -> BTreeMap<ModelKey, Vec<Arc<ModelResidency>>> {
-    let mut residencies = store.state();
+/// Each model's homes (the residencies of its namespace whose registry,
+/// with its catalog, lists it), sorted by name, from the cache (their
+/// statuses packed: whoever reads them unpacks those it reads). A
+/// residency whose catalog cannot be read is no home of anything.
+fn homes_by_model(
+    store: &Store<ModelResidency>,
+    catalogs: &Catalogs,
+) -> BTreeMap<ModelKey, Vec<Arc<ModelResidency>>> {
+    let mut residencies: Vec<_> = store
+        .state()
+        .into_iter()
+        .filter_map(|r| catalogs.resolve(r).ok())
+        .collect();
     residencies.sort_by_key(|r| (r.namespace(), r.name_any()));
     let mut homes: BTreeMap<ModelKey, Vec<Arc<ModelResidency>>> = BTreeMap::new();
     for r in residencies {
@@ -326,7 +335,7 @@ impl Scaler {
     /// One tick: every model's step.
     async fn round(&mut self, in_flight: &InFlight, complete: bool) {
         let now = self.started.elapsed().as_secs_f64();
-        let all = homes_by_model(&self.store);
+        let all = homes_by_model(&self.store, &self.ctx.catalogs);
         // Models gone from every registry of their namespace are forgotten.
         self.models.retain(|m, _| all.contains_key(m));
         if let Some(pools) = &self.config.pools {

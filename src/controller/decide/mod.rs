@@ -164,11 +164,46 @@ fn invalid(
     previous: &ModelResidencyStatus,
     problem: &InvalidSpec,
 ) -> Decision {
-    const REASON: EventReason = EventReason::InvalidSpec;
-    let problem = problem.to_string();
-    let generation = input.residency.metadata.generation;
-    let mut set = ConditionSet::new(&previous.conditions, generation, input.now);
-    set.set(READY, false, REASON.as_str(), problem.clone());
+    standing_still(
+        input.residency,
+        previous,
+        input.now,
+        EventReason::InvalidSpec,
+        problem.to_string(),
+    )
+}
+
+/// A residency whose ModelCatalog cannot be read (missing, or lacking a
+/// model it lists): as an invalid spec, nothing is loaded, unloaded or
+/// evicted; Ready=False says why, until the catalog is there.
+pub fn catalog_unavailable(
+    residency: &ModelResidency,
+    problem: &crate::residency::catalog::CatalogProblem,
+    now: Timestamp,
+) -> Decision {
+    let empty = ModelResidencyStatus::default();
+    let previous = residency.status.as_ref().unwrap_or(&empty);
+    standing_still(
+        residency,
+        previous,
+        now,
+        EventReason::CatalogUnavailable,
+        problem.to_string(),
+    )
+}
+
+/// Touches no pods and keeps the status as it was, but Ready=False for
+/// `reason` with `problem`; its event once per new message.
+fn standing_still(
+    residency: &ModelResidency,
+    previous: &ModelResidencyStatus,
+    now: Timestamp,
+    reason: EventReason,
+    problem: String,
+) -> Decision {
+    let generation = residency.metadata.generation;
+    let mut set = ConditionSet::new(&previous.conditions, generation, now);
+    set.set(READY, false, reason.as_str(), problem.clone());
     set.keep(REFUSED);
     set.keep(DEGRADED);
     let mut status = previous.clone();
@@ -177,10 +212,10 @@ fn invalid(
     let changed = previous
         .conditions
         .iter()
-        .all(|c| c.reason != REASON.as_str() || c.message != problem);
+        .all(|c| c.reason != reason.as_str() || c.message != problem);
     let event = ModelEvent {
         model: None,
-        reason: REASON,
+        reason,
         message: problem,
     };
     Decision {

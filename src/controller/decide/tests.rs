@@ -24,6 +24,7 @@ fn residency(
     let mut r = ModelResidency::new(
         "gpu",
         ModelResidencySpec {
+            catalog: None,
             node_name: Some("node-a".into()),
             device: "0".into(),
             // The declared mode: the GPU is where the spec says.

@@ -30,11 +30,12 @@ use super::keep::{self, Blob, Held, Want, Wanted, rest_blob, unique_bytes};
 use super::metrics::{AgentMetrics, ResultLabels};
 use super::oci::{self, Registry, Resolved};
 use crate::api::{
-    ArtifactState, CachedArtifact, ModelResidency, NodeModelCache, NodeModelCacheSpec,
-    NodeModelCacheStatus,
+    ArtifactState, CachedArtifact, ModelCatalog, ModelResidency, NodeModelCache,
+    NodeModelCacheSpec, NodeModelCacheStatus,
 };
 use crate::cluster::{apply_status, reflect};
 use crate::quantity::{format_bytes, parse_bytes};
+use crate::residency::catalog::{CatalogProblem, Catalogs};
 use crate::residency::gpu::node_of;
 use crate::residency::labels::NODE_AGENT_MANAGER;
 use crate::residency::state::recorded_time;
@@ -275,8 +276,15 @@ pub async fn run(
     let mut last = None;
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        let residencies = residencies_of(&watches.named, &watches.placed);
-        agent.step(&residencies, &watches.pods.state());
+        // A residency whose catalog cannot be read (deleted, not listed
+        // yet) says nothing of what it wants: rather than take its
+        // artifacts for unwanted, nothing is planned until it can.
+        match residencies_of(&watches.named, &watches.placed, &watches.catalogs) {
+            Ok(residencies) => agent.step(&residencies, &watches.pods.state()),
+            Err(e) => {
+                tracing::info!(error = %e, "a residency's catalog cannot be read; the disk is left as it is")
+            }
+        }
         let used = agent.used();
         agent.refresh_on_disk();
         let status = agent.status(used);

@@ -15,11 +15,12 @@ pub(super) struct Declared {
 }
 
 /// The residencies of both watches, each once (one that names the node
-/// and was allocated there is in both).
+/// and was allocated there is in both), each with its catalog's models.
 pub(super) fn residencies_of(
     named: &Store<ModelResidency>,
     placed: &Store<ModelResidency>,
-) -> Vec<Arc<ModelResidency>> {
+    catalogs: &Catalogs,
+) -> Result<Vec<Arc<ModelResidency>>, CatalogProblem> {
     let mut all = named.state();
     let uids: HashSet<Option<String>> = all.iter().map(|r| r.metadata.uid.clone()).collect();
     all.extend(
@@ -28,7 +29,7 @@ pub(super) fn residencies_of(
             .into_iter()
             .filter(|r| !uids.contains(&r.metadata.uid)),
     );
-    all
+    all.into_iter().map(|r| catalogs.resolve(r)).collect()
 }
 
 /// What the residencies on `node` want on its disk, by cache key.

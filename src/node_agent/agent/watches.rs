@@ -62,6 +62,8 @@ pub(super) struct NodeWatches {
     pub(super) placed: Store<ModelResidency>,
     /// The model pods on the node: what they mount stays on the disk.
     pub(super) pods: Store<Pod>,
+    /// The ModelCatalogs the residencies name.
+    pub(super) catalogs: Arc<Catalogs>,
     pub(super) changed: Arc<Notify>,
     pub(super) tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -103,16 +105,38 @@ impl NodeWatches {
             changed.clone(),
             "node agent's pod watch",
         ));
+        let mut tasks = vec![named_task, placed_task, pod_task];
+        // The catalogs residencies name (all namespaces, as the
+        // residencies), where the cluster serves them.
+        let catalogs = Arc::new(Catalogs::default());
+        let catalog_api = Api::<ModelCatalog>::all(client.clone());
+        if catalog_api
+            .list_metadata(&kube::api::ListParams::default().limit(1))
+            .await
+            .is_ok()
+        {
+            let (store, writer) = reflector::store();
+            catalogs.set(store);
+            tasks.push(tokio::spawn(reflect(
+                writer,
+                catalog_api,
+                watcher::Config::default(),
+                changed.clone(),
+                "node agent's catalog watch",
+            )));
+        }
         let watches = NodeWatches {
             named,
             placed,
             pods,
+            catalogs,
             changed,
-            tasks: vec![named_task, placed_task, pod_task],
+            tasks,
         };
         let _ = watches.named.wait_until_ready().await;
         let _ = watches.placed.wait_until_ready().await;
         let _ = watches.pods.wait_until_ready().await;
+        watches.catalogs.wait_ready().await;
         watches
     }
 }
