@@ -10,6 +10,7 @@ mod inference_pool;
 mod model_catalog;
 mod model_copies;
 mod model_demand;
+mod residency_set;
 pub mod rules;
 mod warm;
 
@@ -29,6 +30,10 @@ pub use inference_pool::{
 pub use model_catalog::{CatalogRef, ModelCatalog, ModelCatalogSpec, ModelCatalogStatus};
 pub use model_copies::{ModelCopies, ModelCopiesSpec, ModelCopiesStatus};
 pub use model_demand::{ModelDemand, ModelDemandSpec, ModelDemandStatus};
+pub use residency_set::{
+    CelSelector, DeviceSelection, DeviceSelector, ModelGpus, ResidencySet, ResidencySetSpec,
+    ResidencySetStatus, StampedSettings,
+};
 pub use warm::{EvictionPolicy, PodRequest, SleepPreset, SleepSpec, WarmSpec};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
@@ -610,11 +615,12 @@ pub fn model_demand_crd_yaml() -> String {
 }
 
 /// Every CRD of the project, as committed under `crds/` (file name, YAML).
-pub fn crd_files() -> [(&'static str, String); 5] {
+pub fn crd_files() -> [(&'static str, String); 6] {
     use kube::CustomResourceExt;
     [
         ("modelresidency.yaml", crd_yaml()),
         ("modelcatalog.yaml", yaml_document(&ModelCatalog::crd())),
+        ("residencyset.yaml", yaml_document(&ResidencySet::crd())),
         ("modeldemand.yaml", model_demand_crd_yaml()),
         ("modelcopies.yaml", yaml_document(&ModelCopies::crd())),
         ("nodemodelcache.yaml", yaml_document(&NodeModelCache::crd())),

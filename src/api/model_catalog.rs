@@ -7,7 +7,6 @@
 //! catalog's of the same name ([`crate::residency::catalog`]).
 
 use super::ModelSpec;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -25,7 +24,6 @@ use serde::{Deserialize, Serialize};
     namespaced,
     status = "ModelCatalogStatus",
     printcolumn = r#"{"name":"Models","type":"integer","jsonPath":".status.models"}"#,
-    printcolumn = r#"{"name":"Residencies","type":"integer","jsonPath":".status.residencies"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -40,21 +38,15 @@ pub struct ModelCatalogSpec {
 }
 
 /// What the operator sees of a catalog.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ModelCatalogStatus {
-    /// Models in the catalog.
+    /// Models in the catalog, as the operator last read it.
     #[serde(default)]
     pub models: u32,
-    /// Residencies in this namespace that use it.
-    #[serde(default)]
-    pub residencies: u32,
     /// The spec generation this status reflects.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(extend("x-kubernetes-list-type" = "atomic"))]
-    pub conditions: Vec<Condition>,
 }
 
 /// A residency's use of a catalog (`spec.catalog`).

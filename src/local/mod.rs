@@ -11,7 +11,9 @@ pub mod real_node;
 pub mod registry;
 pub mod tls;
 
-use crate::api::{ModelCatalog, ModelCopies, ModelDemand, ModelResidency, NodeModelCache};
+use crate::api::{
+    ModelCatalog, ModelCopies, ModelDemand, ModelResidency, NodeModelCache, ResidencySet,
+};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
@@ -25,6 +27,7 @@ pub async fn install_crd(client: &kube::Client) -> Result<(), kube::Error> {
     for crd in [
         ModelResidency::crd(),
         ModelCatalog::crd(),
+        ResidencySet::crd(),
         ModelDemand::crd(),
         ModelCopies::crd(),
         NodeModelCache::crd(),
@@ -35,6 +38,7 @@ pub async fn install_crd(client: &kube::Client) -> Result<(), kube::Error> {
     }
     served::<ModelResidency>(client).await?;
     served::<ModelCatalog>(client).await?;
+    served::<ResidencySet>(client).await?;
     served::<ModelDemand>(client).await?;
     served::<ModelCopies>(client).await?;
     served::<NodeModelCache>(client).await

@@ -8,6 +8,7 @@
 
 pub mod lease;
 pub mod model_demand;
+pub mod residency_set;
 
 use crate::api::ModelResidency;
 use crate::controller::{
@@ -15,7 +16,7 @@ use crate::controller::{
     reconcile_in_turn, relist,
 };
 use crate::http::Readiness;
-use crate::residency::labels::RESIDENCY_LABEL;
+use crate::residency::labels::{MANAGER, RESIDENCY_LABEL};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
@@ -43,6 +44,7 @@ pub async fn run(
     let (store, writer) = reflector::store();
     let (claim_tx, claim_rx) = futures::channel::mpsc::unbounded();
     let (changed_tx, changed_rx) = futures::channel::mpsc::unbounded();
+    let (set_tx, set_rx) = futures::channel::mpsc::unbounded();
     let (handed_back_tx, handed_back_rx) = futures::channel::mpsc::unbounded();
     // A residency whose sleeps and wakes were asked is reconciled again
     // when they end.
@@ -60,12 +62,21 @@ pub async fn run(
         changed_rx,
     )
     .await;
+    let _sets = start_residency_sets(
+        &ctx,
+        namespace.as_deref(),
+        shutdown.clone(),
+        store.clone(),
+        set_rx,
+    )
+    .await;
     let residency_events = residency_events(
         &ctx,
         residencies,
         writer,
         claim_tx,
         model_demands.is_some().then_some(changed_tx),
+        set_tx,
         lane.clone(),
     );
     // At most this many reconciles at once: each holds an API connection
@@ -134,6 +145,7 @@ fn residency_events(
     writer: reflector::store::Writer<ModelResidency>,
     claim_tx: futures::channel::mpsc::UnboundedSender<ObjectRef<ModelResidency>>,
     changed_tx: Option<futures::channel::mpsc::UnboundedSender<ObjectRef<ModelResidency>>>,
+    set_tx: futures::channel::mpsc::UnboundedSender<ObjectRef<crate::api::ResidencySet>>,
     offered: Arc<fast_lane::FastLane>,
 ) -> impl futures::Stream<Item = Result<ModelResidency, watcher::Error>> + Send + use<> {
     let cached = writer.as_reader();
@@ -176,12 +188,17 @@ fn residency_events(
             }
             // After the cache has it: the ModelDemands naming this
             // residency read it there.
-            if let Some(changed_tx) = &changed_tx
-                && let watcher::Event::Apply(r)
-                | watcher::Event::InitApply(r)
-                | watcher::Event::Delete(r) = event
+            if let watcher::Event::Apply(r)
+            | watcher::Event::InitApply(r)
+            | watcher::Event::Delete(r) = event
             {
-                let _ = changed_tx.unbounded_send(ObjectRef::from_obj(r));
+                if let Some(changed_tx) = &changed_tx {
+                    let _ = changed_tx.unbounded_send(ObjectRef::from_obj(r));
+                }
+                // A stamped residency's change is its set's to count.
+                if let Some(set) = residency_set::set_of(r) {
+                    let _ = set_tx.unbounded_send(set);
+                }
             }
         })
         // A residency's own change is reconciled at once when the fast
@@ -225,6 +242,35 @@ fn pod_events(
             };
             futures::stream::iter(touched)
         })
+}
+
+/// The ResidencySet controller, beside the residency controller and under
+/// the same leadership; `None` when the cluster does not serve the kind
+/// (CRDs of an earlier release).
+async fn start_residency_sets(
+    ctx: &Context,
+    namespace: Option<&str>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+    residencies: reflector::Store<ModelResidency>,
+    owned: futures::channel::mpsc::UnboundedReceiver<ObjectRef<crate::api::ResidencySet>>,
+) -> Option<AbortOnDrop> {
+    let sets: Api<crate::api::ResidencySet> = crate::cluster::api_in(&ctx.client, namespace);
+    if let Err(e) = sets
+        .list_metadata(&kube::api::ListParams::default().limit(1))
+        .await
+    {
+        tracing::info!(error = %e, "ResidencySet objects are not served: no residencies are stamped");
+        return None;
+    }
+    let task = residency_set::run(
+        ctx.client.clone(),
+        ctx.metrics.clone(),
+        namespace.map(str::to_owned),
+        shutdown,
+        residencies,
+        owned,
+    );
+    Some(AbortOnDrop(tokio::spawn(task)))
 }
 
 /// The ModelDemand controller, beside the residency controller and under
@@ -280,11 +326,13 @@ async fn catalog_events(
         .backoff(crate::cluster::WatchBackoff::default())
         .flat_map(move |event| {
             let touched = match event {
-                Ok(
-                    watcher::Event::Apply(c)
-                    | watcher::Event::InitApply(c)
-                    | watcher::Event::Delete(c),
-                ) => Catalogs::users(&residencies, &ObjectRef::from_obj(&c)),
+                Ok(watcher::Event::Apply(c) | watcher::Event::InitApply(c)) => {
+                    count_models(&ctx, &c);
+                    Catalogs::users(&residencies, &ObjectRef::from_obj(&c))
+                }
+                Ok(watcher::Event::Delete(c)) => {
+                    Catalogs::users(&residencies, &ObjectRef::from_obj(&c))
+                }
                 Ok(_) => Vec::new(),
                 Err(e) => {
                     tracing::debug!(error = %e, "catalog watch");
@@ -294,6 +342,32 @@ async fn catalog_events(
             futures::stream::iter(touched)
         })
         .boxed()
+}
+
+/// Writes a catalog's model count into its status (`kubectl get mcat`)
+/// when it is not what the status says, in the background.
+fn count_models(ctx: &Arc<Context>, c: &crate::api::ModelCatalog) {
+    let models = c.spec.models.len() as u32;
+    let current = c.status.as_ref();
+    if current.is_some_and(|s| s.models == models && s.observed_generation == c.metadata.generation)
+    {
+        return;
+    }
+    let (Some(ns), name) = (c.namespace(), c.name_any()) else {
+        return;
+    };
+    let status = crate::api::ModelCatalogStatus {
+        models,
+        observed_generation: c.metadata.generation,
+    };
+    let ctx = ctx.clone();
+    tokio::spawn(async move {
+        let api: Api<crate::api::ModelCatalog> = Api::namespaced(ctx.client.clone(), &ns);
+        ctx.metrics.api_request("patch", "modelcatalogs");
+        if let Err(e) = crate::cluster::apply_status(&api, &name, MANAGER, &status).await {
+            tracing::debug!(error = %e, "catalog status");
+        }
+    });
 }
 
 async fn node_cache_events(

@@ -10,6 +10,7 @@
 pub mod catalog;
 pub mod conditions;
 pub mod demand;
+pub mod devices;
 pub mod gpu;
 pub mod labels;
 pub mod placement;

@@ -126,8 +126,10 @@ async fn residencies_take_their_models_from_a_catalog_and_follow_its_changes() {
         ("gpu-one", "a"),
         ("gpu-one", "own"),
     ] {
-        h.request(name, model).await;
-        h.until_state(name, model, ModelState::Loaded, 30).await;
+        // Waited for by the model's state: a timeout prints the
+        // residency's status and events.
+        h.request_nowait(name, model).await;
+        h.until_state(name, model, ModelState::Loaded, 60).await;
     }
     let all = h.converged("gpu-all").await;
     let status = all.status.as_ref().unwrap();
@@ -138,6 +140,12 @@ async fn residencies_take_their_models_from_a_catalog_and_follow_its_changes() {
     let b = one.status.as_ref().unwrap().model("b").unwrap();
     assert_eq!(b.state, ModelState::Refused, "{b:?}");
 
+    // Its model count, in its status (`kubectl get mcat`).
+    eventually(30, "the catalog's status to count its models", || async {
+        let c = catalogs.get("models").await.ok()?;
+        (c.status?.models == 3).then_some(())
+    })
+    .await;
     // The router serves what the catalogs say.
     let router = RouterUnderTest::exact(&h).await;
     let listed: BTreeSet<String> = json_of(&router.get("/v1/models").await)["data"]

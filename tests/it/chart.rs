@@ -104,7 +104,8 @@ fn chart_lints_and_renders_hardened_least_privilege_manifests() {
             "modelcopies.residency.dev",
             "modeldemands.residency.dev",
             "modelresidencies.residency.dev",
-            "nodemodelcaches.residency.dev"
+            "nodemodelcaches.residency.dev",
+            "residencysets.residency.dev"
         ]
     );
 
@@ -450,7 +451,17 @@ async fn the_operator_does_its_job_with_only_the_charts_rbac() {
             ("patch", "pods", true),
             ("update", "modelresidencies.residency.dev", false),
             ("delete", "modeldemands.residency.dev", false),
-            ("delete", "modelresidencies.residency.dev", false),
+            // A ResidencySet's stamped residencies: made, and deleted once
+            // drained.
+            ("create", "modelresidencies.residency.dev", true),
+            ("delete", "modelresidencies.residency.dev", true),
+            ("watch", "modelcatalogs.residency.dev", true),
+            ("patch", "modelcatalogs.residency.dev", false),
+            ("watch", "residencysets.residency.dev", true),
+            ("patch", "residencysets.residency.dev/status", true),
+            ("patch", "residencysets.residency.dev", false),
+            ("watch", "nodes", true),
+            ("patch", "nodes", false),
             ("create", "deployments.apps", false),
             ("*", "*", false),
         ],

@@ -395,6 +395,7 @@ fn crd_prints_the_committed_crd() {
     let committed: String = [
         "crds/modelresidency.yaml",
         "crds/modelcatalog.yaml",
+        "crds/residencyset.yaml",
         "crds/modeldemand.yaml",
         "crds/modelcopies.yaml",
         "crds/nodemodelcache.yaml",

@@ -21,5 +21,6 @@ mod operator;
 mod operator_api;
 mod process;
 mod real_servers;
+mod residency_set;
 mod router;
 mod support;

@@ -125,7 +125,7 @@ async fn invalid_objects_are_rejected_at_admission() {
         ("name with dot", with_model("{name: a.b, size: \"1\"}"), "spec.models[0].name: Invalid value: ", "'a.b' is not a model name"),
         ("model name too long", with_model(&format!("{{name: {}, size: \"1\"}}", "a".repeat(64))), "spec.models[0].name: Too long", "may not be more than 63 bytes"),
         ("missing budget outside claim mode", valid.replace("  budget: \"1Gi\"\n", "  gpu: {mode: env}\n"), "spec: Invalid value: ", "spec.budget is required unless spec.gpu.mode is claim"),
-        ("missing models", "apiVersion: residency.dev/v1alpha1\nkind: ModelResidency\nmetadata: {name: gpu}\nspec: {nodeName: n, device: \"0\", budget: 1Gi}\n".into(), "spec.models: Required value", ""),
+        ("a catalog without its name", "apiVersion: residency.dev/v1alpha1\nkind: ModelResidency\nmetadata: {name: gpu}\nspec: {nodeName: n, device: \"0\", budget: 1Gi, catalog: {models: [a]}}\n".into(), "spec.catalog.name: Required value", ""),
         ("more than 1000 models", valid.replace("  - {name: b, size: 1Gi}\n", &many), "spec.models: Too many: 1002", "must have at most 1000 items"),
         ("unknown field", valid.replace("  device: \"0\"", "  device: \"0\"\n  budgte: 5Gi"), "unknown field \"spec.budgte\"", ""),
         ("duplicate model", valid.replace("{name: b, size: 1Gi}", "{name: a, size: 1Gi}"), "spec.models[1]: Duplicate value", "{\"name\":\"a\"}"),

@@ -1,0 +1,529 @@
+//! The ResidencySet controller: exactly one `ModelResidency` per published
+//! device a set selects (`crate::residency::devices`), under the same
+//! leadership as the residency controller.
+//!
+//! - **Stamped** by server-side apply (field manager `residency-set`): the
+//!   device's node and its uuid (else index), the set's catalog and
+//!   settings, owned by the set (deleting the set deletes them), labelled
+//!   `residency.dev/set`, named `<set>-<node>-<device>`. Only the fields
+//!   the set owns are written: demand (the routers') is never touched.
+//! - **Skipped**, and said in status, is a selected device that another
+//!   residency (stamped by another set, or hand-written) already names.
+//! - **Drained, then deleted**, is a stamped residency whose device left
+//!   its slice or stopped matching: its registry is emptied (its catalog's
+//!   model list set to none), so the operator unloads each model as an
+//!   unload is done and the routers send held and new requests to other
+//!   copies or load them elsewhere; once nothing is resident it is deleted.
+//! - A selector that does not compile, or a DeviceClass that is missing,
+//!   changes nothing (no residency is drained for it): `Ready=False`.
+
+use crate::api::{
+    CatalogRef, GpuSpec, ModelResidency, ModelState, ResidencySet, ResidencySetStatus,
+};
+use crate::metrics::Metrics;
+use crate::quantity::format_bytes;
+use crate::residency::conditions::{ConditionSet, READY};
+use crate::residency::devices::{Device, Selector, node_matches, published, stamped_name};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, PartialObjectMeta, Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, reflector, watcher};
+use kube::{Resource, ResourceExt};
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The field manager of stamped residencies and of the sets' status.
+pub const MANAGER: &str = "residency-set";
+/// The label naming a stamped residency's set.
+pub const SET_LABEL: &str = "residency.dev/set";
+/// On a stamped residency being drained (its device is gone).
+pub const DRAINING_LABEL: &str = "residency.dev/set-draining";
+/// The default DeviceClass (the NVIDIA DRA driver's).
+pub const DEFAULT_CLASS: &str = "gpu.nvidia.com";
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("kube: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("the object has no {0}")]
+    Incomplete(&'static str),
+}
+
+pub struct Context {
+    pub client: kube::Client,
+    pub metrics: Arc<Metrics>,
+    /// The residency controller's cache (every residency it watches).
+    pub residencies: Store<ModelResidency>,
+    slices: Store<ResourceSlice>,
+    classes: Store<DeviceClass>,
+    nodes: Store<PartialObjectMeta<Node>>,
+}
+
+/// Runs the set controller for `namespace` (all when `None`) until
+/// `shutdown`; `owned` names the set of each residency the residency
+/// watch has just seen change.
+pub async fn run(
+    client: kube::Client,
+    metrics: Arc<Metrics>,
+    namespace: Option<String>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+    residencies: Store<ModelResidency>,
+    owned: impl futures::Stream<Item = ObjectRef<ResidencySet>> + Send + 'static,
+) {
+    let sets: Api<ResidencySet> = crate::cluster::api_in(&client, namespace.as_deref());
+    let controller = Controller::new(sets, watcher::Config::default());
+    let all_sets = controller.store();
+    let (slices, slice_writer) = reflector::store();
+    let (classes, class_writer) = reflector::store();
+    let (nodes, node_writer) = reflector::store();
+    let slice_events = watcher(
+        Api::<ResourceSlice>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .backoff(crate::cluster::WatchBackoff::default())
+    .reflect(slice_writer)
+    .touched_objects()
+    .filter_map(|r| futures::future::ready(r.ok()))
+    .flat_map(everyone(all_sets.clone()));
+    let class_events = watcher(
+        Api::<DeviceClass>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .backoff(crate::cluster::WatchBackoff::default())
+    .reflect(class_writer)
+    .touched_objects()
+    .filter_map(|r| futures::future::ready(r.ok()))
+    .flat_map(everyone(all_sets.clone()));
+    let node_events = watcher(
+        Api::<PartialObjectMeta<Node>>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .backoff(crate::cluster::WatchBackoff::default())
+    .reflect(node_writer)
+    .touched_objects()
+    .filter_map(|r| futures::future::ready(r.ok()))
+    .flat_map(everyone(all_sets.clone()));
+    let ctx = Arc::new(Context {
+        client,
+        metrics,
+        residencies,
+        slices,
+        classes,
+        nodes,
+    });
+    let triggers = futures::stream::select(
+        futures::stream::select(slice_events, class_events),
+        futures::stream::select(node_events, owned),
+    );
+    controller
+        .with_config(
+            kube::runtime::controller::Config::default().debounce(Duration::from_millis(500)),
+        )
+        .reconcile_on(triggers)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|_| async {})
+        .await;
+}
+
+/// A change to the devices, a class or a node may concern every set.
+fn everyone<T>(
+    store: Store<ResidencySet>,
+) -> impl FnMut(T) -> futures::stream::Iter<std::vec::IntoIter<ObjectRef<ResidencySet>>> {
+    move |_| {
+        futures::stream::iter(
+            store
+                .state()
+                .iter()
+                .map(|s| ObjectRef::from_obj(&**s))
+                .collect::<Vec<_>>(),
+        )
+    }
+}
+
+fn error_policy(_: Arc<ResidencySet>, e: &Error, _: Arc<Context>) -> Action {
+    tracing::warn!(error = %e, "residency set");
+    Action::requeue(Duration::from_secs(5))
+}
+
+/// The sets `r` belongs to (by its owner reference), for the residency
+/// watch's events.
+pub fn set_of(r: &ModelResidency) -> Option<ObjectRef<ResidencySet>> {
+    let owner = r
+        .owner_references()
+        .iter()
+        .find(|o| o.kind == "ResidencySet" && o.api_version == ResidencySet::api_version(&()))?;
+    Some(ObjectRef::new(&owner.name).within(&r.namespace()?))
+}
+
+/// What a set wants of one device.
+struct Wanted<'a> {
+    device: &'a Device,
+    name: String,
+}
+
+async fn reconcile(set: Arc<ResidencySet>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let ns = set.namespace().ok_or(Error::Incomplete("namespace"))?;
+    let uid = set.uid().ok_or(Error::Incomplete("uid"))?;
+    let name = set.name_any();
+    let now = Timestamp::now();
+    let previous = set.status.clone().unwrap_or_default();
+    let mut status = ResidencySetStatus {
+        observed_generation: set.metadata.generation,
+        ..Default::default()
+    };
+    let mut conditions = ConditionSet::new(&previous.conditions, set.metadata.generation, now);
+    let residencies: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), &ns);
+    let all = ctx.residencies.state();
+    let owned: Vec<&Arc<ModelResidency>> = all
+        .iter()
+        .filter(|r| r.owner_references().iter().any(|o| o.uid == uid))
+        .collect();
+
+    // Which devices: nothing is drained while this cannot be said.
+    let class_name = set
+        .spec
+        .devices
+        .device_class_name
+        .clone()
+        .unwrap_or_else(|| DEFAULT_CLASS.to_owned());
+    let selection = match ctx.classes.get(&ObjectRef::new(&class_name)) {
+        None => Err((
+            "DeviceClassNotFound",
+            format!("DeviceClass {class_name} does not exist"),
+        )),
+        Some(class) => {
+            let expressions: Vec<&str> = class
+                .spec
+                .selectors
+                .iter()
+                .flatten()
+                .filter_map(|s| s.cel.as_ref().map(|c| c.expression.as_str()))
+                .collect();
+            let own: Vec<&str> = set
+                .spec
+                .devices
+                .selectors
+                .iter()
+                .map(|s| s.cel.expression.as_str())
+                .collect();
+            Selector::compile(expressions.iter().copied().chain(own))
+                .map_err(|e| ("InvalidSelector", e))
+        }
+    };
+    let selector = match selection {
+        Ok(s) => s,
+        Err((reason, message)) => {
+            count_owned(&mut status, &owned);
+            conditions.set(READY, false, reason, message);
+            status.conditions = conditions.finish();
+            write_status(&ctx, &ns, &name, &previous, status).await?;
+            return Ok(Action::await_change());
+        }
+    };
+    let devices = published(&ctx.slices.state());
+    let nodes: BTreeMap<String, Arc<PartialObjectMeta<Node>>> = ctx
+        .nodes
+        .state()
+        .into_iter()
+        .map(|n| (n.name_any(), n))
+        .collect();
+    let mut failed_on = None;
+    let selected: Vec<&Device> = devices
+        .iter()
+        .filter(|d| {
+            node_matches(
+                set.spec.devices.node_selector.as_ref(),
+                nodes.get(&d.node).and_then(|n| n.metadata.labels.as_ref()),
+            )
+        })
+        .filter(|d| match selector.selects(d) {
+            Ok(yes) => yes,
+            Err(e) => {
+                failed_on.get_or_insert(e);
+                false
+            }
+        })
+        .collect();
+    status.devices = selected.len() as u32;
+
+    // Each selected device: ours, or held by someone else.
+    let mut wanted = Vec::new();
+    for d in &selected {
+        let stamped = stamped_name(&name, &d.node, &d.name);
+        if let Some(holder) = all.iter().find(|r| {
+            !r.owner_references().iter().any(|o| o.uid == uid)
+                && (holds(r, d)
+                    || (r.namespace().as_deref() == Some(&ns) && r.name_any() == stamped))
+        }) {
+            status.skipped.push(format!(
+                "{}/{}: held by ModelResidency {}/{}",
+                d.node,
+                d.name,
+                holder.namespace().unwrap_or_default(),
+                holder.name_any()
+            ));
+            continue;
+        }
+        wanted.push(Wanted {
+            device: d,
+            name: stamped,
+        });
+    }
+    status.skipped_count = status.skipped.len() as u32;
+
+    let owner = set
+        .controller_owner_ref(&())
+        .ok_or(Error::Incomplete("uid"))?;
+    for w in &wanted {
+        let desired = stamped_body(&set, w, &owner, &class_name);
+        let current = owned.iter().find(|r| r.name_any() == w.name);
+        if current.is_none_or(|r| differs(r, &desired)) {
+            ctx.metrics.api_request("patch", "modelresidencies");
+            residencies
+                .patch(
+                    &w.name,
+                    &PatchParams::apply(MANAGER).force(),
+                    &Patch::Apply(&desired),
+                )
+                .await?;
+        }
+    }
+    // Those whose device is gone: drained, then deleted.
+    let mut draining = 0;
+    for r in owned
+        .iter()
+        .filter(|r| !wanted.iter().any(|w| w.name == r.name_any()))
+    {
+        draining += 1;
+        let drained = r.labels().contains_key(DRAINING_LABEL);
+        if !drained {
+            let body = drain_body(r, &set.spec.catalog);
+            ctx.metrics.api_request("patch", "modelresidencies");
+            residencies
+                .patch(
+                    &r.name_any(),
+                    &PatchParams::apply(MANAGER).force(),
+                    &Patch::Apply(&body),
+                )
+                .await?;
+        } else if nothing_resident(r) {
+            ctx.metrics.api_request("delete", "modelresidencies");
+            match residencies
+                .delete(&r.name_any(), &DeleteParams::default())
+                .await
+            {
+                Ok(_) => {}
+                Err(kube::Error::Api(s)) if s.code == 404 => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    count_owned(&mut status, &owned);
+    let (ready, reason, message) = match (&failed_on, selected.is_empty(), draining) {
+        (Some(e), true, _) => (false, "InvalidSelector", e.clone()),
+        (_, true, _) => (
+            false,
+            "NoDevicesMatched",
+            format!("no published device of DeviceClass {class_name} matches"),
+        ),
+        (_, false, n) if n > 0 => (
+            false,
+            "Draining",
+            format!("{n} residency(ies) whose device left are draining"),
+        ),
+        _ if status.residencies < wanted.len() as u32 => {
+            (false, "Stamping", "residencies are being made".to_owned())
+        }
+        _ => (
+            true,
+            "AllDevicesStamped",
+            format!(
+                "{} device(s), {} skipped",
+                status.devices, status.skipped_count
+            ),
+        ),
+    };
+    conditions.set(READY, ready, reason, message);
+    status.conditions = conditions.finish();
+    write_status(&ctx, &ns, &name, &previous, status).await?;
+    // A draining residency is looked at again until it is gone (its status
+    // changes wake the set too).
+    Ok(if draining > 0 {
+        Action::requeue(Duration::from_secs(2))
+    } else {
+        Action::await_change()
+    })
+}
+
+/// Whether residency `r` names device `d` (its node and its uuid or
+/// index), by spec or as its claim was allocated.
+fn holds(r: &ModelResidency, d: &Device) -> bool {
+    let by_spec = r.spec.node_name.as_deref() == Some(d.node.as_str())
+        && (Some(r.spec.device.clone()) == d.spec_device()
+            || d.attributes
+                .get("index")
+                .and_then(|v| v.as_i64())
+                .map(|i| i.to_string())
+                == Some(r.spec.device.clone()));
+    let by_claim = r
+        .status
+        .as_ref()
+        .and_then(|s| s.gpu.as_ref())
+        .is_some_and(|g| {
+            g.node.as_deref() == Some(&d.node) && g.device.as_deref() == Some(&d.name)
+        });
+    by_spec || by_claim
+}
+
+/// The stamped residency's body: what the set owns of it.
+fn stamped_body(
+    set: &ResidencySet,
+    w: &Wanted<'_>,
+    owner: &k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference,
+    class: &str,
+) -> serde_json::Value {
+    let s = &set.spec.residency;
+    let mut gpu = s.gpu.clone().unwrap_or_default();
+    let claim = gpu.mode == crate::api::GpuMode::Claim;
+    if claim && gpu.device_class_name.is_none() && class != DEFAULT_CLASS {
+        gpu.device_class_name = Some(class.to_owned());
+    }
+    let mut spec = json!({
+        "nodeName": w.device.node,
+        "device": w.device.spec_device().unwrap_or_else(|| w.device.name.clone()),
+        "catalog": set.spec.catalog,
+        "prefetch": s.prefetch,
+        "eviction": s.eviction,
+    });
+    if gpu != GpuSpec::default() {
+        spec["gpu"] = json!(gpu);
+    }
+    let fraction = s
+        .budget_fraction
+        .unwrap_or(crate::api::DEFAULT_BUDGET_FRACTION);
+    match (&s.budget, claim, w.device.memory()) {
+        (Some(b), _, _) => spec["budget"] = json!(b.0),
+        (None, true, _) => spec["budgetFraction"] = json!(fraction),
+        // The other modes cannot read the device: its published memory.
+        (None, false, Some(m)) => {
+            spec["budget"] = json!(format_bytes((m as f64 * fraction) as u64))
+        }
+        (None, false, None) => {}
+    }
+    if let Some(w) = &s.warm {
+        spec["warm"] = json!(w);
+    }
+    if let Some(k) = &s.keep_alive {
+        spec["keepAlive"] = json!(k);
+    }
+    json!({
+        "apiVersion": ModelResidency::api_version(&()), "kind": "ModelResidency",
+        "metadata": {
+            "name": w.name,
+            "labels": {SET_LABEL: set.name_any()},
+            "annotations": {"residency.dev/set-device": format!("{}/{}", w.device.node, w.device.name)},
+            "ownerReferences": [owner],
+        },
+        "spec": spec,
+    })
+}
+
+/// Whether `r` differs from `desired` in what the set owns of it.
+fn differs(r: &ModelResidency, desired: &serde_json::Value) -> bool {
+    let have = serde_json::to_value(&r.spec).unwrap_or_default();
+    let spec = desired["spec"].as_object().into_iter().flatten();
+    let label = r.labels().get(SET_LABEL).map(String::as_str);
+    label != desired["metadata"]["labels"][SET_LABEL].as_str()
+        || r.labels().contains_key(DRAINING_LABEL)
+        || spec
+            .into_iter()
+            .any(|(k, v)| have.get(k).unwrap_or(&serde_json::Value::Null) != v)
+}
+
+/// A stamped residency emptied for its drain: the same fields, its
+/// catalog's model list none and its own models none.
+fn drain_body(r: &ModelResidency, catalog: &CatalogRef) -> serde_json::Value {
+    let mut spec = serde_json::to_value(&r.spec).unwrap_or_default();
+    if let Some(o) = spec.as_object_mut() {
+        o.remove("demand");
+        o.insert("models".into(), json!([]));
+        o.insert(
+            "catalog".into(),
+            json!({"name": catalog.name, "models": []}),
+        );
+    }
+    json!({
+        "apiVersion": ModelResidency::api_version(&()), "kind": "ModelResidency",
+        "metadata": {
+            "name": r.name_any(),
+            "labels": {SET_LABEL: r.labels().get(SET_LABEL), DRAINING_LABEL: "true"},
+            "ownerReferences": r.owner_references(),
+        },
+        "spec": spec,
+    })
+}
+
+/// Whether a draining residency holds nothing any more (its status has
+/// caught up with the drain and no model is resident, loading or asleep).
+fn nothing_resident(r: &ModelResidency) -> bool {
+    let Some(s) = &r.status else {
+        return true;
+    };
+    s.observed_generation == r.metadata.generation
+        && s.resident == 0
+        && s.loading == 0
+        && s.sleeping == 0
+        && s.fetching == 0
+}
+
+/// The owned residencies' counts and the GPUs of each model.
+fn count_owned(status: &mut ResidencySetStatus, owned: &[&Arc<ModelResidency>]) {
+    status.residencies = owned.len() as u32;
+    let mut gpus: BTreeMap<String, u32> = BTreeMap::new();
+    for r in owned {
+        let s = crate::controller::cached::unpacked((*r).clone());
+        let Some(st) = &s.status else {
+            continue;
+        };
+        if st
+            .conditions
+            .iter()
+            .any(|c| c.type_ == READY && c.status == "True")
+        {
+            status.ready += 1;
+        }
+        for m in &st.models {
+            if m.is_resident() || m.state == ModelState::Sleeping {
+                *gpus.entry(m.name.to_string()).or_default() += 1;
+            }
+        }
+    }
+    status.models = gpus
+        .into_iter()
+        .map(|(name, gpus)| crate::api::ModelGpus { name, gpus })
+        .collect();
+}
+
+async fn write_status(
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+    previous: &ResidencySetStatus,
+    status: ResidencySetStatus,
+) -> Result<(), Error> {
+    if *previous == status {
+        return Ok(());
+    }
+    let sets: Api<ResidencySet> = Api::namespaced(ctx.client.clone(), ns);
+    ctx.metrics.api_request("patch", "residencysets");
+    crate::cluster::apply_status(&sets, name, MANAGER, &status).await?;
+    Ok(())
+}

@@ -1,0 +1,319 @@
+//! The GPUs a cluster publishes (DRA ResourceSlices), and which of them a
+//! ResidencySet selects: its DeviceClass's CEL selectors and its own, as
+//! a ResourceClaim selects devices (`device.driver`,
+//! `device.attributes["<domain>"].<name>`, `device.capacity["<domain>"].<name>`
+//! with `quantity("40Gi")` and `.compareTo(...)`), and a node selector.
+//! Pure: the caller hands in the slices, the class and the node labels.
+
+use crate::quantity::parse_bytes;
+use cel_interpreter::extractors::This;
+use cel_interpreter::{Context, Program, Value};
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+/// One published device.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Device {
+    pub node: String,
+    pub driver: String,
+    pub pool: String,
+    /// Its name in the slice (`gpu-0`).
+    pub name: String,
+    /// Attributes by their name within the driver's domain.
+    pub attributes: BTreeMap<String, serde_json::Value>,
+    /// Capacities in bytes (memory) or units.
+    pub capacity: BTreeMap<String, u64>,
+}
+
+impl Device {
+    /// What a residency's `spec.device` names it by: its uuid attribute,
+    /// else its index.
+    pub fn spec_device(&self) -> Option<String> {
+        if let Some(uuid) = self.attributes.get("uuid").and_then(|v| v.as_str()) {
+            return Some(uuid.to_owned());
+        }
+        self.attributes
+            .get("index")
+            .and_then(|v| v.as_i64())
+            .map(|i| i.to_string())
+    }
+
+    /// Its memory capacity, if published.
+    pub fn memory(&self) -> Option<u64> {
+        self.capacity.get("memory").copied()
+    }
+}
+
+/// Every device of every node-local slice.
+pub fn published(slices: &[Arc<ResourceSlice>]) -> Vec<Device> {
+    let mut out = Vec::new();
+    for s in slices {
+        let spec = &s.spec;
+        let Some(node) = spec.node_name.clone() else {
+            continue;
+        };
+        for d in spec.devices.iter().flatten() {
+            let attributes = d
+                .attributes
+                .iter()
+                .flatten()
+                .map(|(k, a)| {
+                    let v = if let Some(i) = a.int {
+                        serde_json::json!(i)
+                    } else if let Some(b) = a.bool {
+                        serde_json::json!(b)
+                    } else if let Some(s) = &a.string {
+                        serde_json::json!(s)
+                    } else {
+                        serde_json::json!(a.version)
+                    };
+                    (unqualified(k, &spec.driver), v)
+                })
+                .collect();
+            let capacity = d
+                .capacity
+                .iter()
+                .flatten()
+                .filter_map(|(k, c)| {
+                    Some((unqualified(k, &spec.driver), parse_bytes(&c.value.0).ok()?))
+                })
+                .collect();
+            out.push(Device {
+                node: node.clone(),
+                driver: spec.driver.clone(),
+                pool: spec.pool.name.clone(),
+                name: d.name.clone(),
+                attributes,
+                capacity,
+            });
+        }
+    }
+    out.sort_by(|a, b| (&a.node, &a.name).cmp(&(&b.node, &b.name)));
+    out.dedup_by(|a, b| a.node == b.node && a.name == b.name && a.driver == b.driver);
+    out
+}
+
+/// An attribute's name without its driver's own domain (`gpu.nvidia.com/index`
+/// is `index` for that driver's devices).
+fn unqualified(name: &str, driver: &str) -> String {
+    name.strip_prefix(driver)
+        .and_then(|n| n.strip_prefix('/'))
+        .unwrap_or(name)
+        .to_owned()
+}
+
+/// Compiled CEL selectors; a device is selected when every one is true.
+pub struct Selector {
+    programs: Vec<(String, Program)>,
+}
+
+impl Selector {
+    /// Compiles `expressions`; the first that does not compile is the error.
+    pub fn compile<'a>(expressions: impl IntoIterator<Item = &'a str>) -> Result<Selector, String> {
+        let programs = expressions
+            .into_iter()
+            .map(|e| {
+                // The parser (antlr4rust) panics on some malformed input
+                // instead of failing: a user's selector is an error, never
+                // a panic of the operator.
+                std::panic::catch_unwind(|| Program::compile(e))
+                    .map_err(|_| format!("{e:?} is not a CEL expression"))?
+                    .map(|p| (e.to_owned(), p))
+                    .map_err(|err| format!("{e:?} is not a CEL expression: {err}"))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Selector { programs })
+    }
+
+    /// Whether every selector is true for `device`; an expression that
+    /// fails on it (a missing attribute) or is not a bool does not select
+    /// it, and says why.
+    pub fn selects(&self, device: &Device) -> Result<bool, String> {
+        let mut context = Context::default();
+        context.add_function("quantity", quantity);
+        context.add_function("compareTo", compare_to);
+        let by_domain = |m: HashMap<String, Value>| {
+            Value::Map(HashMap::from([(device.driver.clone(), Value::Map(m.into()))]).into())
+        };
+        let attributes: HashMap<String, Value> = device
+            .attributes
+            .iter()
+            .map(|(k, v)| (k.clone(), json_value(v)))
+            .collect();
+        let capacity: HashMap<String, Value> = device
+            .capacity
+            .iter()
+            .map(|(k, v)| (k.clone(), Value::Int(*v as i64)))
+            .collect();
+        let value = Value::Map(
+            HashMap::from([
+                (
+                    "driver".to_owned(),
+                    Value::String(Arc::new(device.driver.clone())),
+                ),
+                ("attributes".to_owned(), by_domain(attributes)),
+                ("capacity".to_owned(), by_domain(capacity)),
+            ])
+            .into(),
+        );
+        context.add_variable_from_value("device", value);
+        for (text, program) in &self.programs {
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                program.execute(&context)
+            }));
+            let Ok(result) = run else {
+                return Err(format!(
+                    "{text:?} failed on {}/{}",
+                    device.node, device.name
+                ));
+            };
+            match result {
+                Ok(Value::Bool(true)) => {}
+                Ok(Value::Bool(false)) => return Ok(false),
+                Ok(other) => return Err(format!("{text:?} gave {other:?}, not a bool")),
+                Err(e) => return Err(format!("{text:?} on {}/{}: {e}", device.node, device.name)),
+            }
+        }
+        Ok(true)
+    }
+}
+
+fn json_value(v: &serde_json::Value) -> Value {
+    match v {
+        serde_json::Value::Bool(b) => Value::Bool(*b),
+        serde_json::Value::Number(n) => Value::Int(n.as_i64().unwrap_or_default()),
+        serde_json::Value::String(s) => Value::String(Arc::new(s.clone())),
+        _ => Value::Null,
+    }
+}
+
+/// `quantity("40Gi")`: a Kubernetes quantity, as bytes.
+fn quantity(s: Arc<String>) -> cel_interpreter::ResolveResult {
+    parse_bytes(&s)
+        .map(|b| Value::Int(b as i64))
+        .map_err(|e| cel_interpreter::ExecutionError::function_error("quantity", e.to_string()))
+}
+
+/// `a.compareTo(b)`: -1, 0 or 1, as Kubernetes' quantities compare.
+fn compare_to(This(this): This<i64>, other: i64) -> i64 {
+    match this.cmp(&other) {
+        std::cmp::Ordering::Less => -1,
+        std::cmp::Ordering::Equal => 0,
+        std::cmp::Ordering::Greater => 1,
+    }
+}
+
+/// Whether `labels` (a node's) has every label of `selector`.
+pub fn node_matches(
+    selector: Option<&BTreeMap<String, String>>,
+    labels: Option<&BTreeMap<String, String>>,
+) -> bool {
+    selector.is_none_or(|want| {
+        want.iter()
+            .all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v))
+    })
+}
+
+/// The name of set `set`'s residency for `device` on `node`: the three,
+/// readable (`h100s-node-a-gpu-0`), a DNS label; a name longer than 63
+/// characters keeps its start and a hash of the whole.
+pub fn stamped_name(set: &str, node: &str, device: &str) -> String {
+    let raw = format!("{set}-{node}-{device}");
+    let clean: String = raw
+        .to_lowercase()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    let clean = clean.trim_matches('-').to_owned();
+    if clean.len() <= 63 {
+        return clean;
+    }
+    let digest = ring::digest::digest(&ring::digest::SHA256, raw.as_bytes());
+    let hash: String = digest.as_ref()[..4]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("{}-{hash}", clean[..54].trim_end_matches('-'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn slice(node: &str, devices: serde_json::Value) -> Arc<ResourceSlice> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "metadata": {"name": format!("{node}-gpu")},
+                "spec": {"driver": "gpu.nvidia.com", "nodeName": node,
+                    "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                    "devices": devices},
+            }))
+            .unwrap(),
+        )
+    }
+
+    fn gpu(i: i64, product: &str, memory: &str) -> serde_json::Value {
+        json!({"name": format!("gpu-{i}"), "attributes": {"type": {"string": "gpu"}, "index": {"int": i},
+            "uuid": {"string": format!("GPU-{i}")}, "productName": {"string": product}},
+            "capacity": {"memory": {"value": memory}}})
+    }
+
+    #[test]
+    fn devices_are_selected_by_class_and_set_selectors_as_a_claim_selects_them() {
+        let devices = published(&[
+            slice("a", json!([gpu(0, "H100", "80Gi"), gpu(1, "A10", "24Gi")])),
+            slice("b", json!([gpu(0, "H100", "80Gi")])),
+        ]);
+        assert_eq!(devices.len(), 3);
+        assert_eq!(devices[0].spec_device().as_deref(), Some("GPU-0"));
+        assert_eq!(devices[0].memory(), Some(80 << 30));
+        let class = "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'";
+        let big = "device.capacity['gpu.nvidia.com'].memory.compareTo(quantity('40Gi')) >= 0";
+        let s = Selector::compile([class, big]).unwrap();
+        let picked: Vec<_> = devices
+            .iter()
+            .filter(|d| s.selects(d).unwrap())
+            .map(|d| format!("{}/{}", d.node, d.name))
+            .collect();
+        assert_eq!(picked, ["a/gpu-0", "b/gpu-0"]);
+        let h100 =
+            Selector::compile(["device.attributes['gpu.nvidia.com'].productName.startsWith('A1')"])
+                .unwrap();
+        assert!(h100.selects(&devices[1]).unwrap());
+        // A missing attribute does not select, and says why.
+        let missing =
+            Selector::compile(["device.attributes['gpu.nvidia.com'].nvlinkDomain == 3"]).unwrap();
+        assert!(missing.selects(&devices[0]).is_err());
+        assert!(Selector::compile(["device.driver =="]).is_err());
+    }
+
+    #[test]
+    fn a_stamped_name_says_which_gpu_and_stays_a_dns_label() {
+        assert_eq!(
+            stamped_name("h100s", "node-a", "gpu-0"),
+            "h100s-node-a-gpu-0"
+        );
+        assert_eq!(
+            stamped_name("s", "Node.Example.COM", "gpu-1"),
+            "s-node-example-com-gpu-1"
+        );
+        let long = stamped_name(&"x".repeat(40), &"n".repeat(40), "gpu-0");
+        assert!(long.len() <= 63, "{long}");
+        assert_ne!(
+            long,
+            stamped_name(&"x".repeat(40), &"n".repeat(40), "gpu-1")
+        );
+        assert!(node_matches(None, None));
+        let want = BTreeMap::from([("pool".to_owned(), "big".to_owned())]);
+        assert!(!node_matches(Some(&want), None));
+        assert!(node_matches(Some(&want), Some(&want)));
+    }
+}

@@ -1,0 +1,233 @@
+//! ResidencySet: a ModelResidency stamped per published GPU a set selects,
+//! on the real API server with the kubelet stand-in's ResourceSlice (the
+//! real node's DRA plugin publishes the same shape).
+
+use crate::support::cluster::eventually;
+use crate::support::operator::{Harness, server_template};
+use crate::support::router::{RouterUnderTest, assert_served_by};
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use model_residency::api::{ModelCatalog, ModelResidency, ModelState, ResidencySet};
+use model_residency::local::kubelet::slice_name;
+use serde_json::{Value, json};
+use std::collections::BTreeSet;
+
+fn entry(name: &str, size: &str) -> Value {
+    json!({"name": name, "size": size, "template": server_template(name)})
+}
+
+async fn catalog(h: &Harness) {
+    let catalogs: Api<ModelCatalog> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    let c: ModelCatalog = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelCatalog",
+        "metadata": {"name": "models"},
+        "spec": {"models": [entry("a", "4Gi"), entry("b", "6Gi")]},
+    }))
+    .unwrap();
+    catalogs.create(&PostParams::default(), &c).await.unwrap();
+}
+
+/// A set over `h`'s node whose devices satisfy `cel`.
+fn set(h: &Harness, name: &str, cel: &str) -> ResidencySet {
+    serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ResidencySet",
+        "metadata": {"name": name},
+        "spec": {
+            "devices": {"nodeSelector": {"kubernetes.io/hostname": h.node},
+                "selectors": [{"cel": {"expression": cel}}]},
+            "catalog": {"name": "models"},
+            "residency": {"budget": "12Gi", "gpu": {"mode": "env"}},
+        },
+    }))
+    .unwrap()
+}
+
+/// The names of the residencies set `name` owns.
+async fn stamped(h: &Harness, name: &str) -> BTreeSet<String> {
+    let lp = ListParams::default().labels(&format!("residency.dev/set={name}"));
+    h.api
+        .list(&lp)
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .map(|r| r.metadata.name.unwrap())
+        .collect()
+}
+
+async fn until_stamped(h: &Harness, name: &str, want: &[String]) {
+    let want: BTreeSet<String> = want.iter().cloned().collect();
+    eventually(
+        60,
+        &format!("{name}'s residencies to be {want:?}"),
+        || async { (stamped(h, name).await == want).then_some(()) },
+    )
+    .await;
+}
+
+async fn set_status(h: &Harness, name: &str) -> Option<model_residency::api::ResidencySetStatus> {
+    let sets: Api<ResidencySet> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    sets.get(name).await.ok()?.status
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_set_stamps_a_residency_per_published_gpu_and_drains_one_that_leaves() {
+    let h = Harness::start("sets").await;
+    catalog(&h).await;
+    let sets: Api<ResidencySet> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    // The node's last two of its 16 GPUs (the others are for hand-written
+    // residencies), by a CEL selector over an attribute.
+    let cel = "device.attributes['gpu.nvidia.com'].index >= 14";
+    sets.create(&PostParams::default(), &set(&h, "gpus", cel))
+        .await
+        .unwrap();
+    let name = |gpu: &str| format!("gpus-{}-{gpu}", h.node);
+    until_stamped(&h, "gpus", &[name("gpu-14"), name("gpu-15")]).await;
+    let r = h.api.get(&name("gpu-15")).await.unwrap();
+    assert_eq!(r.spec.node_name.as_deref(), Some(h.node.as_str()));
+    assert!(r.spec.device.starts_with("GPU-"), "{}", r.spec.device);
+    assert_eq!(r.spec.catalog.as_ref().unwrap().name, "models");
+    assert_eq!(r.spec.budget.as_ref().unwrap().0, "12Gi");
+
+    // A model loaded on the GPU that will leave, and a router.
+    h.request(&name("gpu-15"), "a").await;
+    h.until_state(&name("gpu-15"), "a", ModelState::Loaded, 30)
+        .await;
+    let router = RouterUnderTest::exact(&h).await;
+    assert_served_by(&router.chat("a").await, "a");
+    eventually(30, "the set's status to count a on one GPU", || async {
+        let s = set_status(&h, "gpus").await?;
+        (s.devices == 2
+            && s.residencies == 2
+            && s.models.iter().any(|m| m.name == "a" && m.gpus == 1))
+        .then_some(())
+    })
+    .await;
+
+    // A device appears in the slice: its residency is stamped.
+    let slices: Api<ResourceSlice> = Api::all(h.env.client.clone());
+    let slice = slices.get(&slice_name(&h.node)).await.unwrap();
+    let mut devices = serde_json::to_value(&slice.spec.devices).unwrap();
+    let mut extra = devices[15].clone();
+    extra["name"] = json!("gpu-16");
+    extra["attributes"]["index"] = json!({"int": 16});
+    extra["attributes"]["uuid"] = json!({"string": "GPU-added-16"});
+    devices.as_array_mut().unwrap().push(extra);
+    let replace = |devices: Value| json!({"spec": {"devices": devices, "pool": {"name": h.node, "generation": 2, "resourceSliceCount": 1}}});
+    slices
+        .patch(
+            &slice_name(&h.node),
+            &PatchParams::default(),
+            &Patch::Merge(replace(devices.clone())),
+        )
+        .await
+        .unwrap();
+    until_stamped(
+        &h,
+        "gpus",
+        &[name("gpu-14"), name("gpu-15"), name("gpu-16")],
+    )
+    .await;
+
+    // gpu-15 leaves the slice while a request for its model is sent: it is
+    // answered (by gpu-15 before it drains, or by a load elsewhere), the
+    // model is unloaded there, and the residency goes.
+    devices
+        .as_array_mut()
+        .unwrap()
+        .retain(|d| d["name"] != "gpu-15");
+    let asked = {
+        let router = std::sync::Arc::new(router);
+        let r = router.clone();
+        let answer = tokio::spawn(async move { r.chat("a").await });
+        slices
+            .patch(
+                &slice_name(&h.node),
+                &PatchParams::default(),
+                &Patch::Merge(replace(devices)),
+            )
+            .await
+            .unwrap();
+        (answer, router)
+    };
+    let answer = asked.0.await.unwrap();
+    assert_served_by(&answer, "a");
+    until_stamped(&h, "gpus", &[name("gpu-14"), name("gpu-16")]).await;
+    // Asked again: served from a GPU the set still has.
+    let again = asked.1.chat("a").await;
+    assert_served_by(&again, "a");
+    let server = again.headers["x-residency"].to_str().unwrap().to_owned();
+    assert!(!server.ends_with("gpu-15"), "{server}");
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn sets_that_select_nothing_overlap_or_do_not_compile_say_so() {
+    let h = Harness::start("sets-bad").await;
+    catalog(&h).await;
+    let sets: Api<ResidencySet> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    let ready = |name: &'static str, reason: &'static str| {
+        let h = &h;
+        async move {
+            eventually(30, &format!("{name} Ready=False {reason}"), || async {
+                let s = set_status(h, name).await?;
+                let c = s.conditions.iter().find(|c| c.type_ == "Ready")?;
+                (c.status == "False" && c.reason == reason).then(|| (s.clone(), c.message.clone()))
+            })
+            .await
+        }
+    };
+    // A selector that matches nothing.
+    sets.create(
+        &PostParams::default(),
+        &set(
+            &h,
+            "none",
+            "device.attributes['gpu.nvidia.com'].index > 1000",
+        ),
+    )
+    .await
+    .unwrap();
+    let (s, _) = ready("none", "NoDevicesMatched").await;
+    assert_eq!((s.devices, s.residencies), (0, 0));
+    // One that does not compile: said, nothing made.
+    sets.create(
+        &PostParams::default(),
+        &set(&h, "broken", "device.attributes['gpu.nvidia.com'].index >"),
+    )
+    .await
+    .unwrap();
+    let (_, message) = ready("broken", "InvalidSelector").await;
+    assert!(message.contains("is not a CEL expression"), "{message}");
+    // Two sets over one device: the first holds it, the second says so.
+    // A hand-written residency on gpu-12 holds that one from both.
+    h.create_on("mine", "8Gi", &[("x", "1Gi", false)], "12")
+        .await;
+    let overlap = "device.attributes['gpu.nvidia.com'].index >= 12 && device.attributes['gpu.nvidia.com'].index <= 13";
+    sets.create(&PostParams::default(), &set(&h, "first", overlap))
+        .await
+        .unwrap();
+    let first = format!("first-{}-gpu-13", h.node);
+    until_stamped(&h, "first", std::slice::from_ref(&first)).await;
+    sets.create(&PostParams::default(), &set(&h, "second", overlap))
+        .await
+        .unwrap();
+    eventually(30, "second to skip both devices", || async {
+        let s = set_status(&h, "second").await?;
+        (s.devices == 2 && s.skipped.len() == 2).then_some(s)
+    })
+    .await;
+    assert!(stamped(&h, "second").await.is_empty());
+    let s = set_status(&h, "first").await.unwrap();
+    assert!(
+        s.skipped
+            .iter()
+            .any(|m| m.contains("held by ModelResidency") && m.contains("/mine")),
+        "{:?}",
+        s.skipped
+    );
+    // The second set's residency never appeared; the first's stays.
+    let r: ModelResidency = h.api.get(&first).await.unwrap();
+    assert_eq!(r.metadata.labels.unwrap()["residency.dev/set"], "first");
+}
