@@ -26,7 +26,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 K8S_VERSION=v1.37.2
 CONTAINERD_VERSION=v2.4.2
 # Bump when the build recipe changes, so stale caches are rebuilt.
-BUILD_REV=go1
+BUILD_REV=go2
 CACHE_ROOT=${MODEL_RESIDENCY_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/model-residency}
 OUT=$CACHE_ROOT/real-node/$K8S_VERSION-containerd-$CONTAINERD_VERSION-$BUILD_REV
 BINARIES=(kubelet containerd containerd-shim-runc-v2 ctr gpu-plugin)

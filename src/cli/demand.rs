@@ -89,22 +89,7 @@ pub async fn demand(target: Target, command: DemandCommand) -> Result<(), Failur
             }
             println!("requested {model} on {residency} at {at}");
             // Its registry with its catalog, if it names one (read now).
-            let catalog = match &r.spec.catalog {
-                Some(c) => {
-                    let catalogs: Api<model_residency::api::ModelCatalog> = api_of(&target).await?;
-                    catalogs.get_opt(&c.name).await.ok().flatten()
-                }
-                None => None,
-            };
-            let registry = match model_residency::residency::catalog::resolve(&r, catalog.as_ref())
-            {
-                Ok(Some(resolved)) => resolved.spec.models,
-                Ok(None) => r.spec.models.clone(),
-                Err(problem) => {
-                    eprintln!("warning: {problem}");
-                    r.spec.models.clone()
-                }
-            };
+            let registry = with_catalog(api.clone().into_client(), r).await.spec.models;
             if !registry.iter().any(|m| m.name == model) {
                 eprintln!(
                     "warning: {model:?} is not in {residency}'s registry; it will be refused (UnknownModel)"
@@ -127,8 +112,29 @@ pub async fn status(target: Target, residency: String) -> Result<(), Failure> {
         .get(&residency)
         .await
         .map_err(|e| not_found(e, &residency))?;
+    let r = with_catalog(api.into_client(), r).await;
     print!("{}", render_status(&r));
     Ok(())
+}
+
+/// `r` with the models of the ModelCatalog it names (read now), as the
+/// operator reads it; as it is when it names none, or (with a warning on
+/// standard error) when its catalog cannot be read.
+pub async fn with_catalog(client: kube::Client, r: ModelResidency) -> ModelResidency {
+    let Some(c) = &r.spec.catalog else {
+        return r;
+    };
+    let ns = kube::ResourceExt::namespace(&r).unwrap_or_default();
+    let catalogs: Api<model_residency::api::ModelCatalog> = Api::namespaced(client, &ns);
+    let catalog = catalogs.get_opt(&c.name).await.ok().flatten();
+    match model_residency::residency::catalog::resolve(&r, catalog.as_ref()) {
+        Ok(Some(resolved)) => resolved,
+        Ok(None) => r,
+        Err(problem) => {
+            eprintln!("warning: {problem}");
+            r
+        }
+    }
 }
 
 /// The human view: resident models in LRU order, used/budget, and what the

@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 /// The containerd release `scripts/real-node.sh` builds.
 pub const CONTAINERD_VERSION: &str = "v2.4.2";
 /// Its cache entry (the kubelet's release, containerd's, the recipe rev).
-const CACHE_KEY: &str = "v1.37.2-containerd-v2.4.2-go1";
+const CACHE_KEY: &str = "v1.37.2-containerd-v2.4.2-go2";
 const BINARIES: [&str; 4] = [
     "kubelet",
     "containerd",
@@ -164,6 +164,7 @@ impl RealNode {
             startup: Duration::ZERO,
         };
         write_configs(&d, &lane)?;
+        fs::write(d.join(GPUS_FILE), options.gpus.to_string())?;
         node.spawn(
             &bin,
             "containerd",
@@ -181,6 +182,13 @@ impl RealNode {
         node.until_ready(client).await?;
         node.startup = t0.elapsed();
         Ok(node)
+    }
+
+    /// Makes the node's DRA plugin publish `gpus` GPUs from now on (within a
+    /// second): a GPU added, or the highest-indexed taken away, as a
+    /// driver's slice follows its devices.
+    pub fn set_gpus(&self, gpus: u32) -> std::io::Result<()> {
+        fs::write(self.dir().join(GPUS_FILE), gpus.to_string())
     }
 
     /// The node's directory (configs, logs, the kubelet's root).
@@ -537,11 +545,15 @@ fn kubelet_args(d: &Path, name: &str) -> Vec<String> {
     ]
 }
 
+/// The file the plugin reads its GPU count from ([`RealNode::set_gpus`]).
+const GPUS_FILE: &str = "etc/gpus";
+
 fn plugin_args(d: &Path, plane: &ControlPlane, options: &RealNodeOptions) -> Vec<String> {
     vec![
         format!("--kubeconfig={}", plane.kubeconfig().display()),
         format!("--node-name={}", options.name),
         format!("--gpus={}", options.gpus),
+        format!("--gpus-file={}", d.join(GPUS_FILE).display()),
         format!("--gpu-memory={}", options.gpu_memory),
         format!("--product-name={}", super::kubelet::FAKE_PRODUCT),
         format!(

@@ -6,6 +6,10 @@
 //! this replica holds the Lease ([`lease`]). Wiring only: what a reconcile
 //! decides and does is the controllers' business.
 
+mod catalogs;
+
+use catalogs::*;
+
 pub mod lease;
 pub mod model_demand;
 pub mod residency_set;
@@ -87,7 +91,8 @@ pub async fn run(
         kube::runtime::controller::Config::default().concurrency(RECONCILE_CONCURRENCY),
     );
     let pod_events = pod_events(&ctx, pods);
-    let catalog_events = catalog_events(ctx.clone(), namespace.as_deref(), store.clone()).await;
+    let (catalog_events, _catalog_watch) =
+        catalog_events(ctx.clone(), namespace.as_deref(), store.clone()).await;
     let cache_events = node_cache_events(ctx.clone(), store.clone()).await;
     let gpu_events = gpu_events(ctx.clone(), namespace.as_deref(), store.clone()).await;
     // Ended with this function however it ends: a lost lease aborts it
@@ -301,75 +306,6 @@ async fn start_model_demands(
 /// The nodes' artifact caches (`NodeModelCache`, when its opt-in CRD is
 /// installed): each change is recorded in the context and wakes the
 /// residencies on that node (a model waiting in Fetching may start).
-/// The ModelCatalogs, watched into `ctx.catalogs`: a change to one
-/// (deleted included) reconciles every residency that names it. A cluster
-/// that does not serve the kind (CRDs of an earlier release) leaves the
-/// catalogs empty: a residency naming one says its catalog is missing.
-async fn catalog_events(
-    ctx: Arc<Context>,
-    namespace: Option<&str>,
-    residencies: reflector::Store<ModelResidency>,
-) -> futures::stream::BoxStream<'static, ObjectRef<ModelResidency>> {
-    use crate::api::ModelCatalog;
-    use crate::residency::catalog::Catalogs;
-    let api: Api<ModelCatalog> = crate::cluster::api_in(&ctx.client, namespace);
-    if let Err(e) = api
-        .list_metadata(&kube::api::ListParams::default().limit(1))
-        .await
-    {
-        tracing::info!(error = %e, "ModelCatalog objects are not served: residencies naming a catalog say it is missing");
-        return futures::stream::empty().boxed();
-    }
-    let (store, writer) = reflector::store();
-    ctx.catalogs.set(store);
-    reflector(writer, watcher(api, watcher::Config::default()))
-        .backoff(crate::cluster::WatchBackoff::default())
-        .flat_map(move |event| {
-            let touched = match event {
-                Ok(watcher::Event::Apply(c) | watcher::Event::InitApply(c)) => {
-                    count_models(&ctx, &c);
-                    Catalogs::users(&residencies, &ObjectRef::from_obj(&c))
-                }
-                Ok(watcher::Event::Delete(c)) => {
-                    Catalogs::users(&residencies, &ObjectRef::from_obj(&c))
-                }
-                Ok(_) => Vec::new(),
-                Err(e) => {
-                    tracing::debug!(error = %e, "catalog watch");
-                    Vec::new()
-                }
-            };
-            futures::stream::iter(touched)
-        })
-        .boxed()
-}
-
-/// Writes a catalog's model count into its status (`kubectl get mcat`)
-/// when it is not what the status says, in the background.
-fn count_models(ctx: &Arc<Context>, c: &crate::api::ModelCatalog) {
-    let models = c.spec.models.len() as u32;
-    let current = c.status.as_ref();
-    if current.is_some_and(|s| s.models == models && s.observed_generation == c.metadata.generation)
-    {
-        return;
-    }
-    let (Some(ns), name) = (c.namespace(), c.name_any()) else {
-        return;
-    };
-    let status = crate::api::ModelCatalogStatus {
-        models,
-        observed_generation: c.metadata.generation,
-    };
-    let ctx = ctx.clone();
-    tokio::spawn(async move {
-        let api: Api<crate::api::ModelCatalog> = Api::namespaced(ctx.client.clone(), &ns);
-        ctx.metrics.api_request("patch", "modelcatalogs");
-        if let Err(e) = crate::cluster::apply_status(&api, &name, MANAGER, &status).await {
-            tracing::debug!(error = %e, "catalog status");
-        }
-    });
-}
-
 async fn node_cache_events(
     ctx: Arc<Context>,
     residencies: reflector::Store<ModelResidency>,

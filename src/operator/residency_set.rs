@@ -82,33 +82,38 @@ pub async fn run(
     let (slices, slice_writer) = reflector::store();
     let (classes, class_writer) = reflector::store();
     let (nodes, node_writer) = reflector::store();
-    let slice_events = watcher(
-        Api::<ResourceSlice>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .backoff(crate::cluster::WatchBackoff::default())
-    .reflect(slice_writer)
-    .touched_objects()
-    .filter_map(|r| futures::future::ready(r.ok()))
-    .flat_map(everyone(all_sets.clone()));
-    let class_events = watcher(
-        Api::<DeviceClass>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .backoff(crate::cluster::WatchBackoff::default())
-    .reflect(class_writer)
-    .touched_objects()
-    .filter_map(|r| futures::future::ready(r.ok()))
-    .flat_map(everyone(all_sets.clone()));
-    let node_events = watcher(
-        Api::<PartialObjectMeta<Node>>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .backoff(crate::cluster::WatchBackoff::default())
-    .reflect(node_writer)
-    .touched_objects()
-    .filter_map(|r| futures::future::ready(r.ok()))
-    .flat_map(everyone(all_sets.clone()));
+    // The devices, classes and nodes are read by tasks of their own (a
+    // reconcile waits for their first lists: they must not depend on the
+    // controller pulling its triggers); a change to any may concern every
+    // set.
+    let (changed_tx, changed_rx) = futures::channel::mpsc::unbounded();
+    let _watches = [
+        spawn_reflector(
+            watcher(
+                Api::<ResourceSlice>::all(client.clone()),
+                watcher::Config::default(),
+            ),
+            slice_writer,
+            changed_tx.clone(),
+        ),
+        spawn_reflector(
+            watcher(
+                Api::<DeviceClass>::all(client.clone()),
+                watcher::Config::default(),
+            ),
+            class_writer,
+            changed_tx.clone(),
+        ),
+        spawn_reflector(
+            watcher(
+                Api::<PartialObjectMeta<Node>>::all(client.clone()),
+                watcher::Config::default(),
+            ),
+            node_writer,
+            changed_tx,
+        ),
+    ];
+    let changes = changed_rx.flat_map(everyone(all_sets.clone()));
     let ctx = Arc::new(Context {
         client,
         metrics,
@@ -117,10 +122,7 @@ pub async fn run(
         classes,
         nodes,
     });
-    let triggers = futures::stream::select(
-        futures::stream::select(slice_events, class_events),
-        futures::stream::select(node_events, owned),
-    );
+    let triggers = futures::stream::select(changes, owned);
     controller
         .with_config(
             kube::runtime::controller::Config::default().debounce(Duration::from_millis(500)),
@@ -130,6 +132,36 @@ pub async fn run(
         .run(reconcile, error_policy, ctx)
         .for_each(|_| async {})
         .await;
+}
+
+/// Runs `events` into `writer`'s store in a task (aborted when the guard
+/// is dropped), saying each change on `changed`.
+fn spawn_reflector<K>(
+    events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+    writer: reflector::store::Writer<K>,
+    changed: futures::channel::mpsc::UnboundedSender<()>,
+) -> Aborting
+where
+    K: kube::Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
+{
+    let run = events
+        .backoff(crate::cluster::WatchBackoff::default())
+        .reflect(writer)
+        .for_each(move |_| {
+            let _ = changed.unbounded_send(());
+            futures::future::ready(())
+        });
+    Aborting(tokio::spawn(run))
+}
+
+/// A task that ends with its guard.
+struct Aborting(tokio::task::JoinHandle<()>);
+
+impl Drop for Aborting {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// A change to the devices, a class or a node may concern every set.
@@ -169,6 +201,18 @@ struct Wanted<'a> {
 }
 
 async fn reconcile(set: Arc<ResidencySet>, ctx: Arc<Context>) -> Result<Action, Error> {
+    // Nothing is decided on a partial view: a device missing from a slice
+    // store that has not listed yet would drain its residency.
+    use futures::FutureExt;
+    let listed = [
+        ctx.slices.wait_until_ready().now_or_never(),
+        ctx.classes.wait_until_ready().now_or_never(),
+        ctx.nodes.wait_until_ready().now_or_never(),
+        ctx.residencies.wait_until_ready().now_or_never(),
+    ];
+    if listed.iter().any(|l| !matches!(l, Some(Ok(())))) {
+        return Ok(Action::requeue(Duration::from_millis(500)));
+    }
     let ns = set.namespace().ok_or(Error::Incomplete("namespace"))?;
     let uid = set.uid().ok_or(Error::Incomplete("uid"))?;
     let name = set.name_any();

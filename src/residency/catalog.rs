@@ -112,11 +112,18 @@ impl Catalogs {
     }
 
     /// Waits until the catalogs' first list is in (no catalog reads as
-    /// missing because its watch had not listed yet); at once when none
-    /// is watched.
+    /// missing because its watch had not listed yet), for at most 30 s (a
+    /// watch that cannot list then makes the residency say its catalog is
+    /// missing rather than say nothing); at once when none is watched.
     pub async fn wait_ready(&self) {
         if let Some(store) = self.store() {
-            let _ = store.wait_until_ready().await;
+            let ready = store.wait_until_ready();
+            if tokio::time::timeout(std::time::Duration::from_secs(30), ready)
+                .await
+                .is_err()
+            {
+                tracing::warn!("the ModelCatalog watch has not listed in 30 s");
+            }
         }
     }
 

@@ -553,17 +553,24 @@ fn the_demo_runs_end_to_end() {
     for want in [
         // It says which Kubernetes it runs on (1.34-1.37).
         "   Kubernetes v1.3",
+        // The seed's models declared once, a set over GPU 0 that stamps
+        // its residency and counts it.
+        "modelcatalog.residency.dev/seed   7",
+        "   stamped ModelResidency seed-node-a-gpu-0",
+        "residencyset.residency.dev/seed   seed      1         1",
         // Its GPU through a claim, allocated and reserved for the holder;
         // `gpus` shows it held and the node's other GPU free.
-        "seed-gpu-gpu   gpu-0    node-a   seed-gpu-gpu-holder",
+        "seed-node-a-gpu-0-gpu   gpu-0    node-a   seed-node-a-gpu-0-gpu-holder",
         "$ model-residency gpus",
-        "models/seed-gpu",
-        "answer: \"zimage on seed-gpu-zimage-",
+        "models/seed-node-a-gpu-0",
+        "answer: \"zimage on seed-node-a-gpu-0-zimage-",
+        // The status view reads the catalog's models too.
+        "  zimage                  10900Mi  Evicted  evicts qwen-llm, sdxl",
         "HTTP 503",
         "\"code\":\"model_refused\"",
         "HTTP 404",
         "\"code\":\"model_not_found\"",
-        "answer: \"llama on seed-gpu-llama-",
+        "answer: \"llama on seed-node-a-gpu-0-llama-",
         "model_residency_node_agent_fetches_total{result=\"Fetched\"} 1",
         "-> /models/llama (readOnly true)",
         // The warm tier: a sleep, then a wake on the same pod.

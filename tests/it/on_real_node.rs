@@ -491,3 +491,82 @@ async fn the_node_agent_runs_as_a_pod_and_the_artifact_is_read_only_in_the_model
         .await
         .unwrap();
 }
+
+/// A ResidencySet over the GPUs the real node's DRA plugin publishes: a
+/// GPU added to its slice gets a residency, whose model loads in a real
+/// container; taken away, the request on it is answered, the model
+/// unloaded and the residency removed.
+#[tokio::test]
+#[ignore = "needs the real node's lane (scripts/test.sh runs it)"]
+async fn a_set_follows_the_gpus_the_real_plugin_publishes() {
+    use crate::support::lane::GPUS;
+    use kube::api::{Api, ListParams, PostParams};
+    use model_residency::api::{ModelCatalog, ResidencySet};
+    let h = real_harness("real-node-set", 0).await;
+    let catalogs: Api<ModelCatalog> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    let catalog: ModelCatalog = serde_json::from_value(serde_json::json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelCatalog",
+        "metadata": {"name": "models"},
+        "spec": {"models": [{"name": "m", "size": "10Gi", "template": (h.template)("m")}]},
+    }))
+    .unwrap();
+    catalogs
+        .create(&PostParams::default(), &catalog)
+        .await
+        .unwrap();
+    // Only GPUs past the lane's own (the plugin publishes GPUS of them).
+    let sets: Api<ResidencySet> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    let set: ResidencySet = serde_json::from_value(serde_json::json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ResidencySet",
+        "metadata": {"name": "extra"},
+        "spec": {"devices": {"selectors": [{"cel": {"expression":
+                    format!("device.attributes['gpu.nvidia.com'].index >= {GPUS}")}}]},
+            "catalog": {"name": "models"},
+            "residency": {"budget": "40Gi", "gpu": {"mode": "env"}}},
+    }))
+    .unwrap();
+    sets.create(&PostParams::default(), &set).await.unwrap();
+    let stamped = || async {
+        let lp = ListParams::default().labels("residency.dev/set=extra");
+        h.api
+            .list(&lp)
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .map(|r| r.metadata.name.unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert!(stamped().await.is_empty());
+    // A GPU appears in the plugin's slice.
+    let node = &cluster().node;
+    node.set_gpus(GPUS + 1).unwrap();
+    let name = format!("extra-{NODE}-gpu-{GPUS}");
+    eventually(60, "a residency stamped for the new GPU", || async {
+        (stamped().await == [name.clone()]).then_some(())
+    })
+    .await;
+    let router = std::sync::Arc::new(RouterUnderTest::exact(&h).await);
+    assert_served_by(&router.chat("m").await, "m");
+    let pod = model_pod(&h, &name, "m").await;
+    assert!(container_of(&pod).0.starts_with("containerd://"));
+    // It leaves while a request for its model is sent: answered, then the
+    // model unloaded and the residency gone.
+    let asked = {
+        let router = router.clone();
+        tokio::spawn(async move { router.chat("m").await })
+    };
+    node.set_gpus(GPUS).unwrap();
+    assert_served_by(&asked.await.unwrap(), "m");
+    eventually(
+        90,
+        "the residency of the GPU that left to be gone",
+        || async { stamped().await.is_empty().then_some(()) },
+    )
+    .await;
+    let gone = model_residency::controller::pods::pod_name(&name, "m");
+    eventually(60, "its model pod to be gone", || async {
+        h.pods.get_opt(&gone).await.ok()?.is_none().then_some(())
+    })
+    .await;
+}

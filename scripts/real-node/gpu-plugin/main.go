@@ -10,6 +10,9 @@
 // claim by writing a CDI spec that containerd applies to every container
 // using it: NVIDIA_VISIBLE_DEVICES=<uuids> as NVIDIA's driver sets it, plus
 // FAKE_GPU_DEVICES=<device names> and FAKE_GPU_CLAIM=<namespace/name>.
+// With --gpus-file, the GPU count is read from that file every second and
+// the slice published again when it changes (a GPU added or taken away,
+// the highest index first), as a driver does when a device comes or goes.
 // What it fakes is the device itself: no memory, no /dev node.
 package main
 
@@ -26,7 +29,10 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+	"strconv"
+	"sync"
 	"syscall"
+	"time"
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -49,6 +55,7 @@ const (
 
 type plugin struct {
 	cdiDir string
+	mu     sync.Mutex
 	uuids  map[string]string // device name -> uuid
 }
 
@@ -56,6 +63,7 @@ func main() {
 	kubeconfig := flag.String("kubeconfig", "", "the kubeconfig the plugin publishes its ResourceSlice with")
 	node := flag.String("node-name", "", "the node's name (the pool's and the slice's)")
 	gpus := flag.Int("gpus", 2, "how many GPUs the node has")
+	gpusFile := flag.String("gpus-file", "", "a file holding the GPU count, read every second (the slice follows it)")
 	memory := flag.String("gpu-memory", "80Gi", "each GPU's memory (the slice's capacity)")
 	product := flag.String("product-name", "NVIDIA H100 80GB HBM3 (real-node gpu-plugin)", "the productName attribute")
 	registry := flag.String("registry-dir", kubeletplugin.KubeletRegistryDir, "the kubelet's plugins_registry directory")
@@ -67,13 +75,13 @@ func main() {
 		flag.PrintDefaults()
 	}
 	flag.Parse()
-	if err := run(*kubeconfig, *node, *gpus, *memory, *product, *registry, *plugins, *cdiDir); err != nil {
+	if err := run(*kubeconfig, *node, *gpus, *gpusFile, *memory, *product, *registry, *plugins, *cdiDir); err != nil {
 		klog.ErrorS(err, "gpu-plugin")
 		os.Exit(1)
 	}
 }
 
-func run(kubeconfig, node string, gpus int, memory, product, registry, plugins, cdiDir string) error {
+func run(kubeconfig, node string, gpus int, gpusFile, memory, product, registry, plugins, cdiDir string) error {
 	if node == "" || gpus < 1 || gpus > 128 {
 		return errors.New("--node-name and 1 to 128 --gpus are required")
 	}
@@ -98,22 +106,12 @@ func run(kubeconfig, node string, gpus int, memory, product, registry, plugins, 
 		}
 	}
 	p := &plugin{cdiDir: cdiDir, uuids: map[string]string{}}
-	devices := make([]resourceapi.Device, 0, gpus)
-	for i := 0; i < gpus; i++ {
-		name := fmt.Sprintf("gpu-%d", i)
-		p.uuids[name] = gpuUUID(node, uint32(i))
-		devices = append(devices, resourceapi.Device{
-			Name: name,
-			Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
-				"type":        {StringValue: ptr.To("gpu")},
-				"index":       {IntValue: ptr.To(int64(i))},
-				"minor":       {IntValue: ptr.To(int64(i))},
-				"uuid":        {StringValue: ptr.To(p.uuids[name])},
-				"productName": {StringValue: ptr.To(product)},
-			},
-			Capacity: map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{"memory": {Value: mem}},
-		})
+	if gpusFile != "" {
+		if n, ok := readCount(gpusFile); ok {
+			gpus = n
+		}
 	}
+	devices := p.devices(node, gpus, mem, product)
 	helper, err := kubeletplugin.Start(ctx, p,
 		kubeletplugin.KubeClient(client),
 		kubeletplugin.NodeName(node),
@@ -133,8 +131,68 @@ func run(kubeconfig, node string, gpus int, memory, product, registry, plugins, 
 		return err
 	}
 	klog.InfoS("publishing", "driver", driver, "node", node, "gpus", gpus)
-	<-ctx.Done()
-	return nil
+	if gpusFile == "" {
+		<-ctx.Done()
+		return nil
+	}
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick.C:
+		}
+		n, ok := readCount(gpusFile)
+		if !ok || n == gpus {
+			continue
+		}
+		gpus = n
+		resources.Pools[node] = resourceslice.Pool{Slices: []resourceslice.Slice{{Devices: p.devices(node, gpus, mem, product)}}}
+		if err := helper.PublishResources(ctx, resources); err != nil {
+			klog.ErrorS(err, "publishing again", "gpus", gpus)
+			continue
+		}
+		klog.InfoS("publishing", "driver", driver, "node", node, "gpus", gpus)
+	}
+}
+
+// readCount reads a GPU count (1 to 128) from path.
+func readCount(path string) (int, bool) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return 0, false
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || n < 1 || n > 128 {
+		return 0, false
+	}
+	return n, true
+}
+
+// devices are the node's first n GPUs, as the slice lists them; the uuids
+// of those are what claims can be prepared with.
+func (p *plugin) devices(node string, n int, mem resource.Quantity, product string) []resourceapi.Device {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.uuids = map[string]string{}
+	devices := make([]resourceapi.Device, 0, n)
+	for i := 0; i < n; i++ {
+		name := fmt.Sprintf("gpu-%d", i)
+		p.uuids[name] = gpuUUID(node, uint32(i))
+		devices = append(devices, resourceapi.Device{
+			Name: name,
+			Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+				"type":        {StringValue: ptr.To("gpu")},
+				"index":       {IntValue: ptr.To(int64(i))},
+				"minor":       {IntValue: ptr.To(int64(i))},
+				"uuid":        {StringValue: ptr.To(p.uuids[name])},
+				"productName": {StringValue: ptr.To(product)},
+			},
+			Capacity: map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{"memory": {Value: mem}},
+		})
+	}
+	return devices
 }
 
 // gpuUUID is the kubelet stand-in's fake_gpu_uuid (src/local/kubelet.rs),
@@ -175,7 +233,9 @@ func (p *plugin) prepare(claim *resourceapi.ResourceClaim) kubeletplugin.Prepare
 		if r.Driver != driver {
 			continue
 		}
+		p.mu.Lock()
 		uuid, ok := p.uuids[r.Device]
+		p.mu.Unlock()
 		if !ok {
 			return kubeletplugin.PrepareResult{Err: fmt.Errorf("claim %s/%s: no device %q on this node", claim.Namespace, claim.Name, r.Device)}
 		}

@@ -5,8 +5,10 @@
 //! CRD and the chart's RBAC, runs `model-residency run --leader-elect` and
 //! `model-residency route` as separate processes, each with its chart
 //! ServiceAccount's permissions, plays the kubelet for one fake GPU node
-//! (every model pod a real HTTP server), applies
-//! `examples/seed-registry.yaml` (the seed's models on a 16000Mi GPU) and
+//! (every model pod a real HTTP server), declares the models of
+//! `examples/seed-registry.yaml` once as a ModelCatalog and a ResidencySet
+//! over the node's GPU 0 with the manifest's 16000Mi budget (the operator
+//! stamps that GPU's ModelResidency from the node's ResourceSlice), and
 //! sends the seed's requests through the router as real HTTP: held cold
 //! starts, hits, LRU evictions, an oversized model refused (503 with the
 //! sizes), an unknown model (404), then an unload. Then the node's disk:
@@ -50,7 +52,8 @@ const NAMESPACE: &str = "models";
 fn checkout_file(relative: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(relative)
 }
-const NAME: &str = "seed-gpu";
+/// The catalog and the set the demo declares.
+const SEED: &str = "seed";
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -247,20 +250,13 @@ async fn story(
         .create(&PostParams::default(), &ns)
         .await
         .map_err(fail("create the namespace"))?;
-    say(&format!(
-        "Applying {NAME}: a 16000Mi GPU with the seed's models (zimage 10900Mi, qwen-llm 3000Mi, sdxl 6000Mi, oversized 20000Mi, small-a/b/c 4000Mi)"
-    ));
+    let name = catalog_and_set(&client, &residency).await?;
     let api: Api<ModelResidency> = Api::namespaced(client.clone(), NAMESPACE);
-    api.create(&PostParams::default(), &residency)
-        .await
-        .map_err(fail("create the ModelResidency"))?;
-    let name = residency
-        .metadata
-        .name
-        .clone()
-        .unwrap_or_else(|| NAME.into());
     settle(&api, &name).await?;
-    kubectl(kc, &["get", "mres", "-n", NAMESPACE, "-o", "wide"]);
+    kubectl(
+        kc,
+        &["get", "mcat,mrset,mres", "-n", NAMESPACE, "-o", "wide"],
+    );
     say(
         "Its GPU, the way current clusters grant one (spec.gpu.mode claim, the default): the operator made one ResourceClaim for exactly GPU 0 of the node, and a small holder pod that the scheduler placed, allocating the claim; every model pod will reference the same claim",
     );
@@ -404,6 +400,97 @@ async fn epilogue(
     )
     .await;
     Ok(())
+}
+
+/// Declares the manifest's models once, as ModelCatalog `seed`, and a
+/// ResidencySet `seed` over the node's GPU the manifest names (its budget
+/// and GPU mode): the operator stamps that GPU's residency from the
+/// ResourceSlice the node publishes. Its name, once it is there.
+async fn catalog_and_set(
+    client: &kube::Client,
+    residency: &ModelResidency,
+) -> Result<String, Failure> {
+    use model_residency::api::{ModelCatalog, ResidencySet};
+    let node = demo_node(residency);
+    let spec = &residency.spec;
+    say(&format!(
+        "Declaring the seed's models once: ModelCatalog {SEED} (zimage 10900Mi, qwen-llm 3000Mi, sdxl 6000Mi, oversized 20000Mi, small-a/b/c 4000Mi)"
+    ));
+    let catalog: ModelCatalog = serde_json::from_value(serde_json::json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelCatalog",
+        "metadata": {"name": SEED}, "spec": {"models": spec.models},
+    }))
+    .map_err(Failure::other)?;
+    Api::<ModelCatalog>::namespaced(client.clone(), NAMESPACE)
+        .create(&PostParams::default(), &catalog)
+        .await
+        .map_err(fail("create the ModelCatalog"))?;
+    let selector = format!(
+        "device.attributes['gpu.nvidia.com'].index == {}",
+        spec.device
+    );
+    say(&format!(
+        "A ResidencySet {SEED} over the GPUs the node publishes that `{selector}` selects, each with a {} budget and the catalog: the operator stamps one ModelResidency per GPU from the node's ResourceSlice",
+        spec.budget
+            .as_ref()
+            .map_or("device-sized", |b| b.0.as_str())
+    ));
+    let mut settings = serde_json::json!({});
+    if let Some(b) = &spec.budget {
+        settings["budget"] = serde_json::json!(b.0);
+    }
+    if *spec.gpu != Default::default() {
+        settings["gpu"] = serde_json::json!(spec.gpu);
+    }
+    let set: ResidencySet = serde_json::from_value(serde_json::json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ResidencySet",
+        "metadata": {"name": SEED},
+        "spec": {"devices": {"selectors": [{"cel": {"expression": selector}}]},
+            "catalog": {"name": SEED}, "residency": settings},
+    }))
+    .map_err(Failure::other)?;
+    Api::<ResidencySet>::namespaced(client.clone(), NAMESPACE)
+        .create(&PostParams::default(), &set)
+        .await
+        .map_err(fail("create the ResidencySet"))?;
+    let name = model_residency::residency::devices::stamped_name(
+        SEED,
+        &node,
+        &format!("gpu-{}", spec.device),
+    );
+    let api: Api<ModelResidency> = Api::namespaced(client.clone(), NAMESPACE);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while api
+        .get_opt(&name)
+        .await
+        .map_err(fail("read the ModelResidency"))?
+        .is_none()
+    {
+        if Instant::now() > deadline {
+            return Err(Failure::other(format!(
+                "the set stamped no {name} within 60 s"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    println!("   stamped ModelResidency {name}");
+    // The set counts it once the residency watch has it.
+    let sets: Api<ResidencySet> = Api::namespaced(client.clone(), NAMESPACE);
+    while sets
+        .get(SEED)
+        .await
+        .map_err(fail("read the ResidencySet"))?
+        .status
+        .is_none_or(|s| s.residencies == 0)
+    {
+        if Instant::now() > deadline {
+            return Err(Failure::other(format!(
+                "{SEED} did not count {name} within 60 s"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(name)
 }
 
 /// Says `title` and prints the lines of `addr`'s /metrics that `keep`.

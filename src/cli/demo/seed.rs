@@ -135,6 +135,7 @@ pub(super) async fn seed_requests(
         kubectl(kc, &["get", "mres", "-n", NAMESPACE]);
         if matches!(i, 3 | 5 | 7) {
             println!("$ model-residency status {name} -n {NAMESPACE}");
+            let r = super::super::demand::with_catalog(api.clone().into_client(), r).await;
             print!("{}", render_status(&r));
         }
     }
