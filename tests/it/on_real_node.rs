@@ -500,7 +500,7 @@ async fn the_node_agent_runs_as_a_pod_and_the_artifact_is_read_only_in_the_model
 #[ignore = "needs the real node's lane (scripts/test.sh runs it)"]
 async fn a_set_follows_the_gpus_the_real_plugin_publishes() {
     use crate::support::lane::GPUS;
-    use kube::api::{Api, ListParams, PostParams};
+    use kube::api::{Api, PostParams};
     use model_residency::api::{ModelCatalog, ResidencySet};
     let h = real_harness("real-node-set", 0).await;
     let catalogs: Api<ModelCatalog> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
@@ -526,24 +526,14 @@ async fn a_set_follows_the_gpus_the_real_plugin_publishes() {
     }))
     .unwrap();
     sets.create(&PostParams::default(), &set).await.unwrap();
-    let stamped = || async {
-        let lp = ListParams::default().labels("residency.dev/set=extra");
-        h.api
-            .list(&lp)
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .map(|r| r.metadata.name.unwrap())
-            .collect::<Vec<_>>()
-    };
+    let stamped = || crate::residency_set::stamped(&h, "extra");
     assert!(stamped().await.is_empty());
     // A GPU appears in the plugin's slice.
     let node = &cluster().node;
     node.set_gpus(GPUS + 1).unwrap();
     let name = format!("extra-{NODE}-gpu-{GPUS}");
     eventually(60, "a residency stamped for the new GPU", || async {
-        (stamped().await == [name.clone()]).then_some(())
+        (stamped().await == [name.clone()].into()).then_some(())
     })
     .await;
     let router = std::sync::Arc::new(RouterUnderTest::exact(&h).await);

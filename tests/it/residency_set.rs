@@ -43,7 +43,7 @@ fn set(h: &Harness, name: &str, cel: &str) -> ResidencySet {
 }
 
 /// The names of the residencies set `name` owns.
-async fn stamped(h: &Harness, name: &str) -> BTreeSet<String> {
+pub async fn stamped(h: &Harness, name: &str) -> BTreeSet<String> {
     let lp = ListParams::default().labels(&format!("residency.dev/set={name}"));
     h.api
         .list(&lp)
