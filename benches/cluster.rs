@@ -16,6 +16,10 @@
 //!   operator stopped (the API server's own cost for it).
 //! - `memory [--counts 1000,10000]`: `model-residency run` as a separate
 //!   process; its RSS once N residencies and their pods have converged.
+//! - `--catalog` (scale and memory): the residencies name one ModelCatalog
+//!   of the models (each residency its first `--models`) instead of
+//!   listing them inline; each model then has one size everywhere. Scale
+//!   prints the bytes of one residency object as the API server returns it.
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
@@ -50,8 +54,21 @@ const SHAPED_FLOOR_NS: &str = "bench-floor-shaped";
 /// residencies that no operator watches: the storm's own cost.
 const STORM_FLOOR_NS: &str = "bench-storm-floor";
 
+/// `--catalog`: the fleets name a ModelCatalog instead of inline models.
+static CATALOG: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// The catalog's name and how many models it holds.
+const FLEET_CATALOG: &str = "fleet";
+const CATALOG_MODELS: usize = 20;
+
+fn catalog_mode() -> bool {
+    CATALOG.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 fn main() {
     let args = bench_args();
+    if args.iter().any(|a| a == "--catalog") {
+        CATALOG.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
     let mode = args.first().cloned().unwrap_or_else(|| "latency".into());
     let plane = start_plane();
     let rt = runtime();
@@ -89,14 +106,40 @@ fn main() {
 async fn setup(client: &kube::Client) {
     model_residency::local::install_crd(client).await.unwrap();
     create_namespace(client, NS).await;
+    if catalog_mode() {
+        let models: Vec<_> = (0..CATALOG_MODELS)
+            .map(|m| model_json(&format!("model-{m}"), &format!("{}Gi", 1 + (m * 7) % 4)))
+            .collect();
+        let catalog: model_residency::api::ModelCatalog = serde_json::from_value(json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelCatalog",
+            "metadata": {"name": FLEET_CATALOG}, "spec": {"models": models},
+        }))
+        .unwrap();
+        Api::<model_residency::api::ModelCatalog>::namespaced(client.clone(), NS)
+            .create(&PostParams::default(), &catalog)
+            .await
+            .unwrap();
+    }
+}
+
+fn model_json(name: &str, size: &str) -> serde_json::Value {
+    json!({"name": name, "size": size,
+        "template": {"spec": {"containers": [{"name": "server", "image": format!("example/{name}:1")}]}}})
 }
 
 fn residency(name: &str, node: &str, budget: &str, models: &[(String, String)]) -> ModelResidency {
-    let models: Vec<_> = models
-        .iter()
-        .map(|(n, s)| json!({"name": n, "size": s,
-            "template": {"spec": {"containers": [{"name": "server", "image": format!("example/{n}:1")}]}}}))
-        .collect();
+    if catalog_mode() {
+        // The same models by name, from the catalog.
+        let names: Vec<&str> = models.iter().map(|(n, _)| n.as_str()).collect();
+        return serde_json::from_value(json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+            "metadata": {"name": name},
+            "spec": {"nodeName": node, "device": gpu_of(name), "budget": budget,
+                     "catalog": {"name": FLEET_CATALOG, "models": names}, "gpu": {"mode": "env"}},
+        }))
+        .unwrap();
+    }
+    let models: Vec<_> = models.iter().map(|(n, s)| model_json(n, s)).collect();
     serde_json::from_value(json!({
         "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
         "metadata": {"name": name},
@@ -457,6 +500,21 @@ async fn scale(
         let t0 = Instant::now();
         create_all(&api, objects).await;
         let created = t0.elapsed();
+        if round == 0 {
+            let one = api.get(&names[0]).await.unwrap();
+            let mut bare = one.clone();
+            bare.metadata.managed_fields = None;
+            println!(
+                "  one residency object ({}): {} bytes as returned, {} without managedFields",
+                if catalog_mode() {
+                    "over the catalog"
+                } else {
+                    "inline models"
+                },
+                serde_json::to_vec(&one).unwrap().len(),
+                serde_json::to_vec(&bare).unwrap().len()
+            );
+        }
         let scoped: Api<ModelResidency> = api.clone();
         let total_before: usize = counts[..round].iter().sum();
         wait_converged(&scoped, total_before + count).await;
