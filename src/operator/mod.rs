@@ -497,7 +497,7 @@ async fn mark_synced(
 }
 
 /// A task that ends with its owner, however the owner ends.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+pub(crate) struct AbortOnDrop(pub(crate) tokio::task::JoinHandle<()>);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {

@@ -140,7 +140,7 @@ fn spawn_reflector<K>(
     events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
     writer: reflector::store::Writer<K>,
     changed: futures::channel::mpsc::UnboundedSender<()>,
-) -> Aborting
+) -> super::AbortOnDrop
 where
     K: kube::Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
@@ -152,16 +152,7 @@ where
             let _ = changed.unbounded_send(());
             futures::future::ready(())
         });
-    Aborting(tokio::spawn(run))
-}
-
-/// A task that ends with its guard.
-struct Aborting(tokio::task::JoinHandle<()>);
-
-impl Drop for Aborting {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
+    super::AbortOnDrop(tokio::spawn(run))
 }
 
 /// A change to the devices, a class or a node may concern every set.
