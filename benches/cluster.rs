@@ -20,6 +20,12 @@
 //!   of the models (each residency its first `--models`) instead of
 //!   listing them inline; each model then has one size everywhere. Scale
 //!   prints the bytes of one residency object as the API server returns it.
+//! - `set [--nodes 100] [--gpus 10]`: one ResidencySet over the GPUs the
+//!   fake nodes publish in their ResourceSlices (nodes x gpus), stamping a
+//!   residency of 3 catalog models per GPU: time until every residency is
+//!   stamped and Ready, the operator's RSS then, the time from one more
+//!   GPU appearing in a slice to its residency Ready, and a restart over
+//!   them (ready time, RSS).
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
@@ -94,7 +100,12 @@ fn main() {
                     .collect();
                 memory(&plane, &client, &counts).await
             }
-            other => panic!("unknown mode {other}: latency, scale or memory"),
+            "set" => {
+                let nodes: usize = arg(&args, "--nodes", "100").parse().unwrap();
+                let gpus: u32 = arg(&args, "--gpus", "10").parse().unwrap();
+                stamped_set(&plane, &client, nodes, gpus).await
+            }
+            other => panic!("unknown mode {other}: latency, scale, memory or set"),
         }
     });
     println!(
@@ -106,7 +117,7 @@ fn main() {
 async fn setup(client: &kube::Client) {
     model_residency::local::install_crd(client).await.unwrap();
     create_namespace(client, NS).await;
-    if catalog_mode() {
+    if catalog_mode() || bench_args().first().is_some_and(|m| m == "set") {
         let models: Vec<_> = (0..CATALOG_MODELS)
             .map(|m| model_json(&format!("model-{m}"), &format!("{}Gi", 1 + (m * 7) % 4)))
             .collect();
@@ -873,4 +884,108 @@ async fn restart(plane: &ControlPlane, count: usize, streaming: bool) {
     );
     let _ = op.kill();
     let _ = op.wait();
+}
+
+/// A ResidencySet over `nodes` fake nodes' `gpus` GPUs each: see the
+/// module's `set`.
+async fn stamped_set(plane: &ControlPlane, client: &kube::Client, nodes: usize, gpus: u32) {
+    use k8s_openapi::api::resource::v1::ResourceSlice;
+    use kube::api::{Patch, PatchParams};
+    use model_residency::api::ResidencySet;
+    use model_residency::local::kubelet::{FakeNode, slice_name};
+    let names: Vec<String> = (0..nodes).map(|n| format!("node-{n}")).collect();
+    let mut config = KubeletConfig::instant(&[]);
+    config.nodes = names.iter().map(|n| FakeNode::new(n, gpus)).collect();
+    let _kubelet = FakeKubelet::start(client.clone(), config).await.unwrap();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_model-residency"));
+    cmd.env("KUBECONFIG", plane.kubeconfig())
+        .args(["run", "--namespace", NS, "--http-addr", "127.0.0.1:0"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let mut op = model_residency::local::control_plane::spawn_owned(cmd).unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let count = nodes * gpus as usize;
+    println!(
+        "set: one ResidencySet over {nodes} nodes x {gpus} GPUs ({count} residencies of 3 catalog models)"
+    );
+    println!("  idle: {}", footprint(op.id()));
+    let set: ResidencySet = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ResidencySet",
+        "metadata": {"name": "fleet"},
+        "spec": {
+            "devices": {"deviceClassName": model_residency::local::kubelet::GPU_DRIVER},
+            "catalog": {"name": FLEET_CATALOG, "models": ["model-0", "model-1", "model-2"]},
+            "residency": {"budget": "12Gi", "gpu": {"mode": "env"}},
+        },
+    }))
+    .unwrap();
+    let sets: Api<ResidencySet> = Api::namespaced(client.clone(), NS);
+    let t0 = Instant::now();
+    sets.create(&PostParams::default(), &set).await.unwrap();
+    let stamped = until_set(&sets, "stamped", |s| s.residencies as usize == count).await;
+    let ready = until_set(&sets, "Ready", |s| s.ready as usize == count).await;
+    println!(
+        "  {count} residencies stamped in {:.1} s, all Ready in {:.1} s; RSS {}, peak {:.1} MiB; control plane {} MiB",
+        (stamped - t0).as_secs_f64(),
+        (ready - t0).as_secs_f64(),
+        footprint(op.id()),
+        mib(status_bytes(op.id(), "VmHWM:")),
+        plane.rss_bytes() >> 20
+    );
+    // One more GPU in node-0's slice: appeared to its residency Ready.
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let mut slice = slices.get(&slice_name("node-0")).await.unwrap();
+    let mut extra = serde_json::to_value(&slice.spec.devices.as_ref().unwrap()[0]).unwrap();
+    extra["name"] = json!(format!("gpu-{gpus}"));
+    extra["attributes"]["index"] = json!({"int": gpus});
+    extra["attributes"]["minor"] = json!({"int": gpus});
+    extra["attributes"]["uuid"] = json!({"string": format!("GPU-bench-extra-{gpus}")});
+    slice
+        .spec
+        .devices
+        .get_or_insert_default()
+        .push(serde_json::from_value(extra).unwrap());
+    slice.metadata.managed_fields = None;
+    let t1 = Instant::now();
+    slices
+        .patch(
+            &slice_name("node-0"),
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"devices": slice.spec.devices}})),
+        )
+        .await
+        .unwrap();
+    let appeared = until_set(&sets, "the new GPU's residency Ready", |s| {
+        s.ready as usize == count + 1
+    })
+    .await;
+    println!(
+        "  a GPU appearing in a slice to its residency Ready: {:.2} s",
+        (appeared - t1).as_secs_f64()
+    );
+    let _ = op.kill();
+    let _ = op.wait();
+    for streaming in [false, true] {
+        restart(plane, count + 1, streaming).await;
+    }
+}
+
+/// When the set's status first satisfies `done` (polled every 100 ms, for
+/// at most 30 minutes).
+async fn until_set(
+    sets: &Api<model_residency::api::ResidencySet>,
+    what: &str,
+    done: impl Fn(&model_residency::api::ResidencySetStatus) -> bool,
+) -> Instant {
+    let t0 = Instant::now();
+    loop {
+        let status = sets.get("fleet").await.ok().and_then(|s| s.status);
+        if status.as_ref().is_some_and(&done) {
+            return Instant::now();
+        }
+        if t0.elapsed() > Duration::from_secs(1800) {
+            panic!("the set not {what} in 30 minutes: {status:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

@@ -57,6 +57,14 @@ async fn audit(ctx: &Context, store: &Store<ModelResidency>) {
         if ctx.asking.busy(&key) {
             continue;
         }
+        // Most residencies have no model that sleeps: those are passed by
+        // in place, not copied (resolved, unpacked) every round.
+        let sleeps = ctx
+            .catalogs
+            .with_models(&r, |models| models.iter().any(|m| m.sleep.is_some()));
+        if sleeps != Ok(true) {
+            continue;
+        }
         let r = cached::unpacked(r);
         let Ok(r) = ctx.catalogs.resolve(r) else {
             continue;

@@ -3,6 +3,7 @@
 //! catalog's model count written into its status.
 
 use super::*;
+use std::collections::HashMap;
 
 /// The ModelCatalogs, watched into `ctx.catalogs` by a task of their own
 /// (ended with the returned guard): a change to one (deleted included)
@@ -34,16 +35,29 @@ pub(super) async fn catalog_events(
     let (store, writer) = reflector::store();
     ctx.catalogs.set(store);
     let (tx, rx) = futures::channel::mpsc::unbounded();
+    // The generation each catalog's users last saw: a change of status
+    // alone (the model count written below) or a relist that finds the
+    // catalog as it was reconciles none of them (ten thousand residencies
+    // may name one catalog).
+    let mut seen: HashMap<ObjectRef<ModelCatalog>, Option<i64>> = HashMap::new();
     let watch = reflector(writer, watcher(api, watcher::Config::default()))
         .backoff(crate::cluster::WatchBackoff::default())
         .for_each(move |event| {
             let touched = match event {
                 Ok(watcher::Event::Apply(c) | watcher::Event::InitApply(c)) => {
                     count_models(&ctx, &c);
-                    Catalogs::users(&residencies, &ObjectRef::from_obj(&c))
+                    let key = ObjectRef::from_obj(&c);
+                    let generation = c.metadata.generation;
+                    if seen.insert(key.clone(), generation) == Some(generation) {
+                        Vec::new()
+                    } else {
+                        Catalogs::users(&residencies, &key)
+                    }
                 }
                 Ok(watcher::Event::Delete(c)) => {
-                    Catalogs::users(&residencies, &ObjectRef::from_obj(&c))
+                    let key = ObjectRef::from_obj(&c);
+                    seen.remove(&key);
+                    Catalogs::users(&residencies, &key)
                 }
                 Ok(_) => Vec::new(),
                 Err(e) => {

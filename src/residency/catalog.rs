@@ -14,7 +14,7 @@
 //! `CatalogUnavailable`) and acts on nothing, so a deleted catalog never
 //! unloads or evicts a model. No I/O: the caller hands the catalog in.
 
-use crate::api::{ModelCatalog, ModelResidency};
+use crate::api::{ModelCatalog, ModelResidency, ModelSpec};
 use kube::ResourceExt;
 use kube::runtime::reflector::{ObjectRef, Store};
 use std::sync::{Arc, RwLock};
@@ -43,6 +43,22 @@ pub fn resolve(
     r: &ModelResidency,
     catalog: Option<&ModelCatalog>,
 ) -> Result<Option<ModelResidency>, CatalogProblem> {
+    let Some(models) = entries(r, catalog)? else {
+        return Ok(None);
+    };
+    let models = models.into_iter().cloned().collect();
+    let mut resolved = r.clone();
+    resolved.spec.models = models;
+    Ok(Some(resolved))
+}
+
+/// The entries of `r`'s resolved registry, borrowed from `r` and
+/// `catalog` ([`resolve`] without the copy); `None` when `r` names no
+/// catalog (its own `spec.models` are its registry).
+fn entries<'a>(
+    r: &'a ModelResidency,
+    catalog: Option<&'a ModelCatalog>,
+) -> Result<Option<Vec<&'a ModelSpec>>, CatalogProblem> {
     let Some(wanted) = &r.spec.catalog else {
         return Ok(None);
     };
@@ -74,24 +90,19 @@ pub fn resolve(
         }
     }
     let inline = &r.spec.models;
-    let mut models: Vec<_> = catalog
+    let mut models: Vec<&ModelSpec> = catalog
         .spec
         .models
         .iter()
         .filter(|c| listed(&c.name))
-        .map(|c| match inline.iter().find(|m| m.name == c.name) {
-            Some(own) => own.clone(),
-            None => c.clone(),
-        })
+        .map(|c| inline.iter().find(|m| m.name == c.name).unwrap_or(c))
         .collect();
     for m in inline {
         if !models.iter().any(|c| c.name == m.name) {
-            models.push(m.clone());
+            models.push(m);
         }
     }
-    let mut resolved = r.clone();
-    resolved.spec.models = models;
-    Ok(Some(resolved))
+    Ok(Some(models))
 }
 
 /// The ModelCatalogs a process watches, for resolving the residencies it
@@ -140,6 +151,26 @@ impl Catalogs {
             Some(resolved) => Arc::new(resolved),
             None => r,
         })
+    }
+
+    /// What `f` makes of `r`'s resolved registry, read in place: no copy
+    /// of `r` or of the catalog (readers that scan every residency on a
+    /// tick: a copy of each is what made the operator's memory grow with
+    /// catalogs).
+    pub fn with_models<T>(
+        &self,
+        r: &ModelResidency,
+        f: impl FnOnce(&[&ModelSpec]) -> T,
+    ) -> Result<T, CatalogProblem> {
+        let Some(wanted) = &r.spec.catalog else {
+            let own: Vec<&ModelSpec> = r.spec.models.iter().collect();
+            return Ok(f(&own));
+        };
+        let catalog = self.store().and_then(|s| {
+            s.get(&ObjectRef::new(&wanted.name).within(&r.namespace().unwrap_or_default()))
+        });
+        let models = entries(r, catalog.as_deref())?.unwrap_or_default();
+        Ok(f(&models))
     }
 
     /// The residencies of `store` that name the catalog `catalog`.

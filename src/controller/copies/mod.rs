@@ -45,6 +45,7 @@ use crate::residency::catalog::Catalogs;
 mod enact;
 mod owned;
 mod pools;
+pub mod routes;
 
 pub use pools::PoolConfig;
 
@@ -169,30 +170,41 @@ pub async fn run(
 }
 
 /// Each model's homes (the residencies of its namespace whose registry,
-/// with its catalog, lists it), sorted by name, from the cache (their
-/// statuses packed: whoever reads them unpacks those it reads). A
-/// residency whose catalog cannot be read is no home of anything.
+/// with its catalog, lists it), sorted by name, from the cache as they
+/// are there: their statuses packed and their catalogs not resolved
+/// (whoever reads a model's homes resolves and unpacks them: [`read`];
+/// most models have no copies policy, and a copy of every residency each
+/// tick is what made memory grow). A residency whose catalog cannot be
+/// read is no home of anything.
 fn homes_by_model(
     store: &Store<ModelResidency>,
     catalogs: &Catalogs,
 ) -> BTreeMap<ModelKey, Vec<Arc<ModelResidency>>> {
-    let mut residencies: Vec<_> = store
-        .state()
-        .into_iter()
-        .filter_map(|r| catalogs.resolve(r).ok())
-        .collect();
+    let mut residencies = store.state();
     residencies.sort_by_key(|r| (r.namespace(), r.name_any()));
     let mut homes: BTreeMap<ModelKey, Vec<Arc<ModelResidency>>> = BTreeMap::new();
     for r in residencies {
+        let Ok(names) = catalogs.with_models(&r, |models| {
+            models.iter().map(|m| m.name.clone()).collect::<Vec<_>>()
+        }) else {
+            continue;
+        };
         let ns = r.namespace().unwrap_or_default();
-        for m in &r.spec.models {
-            homes
-                .entry((ns.clone(), m.name.clone()))
-                .or_default()
-                .push(r.clone());
+        for name in names {
+            homes.entry((ns.clone(), name)).or_default().push(r.clone());
         }
     }
     homes
+}
+
+/// A model's homes as [`homes_by_model`] found them, read: each with its
+/// catalog resolved and its status unpacked.
+fn read(homes: &[Arc<ModelResidency>], catalogs: &Catalogs) -> Vec<Arc<ModelResidency>> {
+    homes
+        .iter()
+        .filter_map(|r| catalogs.resolve(r.clone()).ok())
+        .map(cached::unpacked)
+        .collect()
 }
 
 /// The routers' counts in a `/metrics` exposition, by namespace and
@@ -236,12 +248,20 @@ fn holds_copy(r: &ModelResidency, model: &str) -> bool {
 fn policy_of(
     model: &str,
     homes: &[Arc<ModelResidency>],
+    catalogs: &Catalogs,
     defaults: &CopyPolicy,
 ) -> Option<CopyPolicy> {
-    let c = homes
-        .iter()
-        .find_map(|r| r.spec.models.iter().find(|m| m.name == model))
-        .and_then(|m| m.copies.as_deref())?;
+    let c = homes.iter().find_map(|r| {
+        catalogs
+            .with_models(r, |models| {
+                models
+                    .iter()
+                    .find(|m| m.name == model)
+                    .map(|m| m.copies.clone())
+            })
+            .ok()
+            .flatten()
+    })??;
     let delay = c
         .scale_down_delay
         .as_deref()
@@ -344,13 +364,7 @@ impl Scaler {
         let owners = owned::holders(owned::list(self).await);
         for (mc, holder) in &owners {
             let key = (mc.namespace().unwrap_or_default(), mc.spec.model.clone());
-            let homes: Vec<Arc<ModelResidency>> = all
-                .get(&key)
-                .into_iter()
-                .flatten()
-                .cloned()
-                .map(cached::unpacked)
-                .collect();
+            let homes = read(all.get(&key).map_or(&[], Vec::as_slice), &self.ctx.catalogs);
             match holder {
                 None => {
                     self.owned_round(mc, &key, &homes, in_flight, complete)
@@ -370,11 +384,12 @@ impl Scaler {
                 // Its count is the ModelCopies' (HPA's, KEDA's).
                 continue;
             }
-            let Some(policy) = policy_of(&key.1, &homes, &self.config.defaults) else {
+            let Some(policy) = policy_of(&key.1, &homes, &self.ctx.catalogs, &self.config.defaults)
+            else {
                 continue;
             };
-            // Its homes' statuses are read from here on.
-            let homes: Vec<Arc<ModelResidency>> = homes.into_iter().map(cached::unpacked).collect();
+            // Its homes' registries and statuses are read from here on.
+            let homes = read(&homes, &self.ctx.catalogs);
             let model = key.1.as_str();
             let copies = self.copies_of(model, &homes);
             let load = in_flight.get(&key).copied().unwrap_or(0.0);

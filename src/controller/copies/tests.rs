@@ -17,16 +17,16 @@ fn a_models_policy_is_its_first_homes_with_the_flags_for_the_rest() {
     let defaults = CopyPolicy::default();
     let a = Arc::new(residency("a", json!({"max": 3, "scaleDownDelay": "45s"})));
     let b = Arc::new(residency("b", json!({"max": 9, "targetInFlight": 7})));
-    let p = policy_of("chat", &[a, b.clone()], &defaults).unwrap();
+    let p = policy_of("chat", &[a, b.clone()], &Catalogs::default(), &defaults).unwrap();
     assert_eq!(
         (p.min, p.max, p.target_in_flight, p.scale_down_delay),
         (1, 3, 100.0, 45.0)
     );
-    let p = policy_of("chat", &[b], &defaults).unwrap();
+    let p = policy_of("chat", &[b], &Catalogs::default(), &defaults).unwrap();
     assert_eq!((p.max, p.target_in_flight), (9, 7.0));
     // No copies set: the model's copies are left alone.
     let none = Arc::new(residency("c", serde_json::Value::Null));
-    assert!(policy_of("chat", &[none], &defaults).is_none());
+    assert!(policy_of("chat", &[none], &Catalogs::default(), &defaults).is_none());
 }
 
 #[test]
