@@ -12,6 +12,16 @@
 //!   with the engine's speed-up over it.
 //!
 //! The counters of all three are compared, so a fast wrong engine fails.
+//!
+//! `cargo bench --bench simulate -- gangs [--requests N]` (default 20,000)
+//! prints instead the gang table of docs/performance.md: a node of 4 GPUs
+//! of 40Gi serving one tensor-parallel-2 model (30Gi on each of its GPUs,
+//! 90 s loads) and eight single-GPU models (8Gi..22Gi, 30 s loads) on a
+//! Zipf(1) trace, one request every 3 s on average, 2 s each; the TP-2
+//! model at popularity rank 1, 5 and 9. Each row replays the same trace
+//! twice in the same run: the TP-2 model a gang in the four GPUs' shared
+//! budgets, and given two GPUs of its own (the singles on the other two,
+//! as systems without shared budgets place it).
 
 #[path = "../tests/it/support/reference.rs"]
 mod reference;
@@ -103,6 +113,9 @@ fn rate(n: usize, secs: f64) -> String {
 }
 
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("gangs") {
+        return gangs();
+    }
     let cfg = parse_args();
     let mut rng = Rng(0x5eed);
     let sizes: Vec<u64> = (0..cfg.models)
@@ -202,4 +215,103 @@ fn main() {
         );
         println!("  engine / reference speed-up: {:.1}x", secs / alone);
     }
+}
+
+/// The gang table (module docs).
+fn gangs() {
+    use model_residency::engine::Costs;
+    use model_residency::engine::copies::CopyPolicy;
+    use model_residency::simulate::fleet::{FleetOptions, replay_fleet};
+    let mut requests = 20_000usize;
+    let mut args = std::env::args().skip(2);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--requests" => {
+                requests = args
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .expect("--requests N")
+            }
+            "--bench" => {}
+            other => panic!("unknown argument {other}"),
+        }
+    }
+    const GIB: u64 = 1 << 30;
+    let singles: Vec<(String, u64)> = (0..8)
+        .map(|k| (format!("m{k}"), (8 + 2 * k) * GIB))
+        .collect();
+    println!(
+        "gang table: 4 GPUs of 40Gi, one TP-2 model (30Gi a GPU, 90 s loads) and eight singles \
+         (8Gi..22Gi, 30 s loads); {requests} Zipf(1) requests, 3 s apart on average, 2 s each"
+    );
+    println!(
+        "{:>9} | {:>12} {:>12} {:>6} | {:>12} {:>12} {:>6} | {:>6}",
+        "TP-2 rank", "shared wait", "TP-2 wait", "loads", "own GPUs", "TP-2 wait", "loads", "ratio"
+    );
+    for rank in [1usize, 5, 9] {
+        // Popularity order: the TP-2 model at `rank`, the singles around it.
+        let mut order: Vec<&str> = singles.iter().map(|(n, _)| n.as_str()).collect();
+        order.insert(rank - 1, "tp2");
+        let zipf = Zipf::new(order.len());
+        let mut rng = Rng(0x9a46 + rank as u64);
+        let mut text = String::from("time,model\n");
+        let mut t = 0.0f64;
+        for _ in 0..requests {
+            t += -3.0 * (1.0 - rng.unit()).ln();
+            text.push_str(&format!("{t:.3},{}\n", order[zipf.sample(&mut rng)]));
+        }
+        let mut engine = Engine::new(40 * GIB);
+        let tp = engine.register("tp2", 30 * GIB, false).unwrap();
+        engine.set_costs(
+            tp,
+            Costs {
+                load: 90.0,
+                wake: 5.0,
+            },
+        );
+        for (name, size) in &singles {
+            let id = engine.register(name, *size, false).unwrap();
+            engine.set_costs(
+                id,
+                Costs {
+                    load: 30.0,
+                    wake: 3.0,
+                },
+            );
+        }
+        let run = |dedicated: bool| {
+            let mut trace = TraceReader::from_reader(
+                Box::new(std::io::Cursor::new(text.clone().into_bytes())),
+                "zipf",
+            );
+            let options = FleetOptions {
+                gpus: 4,
+                service: 2.0,
+                tick: 5.0,
+                policy: CopyPolicy {
+                    max: 1,
+                    ..CopyPolicy::default()
+                },
+                dedicated,
+            };
+            let r = replay_fleet(&engine, &[("tp2".into(), 2)], &mut trace, options).unwrap();
+            assert_eq!(r.over_budget_steps, 0, "a GPU over its budget: {r:?}");
+            assert!(r.peaks.iter().all(|&p| p <= 40 * GIB), "{r:?}");
+            r
+        };
+        let (shared, own) = (run(false), run(true));
+        println!(
+            "{rank:>9} | {:>11.0}s {:>11.0}s {:>6} | {:>11.0}s {:>11.0}s {:>6} | {:>5.2}x",
+            shared.wait_seconds,
+            shared.gang_wait_seconds,
+            shared.loads,
+            own.wait_seconds,
+            own.gang_wait_seconds,
+            own.loads,
+            shared.wait_seconds / own.wait_seconds,
+        );
+    }
+    println!(
+        "(ratio: waiting with the gang in the shared budgets over waiting with its own GPUs; below 1 is better)"
+    );
 }

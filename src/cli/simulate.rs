@@ -117,6 +117,29 @@ struct FleetArgs {
     /// Seconds between two decisions of the copy policy.
     #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
     copies_tick: f64,
+    /// A model of the registry that spans N GPUs at once (tensor parallel
+    /// N, its size held on each), placed and evicted all or nothing
+    /// (repeatable; with --gpus).
+    #[arg(long = "gang", value_name = "NAME=N", value_parser = parse_gang)]
+    gangs: Vec<(String, usize)>,
+    /// Each gang gets GPUs of its own that nothing else uses (the first N,
+    /// then the next), the single models the rest: the same trace without
+    /// shared budgets, to compare against.
+    #[arg(long, requires = "gangs")]
+    dedicated: bool,
+}
+
+/// `NAME=N`, N from 2 to 64.
+fn parse_gang(s: &str) -> Result<(String, usize), String> {
+    let (name, n) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?}: give NAME=N, N the GPUs it spans"))?;
+    match n.parse::<usize>() {
+        Ok(n) if (2..=64).contains(&n) && !name.is_empty() => Ok((name.to_owned(), n)),
+        _ => Err(format!(
+            "{s:?}: N is 2 to 64 GPUs (one GPU is a plain model)"
+        )),
+    }
 }
 
 impl FleetArgs {
@@ -146,6 +169,7 @@ impl FleetArgs {
                 scale_down_delay: self.copies_delay,
                 ..CopyPolicy::default()
             },
+            dedicated: self.dedicated,
         })
     }
 }
@@ -202,6 +226,26 @@ pub fn run(args: Args) -> Result<(), Failure> {
     if args.fleet.gpus == 0 {
         return Err(Failure::bad_input("--gpus must be at least 1"));
     }
+    for (gang, width) in &args.fleet.gangs {
+        if engine.id(gang).is_none() {
+            return Err(Failure::bad_input(format!(
+                "--gang {gang}={width}: {gang:?} is not in the registry"
+            )));
+        }
+        if *width > args.fleet.gpus {
+            return Err(Failure::bad_input(format!(
+                "--gang {gang}={width}: wider than --gpus {}",
+                args.fleet.gpus
+            )));
+        }
+    }
+    let widths: usize = args.fleet.gangs.iter().map(|(_, w)| w).sum();
+    if args.fleet.dedicated && widths >= args.fleet.gpus {
+        return Err(Failure::bad_input(format!(
+            "--dedicated: the gangs take {widths} of {} GPUs and leave none for the other models",
+            args.fleet.gpus
+        )));
+    }
     let ceiling = args.known_rates.is_some() || args.clairvoyant;
     if ceiling && !matches!(args.eviction, EvictionArg::Rate) {
         return Err(Failure::bad_input(
@@ -224,7 +268,8 @@ pub fn run(args: Args) -> Result<(), Failure> {
         }
         let options = args.fleet.options()?;
         let mut trace = TraceReader::open(path).map_err(Failure::bad_input)?;
-        let report = replay_fleet(&engine, &mut trace, options).map_err(Failure::bad_input)?;
+        let report = replay_fleet(&engine, &args.fleet.gangs, &mut trace, options)
+            .map_err(Failure::bad_input)?;
         match args.output {
             Output::Text => print!("{}", report.to_text()),
             Output::Json => println!(

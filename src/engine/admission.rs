@@ -330,6 +330,18 @@ impl super::Engine {
         slot.uses = 0;
     }
 
+    /// Evicts the resident `id` because its gang left another GPU (a
+    /// victim there, [`super::gangs`]): counted as an eviction here, not
+    /// among the last operation's victims. Whether it was resident.
+    pub fn evict_member(&mut self, id: ModelId) -> bool {
+        if !self.slots.0[id.index()].resident {
+            return false;
+        }
+        self.remove_resident(id);
+        self.counters.evictions += 1;
+        true
+    }
+
     pub(super) fn evict(&mut self, id: ModelId) {
         debug_assert!(self.slots.0[id.index()].resident, "evicting a non-resident");
         self.remove_resident(id);

@@ -28,6 +28,7 @@
 
 mod admission;
 pub mod copies;
+pub mod gangs;
 mod queries;
 mod recency;
 mod registry;

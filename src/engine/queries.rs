@@ -129,6 +129,11 @@ impl super::Engine {
         self.counters
     }
 
+    /// Whether `id` is registered (not deregistered since).
+    pub fn is_registered(&self, id: ModelId) -> bool {
+        self.slots.0.get(id.index()).is_some_and(|s| s.registered)
+    }
+
     /// Registered models, in registration order.
     pub fn models(&self) -> impl Iterator<Item = ModelId> + '_ {
         self.slots

@@ -15,10 +15,18 @@
 //! the operator retires it). What it leaves out: a copy's load is
 //! counted (loads, wakes) but no request waits for it; a removed copy's
 //! requests finish where they are.
+//!
+//! Gangs (`--gang NAME=N`): a model that spans N GPUs at once, placed and
+//! evicted all or nothing by [`crate::engine::gangs`] (its size is what it
+//! holds on each); it waits for its load once. A gang has one copy: the
+//! copy policy leaves it alone. `--dedicated` gives each gang GPUs of its
+//! own (the first N, then the next) that nothing else may use, and the
+//! single models the rest: what a system without shared budgets does.
 
 use super::trace::{TraceError, TraceReader};
 use crate::engine::copies::{CopyPolicy, CopyScaler, Step};
-use crate::engine::{Admission, Engine, ModelId};
+use crate::engine::gangs::{NodeAdmission, NodeGpus};
+use crate::engine::{Engine, ModelId};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 
@@ -31,6 +39,8 @@ pub struct FleetOptions {
     /// Seconds between two decisions of the copy policy.
     pub tick: f64,
     pub policy: CopyPolicy,
+    /// Each gang's GPUs its own (the rest for the single models).
+    pub dedicated: bool,
 }
 
 /// The outcome of a fleet replay. Field names are the `--output json` keys.
@@ -54,6 +64,10 @@ pub struct FleetReport {
     /// Steps after which a GPU's used VRAM or host memory was over its
     /// budget: expected to stay 0.
     pub over_budget_steps: u64,
+    /// Each GPU's most VRAM held at once, in bytes.
+    pub peaks: Vec<u64>,
+    /// Seconds requests for gangs waited (part of `wait_seconds`).
+    pub gang_wait_seconds: f64,
 }
 
 impl FleetReport {
@@ -72,7 +86,21 @@ impl FleetReport {
             ("copies added", self.copies_added.to_string()),
             ("copies removed", self.copies_removed.to_string()),
             ("over-budget steps", self.over_budget_steps.to_string()),
+            (
+                "peak per GPU",
+                self.peaks
+                    .iter()
+                    .map(|&p| crate::quantity::format_bytes(p))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            ),
         ];
+        if self.gang_wait_seconds > 0.0 {
+            rows.insert(
+                9,
+                ("gangs waiting", format!("{:.1}s", self.gang_wait_seconds)),
+            );
+        }
         let most: Vec<String> = self
             .most_copies
             .iter()
@@ -93,7 +121,9 @@ impl FleetReport {
 
 /// The fleet as the replay goes.
 struct Fleet {
-    gpus: Vec<Engine>,
+    node: NodeGpus,
+    /// The registry every GPU's started from: names and costs by id.
+    template: Engine,
     options: FleetOptions,
     /// When each request in flight ends, per (GPU, model).
     in_flight: HashMap<(usize, ModelId), Vec<f64>>,
@@ -110,13 +140,21 @@ impl Fleet {
     }
 
     fn total(&self, id: ModelId, now: f64) -> usize {
-        (0..self.gpus.len()).map(|g| self.count(g, id, now)).sum()
+        (0..self.gpus().len()).map(|g| self.count(g, id, now)).sum()
     }
 
-    /// The GPUs where `id` is resident and awake.
+    fn gpus(&self) -> &[Engine] {
+        self.node.gpus()
+    }
+
+    /// The GPUs where `id` is resident and awake (it is registered there:
+    /// with `--dedicated` a GPU registers only some models).
     fn holders(&self, id: ModelId) -> Vec<usize> {
-        (0..self.gpus.len())
-            .filter(|&g| self.gpus[g].is_resident(id) && !self.gpus[g].is_asleep(id))
+        (0..self.gpus().len())
+            .filter(|&g| {
+                let e = &self.gpus()[g];
+                registered(e, id) && e.is_resident(id) && !e.is_asleep(id)
+            })
             .collect()
     }
 
@@ -124,8 +162,8 @@ impl Fleet {
     /// (the scaler's: never queued, idle victims only); `None`: nowhere.
     fn place(&self, id: ModelId, now: f64, copy: bool) -> Option<usize> {
         let mut best: Option<((u8, f64), usize)> = None;
-        for (g, engine) in self.gpus.iter().enumerate() {
-            if engine.is_resident(id) && !engine.is_asleep(id) {
+        for (g, engine) in self.gpus().iter().enumerate() {
+            if !registered(engine, id) || (engine.is_resident(id) && !engine.is_asleep(id)) {
                 continue;
             }
             let Ok(Some(victims)) = engine.plan_load(id) else {
@@ -159,38 +197,57 @@ impl Fleet {
         best.map(|(_, g)| g)
     }
 
-    /// A request for `id` on `gpu` at `now`: what it waited, or `None` when
+    /// A request for `id` on `gpu` (a gang: on the GPUs the node picks) at
+    /// `now`: where it is served and what it waited, or `None` when
     /// refused.
-    fn serve_on(&mut self, gpu: usize, id: ModelId, now: f64) -> Option<f64> {
-        let costs = self.gpus[gpu].costs(id);
-        let waited = match self.gpus[gpu].request(id) {
-            Admission::Hit | Admission::Queued { .. } => 0.0,
-            Admission::Loaded { .. } => costs.load,
-            Admission::Woken { .. } => costs.wake,
-            Admission::Refused(_) => return None,
+    fn serve_on(&mut self, gpu: usize, id: ModelId, now: f64) -> Option<(usize, f64)> {
+        let name = self.template.name(id).to_owned();
+        let costs = self.template.costs(id);
+        let (gpus, waited) = match self.node.request(gpu, &name) {
+            NodeAdmission::Hit { gpus } => (gpus, 0.0),
+            NodeAdmission::Loaded { gpus, .. } => (gpus, costs.load),
+            NodeAdmission::Woken { gpus, .. } => (gpus, costs.wake),
+            NodeAdmission::Queued => (vec![gpu], 0.0),
+            NodeAdmission::Refused(_) | NodeAdmission::GangRefused(_) => return None,
         };
-        self.last_use.insert((gpu, id), now);
-        Some(waited)
+        for &g in &gpus {
+            self.last_use.insert((g, id), now);
+        }
+        Some((gpus[0], waited))
     }
 
     fn request(&mut self, id: ModelId, now: f64) {
         self.report.requests += 1;
-        let holders = self.holders(id);
-        let gpu = match holders.iter().min_by_key(|&&g| self.count(g, id, now)) {
-            Some(&g) => {
+        let name = self.template.name(id).to_owned();
+        let gang = self.node.width(&name).is_some();
+        let gpu = if gang {
+            // The node places it (and counts a hit as one).
+            let members = self.node.members(&name);
+            if members.iter().all(|&g| !self.gpus()[g].is_asleep(id)) && !members.is_empty() {
                 self.report.hits += 1;
-                Some(g)
             }
-            None => self.place(id, now, false),
+            Some(0)
+        } else {
+            let holders = self.holders(id);
+            match holders.iter().min_by_key(|&&g| self.count(g, id, now)) {
+                Some(&g) => {
+                    self.report.hits += 1;
+                    Some(g)
+                }
+                None => self.place(id, now, false),
+            }
         };
         let Some(gpu) = gpu else {
             self.report.refusals += 1;
             return;
         };
         match self.serve_on(gpu, id, now) {
-            Some(waited) => {
+            Some((at, waited)) => {
                 self.report.wait_seconds += waited;
-                let ends = self.in_flight.entry((gpu, id)).or_default();
+                if gang {
+                    self.report.gang_wait_seconds += waited;
+                }
+                let ends = self.in_flight.entry((at, id)).or_default();
                 ends.retain(|&e| e > now);
                 ends.push(now + waited + self.options.service);
             }
@@ -202,6 +259,9 @@ impl Fleet {
     fn tick(&mut self, now: f64, models: &[ModelId]) {
         let policy = self.options.policy;
         for &id in models {
+            if self.node.width(self.template.name(id)).is_some() {
+                continue; // a gang has one copy
+            }
             let load = self.total(id, now) as f64;
             let copies = self.holders(id);
             let scaler = self.scalers.entry(id).or_default();
@@ -224,8 +284,8 @@ impl Fleet {
                         self.report.copies_removed += 1;
                         // As the operator retires it: to sleep when it
                         // can, else unloaded.
-                        let gpu = &mut self.gpus[g];
-                        gpu.retire(id).is_some() || gpu.unload(id)
+                        let name = self.template.name(id).to_owned();
+                        self.node.retire(g, &name) || self.node.unload_on(g, &name)
                     })
                 }
             };
@@ -235,7 +295,7 @@ impl Fleet {
                     .expect("entered above")
                     .changed(now);
             }
-            let (name, now_held) = (self.gpus[0].name(id).to_owned(), self.holders(id).len());
+            let (name, now_held) = (self.template.name(id).to_owned(), self.holders(id).len());
             let most = self.report.most_copies.entry(name).or_default();
             *most = (*most).max(now_held);
         }
@@ -243,7 +303,7 @@ impl Fleet {
 
     fn check_budgets(&mut self) {
         let over = self
-            .gpus
+            .gpus()
             .iter()
             .any(|e| e.used() > e.budget() || e.host_used() > e.host_budget());
         if over {
@@ -252,22 +312,36 @@ impl Fleet {
     }
 }
 
+/// Whether `id` (an id of the template every GPU's registry started from)
+/// is registered on `e`.
+fn registered(e: &Engine, id: ModelId) -> bool {
+    e.is_registered(id)
+}
+
 /// Replays a trace over `options.gpus` copies of `template` (its budget,
-/// registry, eviction and warm tier). Every model must be in the registry
-/// (a row's size must match it: the GPUs share one registry).
+/// registry, eviction and warm tier), with `gangs` (name, GPUs) spanning
+/// several of them. Every model must be in the registry (a row's size
+/// must match it: the GPUs share one registry).
 pub fn replay_fleet(
     template: &Engine,
+    gangs: &[(String, usize)],
     trace: &mut TraceReader,
     options: FleetOptions,
 ) -> Result<FleetReport, TraceError> {
+    let count = options.gpus.max(1);
+    let mut gpus = vec![template.clone(); count];
+    if options.dedicated {
+        dedicate(&mut gpus, gangs);
+    }
     let mut fleet = Fleet {
-        gpus: vec![template.clone(); options.gpus.max(1)],
+        node: NodeGpus::new(gpus, gangs.iter().cloned()),
+        template: template.clone(),
         options,
         in_flight: HashMap::new(),
         last_use: HashMap::new(),
         scalers: HashMap::new(),
         report: FleetReport {
-            gpus: options.gpus.max(1),
+            gpus: count,
             ..FleetReport::default()
         },
     };
@@ -297,14 +371,42 @@ pub fn replay_fleet(
         fleet.request(id, now);
         fleet.check_budgets();
     }
-    for e in &fleet.gpus {
-        let c = e.counters();
-        fleet.report.loads += c.loads;
-        fleet.report.wakes += c.wakes;
-        fleet.report.sleeps += c.sleeps;
-        fleet.report.evictions += c.evictions;
-    }
+    // A gang's load, wake, sleep and eviction count once.
+    let c = fleet.node.counters();
+    fleet.report.loads = c.loads;
+    fleet.report.wakes = c.wakes;
+    fleet.report.sleeps = c.sleeps;
+    fleet.report.evictions = c.evictions;
+    fleet.report.peaks = fleet.gpus().iter().map(Engine::peak).collect();
     Ok(fleet.report)
+}
+
+/// Each gang its own GPUs, in order (the first `N` for the first gang),
+/// holding nothing else; the GPUs left hold the single models. Models are
+/// deregistered where they may not go (their ids stay the template's).
+fn dedicate(gpus: &mut [Engine], gangs: &[(String, usize)]) {
+    let mut next = 0;
+    let mut own: Vec<Option<&str>> = vec![None; gpus.len()];
+    for (name, width) in gangs {
+        for slot in own.iter_mut().skip(next).take(*width) {
+            *slot = Some(name);
+        }
+        next += width;
+    }
+    for (e, owner) in gpus.iter_mut().zip(own) {
+        let all: Vec<ModelId> = e.models().collect();
+        for id in all {
+            let name = e.name(id).to_owned();
+            let gang = gangs.iter().any(|(g, _)| *g == name);
+            let keep = match owner {
+                Some(o) => o == name,
+                None => !gang,
+            };
+            if !keep {
+                e.deregister(id);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -368,13 +470,14 @@ mod tests {
                 scale_down_delay: 120.0,
                 ..CopyPolicy::default()
             },
+            dedicated: false,
         }
     }
 
     #[test]
     fn a_hot_model_gets_copies_within_budgets_and_loses_them_when_it_cools() {
         // 20 a second for 10 minutes, 2 s each: 40 in flight, 4 copies.
-        let report = replay_fleet(&template(), &mut trace(20, 600), options(4)).unwrap();
+        let report = replay_fleet(&template(), &[], &mut trace(20, 600), options(4)).unwrap();
         assert_eq!(report.over_budget_steps, 0, "{report:?}");
         assert_eq!(report.most_copies["chat"], 4, "{report:?}");
         // Down to one again, one removal per delay, nothing removed twice.
@@ -385,10 +488,10 @@ mod tests {
 
     #[test]
     fn one_gpu_has_one_copy_and_the_same_requests() {
-        let report = replay_fleet(&template(), &mut trace(20, 600), options(1)).unwrap();
+        let report = replay_fleet(&template(), &[], &mut trace(20, 600), options(1)).unwrap();
         assert_eq!(report.most_copies["chat"], 1);
         assert_eq!(report.copies_added, 0);
-        let four = replay_fleet(&template(), &mut trace(20, 600), options(4)).unwrap();
+        let four = replay_fleet(&template(), &[], &mut trace(20, 600), options(4)).unwrap();
         assert_eq!(report.requests, four.requests);
     }
 
@@ -399,11 +502,76 @@ mod tests {
             Box::new(std::io::Cursor::new(text.as_bytes().to_vec())),
             "t.csv",
         );
-        let e = replay_fleet(&template(), &mut t, options(2)).unwrap_err();
+        let e = replay_fleet(&template(), &[], &mut t, options(2)).unwrap_err();
         assert_eq!(e.line, 3, "{e}");
         assert!(
             e.to_string().contains("\"nope\" is not in the registry"),
             "{e}"
         );
+    }
+
+    /// A TP-2 model of 12 GiB a GPU and eight singles of 10 GiB on four
+    /// GPUs of 24 GiB, loads of 30 s: the TP-2 model every 10 s, six
+    /// singles in turn every 5 s, the other two once in 50 steps.
+    fn gang_case(dedicated: bool) -> FleetReport {
+        let mut e = Engine::new(24 * GIB);
+        let tp = e.register("tp2", 12 * GIB, false).unwrap();
+        e.set_costs(
+            tp,
+            Costs {
+                load: 30.0,
+                wake: 3.0,
+            },
+        );
+        for k in 0..8 {
+            let id = e.register(&format!("m{k}"), 10 * GIB, false).unwrap();
+            e.set_costs(
+                id,
+                Costs {
+                    load: 30.0,
+                    wake: 3.0,
+                },
+            );
+        }
+        let mut text = String::from("time,model\n");
+        for t in 0..720 {
+            if t % 2 == 0 {
+                writeln!(text, "{},tp2", t * 5).unwrap();
+            }
+            let single = if t % 50 == 49 { 6 + t % 2 } else { t % 6 };
+            writeln!(text, "{}.5,m{single}", t * 5).unwrap();
+        }
+        let mut trace =
+            TraceReader::from_reader(Box::new(std::io::Cursor::new(text.into_bytes())), "t");
+        let mut o = options(4);
+        o.dedicated = dedicated;
+        o.policy.max = 1;
+        replay_fleet(&e, &[("tp2".into(), 2)], &mut trace, o).unwrap()
+    }
+
+    #[test]
+    fn a_gang_shares_the_gpus_budgets_and_stays_within_them() {
+        let shared = gang_case(false);
+        assert_eq!(shared.over_budget_steps, 0, "{shared:?}");
+        assert_eq!(shared.refusals, 0);
+        assert!(shared.peaks.iter().all(|&p| p <= 24 * GIB), "{shared:?}");
+        // Shared: GPUs hold the gang beside a single (12 + 10 of 24).
+        assert!(
+            shared.peaks.iter().filter(|&&p| p == 22 * GIB).count() >= 2,
+            "{shared:?}"
+        );
+        let dedicated = gang_case(true);
+        assert_eq!(dedicated.over_budget_steps, 0);
+        // Its own GPUs: loaded once, never waited for again; the eight
+        // singles thrash over two GPUs instead of four.
+        assert_eq!(dedicated.gang_wait_seconds, 30.0, "{dedicated:?}");
+        assert_eq!(dedicated.peaks[..2], [12 * GIB, 12 * GIB]);
+        assert!(
+            shared.wait_seconds < dedicated.wait_seconds,
+            "shared {} s, dedicated {} s",
+            shared.wait_seconds,
+            dedicated.wait_seconds
+        );
+        assert!(shared.to_text().contains("gangs waiting"));
     }
 }

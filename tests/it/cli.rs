@@ -206,6 +206,74 @@ fn simulate_over_several_gpus_adds_and_removes_copies() {
 }
 
 #[test]
+fn simulate_places_a_gang_on_several_gpus_and_against_gpus_of_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    // tp2 (10Gi on each of two GPUs) every 10 s, a and b (13Gi) between.
+    let text: String = (0..60)
+        .map(|k| format!("{},tp2\n{}.5,a\n{}.7,b\n", k * 10, k * 10, k * 10))
+        .collect();
+    let registry = "- {name: tp2, size: 10Gi, loadTime: 90s}\n- {name: a, size: 13Gi}\n- {name: b, size: 13Gi}\n";
+    let simulate = |extra: &[&str]| {
+        let args = [
+            &["--budget", "24Gi", "--gpus", "3", "--copies-max", "1"][..],
+            extra,
+        ]
+        .concat();
+        simulate_files(dir.path(), &text, registry, &args)
+    };
+    let json = |out: Output| -> serde_json::Value {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_str(&stdout(&out)).unwrap()
+    };
+    let shared = json(simulate(&["--gang", "tp2=2", "--output", "json"]));
+    // Loaded once on two GPUs (counted once), never over a budget; a and
+    // b fit beside it (one on a member, one on the third GPU): no eviction.
+    assert_eq!(shared["loads"], 3, "{shared}");
+    assert_eq!(shared["evictions"], 0, "{shared}");
+    assert_eq!(shared["gang_wait_seconds"], 90.0, "{shared}");
+    assert_eq!(shared["over_budget_steps"], 0);
+    let peaks: Vec<u64> = serde_json::from_value(shared["peaks"].clone()).unwrap();
+    assert_eq!(peaks.len(), 3);
+    assert!(peaks.iter().all(|&p| p <= 24 << 30), "{peaks:?}");
+    // Two GPUs of its own: a and b (26Gi) share the third, and thrash.
+    let own = json(simulate(&[
+        "--gang",
+        "tp2=2",
+        "--dedicated",
+        "--output",
+        "json",
+    ]));
+    assert_eq!(own["peaks"][0], 10u64 << 30, "{own}");
+    assert!(own["evictions"].as_u64().unwrap() > 50, "{own}");
+    let text_out = simulate(&["--gang", "tp2=2"]);
+    assert!(
+        stdout(&text_out).contains("gangs waiting"),
+        "{}",
+        stdout(&text_out)
+    );
+    // Bad gangs: exit 2 and why.
+    for (args, says) in [
+        (&["--gang", "tp2=1"][..], "2 to 64 GPUs"),
+        (&["--gang", "tp2"], "give NAME=N"),
+        (&["--gang", "nope=2"], "not in the registry"),
+        (&["--gang", "tp2=4"], "wider than --gpus 3"),
+        (
+            &["--gang", "tp2=2", "--gang", "a=2", "--dedicated"],
+            "leave none",
+        ),
+    ] {
+        let out = simulate(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}
+
+#[test]
 fn simulate_reports_sleeps_wakes_and_waiting_with_the_warm_tier() {
     let args = |extra: &[&'static str]| {
         let mut a = vec![
