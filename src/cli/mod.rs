@@ -13,6 +13,7 @@ mod operator;
 mod process;
 mod route;
 mod simulate;
+mod top;
 
 use clap::{Parser, Subcommand};
 
@@ -74,6 +75,11 @@ enum Command {
     /// List the cluster's GPUs (from the DRA drivers' ResourceSlices): node,
     /// device, uuid, product, memory, the residency that holds it, free.
     Gpus(gpus::Args),
+    /// What is loaded where: every GPU (residency) with its models, their
+    /// state, size, last use, idle unload and copies, refreshed until
+    /// interrupted (also `kubectl residency top`, with the binary installed
+    /// as kubectl-residency).
+    Top(top::Args),
     /// Show a residency: resident models in LRU order, used/budget, and what
     /// loading each other model would evict.
     Status {
@@ -181,6 +187,7 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
         }
         Command::Simulate(args) => simulate::run(args),
         Command::Gpus(args) => runtime()?.block_on(gpus::run(args)),
+        Command::Top(args) => runtime()?.block_on(top::run(args)),
         Command::Crd => {
             for (_, yaml) in model_residency::api::crd_files() {
                 print!("{yaml}");

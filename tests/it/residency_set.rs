@@ -105,6 +105,9 @@ async fn a_set_stamps_a_residency_per_published_gpu_and_drains_one_that_leaves()
     })
     .await;
 
+    // `top` shows it, as a kubectl plugin too.
+    top_shows_a_loaded_on(&h, &name("gpu-15"));
+
     // A device appears in the slice: its residency is stamped.
     let slices: Api<ResourceSlice> = Api::all(h.env.client.clone());
     let slice = slices.get(&slice_name(&h.node)).await.unwrap();
@@ -230,4 +233,54 @@ async fn sets_that_select_nothing_overlap_or_do_not_compile_say_so() {
     // The second set's residency never appeared; the first's stays.
     let r: ModelResidency = h.api.get(&first).await.unwrap();
     assert_eq!(r.metadata.labels.unwrap()["residency.dev/set"], "first");
+}
+
+/// `model-residency top` over the set's GPUs: `residency` holds `a`
+/// Loaded, one copy, in the JSON view and in the text the kubectl plugin
+/// prints.
+fn top_shows_a_loaded_on(h: &Harness, residency: &str) {
+    let top = |program: &std::path::Path, args: &[&str]| {
+        let out = std::process::Command::new(program)
+            .env("KUBECONFIG", h.env.plane.kubeconfig())
+            .args([
+                "top",
+                "-n",
+                &h.env.namespace,
+                "-l",
+                "residency.dev/set=gpus",
+            ])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let binary = std::path::Path::new(env!("CARGO_BIN_EXE_model-residency"));
+    let gpus: Value = serde_json::from_str(&top(binary, &["-o", "json"])).unwrap();
+    let gpus = gpus.as_array().unwrap();
+    assert_eq!(gpus.len(), 2, "the set's two GPUs: {gpus:?}");
+    let gpu = gpus.iter().find(|g| g["residency"] == residency).unwrap();
+    assert_eq!(gpu["set"], "gpus");
+    assert_eq!(gpu["node"], h.node.as_str());
+    assert_eq!(gpu["models"][0]["name"], "a");
+    assert_eq!(gpu["models"][0]["state"], "Loaded");
+    assert_eq!(gpu["models"][0]["size"], 4u64 << 30);
+    assert_eq!(gpu["models"][0]["copies"], 1);
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = dir.path().join("kubectl-residency");
+    std::os::unix::fs::symlink(binary, &plugin).unwrap();
+    let text = top(&plugin, &["--once"]);
+    assert!(
+        text.starts_with("2 GPUs, 1 model on them (1 Loaded)"),
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.trim_start().starts_with("a ") && l.contains("Loaded")),
+        "{text}"
+    );
 }

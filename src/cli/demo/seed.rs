@@ -139,6 +139,14 @@ pub(super) async fn seed_requests(
             print!("{}", render_status(&r));
         }
     }
+    say(
+        "What is loaded where, on every GPU of the namespace (`kubectl residency top` as a kubectl plugin; without --once it refreshes until Ctrl-C):",
+    );
+    println!("$ model-residency top --once -n {NAMESPACE}");
+    print!(
+        "{}",
+        super::super::top::once(&api.clone().into_client(), NAMESPACE).await?
+    );
 
     Ok(())
 }
