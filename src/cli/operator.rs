@@ -9,6 +9,7 @@ use super::process::{
 };
 use model_residency::api::EndpointPickerRef;
 use model_residency::controller::Context;
+use model_residency::controller::copies::routes::RouteConfig;
 use model_residency::controller::copies::{CopiesConfig, PoolConfig};
 use model_residency::engine::copies::CopyPolicy;
 use model_residency::http::{Readiness, serve_admin};
@@ -128,6 +129,17 @@ struct CopiesArgs {
     /// The endpoint picker Service's port.
     #[arg(long, env = "ENDPOINT_PICKER_PORT", default_value_t = 9002)]
     endpoint_picker_port: u16,
+    /// Keep HTTPRoutes (gateway.networking.k8s.io/v1) on this Gateway,
+    /// [NAMESPACE/]NAME: one per model with serving copies toward its
+    /// InferencePool (matching the X-Gateway-Model-Name header body-based
+    /// routing sets), and a catch-all toward the router Service (needs
+    /// --inference-pools and --gateway-router-service).
+    #[arg(long, env = "GATEWAY_ROUTES", requires = "gateway_router_service")]
+    gateway_routes: Option<String>,
+    /// The router Service the catch-all route sends every other request
+    /// to, NAMESPACE/NAME:PORT.
+    #[arg(long, env = "GATEWAY_ROUTER_SERVICE", requires = "gateway_routes")]
+    gateway_router_service: Option<String>,
 }
 
 impl CopiesArgs {
@@ -137,6 +149,17 @@ impl CopiesArgs {
                 "--router-selector needs --router-namespace: router pods are read in that namespace only (in every namespace, any tenant's pod carrying the labels would feed the copy signal)",
             ));
         }
+        let routes = match (&self.gateway_routes, &self.gateway_router_service) {
+            (Some(gateway), Some(router)) => {
+                if !self.inference_pools {
+                    return Err(Failure::bad_input(
+                        "--gateway-routes needs --inference-pools: a model's route goes to its InferencePool",
+                    ));
+                }
+                Some(RouteConfig::parse(gateway, router).map_err(Failure::bad_input)?)
+            }
+            _ => None,
+        };
         if self.copies_tick.is_zero() || self.copies_target_in_flight == 0 {
             return Err(Failure::bad_input(
                 "--copies-tick and --copies-target-in-flight must be above zero",
@@ -160,6 +183,7 @@ impl CopiesArgs {
                     .endpoint_picker
                     .clone()
                     .map(|name| EndpointPickerRef::service(name, self.endpoint_picker_port)),
+                routes,
             }),
         })
     }

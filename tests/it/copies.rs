@@ -377,6 +377,7 @@ async fn inference_pools_select_exactly_the_copies_that_serve() {
             drain_grace: Duration::from_millis(200),
             pools: Some(model_residency::controller::copies::PoolConfig {
                 endpoint_picker: Some(EndpointPickerRef::service("epp".into(), 9002)),
+                routes: None,
             }),
             ..CopiesConfig::default()
         },
@@ -582,6 +583,7 @@ async fn inference_pools_are_taken_by_the_extensions_v1_5_crd() {
         tick: Duration::from_millis(200),
         pools: Some(model_residency::controller::copies::PoolConfig {
             endpoint_picker: Some(EndpointPickerRef::service("epp".into(), 9002)),
+            routes: None,
         }),
         ..CopiesConfig::default()
     };
@@ -915,4 +917,141 @@ async fn a_copy_never_evicts_a_model_a_model_demand_holds() {
         (loaded(&h).await.len() == 2).then_some(())
     })
     .await;
+}
+
+/// Applies the Gateway API's standard CRDs (GatewayClass, Gateway,
+/// HTTPRoute, from `scripts/inference-extension.sh`) to `plane`.
+fn install_gateway_crds(plane: &model_residency::local::control_plane::ControlPlane) {
+    let dir = std::env::var("MODEL_RESIDENCY_INFERENCE_CRDS").expect(
+        "MODEL_RESIDENCY_INFERENCE_CRDS: scripts/test.sh sets it (scripts/inference-extension.sh)",
+    );
+    let kubectl = |args: &[&str]| {
+        let out = std::process::Command::new(model_residency::local::control_plane::kubectl())
+            .env("KUBECONFIG", plane.kubeconfig())
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "kubectl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let file = format!("{dir}/gateway-api-v1.6.3.yaml");
+    kubectl(&["apply", "--server-side", "--force-conflicts", "-f", &file]);
+    kubectl(&[
+        "wait",
+        "--for=condition=Established",
+        "--timeout=30s",
+        "crd/httproutes.gateway.networking.k8s.io",
+    ]);
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn gateway_routes_send_serving_models_to_their_pools_and_the_rest_to_the_router() {
+    use kube::api::{Api, ApiResource, DynamicObject};
+    use kube::core::GroupVersionKind;
+    use model_residency::controller::copies::PoolConfig;
+    use model_residency::controller::copies::routes::{MODEL_HEADER, ROUTER_ROUTE, RouteConfig};
+    let mut h = Harness::start("copies-routes").await;
+    install_inference_crd(h.env.plane, "v1.6.0");
+    install_gateway_crds(h.env.plane);
+    for i in 0..2 {
+        let r: ModelResidency = serde_json::from_value(json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+            "metadata": {"name": format!("gpu-{i}")},
+            "spec": {"nodeName": h.node, "device": i.to_string(), "budget": "8Gi",
+                "gpu": {"mode": "env"},
+                "models": [
+                    {"name": "chat", "size": "4Gi", "template": (h.template)("chat")},
+                    {"name": "other", "size": "4Gi", "template": (h.template)("other")}]},
+        }))
+        .unwrap();
+        h.api.create(&Default::default(), &r).await.unwrap();
+    }
+    let ns = h.env.namespace.clone();
+    let routes_config = RouteConfig::parse(
+        "infra/inference-gateway",
+        &format!("{ns}/model-residency-router:80"),
+    )
+    .unwrap();
+    restart_with(
+        &mut h,
+        CopiesConfig {
+            tick: Duration::from_millis(300),
+            pools: Some(PoolConfig {
+                endpoint_picker: None,
+                routes: Some(routes_config),
+            }),
+            ..CopiesConfig::default()
+        },
+    )
+    .await;
+    let resource = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("gateway.networking.k8s.io", "v1", "HTTPRoute"),
+        "httproutes",
+    );
+    let routes: Api<DynamicObject> = Api::namespaced_with(h.env.client.clone(), &ns, &resource);
+    // Nothing serves yet: only the catch-all, toward the router Service.
+    let all = eventually(30, "the catch-all route", || async {
+        routes.get_opt(ROUTER_ROUTE).await.ok()?
+    })
+    .await;
+    let rule = &all.data["spec"]["rules"][0];
+    assert_eq!(rule["backendRefs"][0]["kind"], "Service");
+    assert_eq!(rule["backendRefs"][0]["name"], "model-residency-router");
+    assert_eq!(rule["backendRefs"][0]["port"], 80);
+    assert_eq!(
+        all.data["spec"]["parentRefs"][0]["name"],
+        "inference-gateway"
+    );
+    assert_eq!(all.data["spec"]["parentRefs"][0]["namespace"], "infra");
+    assert!(
+        routes.get_opt("chat").await.unwrap().is_none(),
+        "chat serves nowhere yet"
+    );
+    // chat loads: its route, toward its pool, matched by its header.
+    h.request("gpu-0", "chat").await;
+    let chat = eventually(30, "chat's route", || async {
+        routes.get_opt("chat").await.ok()?
+    })
+    .await;
+    let rule = &chat.data["spec"]["rules"][0];
+    assert_eq!(rule["matches"][0]["headers"][0]["name"], MODEL_HEADER);
+    assert_eq!(rule["matches"][0]["headers"][0]["value"], "chat");
+    assert_eq!(rule["matches"][0]["path"]["value"], "/");
+    assert_eq!(rule["backendRefs"][0]["kind"], "InferencePool");
+    assert_eq!(
+        rule["backendRefs"][0]["group"],
+        "inference.networking.k8s.io"
+    );
+    assert_eq!(rule["backendRefs"][0]["name"], "chat");
+    // Owned by both residencies that list chat: it goes with the last.
+    assert_eq!(
+        chat.metadata.owner_references.as_ref().map(Vec::len),
+        Some(2)
+    );
+    assert!(routes.get_opt("other").await.unwrap().is_none());
+    // What the API server stored (with its defaults) is what the operator
+    // wrote: quiet ticks apply nothing.
+    let patches = || {
+        h.ctx.metrics.sum_where(
+            "model_residency_api_requests_total",
+            r#"verb="patch",resource="httproutes""#,
+        )
+    };
+    let before = patches();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(patches() - before, 0, "routes applied at steady state");
+    // chat unloaded: its route goes (its requests reach the router, which
+    // loads it again); the catch-all stays.
+    model_residency::residency::demand::unload(&h.api, "gpu-0", "chat")
+        .await
+        .unwrap();
+    eventually(30, "chat's route gone", || async {
+        routes.get_opt("chat").await.ok()?.is_none().then_some(())
+    })
+    .await;
+    assert!(routes.get_opt(ROUTER_ROUTE).await.unwrap().is_some());
 }

@@ -29,6 +29,8 @@ use std::sync::Arc;
 pub struct PoolConfig {
     /// The endpoint picker every pool names (none: the gateway picks).
     pub endpoint_picker: Option<EndpointPickerRef>,
+    /// HTTPRoutes toward the pools and the router (`--gateway-routes`).
+    pub routes: Option<super::routes::RouteConfig>,
 }
 
 /// Whether a pod that is `up` serves `model` now, as `residency` says.
@@ -103,7 +105,7 @@ struct Seen {
 fn survey(
     cache: &PodCache,
     residencies: &HashMap<(String, String), &Arc<ModelResidency>>,
-) -> Option<(Vec<LabelChange>, Ports)> {
+) -> Option<(Vec<LabelChange>, Ports, HashSet<ModelKey>)> {
     let mut seen = Vec::new();
     let ready = cache.each(|ns, residency, pod| {
         seen.push(Seen {
@@ -122,6 +124,7 @@ fn survey(
     seen.sort_by(|a, b| (&a.ns, &a.name).cmp(&(&b.ns, &b.name)));
     let mut changes = Vec::new();
     let mut ports = Ports::new();
+    let mut serving = HashSet::new();
     // Each residency's status unpacked once a round, not once per pod.
     let mut loaded: HashMap<(String, String), Option<Arc<ModelResidency>>> = HashMap::new();
     for s in seen {
@@ -135,11 +138,14 @@ fn survey(
                 .map(|&r| crate::controller::cached::unpacked(r.clone()))
         });
         let want = serves(s.up, &s.model, owner.as_deref());
+        if want {
+            serving.insert((s.ns.to_string(), s.model.to_string()));
+        }
         if want != s.labelled {
             changes.push((s.ns.into(), s.name.into(), want));
         }
     }
-    Some((changes, ports))
+    Some((changes, ports, serving))
 }
 
 /// A serving port per (namespace, model).
@@ -157,7 +163,7 @@ impl Scaler {
             .flatten()
             .map(|r| ((r.namespace().unwrap_or_default(), r.name_any()), r))
             .collect();
-        let Some((changes, ports)) = survey(&self.ctx.pods, &residencies) else {
+        let Some((changes, ports, serving)) = survey(&self.ctx.pods, &residencies) else {
             // The pod cache's first list is not in (a new leader): an
             // empty view would take every pool's port back to the default.
             return;
@@ -166,6 +172,9 @@ impl Scaler {
             super::enact::set_label(&self.ctx, &ns, &pod, SERVING_LABEL, want).await;
         }
         self.apply_pools(all, &ports, config).await;
+        if let Some(routes) = &config.routes {
+            self.apply_routes(all, &serving, routes).await;
+        }
     }
 
     /// Applies each model's pool where it differs, deletes the pools of
