@@ -786,14 +786,7 @@ async fn memory(plane: &ControlPlane, client: &kube::Client, counts: &[usize]) {
     let _kubelet = FakeKubelet::start(client.clone(), KubeletConfig::instant(&node_refs))
         .await
         .unwrap();
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_model-residency"));
-    cmd.env("KUBECONFIG", plane.kubeconfig())
-        .args(["run", "--namespace", NS, "--http-addr", "127.0.0.1:0"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null());
-    // Dies with the benchmark, however it ends.
-    let mut op = model_residency::local::control_plane::spawn_owned(cmd).unwrap();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut op = operator_process(plane).await;
     println!(
         "memory: `model-residency run` RSS, residencies with 3 models and one resident model (one pod) each"
     );
@@ -838,6 +831,19 @@ async fn memory(plane: &ControlPlane, client: &kube::Client, counts: &[usize]) {
     for streaming in [false, true] {
         restart(plane, total, streaming).await;
     }
+}
+
+/// `model-residency run` over the bench namespace as a process of its own
+/// (it dies with the benchmark, however that ends), two seconds in.
+async fn operator_process(plane: &ControlPlane) -> std::process::Child {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_model-residency"));
+    cmd.env("KUBECONFIG", plane.kubeconfig())
+        .args(["run", "--namespace", NS, "--http-addr", "127.0.0.1:0"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let op = model_residency::local::control_plane::spawn_owned(cmd).unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    op
 }
 
 /// Starts `model-residency run` over `count` converged residencies and
@@ -897,13 +903,7 @@ async fn stamped_set(plane: &ControlPlane, client: &kube::Client, nodes: usize, 
     let mut config = KubeletConfig::instant(&[]);
     config.nodes = names.iter().map(|n| FakeNode::new(n, gpus)).collect();
     let _kubelet = FakeKubelet::start(client.clone(), config).await.unwrap();
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_model-residency"));
-    cmd.env("KUBECONFIG", plane.kubeconfig())
-        .args(["run", "--namespace", NS, "--http-addr", "127.0.0.1:0"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null());
-    let mut op = model_residency::local::control_plane::spawn_owned(cmd).unwrap();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut op = operator_process(plane).await;
     let count = nodes * gpus as usize;
     println!(
         "set: one ResidencySet over {nodes} nodes x {gpus} GPUs ({count} residencies of 3 catalog models)"

@@ -263,7 +263,13 @@ pub fn render(gpus: &[GpuView], now: Timestamp) -> String {
             (Some(u), Some(b)) if b > 0 => format!(" ({}%)", u * 100 / b),
             _ => String::new(),
         };
-        let place = format!("{}/{}", g.node.as_deref().unwrap_or("(unplaced)"), g.device);
+        // A GPU's uuid (a stamped residency's device) is shortened: its
+        // residency's name already says which GPU it is.
+        let device = match g.device.char_indices().nth(12) {
+            Some((cut, _)) if g.device.len() > 16 => format!("{}…", &g.device[..cut]),
+            _ => g.device.clone(),
+        };
+        let place = format!("{}/{device}", g.node.as_deref().unwrap_or("(unplaced)"));
         out.push_str(&format!(
             "{}/{}  {place}  {} of {}{pct}{}\n",
             g.namespace,

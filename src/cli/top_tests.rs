@@ -141,6 +141,14 @@ fn eight_gpus_fit_80_columns_and_say_when() {
     assert!(chat.contains("in 5m"), "{chat}");
     println!("{text}");
     assert!(render(&[], now).contains("no ModelResidency here"));
+    // A stamped residency's device is its GPU's uuid: shortened.
+    let mut stamped = fleet().0.remove(2);
+    stamped.spec.device = "GPU-083f45b5-13eb-1e03-3c4a-1a791e4d94a3".into();
+    let text = render(&view(&[stamped], &catalogs, false), now);
+    assert!(
+        text.contains("node-a/GPU-083f45b5…  12Gi of 16Gi"),
+        "{text}"
+    );
 }
 
 #[test]

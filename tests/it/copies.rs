@@ -524,6 +524,20 @@ fn install_inference_crd(
     plane: &model_residency::local::control_plane::ControlPlane,
     version: &str,
 ) {
+    install_crds(
+        plane,
+        &format!("{version}.yaml"),
+        "crd/inferencepools.inference.networking.k8s.io",
+    );
+}
+
+/// Applies `file` of `scripts/inference-extension.sh`'s folder to `plane`
+/// and waits until `crd` is Established.
+fn install_crds(
+    plane: &model_residency::local::control_plane::ControlPlane,
+    file: &str,
+    crd: &str,
+) {
     let dir = std::env::var("MODEL_RESIDENCY_INFERENCE_CRDS").expect(
         "MODEL_RESIDENCY_INFERENCE_CRDS: scripts/test.sh sets it (scripts/inference-extension.sh)",
     );
@@ -539,14 +553,9 @@ fn install_inference_crd(
             String::from_utf8_lossy(&out.stderr)
         );
     };
-    let file = format!("{dir}/{version}.yaml");
+    let file = format!("{dir}/{file}");
     kubectl(&["apply", "--server-side", "--force-conflicts", "-f", &file]);
-    kubectl(&[
-        "wait",
-        "--for=condition=Established",
-        "--timeout=30s",
-        "crd/inferencepools.inference.networking.k8s.io",
-    ]);
+    kubectl(&["wait", "--for=condition=Established", "--timeout=30s", crd]);
 }
 
 /// Against the extension's v1.5 CRD (its picker required): the pool the
@@ -922,29 +931,11 @@ async fn a_copy_never_evicts_a_model_a_model_demand_holds() {
 /// Applies the Gateway API's standard CRDs (GatewayClass, Gateway,
 /// HTTPRoute, from `scripts/inference-extension.sh`) to `plane`.
 fn install_gateway_crds(plane: &model_residency::local::control_plane::ControlPlane) {
-    let dir = std::env::var("MODEL_RESIDENCY_INFERENCE_CRDS").expect(
-        "MODEL_RESIDENCY_INFERENCE_CRDS: scripts/test.sh sets it (scripts/inference-extension.sh)",
-    );
-    let kubectl = |args: &[&str]| {
-        let out = std::process::Command::new(model_residency::local::control_plane::kubectl())
-            .env("KUBECONFIG", plane.kubeconfig())
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "kubectl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    let file = format!("{dir}/gateway-api-v1.6.3.yaml");
-    kubectl(&["apply", "--server-side", "--force-conflicts", "-f", &file]);
-    kubectl(&[
-        "wait",
-        "--for=condition=Established",
-        "--timeout=30s",
+    install_crds(
+        plane,
+        "gateway-api-v1.6.3.yaml",
         "crd/httproutes.gateway.networking.k8s.io",
-    ]);
+    );
 }
 
 #[tokio::test]
