@@ -19,6 +19,8 @@ bash scripts/registry.sh >/dev/null \
 # there, or on the kubelet stand-in when it cannot (it says why).
 MODEL_RESIDENCY_REAL_NODE=$(bash scripts/real-node.sh install) && export MODEL_RESIDENCY_REAL_NODE \
   || echo "note: no real node; the demo runs on the kubelet stand-in" >&2
+MODEL_RESIDENCY_PROMETHEUS=$(bash scripts/prometheus.sh) && export MODEL_RESIDENCY_PROMETHEUS \
+  || echo "note: no Prometheus; the demo skips its dashboard and alerts check" >&2
 bash scripts/build-tools.sh
 echo "[demo] building model-residency (release)..." >&2
 cargo build --release --locked --quiet

@@ -59,11 +59,51 @@ struct Snapshot {
     last: Counters,
 }
 
+/// What one model holds on its GPU, for `model_bytes`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelHolding {
+    pub model: Box<str>,
+    /// Its state's name (Loaded, Loading, Fetching, Sleeping, Failed).
+    pub state: &'static str,
+    /// VRAM it holds: its size, or its sleeping size while it sleeps.
+    pub bytes: u64,
+}
+
 /// The per-residency metrics, kept as one small record per residency and
 /// written out at scrape time: nine metric families of their own would
 /// cost about 1.5 KiB a residency (a map entry and label copy in each).
 #[derive(Debug, Default)]
 struct PerResidency(Mutex<HashMap<ResidencyLabels, Snapshot>>);
+
+/// Per residency, the models holding VRAM on it (most have one or two).
+#[derive(Debug, Default)]
+struct PerModel(Mutex<HashMap<ResidencyLabels, Box<[ModelHolding]>>>);
+
+impl Collector for PerModel {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let map = self.0.lock().expect("metrics lock");
+        let mut rows: Vec<(&ResidencyLabels, &Box<[ModelHolding]>)> = map.iter().collect();
+        rows.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        let mut family = encoder.encode_descriptor(
+            "model_bytes",
+            "VRAM each model on a GPU holds, by state: its size, or its sleeping size while it sleeps",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (r, models) in rows {
+            for m in models.iter() {
+                let labels = [
+                    ("namespace", r.namespace.as_str()),
+                    ("residency", r.residency.as_str()),
+                    ("model", &*m.model),
+                    ("state", m.state),
+                ];
+                ConstGauge::new(m.bytes).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}
 
 type Field = fn(&Snapshot) -> u64;
 
@@ -133,6 +173,7 @@ impl Collector for PerResidency {
 pub struct Metrics {
     registry: Registry,
     residencies: Arc<PerResidency>,
+    models: Arc<PerModel>,
     reconcile_duration: Histogram,
     reconcile_errors: Family<ErrorLabels, Counter>,
     reconciles: Counter,
@@ -170,6 +211,7 @@ impl Metrics {
         let mut registry = Registry::with_prefix("model_residency");
         let m = Metrics {
             residencies: Arc::default(),
+            models: Arc::default(),
             reconcile_duration: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
             reconcile_errors: Family::default(),
             reconciles: Counter::default(),
@@ -185,6 +227,7 @@ impl Metrics {
             registry: Registry::default(),
         };
         registry.register_collector(Box::new(m.residencies.clone()));
+        registry.register_collector(Box::new(m.models.clone()));
         registry.register(
             "reconcile_duration_seconds",
             "Time to reconcile one residency",
@@ -273,14 +316,36 @@ impl Metrics {
         }
     }
 
+    /// Exports the models holding VRAM on a residency's GPU (none: its
+    /// row goes).
+    pub fn observe_models(&self, namespace: &str, residency: &str, models: Vec<ModelHolding>) {
+        let labels = ResidencyLabels {
+            namespace: namespace.into(),
+            residency: residency.into(),
+        };
+        let mut map = self.models.0.lock().expect("metrics lock");
+        if models.is_empty() {
+            map.remove(&labels);
+        } else {
+            map.insert(labels, models.into_boxed_slice());
+        }
+    }
+
     /// Forgets every residency but those in `present` (what a list of
     /// them found: the others were deleted while the watch was down).
     pub fn keep_only(&self, present: &std::collections::HashSet<(String, String)>) {
+        let kept =
+            |l: &ResidencyLabels| present.contains(&(l.namespace.clone(), l.residency.clone()));
         self.residencies
             .0
             .lock()
             .expect("metrics lock")
-            .retain(|l, _| present.contains(&(l.namespace.clone(), l.residency.clone())));
+            .retain(|l, _| kept(l));
+        self.models
+            .0
+            .lock()
+            .expect("metrics lock")
+            .retain(|l, _| kept(l));
     }
 
     /// Forgets a deleted residency.
@@ -289,6 +354,7 @@ impl Metrics {
             namespace: namespace.into(),
             residency: residency.into(),
         };
+        self.models.0.lock().expect("metrics lock").remove(&labels);
         self.residencies
             .0
             .lock()
@@ -370,6 +436,42 @@ impl Drop for ReconcileTimer<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exports_what_each_model_holds_until_it_holds_nothing_or_goes() {
+        let m = Metrics::new();
+        let holding = |model: &str, state, bytes| ModelHolding {
+            model: model.into(),
+            state,
+            bytes,
+        };
+        m.observe_models(
+            "models",
+            "gpu0",
+            vec![
+                holding("chat", "Loaded", 8 << 30),
+                holding("code", "Sleeping", 1 << 30),
+            ],
+        );
+        let text = m.encode();
+        for want in [
+            format!(
+                r#"model_residency_model_bytes{{namespace="models",residency="gpu0",model="chat",state="Loaded"}} {}"#,
+                8u64 << 30
+            ),
+            format!(
+                r#"model_residency_model_bytes{{namespace="models",residency="gpu0",model="code",state="Sleeping"}} {}"#,
+                1u64 << 30
+            ),
+        ] {
+            assert!(text.contains(&want), "{want} missing in\n{text}");
+        }
+        m.observe_models("models", "gpu0", vec![]);
+        assert!(!m.encode().contains("model_bytes{"));
+        m.observe_models("models", "gpu0", vec![holding("chat", "Loaded", 1)]);
+        m.forget("models", "gpu0");
+        assert!(!m.encode().contains("model_bytes{"));
+    }
 
     #[test]
     fn exports_status_and_counts_deltas() {

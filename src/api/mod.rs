@@ -528,6 +528,21 @@ pub enum ModelState {
 }
 
 impl ModelState {
+    /// Its name, as status and the metrics write it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModelState::Loaded => "Loaded",
+            ModelState::Loading => "Loading",
+            ModelState::Fetching => "Fetching",
+            ModelState::Queued => "Queued",
+            ModelState::Evicted => "Evicted",
+            ModelState::Refused => "Refused",
+            ModelState::Sleeping => "Sleeping",
+            ModelState::Unloaded => "Unloaded",
+            ModelState::Failed => "Failed",
+        }
+    }
+
     /// Whether a model in this state may hold VRAM (see
     /// [`ModelStatus::is_resident`] for whether it does).
     pub fn is_resident(self) -> bool {

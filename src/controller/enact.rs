@@ -254,6 +254,39 @@ pub(super) async fn enact(
     Ok(Enacted::Asking)
 }
 
+/// What each model on the GPU holds, as its status says (one whose sleep
+/// is confirmed: its registry entry's sleeping size), for the
+/// `model_bytes` metric.
+fn holdings(
+    r: &ModelResidency,
+    status: &crate::api::ModelResidencyStatus,
+) -> Vec<crate::metrics::ModelHolding> {
+    use crate::api::ModelState;
+    status
+        .models
+        .iter()
+        .filter(|m| m.is_resident())
+        .filter_map(|m| {
+            let size = crate::quantity::parse_bytes(m.size.as_deref()?).ok()?;
+            // Falling asleep it still holds its whole size.
+            let asleep = m.state == ModelState::Sleeping && m.reason.as_deref() == Some("Asleep");
+            let bytes = if asleep {
+                let spec = r.spec.models.iter().find(|s| *s.name == *m.name)?;
+                crate::residency::warm::sleep_figures(&m.name, spec.sleep.as_deref()?, size)
+                    .ok()?
+                    .sleeping_size
+            } else {
+                size
+            };
+            Some(crate::metrics::ModelHolding {
+                model: m.name.clone(),
+                state: m.state.as_str(),
+                bytes,
+            })
+        })
+        .collect()
+}
+
 /// The rest of a decision once its pods are done: status, metrics, events.
 /// Yields whether to look again soon.
 async fn conclude(
@@ -268,6 +301,8 @@ async fn conclude(
     if let Some(usage) = &d.usage {
         ctx.metrics
             .observe(ns, &r.name_any(), usage, d.status.counters);
+        ctx.metrics
+            .observe_models(ns, &r.name_any(), holdings(r, &d.status));
     }
     for seconds in &d.load_seconds {
         ctx.metrics.model_loaded(*seconds);

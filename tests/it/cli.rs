@@ -645,6 +645,11 @@ fn the_demo_runs_end_to_end() {
         "Step W3: chat-a again: a wake on the same pod",
         "(the same pod); its wake, asked and confirmed",
         "warm-gpu: loads 2 | sleeps 1 | wakes 1",
+        // `top`, and the chart's dashboard and alerts against a real
+        // Prometheus scraping the demo's processes.
+        "$ model-residency top --once -n models",
+        "SUCCESS: 5 rules found",
+        "10 panels, 18 queries: each answered with series; 5 alerts: each evaluated, each metric it reads present",
         "exited: exit status: 0",
         "== Done in",
     ] {

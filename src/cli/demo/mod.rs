@@ -21,6 +21,7 @@
 //! everything it started.
 
 mod disk;
+mod observe;
 mod processes;
 mod seed;
 
@@ -305,6 +306,7 @@ async fn epilogue(
     operator: &str,
     node_agent: &str,
 ) -> Result<(), Failure> {
+    let prometheus = observe::start(&[operator, router, node_agent])?;
     say("What the router serves (curl /v1/models)");
     println!("$ curl -s http://{}/v1/models", router);
     let models = http_get(router, "/v1/models").await.unwrap_or_default().1;
@@ -399,6 +401,12 @@ async fn epilogue(
         },
     )
     .await;
+    if let Some(prometheus) = prometheus {
+        say(
+            "The chart's Grafana dashboard and alerts (dashboard.enabled, alerts.enabled) against that Prometheus: every panel's queries, every alert's expression",
+        );
+        prometheus.check(3).await?;
+    }
     Ok(())
 }
 
