@@ -70,6 +70,10 @@ pub struct Args {
     /// the real node's binaries built), the stand-in otherwise, saying why.
     #[arg(long, value_enum, default_value_t = NodeKind::Auto)]
     node: NodeKind,
+    /// Save the dashboard's main panel, as Prometheus answers it over the
+    /// run, into this folder (for scripts/dashboard-picture.py).
+    #[arg(long, value_name = "DIR")]
+    dashboard_data: Option<PathBuf>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -147,7 +151,12 @@ pub fn run(args: Args) -> Result<(), Failure> {
     } else {
         Node::StandIn(args.load_secs_per_gib)
     };
-    let result = runtime.block_on(story(&plane, residency, node));
+    let result = runtime.block_on(story(
+        &plane,
+        residency,
+        node,
+        args.dashboard_data.as_deref(),
+    ));
     runtime.shutdown_timeout(Duration::from_secs(2));
     drop(plane);
     if result.is_ok() {
@@ -218,6 +227,7 @@ async fn story(
     plane: &ControlPlane,
     mut residency: ModelResidency,
     node_kind: Node,
+    dashboard_data: Option<&Path>,
 ) -> Result<(), Failure> {
     let client = plane.client().await.map_err(|e| Failure {
         message: e.to_string(),
@@ -242,6 +252,7 @@ async fn story(
     }
 
     let operator = start_operator(plane, real).await?;
+    let mut prometheus = observe::start(&[&operator.addr])?;
 
     let namespaces: Api<Namespace> = Api::all(client.clone());
     let ns: Namespace =
@@ -275,9 +286,15 @@ async fn story(
     gpus(kc);
 
     let router = start_router(plane).await?;
+    if let Some(p) = &mut prometheus {
+        p.add(&router.addr)?;
+    }
     seed_requests(&api, kc, &name, &router.addr).await?;
 
     let (node_agent, disk) = disk_tier(plane, &api, &name, &residency, &router.addr).await?;
+    if let Some(p) = &mut prometheus {
+        p.add(&node_agent.addr)?;
+    }
     warm::warm_tier(&api, kc, &demo_node(&residency), &router.addr, real).await?;
 
     epilogue(
@@ -289,6 +306,15 @@ async fn story(
         &node_agent.addr,
     )
     .await?;
+    if let Some(prometheus) = prometheus {
+        say(
+            "The chart's Grafana dashboard and alerts (dashboard.enabled, alerts.enabled) against that Prometheus: every panel's queries, every alert's expression",
+        );
+        prometheus.check(3).await?;
+        if let Some(dir) = dashboard_data {
+            prometheus.save_main_panel(dir).await?;
+        }
+    }
     router.stop();
     node_agent.stop();
     drop(disk);
@@ -306,7 +332,6 @@ async fn epilogue(
     operator: &str,
     node_agent: &str,
 ) -> Result<(), Failure> {
-    let prometheus = observe::start(&[operator, router, node_agent])?;
     say("What the router serves (curl /v1/models)");
     println!("$ curl -s http://{}/v1/models", router);
     let models = http_get(router, "/v1/models").await.unwrap_or_default().1;
@@ -401,12 +426,6 @@ async fn epilogue(
         },
     )
     .await;
-    if let Some(prometheus) = prometheus {
-        say(
-            "The chart's Grafana dashboard and alerts (dashboard.enabled, alerts.enabled) against that Prometheus: every panel's queries, every alert's expression",
-        );
-        prometheus.check(3).await?;
-    }
     Ok(())
 }
 

@@ -29,6 +29,7 @@ pub(super) struct Prometheus {
     child: Child,
     addr: String,
     started: Instant,
+    targets: Vec<String>,
     _dir: tempfile::TempDir,
 }
 
@@ -39,7 +40,8 @@ impl Drop for Prometheus {
     }
 }
 
-/// Starts Prometheus over `targets` (host:port of each `/metrics`), or
+/// Starts Prometheus over `targets` (host:port of each `/metrics`; more
+/// join with [`Prometheus::add`]), or
 /// says why it cannot (then the check is skipped, or under `CI=true`
 /// fails the demo).
 pub(super) fn start(targets: &[&str]) -> Result<Option<Prometheus>, Failure> {
@@ -56,13 +58,18 @@ pub(super) fn start(targets: &[&str]) -> Result<Option<Prometheus>, Failure> {
         .and_then(|l| l.local_addr())
         .map_err(Failure::other)?
         .port();
-    let list: Vec<String> = targets.iter().map(|t| format!("\"{t}\"")).collect();
+    // Targets from a file Prometheus watches: the router and the node
+    // agent join as the demo starts them.
     let config = format!(
         "global: {{scrape_interval: 1s, evaluation_interval: 1s}}\n\
-         scrape_configs:\n- job_name: model-residency\n  static_configs:\n  - targets: [{}]\n",
-        list.join(", ")
+         scrape_configs:\n- job_name: model-residency\n  file_sd_configs:\n  - files: [{}]\n    refresh_interval: 1s\n",
+        dir.path().join("targets.json").display()
     );
     std::fs::write(dir.path().join("prometheus.yml"), config).map_err(Failure::other)?;
+    write_targets(
+        dir.path(),
+        &targets.iter().map(|t| t.to_string()).collect::<Vec<_>>(),
+    )?;
     let addr = format!("127.0.0.1:{port}");
     let child = Command::new(&bin)
         .arg(format!(
@@ -87,8 +94,18 @@ pub(super) fn start(targets: &[&str]) -> Result<Option<Prometheus>, Failure> {
         child,
         addr,
         started: Instant::now(),
+        targets: targets.iter().map(|t| t.to_string()).collect(),
         _dir: dir,
     }))
+}
+
+/// The scrape targets' file, replaced whole (Prometheus never reads half
+/// of it).
+fn write_targets(dir: &std::path::Path, targets: &[String]) -> Result<(), Failure> {
+    let body = serde_json::json!([{"targets": targets}]).to_string();
+    let tmp = dir.join("targets.json.tmp");
+    std::fs::write(&tmp, body).map_err(Failure::other)?;
+    std::fs::rename(&tmp, dir.join("targets.json")).map_err(Failure::other)
 }
 
 fn encode(s: &str) -> String {
@@ -103,6 +120,48 @@ fn encode(s: &str) -> String {
 }
 
 impl Prometheus {
+    /// Scrapes `target` too from now on.
+    pub(super) fn add(&mut self, target: &str) -> Result<(), Failure> {
+        self.targets.push(target.to_owned());
+        write_targets(self._dir.path(), &self.targets)
+    }
+
+    /// Writes the main panel's data over the whole run (the VRAM each model
+    /// held per GPU, and each GPU's budget), as Prometheus answers range
+    /// queries, into `dir` (`vram.json`, `budget.json`) for
+    /// `scripts/dashboard-picture.py`.
+    pub(super) async fn save_main_panel(&self, dir: &std::path::Path) -> Result<(), Failure> {
+        let dashboard: serde_json::Value =
+            serde_json::from_str(DASHBOARD).map_err(Failure::other)?;
+        let vram = dashboard["panels"][0]["targets"][0]["expr"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        let seconds = self.started.elapsed().as_secs() + 1;
+        let end = k8s_openapi::jiff::Timestamp::now().as_second();
+        let start = end - seconds as i64;
+        std::fs::create_dir_all(dir).map_err(Failure::other)?;
+        for (file, query) in [
+            ("vram.json", vram.as_str()),
+            ("budget.json", "model_residency_budget_bytes"),
+        ] {
+            let path = format!(
+                "/api/v1/query_range?query={}&start={start}&end={end}&step=1",
+                encode(query)
+            );
+            let (_, body) = http_get(&self.addr, &path)
+                .await
+                .ok_or_else(|| Failure::other("Prometheus did not answer"))?;
+            std::fs::write(dir.join(file), body).map_err(Failure::other)?;
+        }
+        say(&format!(
+            "The main panel's data saved in {} (python3 scripts/dashboard-picture.py {} docs/dashboard.svg draws it)",
+            dir.display(),
+            dir.display()
+        ));
+        Ok(())
+    }
+
     /// An instant query's answer: the number of series, or why it failed.
     async fn series(&self, promql: &str) -> Result<usize, String> {
         let path = format!("/api/v1/query?query={}", encode(promql));
