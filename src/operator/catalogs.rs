@@ -40,13 +40,37 @@ pub(super) async fn catalog_events(
     // catalog as it was reconciles none of them (ten thousand residencies
     // may name one catalog).
     let mut seen: HashMap<ObjectRef<ModelCatalog>, Option<i64>> = HashMap::new();
+    // The catalogs a relist has found so far: one it no longer finds was
+    // deleted while the watch was down (no Delete event says so).
+    let mut relisted: Option<std::collections::HashSet<ObjectRef<ModelCatalog>>> = None;
     let watch = reflector(writer, watcher(api, watcher::Config::default()))
         .backoff(crate::cluster::WatchBackoff::default())
         .for_each(move |event| {
             let touched = match event {
+                Ok(watcher::Event::Init) => {
+                    relisted = Some(Default::default());
+                    Vec::new()
+                }
+                Ok(watcher::Event::InitDone) => {
+                    let found = relisted.take().unwrap_or_default();
+                    let gone: Vec<_> = seen
+                        .keys()
+                        .filter(|k| !found.contains(*k))
+                        .cloned()
+                        .collect();
+                    gone.iter()
+                        .flat_map(|key| {
+                            seen.remove(key);
+                            Catalogs::users(&residencies, key)
+                        })
+                        .collect()
+                }
                 Ok(watcher::Event::Apply(c) | watcher::Event::InitApply(c)) => {
                     count_models(&ctx, &c);
                     let key = ObjectRef::from_obj(&c);
+                    if let Some(found) = &mut relisted {
+                        found.insert(key.clone());
+                    }
                     let generation = c.metadata.generation;
                     if seen.insert(key.clone(), generation) == Some(generation) {
                         Vec::new()
@@ -59,7 +83,6 @@ pub(super) async fn catalog_events(
                     seen.remove(&key);
                     Catalogs::users(&residencies, &key)
                 }
-                Ok(_) => Vec::new(),
                 Err(e) => {
                     tracing::debug!(error = %e, "catalog watch");
                     Vec::new()
