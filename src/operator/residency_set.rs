@@ -474,13 +474,18 @@ fn stamped_body(
 /// Whether `r` differs from `desired` in what the set owns of it.
 fn differs(r: &ModelResidency, desired: &serde_json::Value) -> bool {
     let have = serde_json::to_value(&r.spec).unwrap_or_default();
-    let spec = desired["spec"].as_object().into_iter().flatten();
+    // The desired spec as the type writes it (a default such as prefetch 0
+    // left out, as in `have`): written as JSON it would differ from every
+    // stored residency, and each reconcile would rewrite them all.
+    let want = serde_json::from_value::<crate::api::ModelResidencySpec>(desired["spec"].clone())
+        .ok()
+        .and_then(|s| serde_json::to_value(s).ok())
+        .unwrap_or_else(|| desired["spec"].clone());
+    let keys = desired["spec"].as_object().into_iter().flatten();
     let label = r.labels().get(SET_LABEL).map(String::as_str);
     label != desired["metadata"]["labels"][SET_LABEL].as_str()
         || r.labels().contains_key(DRAINING_LABEL)
-        || spec
-            .into_iter()
-            .any(|(k, v)| have.get(k).unwrap_or(&serde_json::Value::Null) != v)
+        || keys.into_iter().any(|(k, _)| have.get(k) != want.get(k))
 }
 
 /// A stamped residency emptied for its drain: the same fields, its
@@ -561,4 +566,32 @@ async fn write_status(
     ctx.metrics.api_request("patch", "residencysets");
     crate::cluster::apply_status(&sets, name, MANAGER, &status).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stamped_residency_as_stored_does_not_differ_from_its_body() {
+        let desired = json!({
+            "metadata": {"labels": {SET_LABEL: "fleet"}},
+            "spec": {"nodeName": "node-0", "device": "GPU-1", "catalog": {"name": "c"},
+                     "prefetch": 0, "eviction": "lru", "budget": "12Gi", "gpu": {"mode": "env"}},
+        });
+        let stored: ModelResidency = serde_json::from_value(json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+            "metadata": {"name": "fleet-node-0-gpu-0", "labels": {SET_LABEL: "fleet"}},
+            "spec": desired["spec"].clone(),
+        }))
+        .unwrap();
+        // prefetch 0 and eviction lru are what the type leaves out.
+        assert!(!differs(&stored, &desired));
+        let mut bigger = desired.clone();
+        bigger["spec"]["budget"] = json!("16Gi");
+        assert!(differs(&stored, &bigger));
+        let mut prefetching = desired.clone();
+        prefetching["spec"]["prefetch"] = json!(2);
+        assert!(differs(&stored, &prefetching));
+    }
 }

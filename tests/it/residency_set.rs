@@ -84,6 +84,30 @@ async fn a_set_stamps_a_residency_per_published_gpu_and_drains_one_that_leaves()
         .unwrap();
     let name = |gpu: &str| format!("gpus-{}-{gpu}", h.node);
     until_stamped(&h, "gpus", &[name("gpu-14"), name("gpu-15")]).await;
+    // Once stamped, quiet reconciles (a slice or node event concerns
+    // every set) rewrite nothing.
+    let patches = || {
+        h.ctx.metrics.sum_where(
+            "model_residency_api_requests_total",
+            r#"verb="patch",resource="modelresidencies""#,
+        )
+    };
+    let before = patches();
+    let sets_api: Api<ResidencySet> = Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    sets_api
+        .patch(
+            "gpus",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {"poke": "1"}}})),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert_eq!(
+        patches() - before,
+        0,
+        "stamped residencies rewritten at rest"
+    );
     let r = h.api.get(&name("gpu-15")).await.unwrap();
     assert_eq!(r.spec.node_name.as_deref(), Some(h.node.as_str()));
     assert!(r.spec.device.starts_with("GPU-"), "{}", r.spec.device);
