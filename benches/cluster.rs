@@ -20,12 +20,14 @@
 //!   of the models (each residency its first `--models`) instead of
 //!   listing them inline; each model then has one size everywhere. Scale
 //!   prints the bytes of one residency object as the API server returns it.
-//! - `set [--nodes 100] [--gpus 10]`: one ResidencySet over the GPUs the
-//!   fake nodes publish in their ResourceSlices (nodes x gpus), stamping a
-//!   residency of 3 catalog models per GPU: time until every residency is
-//!   stamped and Ready, the operator's RSS then, the time from one more
-//!   GPU appearing in a slice to its residency Ready, and a restart over
-//!   them (ready time, RSS).
+//! - `set [--nodes 100] [--gpus 10] [--load]`: one ResidencySet over the
+//!   GPUs the fake nodes publish in their ResourceSlices (nodes x gpus, at
+//!   most 128 a node), stamping a residency of 3 catalog models per GPU:
+//!   time until every residency is stamped and Ready, the operator's RSS
+//!   then (with `--load`, also once one model is loaded on each, as the
+//!   memory mode's fleet), the time from one more GPU appearing in a
+//!   slice to its residency Ready, and a restart over them (ready time,
+//!   RSS).
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
@@ -103,7 +105,8 @@ fn main() {
             "set" => {
                 let nodes: usize = arg(&args, "--nodes", "100").parse().unwrap();
                 let gpus: u32 = arg(&args, "--gpus", "10").parse().unwrap();
-                stamped_set(&plane, &client, nodes, gpus).await
+                let load = args.iter().any(|a| a == "--load");
+                stamped_set(&plane, &client, nodes, gpus, load).await
             }
             other => panic!("unknown mode {other}: latency, scale, memory or set"),
         }
@@ -894,7 +897,13 @@ async fn restart(plane: &ControlPlane, count: usize, streaming: bool) {
 
 /// A ResidencySet over `nodes` fake nodes' `gpus` GPUs each: see the
 /// module's `set`.
-async fn stamped_set(plane: &ControlPlane, client: &kube::Client, nodes: usize, gpus: u32) {
+async fn stamped_set(
+    plane: &ControlPlane,
+    client: &kube::Client,
+    nodes: usize,
+    gpus: u32,
+    load: bool,
+) {
     use k8s_openapi::api::resource::v1::ResourceSlice;
     use kube::api::{Patch, PatchParams};
     use model_residency::api::ResidencySet;
@@ -932,6 +941,37 @@ async fn stamped_set(plane: &ControlPlane, client: &kube::Client, nodes: usize, 
         mib(status_bytes(op.id(), "VmHWM:")),
         plane.rss_bytes() >> 20
     );
+    if load {
+        // One resident model (one pod) on each, as the memory mode's fleet.
+        let api: Api<ModelResidency> = Api::namespaced(client.clone(), NS);
+        let names: Vec<String> = api
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .iter()
+            .map(|r| r.name_any())
+            .collect();
+        let t = Instant::now();
+        futures::stream::iter(names)
+            .for_each_concurrent(16, |name| {
+                let api = api.clone();
+                async move {
+                    demand::load(&api, &name, "model-0", Timestamp::now())
+                        .await
+                        .unwrap();
+                }
+            })
+            .await;
+        wait_converged(&api, count).await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        println!(
+            "  {count} stamped residencies + {count} pods: {} (converged in {:.0} s), peak {:.1} MiB",
+            footprint(op.id()),
+            t.elapsed().as_secs_f64(),
+            mib(status_bytes(op.id(), "VmHWM:")),
+        );
+    }
     // One more GPU in node-0's slice: appeared to its residency Ready.
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let mut slice = slices.get(&slice_name("node-0")).await.unwrap();
