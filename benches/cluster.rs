@@ -825,6 +825,11 @@ async fn memory(plane: &ControlPlane, client: &kube::Client, counts: &[usize]) {
             plane.rss_bytes() >> 20
         );
         println!("    file pages: {}", file_pages(op.id()));
+        // The allocator returns freed pages to the system only after its
+        // decay time (jemalloc's default: 10 s): the same again once the
+        // garbage of the convergence is surely returned.
+        tokio::time::sleep(Duration::from_secs(25)).await;
+        println!("    30 s after converging: {}", footprint(op.id()));
     }
     let _ = op.kill();
     let _ = op.wait();
