@@ -86,6 +86,10 @@ pub async fn run(
     // reconcile waits for their first lists: they must not depend on the
     // controller pulling its triggers); a change to any may concern every
     // set.
+    // Only what a set reads counts as a change: a slice's devices, a
+    // class, a node's labels (nodes report their status every few seconds:
+    // at a hundred nodes those updates alone never left the set a quiet
+    // moment to reconcile in).
     let (changed_tx, changed_rx) = futures::channel::mpsc::unbounded();
     let _watches = [
         spawn_reflector(
@@ -95,6 +99,7 @@ pub async fn run(
             ),
             slice_writer,
             changed_tx.clone(),
+            |s: &ResourceSlice| serde_json::to_string(&s.spec).unwrap_or_default(),
         ),
         spawn_reflector(
             watcher(
@@ -103,6 +108,7 @@ pub async fn run(
             ),
             class_writer,
             changed_tx.clone(),
+            |c: &DeviceClass| serde_json::to_string(&c.spec).unwrap_or_default(),
         ),
         spawn_reflector(
             watcher(
@@ -111,6 +117,7 @@ pub async fn run(
             ),
             node_writer,
             changed_tx,
+            |n: &PartialObjectMeta<Node>| format!("{:?}", n.metadata.labels),
         ),
     ];
     let changes = changed_rx.flat_map(everyone(all_sets.clone()));
@@ -122,11 +129,11 @@ pub async fn run(
         classes,
         nodes,
     });
-    let triggers = futures::stream::select(changes, owned);
+    let triggers = paced(
+        futures::stream::select(changes, owned),
+        Duration::from_millis(500),
+    );
     controller
-        .with_config(
-            kube::runtime::controller::Config::default().debounce(Duration::from_millis(500)),
-        )
         .reconcile_on(triggers)
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
@@ -135,24 +142,88 @@ pub async fn run(
 }
 
 /// Runs `events` into `writer`'s store in a task (aborted when the guard
-/// is dropped), saying each change on `changed`.
+/// is dropped), saying on `changed` each change of what `read` takes of an
+/// object (what a set reads of it), each deletion and each relist's end.
 fn spawn_reflector<K>(
     events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
     writer: reflector::store::Writer<K>,
     changed: futures::channel::mpsc::UnboundedSender<()>,
+    read: fn(&K) -> String,
 ) -> super::AbortOnDrop
 where
     K: kube::Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
 {
+    let mut seen: std::collections::HashMap<ObjectRef<K>, String> = Default::default();
     let run = events
         .backoff(crate::cluster::WatchBackoff::default())
         .reflect(writer)
-        .for_each(move |_| {
-            let _ = changed.unbounded_send(());
+        .for_each(move |event| {
+            let change = match &event {
+                Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
+                    let now = read(o);
+                    seen.insert(ObjectRef::from_obj(o), now.clone()).as_ref() != Some(&now)
+                }
+                Ok(watcher::Event::Delete(o)) => {
+                    seen.remove(&ObjectRef::from_obj(o));
+                    true
+                }
+                Ok(watcher::Event::InitDone) => true,
+                Ok(watcher::Event::Init) | Err(_) => false,
+            };
+            if change {
+                let _ = changed.unbounded_send(());
+            }
             futures::future::ready(())
         });
     super::AbortOnDrop(tokio::spawn(run))
+}
+
+/// `triggers`, each set at most once per `every`: what arrives meanwhile
+/// is gathered and sent at the next beat. Unlike a debounce, a steady
+/// stream of changes (residency statuses during a storm) never keeps a
+/// set from being reconciled; it is reconciled every `every` instead.
+fn paced(
+    triggers: impl futures::Stream<Item = ObjectRef<ResidencySet>> + Send + 'static,
+    every: Duration,
+) -> impl futures::Stream<Item = ObjectRef<ResidencySet>> + Send + 'static {
+    use std::collections::BTreeSet;
+    // The beats go on for as long as the controller reads them (it stops
+    // on shutdown).
+    let beats = tokio_stream_interval(every).map(|_| None);
+    let mut pending: BTreeSet<(Option<String>, String)> = BTreeSet::new();
+    futures::stream::select(triggers.map(Some), beats)
+        .map(move |item| {
+            let out: Vec<ObjectRef<ResidencySet>> = match item {
+                Some(set) => {
+                    pending.insert((set.namespace.clone(), set.name.clone()));
+                    Vec::new()
+                }
+                None => std::mem::take(&mut pending)
+                    .into_iter()
+                    .map(|(ns, name)| {
+                        let r = ObjectRef::new(&name);
+                        match ns {
+                            Some(ns) => r.within(&ns),
+                            None => r,
+                        }
+                    })
+                    .collect(),
+            };
+            futures::stream::iter(out)
+        })
+        .flatten()
+}
+
+/// A stream that yields every `every`, from one `every` from now.
+fn tokio_stream_interval(every: Duration) -> impl futures::Stream<Item = ()> + Send + 'static {
+    futures::stream::unfold(
+        tokio::time::interval_at(tokio::time::Instant::now() + every, every),
+        |mut ticks| async move {
+            ticks.tick().await;
+            Some(((), ticks))
+        },
+    )
 }
 
 /// A change to the devices, a class or a node may concern every set.
@@ -571,6 +642,28 @@ async fn write_status(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_steady_stream_of_changes_paces_the_set_and_never_starves_it() {
+        // A change every 100 ms for 3 s (a debounce of 500 ms would never
+        // fire): the set is reconciled once per beat, its duplicates merged.
+        let changes = futures::stream::unfold(0u32, |n| async move {
+            if n == 30 {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            Some((ObjectRef::<ResidencySet>::new("fleet").within("ns"), n + 1))
+        });
+        let mut out = Box::pin(paced(changes, Duration::from_millis(500)));
+        let t0 = tokio::time::Instant::now();
+        let mut at = Vec::new();
+        while let Ok(Some(set)) = tokio::time::timeout(Duration::from_secs(2), out.next()).await {
+            assert_eq!(set.name, "fleet");
+            assert_eq!(set.namespace.as_deref(), Some("ns"));
+            at.push(t0.elapsed().as_millis());
+        }
+        assert_eq!(at, [500, 1000, 1500, 2000, 2500, 3000], "{at:?}");
+    }
 
     #[test]
     fn a_stamped_residency_as_stored_does_not_differ_from_its_body() {
