@@ -81,9 +81,15 @@ provide MODEL_RESIDENCY_OPENAI_PYTHON scripts/openai-sdk.sh "the OpenAI SDK" \
   router::the_official_openai_sdk_reads_every_answer || true
 
 # The Gateway API Inference Extension's released InferencePool CRDs (v1.5
-# and v1.6, from its Go module: a few MB, no build) for the pools tests.
-provide MODEL_RESIDENCY_INFERENCE_CRDS scripts/inference-extension.sh "the Inference Extension's CRDs" \
-  copies::inference_pools_ || true
+# and v1.6, from its Go module: a few MB, no build) and the Gateway API's
+# standard CRDs (its module) for the pools and routes tests.
+provide MODEL_RESIDENCY_INFERENCE_CRDS scripts/inference-extension.sh "the Inference Extension's and Gateway API's CRDs" \
+  copies::inference_pools_ copies::gateway_routes_ || true
+
+# Debian's Prometheus (with promtool) for the demo's check of the chart's
+# dashboard and alerts against its processes.
+provide MODEL_RESIDENCY_PROMETHEUS scripts/prometheus.sh "Prometheus" \
+  cli::the_demo_runs_end_to_end || true
 
 # The OCI registry for the registry-artifact tests (Debian's
 # docker-registry, with htpasswd and openssl).
