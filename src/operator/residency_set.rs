@@ -387,20 +387,36 @@ async fn reconcile(set: Arc<ResidencySet>, ctx: Arc<Context>) -> Result<Action, 
     let owner = set
         .controller_owner_ref(&())
         .ok_or(Error::Incomplete("uid"))?;
+    // A device whose residency the API server refuses (its uuid not of
+    // the form the CRD takes, say) is said in status and passed by: it
+    // must not keep the devices after it from being stamped.
+    let mut refused = Vec::new();
     for w in &wanted {
         let desired = stamped_body(&set, w, &owner, &class_name);
         let current = owned.iter().find(|r| r.name_any() == w.name);
         if current.is_none_or(|r| differs(r, &desired)) {
             ctx.metrics.api_request("patch", "modelresidencies");
-            residencies
+            let applied = residencies
                 .patch(
                     &w.name,
                     &PatchParams::apply(MANAGER).force(),
                     &Patch::Apply(&desired),
                 )
-                .await?;
+                .await;
+            match applied {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 422 || e.code == 400 => {
+                    refused.push(format!(
+                        "{}/{}: the API server refuses its residency {}: {}",
+                        w.device.node, w.device.name, w.name, e.message
+                    ))
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
     }
+    status.skipped.extend(refused.iter().cloned());
+    status.skipped_count = status.skipped.len() as u32;
     // Those whose device is gone: drained, then deleted.
     let mut draining = 0;
     for r in owned
@@ -444,6 +460,15 @@ async fn reconcile(set: Arc<ResidencySet>, ctx: Arc<Context>) -> Result<Action, 
             false,
             "Draining",
             format!("{n} residency(ies) whose device left are draining"),
+        ),
+        _ if !refused.is_empty() => (
+            false,
+            "ResidencyRefused",
+            format!(
+                "{} device(s) cannot be stamped (see status.skipped): {}",
+                refused.len(),
+                refused[0]
+            ),
         ),
         _ if status.residencies < wanted.len() as u32 => {
             (false, "Stamping", "residencies are being made".to_owned())

@@ -257,6 +257,35 @@ async fn sets_that_select_nothing_overlap_or_do_not_compile_say_so() {
     // The second set's residency never appeared; the first's stays.
     let r: ModelResidency = h.api.get(&first).await.unwrap();
     assert_eq!(r.metadata.labels.unwrap()["residency.dev/set"], "first");
+
+    // A device whose uuid the CRD refuses (a driver's own form): said,
+    // and the device after it is stamped all the same.
+    let slices: Api<ResourceSlice> = Api::all(h.env.client.clone());
+    let slice = slices.get(&slice_name(&h.node)).await.unwrap();
+    let mut devices = serde_json::to_value(&slice.spec.devices).unwrap();
+    devices[10]["attributes"]["uuid"] = json!({"string": "gpu_ten"});
+    slices
+        .patch(
+            &slice_name(&h.node),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"devices": devices, "pool": {"name": h.node, "generation": 2, "resourceSliceCount": 1}}})),
+        )
+        .await
+        .unwrap();
+    let span = "device.attributes['gpu.nvidia.com'].index >= 10 && device.attributes['gpu.nvidia.com'].index <= 11";
+    sets.create(&PostParams::default(), &set(&h, "odd", span))
+        .await
+        .unwrap();
+    let (s, message) = ready("odd", "ResidencyRefused").await;
+    assert!(message.contains("gpu-10"), "{message}");
+    assert!(
+        s.skipped
+            .iter()
+            .any(|m| m.contains("gpu-10") && m.contains("refuses")),
+        "{:?}",
+        s.skipped
+    );
+    until_stamped(&h, "odd", &[format!("odd-{}-gpu-11", h.node)]).await;
 }
 
 /// `model-residency top` over the set's GPUs: `residency` holds `a`
