@@ -984,7 +984,8 @@ async fn stamped_set(
     extra["name"] = json!(format!("gpu-{gpus}"));
     extra["attributes"]["index"] = json!({"int": gpus});
     extra["attributes"]["minor"] = json!({"int": gpus});
-    extra["attributes"]["uuid"] = json!({"string": format!("GPU-0000e57a-0000-0000-0000-{gpus:012x}")});
+    extra["attributes"]["uuid"] =
+        json!({"string": format!("GPU-0000e57a-0000-0000-0000-{gpus:012x}")});
     slice
         .spec
         .devices
