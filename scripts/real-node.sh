@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Provision the real node the tests and the demo can run pods on: the
-# kubelet of the control plane's Kubernetes release, containerd with its runc
-# shim and ctr, and our fake-GPU DRA kubelet plugin; runc and the CNI plugins
-# come from Debian.
+# kubelet and kube-proxy of the control plane's Kubernetes release,
+# containerd with its runc shim and ctr, and our fake-GPU DRA kubelet plugin;
+# runc, the CNI plugins and nft (kube-proxy's nftables mode) come from Debian.
 #
 # Like the control plane, everything is built from Go modules through the
 # module proxy, pinned by small modules of ours (go.mod and go.sum only):
 #   kubelet      the control plane's pin, scripts/control-plane/kubernetes-*
+#   kube-proxy   the same pin (Services on the node: nftables mode)
 #   containerd   scripts/real-node/containerd (v2.4.2: containerd,
 #                containerd-shim-runc-v2, ctr)
 #   gpu-plugin   scripts/real-node/gpu-plugin, our own ~200 lines on
@@ -29,8 +30,8 @@ CONTAINERD_VERSION=v2.4.2
 BUILD_REV=go2
 CACHE_ROOT=${MODEL_RESIDENCY_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/model-residency}
 OUT=$CACHE_ROOT/real-node/$K8S_VERSION-containerd-$CONTAINERD_VERSION-$BUILD_REV
-BINARIES=(kubelet containerd containerd-shim-runc-v2 ctr gpu-plugin)
-PACKAGES=(runc containernetworking-plugins iproute2)
+BINARIES=(kubelet kube-proxy containerd containerd-shim-runc-v2 ctr gpu-plugin)
+PACKAGES=(runc containernetworking-plugins iproute2 nftables)
 
 log() { printf '[real-node] %s\n' "$*" >&2; }
 die() { printf '[real-node] error: %s\n' "$*" >&2; exit 1; }
@@ -46,7 +47,7 @@ binary_ok() {
   local b=$1
   [ -x "$OUT/$b" ] && [ -s "$OUT/$b" ] || return 1
   case $b in
-    kubelet) prints_line "Kubernetes $K8S_VERSION" "$OUT/kubelet" --version ;;
+    kubelet | kube-proxy) prints_line "Kubernetes $K8S_VERSION" "$OUT/$b" --version ;;
     containerd) prints_line "$CONTAINERD_VERSION" "$OUT/containerd" --version ;;
     ctr) prints_line "$CONTAINERD_VERSION" "$OUT/ctr" --version ;;
     containerd-shim-runc-v2) prints_line "$CONTAINERD_VERSION" "$OUT/containerd-shim-runc-v2" -v ;;
@@ -57,7 +58,7 @@ binary_ok() {
 
 packages_ok() {
   [ -x /usr/sbin/runc ] && [ -x /usr/lib/cni/bridge ] && [ -x /usr/lib/cni/host-local ] \
-    && [ -x /usr/lib/cni/loopback ] && command -v ip >/dev/null
+    && [ -x /usr/lib/cni/loopback ] && command -v ip >/dev/null && [ -x /usr/sbin/nft ]
 }
 
 all_ok() {
@@ -84,14 +85,15 @@ build_into_cache() {
   log "$what built in $((SECONDS - t0)) s"
 }
 
-build_kubelet() {
+# The kubelet and kube-proxy, from the control plane's pinned module.
+build_node_commands() {
   local minor=${K8S_VERSION#v1.} ldflags="-s -w" pkg
   minor=${minor%%.*}
   for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     ldflags+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
   done
-  build_into_cache "$HERE/control-plane/kubernetes-$K8S_VERSION" "kubelet $K8S_VERSION (about 1 minute after the control plane's build, 14 cold)" \
-    -ldflags "$ldflags" k8s.io/kubernetes/cmd/kubelet
+  build_into_cache "$HERE/control-plane/kubernetes-$K8S_VERSION" "kubelet and kube-proxy $K8S_VERSION (about 1.5 minutes after the control plane's build, 15 cold)" \
+    -ldflags "$ldflags" k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy
 }
 
 build_containerd() {
@@ -117,7 +119,7 @@ install() {
   packages_ok || apt_install "${PACKAGES[@]}" || die "could not install ${PACKAGES[*]}"
   command -v go >/dev/null || die "Go is needed to build the real node (Go 1.26 is installed on this machine kind)"
   go_env
-  binary_ok kubelet || build_kubelet
+  { binary_ok kubelet && binary_ok kube-proxy; } || build_node_commands
   { binary_ok containerd && binary_ok ctr && binary_ok containerd-shim-runc-v2; } || build_containerd
   binary_ok gpu-plugin || build_gpu_plugin
   all_ok || die "the built binaries do not report $K8S_VERSION / $CONTAINERD_VERSION"

@@ -1,10 +1,12 @@
 //! The real node's images, made locally (nothing is pulled from outside):
 //! one layer holding this project's own binary (stripped of its debug
 //! information when `strip` is there) with the shared libraries `ldd` lists
-//! for it and the system's CA bundle, and two images on that layer: the fake model server
-//! ([`MODEL_SERVER_IMAGE`], entrypoint `model-residency fake-model-server`)
-//! and the pod sandbox and GPU holder image ([`PAUSE_IMAGE`], entrypoint
-//! `model-residency pause`). Both are written as one OCI image layout tar
+//! for it and the system's CA bundle, and images on that layer: the fake
+//! model server ([`MODEL_SERVER_IMAGE`], entrypoint `model-residency
+//! fake-model-server`), the pod sandbox and GPU holder image
+//! ([`PAUSE_IMAGE`], entrypoint `model-residency pause`), and the chart's
+//! image in two revisions ([`CHART_IMAGE_REPOSITORY`], what the Dockerfile
+//! builds, without Docker). All are written as one OCI image layout tar
 //! that `ctr images import` takes.
 
 use ring::digest::{Context, SHA256};
@@ -18,7 +20,14 @@ use std::process::Command;
 pub const MODEL_SERVER_IMAGE: &str = "localhost/model-residency/fake-model-server:dev";
 /// The pod sandbox's (and the GPU holder's) image.
 pub const PAUSE_IMAGE: &str = "localhost/model-residency/pause:dev";
-/// Where the binary is inside both images.
+/// The chart's image (`image.repository`), as the Dockerfile makes it:
+/// entrypoint the binary alone (the chart's pods give the subcommand), run
+/// as 65532 (distroless' nonroot).
+pub const CHART_IMAGE_REPOSITORY: &str = "localhost/model-residency/model-residency";
+/// Its tags: two revisions of one build that differ only in a label, so
+/// that `helm upgrade` from one to the other changes every pod's image.
+pub const CHART_IMAGE_TAGS: [&str; 2] = ["dev", "dev-2"];
+/// Where the binary is inside every image.
 pub const BINARY_IN_IMAGE: &str = "/model-residency";
 
 /// A model pod template that runs the fake model server from
@@ -152,13 +161,29 @@ pub fn write_layout(binary: &Path, scratch: &Path, out: &Path) -> std::io::Resul
     let layer = write_layer(&stripped, &libraries, &layer_path)?;
     let mut blobs: Vec<(String, Vec<u8>)> = Vec::new();
     let mut manifests = Vec::new();
-    for (reference, command) in [
-        (MODEL_SERVER_IMAGE, "fake-model-server"),
-        (PAUSE_IMAGE, "pause"),
-    ] {
+    let mut images = vec![
+        (
+            MODEL_SERVER_IMAGE.to_owned(),
+            json!({"Entrypoint": [BINARY_IN_IMAGE, "fake-model-server"]}),
+        ),
+        (
+            PAUSE_IMAGE.to_owned(),
+            json!({"Entrypoint": [BINARY_IN_IMAGE, "pause"]}),
+        ),
+    ];
+    for tag in CHART_IMAGE_TAGS {
+        images.push((
+            format!("{CHART_IMAGE_REPOSITORY}:{tag}"),
+            json!({"Entrypoint": [BINARY_IN_IMAGE], "User": "65532:65532",
+                   "Labels": {"dev.residency.revision": tag}}),
+        ));
+    }
+    for (reference, mut runtime) in images {
+        runtime["Env"] = json!(["PATH=/"]);
+        runtime["WorkingDir"] = json!("/");
         let config = json!({
             "architecture": "amd64", "os": "linux",
-            "config": {"Entrypoint": [BINARY_IN_IMAGE, command], "Env": ["PATH=/"], "WorkingDir": "/"},
+            "config": runtime,
             "rootfs": {"type": "layers", "diff_ids": [layer.digest]},
         })
         .to_string()
@@ -179,7 +204,7 @@ pub fn write_layout(binary: &Path, scratch: &Path, out: &Path) -> std::io::Resul
             "mediaType": MANIFEST_TYPE, "digest": digest, "size": manifest.len(),
             "platform": {"architecture": "amd64", "os": "linux"},
             "annotations": {
-                "io.containerd.image.name": reference,
+                "io.containerd.image.name": &reference,
                 "org.opencontainers.image.ref.name": reference.rsplit(':').next().unwrap_or("dev"),
             },
         }));
@@ -227,7 +252,7 @@ mod tests {
     }
 
     #[test]
-    fn the_layout_holds_both_images_on_one_layer() {
+    fn the_layout_holds_every_image_on_one_layer() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("images.tar");
         write_layout(Path::new("/bin/true"), dir.path(), &out).unwrap();
@@ -242,8 +267,8 @@ mod tests {
             }
             names.push(name);
         }
-        // A layer, two configs and two manifests.
-        assert_eq!(names.iter().filter(|n| n.starts_with("blobs/")).count(), 5);
+        // A layer, and four configs and four manifests.
+        assert_eq!(names.iter().filter(|n| n.starts_with("blobs/")).count(), 9);
         let index: serde_json::Value = serde_json::from_str(&index).unwrap();
         let refs: Vec<_> = index["manifests"]
             .as_array()
@@ -251,6 +276,14 @@ mod tests {
             .iter()
             .map(|m| m["annotations"]["io.containerd.image.name"].clone())
             .collect();
-        assert_eq!(refs, [json!(MODEL_SERVER_IMAGE), json!(PAUSE_IMAGE)]);
+        assert_eq!(
+            refs,
+            [
+                json!(MODEL_SERVER_IMAGE),
+                json!(PAUSE_IMAGE),
+                json!(format!("{CHART_IMAGE_REPOSITORY}:dev")),
+                json!(format!("{CHART_IMAGE_REPOSITORY}:dev-2")),
+            ]
+        );
     }
 }

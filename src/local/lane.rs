@@ -4,10 +4,11 @@
 //!
 //! - **Network.** A new network namespace with no uplink: its loopback,
 //!   and a bridge [`BRIDGE`] with the node's address [`NODE_IP`] that the
-//!   pods' veths join (Debian's bridge CNI plugin). The control plane, the
-//!   node, the operator, the router and the tests all live in it, so every
-//!   address they dial is the lane's own; nothing can reach the machine's
-//!   interface or beyond.
+//!   pods' veths join (Debian's bridge CNI plugin), and a route for the
+//!   Services' addresses ([`SERVICE_SUBNET`]) that kube-proxy rewrites.
+//!   The control plane, the node, the operator, the router and the tests
+//!   all live in it, so every address they dial is the lane's own; nothing
+//!   can reach the machine's interface or beyond.
 //! - **Mounts.** A private mount namespace: the kubelet's and containerd's
 //!   mounts (overlay root filesystems, volumes, the sysctl files
 //!   [`super::real_node`] binds) die with it.
@@ -33,6 +34,11 @@ pub const BRIDGE: &str = "mr0";
 pub const NODE_IP: &str = "10.88.0.1";
 /// The pods' subnet on the bridge.
 pub const POD_SUBNET: &str = "10.88.0.0/16";
+/// The Services' cluster IPs (the API server's range). Routed to the
+/// bridge in the lane, so that a connection from the lane's own processes
+/// has a route for kube-proxy's rules to rewrite (pods route through the
+/// node, their gateway).
+pub const SERVICE_SUBNET: &str = "10.0.0.0/24";
 
 /// The file in the lane's directory that holds the pid to enter it by.
 const PID_FILE: &str = "lane.pid";
@@ -74,6 +80,7 @@ pub fn run(command: &[OsString]) -> std::io::Result<ExitStatus> {
     let setup = format!(
         "set -e; ip link set lo up; ip link add {BRIDGE} type bridge; \
          ip addr add {NODE_IP}/16 dev {BRIDGE}; ip link set {BRIDGE} up; \
+         ip route add {SERVICE_SUBNET} dev {BRIDGE}; \
          set +e; \"$@\" & child=$!; trap 'kill -TERM $child' TERM INT; \
          wait $child; status=$?; wait $child 2>/dev/null; exit $status"
     );

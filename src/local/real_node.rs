@@ -1,9 +1,11 @@
 //! A real node: the real kubelet (the control plane's release) on
 //! containerd v2.4.2 and Debian's runc, with the bridge CNI plugin giving
-//! every pod its own address on the lane's bridge, and our fake-GPU DRA
-//! kubelet plugin (`scripts/real-node/gpu-plugin`) publishing the same
-//! `gpu.nvidia.com` devices as the kubelet stand-in and injecting each
-//! claim's devices into its containers through CDI.
+//! every pod its own address on the lane's bridge, the real kube-proxy
+//! (nftables mode, Debian's nft) routing Services' cluster IPs to their
+//! pods from the pods and from the lane's own processes alike, and our
+//! fake-GPU DRA kubelet plugin (`scripts/real-node/gpu-plugin`) publishing
+//! the same `gpu.nvidia.com` devices as the kubelet stand-in and injecting
+//! each claim's devices into its containers through CDI.
 //!
 //! It runs only inside a lane ([`super::lane`]): the lane's network
 //! namespace keeps every address the node and its pods use private, and
@@ -40,8 +42,9 @@ use std::time::{Duration, Instant};
 pub const CONTAINERD_VERSION: &str = "v2.4.2";
 /// Its cache entry (the kubelet's release, containerd's, the recipe rev).
 const CACHE_KEY: &str = "v1.37.2-containerd-v2.4.2-go2";
-const BINARIES: [&str; 4] = [
+const BINARIES: [&str; 5] = [
     "kubelet",
+    "kube-proxy",
     "containerd",
     "containerd-shim-runc-v2",
     "gpu-plugin",
@@ -177,6 +180,7 @@ impl RealNode {
         node.import_images(&bin, &options.binary)?;
         plane.write_kubelet_kubeconfig(&d.join("etc/kubelet.kubeconfig"))?;
         node.spawn(&bin, "kubelet", &kubelet_args(&d, &options.name))?;
+        node.spawn(&bin, "kube-proxy", &kube_proxy_args(plane, &options.name))?;
         node.spawn(&bin, "gpu-plugin", &plugin_args(&d, plane, &options))?;
         super::kubelet::install_device_class(client).await?;
         node.until_ready(client).await?;
@@ -309,7 +313,16 @@ impl RealNode {
                     s.spec.driver == super::kubelet::GPU_DRIVER
                         && s.spec.node_name.as_deref() == Some(self.name.as_str())
                 });
-            if ready && published {
+            // kube-proxy's /healthz answers 200 once its rules are in place.
+            let proxying = crate::http::send(
+                KUBE_PROXY_HEALTHZ.parse().expect("an address"),
+                "GET",
+                "/healthz",
+                "",
+            )
+            .await
+            .is_ok_and(|a| a.status == 200);
+            if ready && published && proxying {
                 return Ok(());
             }
             let exited = self
@@ -321,7 +334,7 @@ impl RealNode {
             }
             if Instant::now() > deadline {
                 return Err(self.not_ready(format!(
-                    "node {} not Ready with its GPUs within 120 s (Ready: {ready}, GPUs published: {published})",
+                    "node {} not Ready with its GPUs within 120 s (Ready: {ready}, GPUs published: {published}, kube-proxy healthy: {proxying})",
                     self.name
                 )));
             }
@@ -482,7 +495,10 @@ fn cni_config(dir: &str) -> String {
     serde_json::json!({
         "cniVersion": "1.0.0", "name": "lane",
         "plugins": [{
-            "type": "bridge", "bridge": lane::BRIDGE, "isGateway": true, "ipMasq": false,
+            // The node is each pod's default gateway: a Service's cluster
+            // IP is routed to it, where kube-proxy's rules rewrite it.
+            "type": "bridge", "bridge": lane::BRIDGE, "isGateway": true, "isDefaultGateway": true,
+            "ipMasq": false,
             "hairpinMode": true,
             "ipam": {
                 "type": "host-local", "dataDir": format!("{dir}/cni/ipam"),
@@ -541,6 +557,33 @@ fn kubelet_args(d: &Path, name: &str) -> Vec<String> {
         format!("--cert-dir={}", d.join("kubelet/pki").display()),
         format!("--hostname-override={name}"),
         format!("--node-ip={}", lane::NODE_IP),
+        "--v=2".into(),
+    ]
+}
+
+/// Where kube-proxy says whether its rules are in place.
+const KUBE_PROXY_HEALTHZ: &str = "127.0.0.1:10256";
+
+/// kube-proxy in nftables mode, for the node's name. Its rules live in the
+/// lane's network namespace and die with it. It leaves the conntrack
+/// sysctls alone (a zero is "do not set"), and masquerades every Service
+/// connection: a pod's answer to another pod on the bridge then comes back
+/// through the node, whose connection tracking rewrites it, without
+/// bridged traffic having to pass through netfilter.
+fn kube_proxy_args(plane: &ControlPlane, name: &str) -> Vec<String> {
+    vec![
+        format!("--kubeconfig={}", plane.kubeconfig().display()),
+        format!("--hostname-override={name}"),
+        "--proxy-mode=nftables".into(),
+        format!("--cluster-cidr={}", lane::POD_SUBNET),
+        "--masquerade-all".into(),
+        "--conntrack-max-per-core=0".into(),
+        "--conntrack-tcp-timeout-established=0".into(),
+        "--conntrack-tcp-timeout-close-wait=0".into(),
+        // No CAP_SYS_RESOURCE here (module docs): leave its score as it is.
+        "--oom-score-adj=0".into(),
+        format!("--healthz-bind-address={KUBE_PROXY_HEALTHZ}"),
+        "--metrics-bind-address=127.0.0.1:10249".into(),
         "--v=2".into(),
     ]
 }

@@ -20,14 +20,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-const CHART: &str = "charts/model-residency";
+pub(crate) const CHART: &str = "charts/model-residency";
 const RELEASE: &str = "mr";
 
-/// helm from HELM, the PATH or scripts/helm.sh; `None` skips (never in CI).
 /// helm, from `HELM` or `scripts/helm.sh`. These tests are `#[ignore]`d
 /// (a plain `cargo test` reports them as ignored) and run by
 /// `scripts/test.sh`, which provides helm; a run without it fails.
-fn helm() -> String {
+pub(crate) fn helm() -> String {
     if let Ok(h) = std::env::var("HELM") {
         return h;
     }

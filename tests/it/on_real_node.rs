@@ -560,3 +560,117 @@ async fn a_set_follows_the_gpus_the_real_plugin_publishes() {
     })
     .await;
 }
+
+/// Services on the real node, as in any cluster: kube-proxy's rules send a
+/// Service's cluster IP to its pod (here from the lane's own process), and
+/// a pod with a ServiceAccount reaches the API server through the
+/// `kubernetes` Service with the token and CA the cluster mounts into it
+/// (our binary's `top`, in-cluster, lists a residency the test made).
+#[tokio::test]
+#[ignore = "needs the real node's lane (scripts/test.sh runs it)"]
+async fn services_route_to_pods_and_pods_reach_the_api_in_cluster() {
+    use crate::support::lane::real_env;
+    use k8s_openapi::api::core::v1::Service;
+    use kube::api::{Api, PostParams};
+    use model_residency::local::images::{MODEL_SERVER_IMAGE, PAUSE_IMAGE};
+    let env = real_env("real-node-services").await;
+    env.install_crds();
+    let pods: Api<Pod> = Api::namespaced(env.client.clone(), &env.namespace);
+    let pp = PostParams::default();
+    // A fake model server behind a Service on port 80.
+    let server: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "server", "labels": {"app": "server"}},
+        "spec": {"nodeName": NODE, "terminationGracePeriodSeconds": 1, "containers": [{
+            "name": "server", "image": MODEL_SERVER_IMAGE, "imagePullPolicy": "Never",
+            "args": ["--listen", "0.0.0.0:8080"],
+            "env": [{"name": "MODEL_NAME", "value": "behind-a-service"}],
+            "readinessProbe": {"httpGet": {"path": "/health", "port": 8080}, "periodSeconds": 1},
+        }]},
+    }))
+    .unwrap();
+    pods.create(&pp, &server).await.unwrap();
+    let services: Api<Service> = Api::namespaced(env.client.clone(), &env.namespace);
+    let service: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "server"},
+        "spec": {"selector": {"app": "server"}, "ports": [{"port": 80, "targetPort": 8080}]},
+    }))
+    .unwrap();
+    let ip = services
+        .create(&pp, &service)
+        .await
+        .unwrap()
+        .spec
+        .and_then(|s| s.cluster_ip)
+        .expect("a cluster IP");
+    let addr: SocketAddr = format!("{ip}:80").parse().unwrap();
+    let models = eventually(60, "the Service's cluster IP to answer", || async {
+        let asked = model_residency::http::send(addr, "GET", "/v1/models", "");
+        let a = tokio::time::timeout(std::time::Duration::from_secs(3), asked)
+            .await
+            .ok()?
+            .ok()?;
+        (a.status == 200).then_some(a.body)
+    })
+    .await;
+    assert!(models.contains("behind-a-service"), "{models}");
+
+    // A residency (no operator runs: it is only read) and a pod that lists
+    // it with our binary's in-cluster client, allowed by a Role.
+    let residency: model_residency::api::ModelResidency =
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+            "metadata": {"name": "seen-from-a-pod"},
+            "spec": {"nodeName": NODE, "device": "0", "budget": "40Gi", "models": []},
+        }))
+        .unwrap();
+    Api::namespaced(env.client.clone(), &env.namespace)
+        .create(&pp, &residency)
+        .await
+        .unwrap();
+    let rbac = format!(
+        "apiVersion: v1\nkind: ServiceAccount\nmetadata: {{name: reader, namespace: {ns}}}\n---\n\
+         apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata: {{name: reader, namespace: {ns}}}\n\
+         rules: [{{apiGroups: [residency.dev], resources: [modelresidencies, modelcatalogs], verbs: [get, list]}}]\n---\n\
+         apiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {{name: reader, namespace: {ns}}}\n\
+         roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: reader}}\n\
+         subjects: [{{kind: ServiceAccount, name: reader, namespace: {ns}}}]\n",
+        ns = env.namespace
+    );
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), rbac).unwrap();
+    let applied = env.kubectl(&["apply", "-f", &file.path().display().to_string()]);
+    assert!(applied.status.success(), "{applied:?}");
+    let reader: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "reader"},
+        "spec": {"nodeName": NODE, "serviceAccountName": "reader", "restartPolicy": "Never",
+            "containers": [{"name": "top", "image": PAUSE_IMAGE, "imagePullPolicy": "Never",
+                "command": ["/model-residency", "top", "--once", "-o", "json"]}]},
+    }))
+    .unwrap();
+    pods.create(&pp, &reader).await.unwrap();
+    let phase = eventually(90, "the reader pod to finish", || async {
+        let p = pods.get("reader").await.ok()?;
+        let phase = p.status?.phase?;
+        matches!(phase.as_str(), "Succeeded" | "Failed").then_some(phase)
+    })
+    .await;
+    let logs = env.kubectl(&["logs", "reader"]);
+    let out = String::from_utf8_lossy(&logs.stdout);
+    assert_eq!(
+        phase,
+        "Succeeded",
+        "{out}{}",
+        String::from_utf8_lossy(&logs.stderr)
+    );
+    let listed: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(listed[0]["residency"], "seen-from-a-pod", "{listed}");
+    // It was in-cluster: the kubernetes Service's address, no kubeconfig.
+    let p = pods.get("reader").await.unwrap();
+    let env_of = p.spec.unwrap().containers[0]
+        .env
+        .clone()
+        .unwrap_or_default();
+    assert!(env_of.iter().all(|e| e.name != "KUBECONFIG"), "{env_of:?}");
+}
+
+mod chart;

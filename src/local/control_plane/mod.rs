@@ -202,11 +202,21 @@ impl ControlPlane {
         let mut controllers = "garbage-collector-controller,namespace-controller,\
                                resourceclaim-controller,horizontal-pod-autoscaler-controller"
             .to_owned();
+        let mut manager = vec![kubeconfig];
         if self.real_node {
-            controllers += ",node-lifecycle-controller";
+            // What pods need of a cluster to call its API (a ServiceAccount
+            // in each namespace, its CA in each namespace's
+            // kube-root-ca.crt), Services need to have endpoints, and a
+            // chart's workloads need to have pods.
+            controllers += ",node-lifecycle-controller,serviceaccount-controller,\
+                            root-ca-cert-publisher,endpointslice-controller,\
+                            deployment-controller,replicaset-controller,daemonset-controller";
+            manager.push(format!(
+                "--root-ca-file={}",
+                self.dir.path().join("certs/apiserver.crt").display()
+            ));
         }
-        let manager = [
-            kubeconfig,
+        manager.extend([
             format!("--controllers={controllers}"),
             "--leader-elect=false".into(),
             "--use-service-account-credentials=false".into(),
@@ -214,7 +224,7 @@ impl ControlPlane {
             "--concurrent-gc-syncs=5".into(),
             // Every second, not every 15: tests watch a scale follow load.
             "--horizontal-pod-autoscaler-sync-period=1s".into(),
-        ];
+        ]);
         // Each binary is named as its process is.
         let name = "kube-controller-manager";
         let exe = self.assets.join(name);
@@ -250,16 +260,37 @@ impl ControlPlane {
 
     fn start_apiserver(&mut self) -> Result<(), ControlPlaneError> {
         let d = self.dir.path();
-        let args = vec![
+        let mut args = vec![
             format!("--etcd-servers=http://127.0.0.1:{}", self.etcd_port),
             format!("--cert-dir={}", d.join("certs").display()),
             format!("--secure-port={}", self.apiserver_port),
-            "--bind-address=127.0.0.1".into(),
-            "--advertise-address=127.0.0.1".into(),
-            // A loopback advertise address is refused by the endpoint
-            // reconciler since 1.3x; nothing here needs the kubernetes
-            // Service's endpoints.
-            "--endpoint-reconciler-type=none".into(),
+        ];
+        if self.real_node {
+            // Pods reach the API server as in any cluster: through the
+            // `kubernetes` Service (kube-proxy on the real node) to the
+            // address it advertises, the node's on the lane's bridge (the
+            // lane is a network namespace of its own, so listening on all
+            // of its addresses exposes nothing). Its self-signed certificate
+            // names that address and the Service's; pods get it, and a
+            // ServiceAccount token, as in any cluster (admission below, the
+            // controller-manager's root CA publisher).
+            args.extend([
+                "--bind-address=0.0.0.0".into(),
+                format!("--advertise-address={}", super::lane::NODE_IP),
+            ]);
+        } else {
+            args.extend([
+                "--bind-address=127.0.0.1".into(),
+                "--advertise-address=127.0.0.1".into(),
+                // A loopback advertise address is refused by the endpoint
+                // reconciler since 1.3x; without a node nothing needs the
+                // kubernetes Service's endpoints.
+                "--endpoint-reconciler-type=none".into(),
+                // Pods here never run: no token to mount.
+                "--disable-admission-plugins=ServiceAccount".into(),
+            ]);
+        }
+        args.extend([
             format!("--token-auth-file={}", d.join("tokens.csv").display()),
             if self.real_node {
                 "--authorization-mode=Node,RBAC".into()
@@ -274,8 +305,7 @@ impl ControlPlane {
                 d.join("sa.key").display()
             ),
             "--service-account-issuer=https://kubernetes.default.svc".into(),
-            "--service-cluster-ip-range=10.0.0.0/24".into(),
-            "--disable-admission-plugins=ServiceAccount".into(),
+            format!("--service-cluster-ip-range={}", super::lane::SERVICE_SUBNET),
             "--allow-privileged=true".into(),
             "--profiling=false".into(),
             "--enable-priority-and-fairness=false".into(),
@@ -298,7 +328,7 @@ impl ControlPlane {
                 "--proxy-client-key-file={}",
                 d.join("front-proxy-client.key").display()
             ),
-        ];
+        ]);
         self.apiserver = start_process(
             "kube-apiserver",
             &self.assets.join("kube-apiserver"),

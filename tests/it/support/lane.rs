@@ -87,20 +87,27 @@ pub async fn real_env(test: &str) -> TestEnv {
 /// the local fake-model-server image, GPU holders the local pause image,
 /// and the test's residencies get GPUs no other test of the lane uses.
 pub async fn real_harness(test: &str, gpus: u32) -> Harness {
-    static NEXT_GPU: AtomicU32 = AtomicU32::new(0);
     let env = real_env(test).await;
     env.install_crds();
-    let first = NEXT_GPU.fetch_add(gpus, Ordering::Relaxed);
-    assert!(
-        first + gpus <= GPUS,
-        "the lane's tests want more than {GPUS} GPUs"
-    );
+    let first = reserve_gpus(gpus);
     let mut h = Harness::with(env, NODE.into(), None, |client| {
         Context::with_holder_image(client, PAUSE_IMAGE)
     });
     h.template = real_template;
     h.next_device = AtomicU32::new(first);
     h
+}
+
+/// The index of the first of `gpus` GPUs of the node that no other test of
+/// the lane uses.
+pub fn reserve_gpus(gpus: u32) -> u32 {
+    static NEXT_GPU: AtomicU32 = AtomicU32::new(0);
+    let first = NEXT_GPU.fetch_add(gpus, Ordering::Relaxed);
+    assert!(
+        first + gpus <= GPUS,
+        "the lane's tests want more than {GPUS} GPUs"
+    );
+    first
 }
 
 /// A model pod that runs the fake model server in a container.
