@@ -27,6 +27,13 @@ pub struct Args {
     /// needs root and `bash scripts/real-node.sh`.
     #[arg(long)]
     real_node: bool,
+    /// With --real-node: install the chart as users do (`helm install` of
+    /// charts/model-residency, its image built from this binary without
+    /// Docker) into model-residency-system, at the restricted Pod Security
+    /// level, and a residency with two models on the node's first GPU in
+    /// namespace models; it prints the router Service to send requests to.
+    #[arg(long, requires = "real_node")]
+    chart: bool,
 }
 
 pub fn run(args: Args) -> Result<(), Failure> {
@@ -146,9 +153,88 @@ fn real_node(args: Args) -> Result<(), Failure> {
             model_residency::local::images::PAUSE_IMAGE,
             model_residency::local::images::PAUSE_IMAGE
         );
+        if args.chart {
+            let router = install_chart(&plane, &client, &name).await?;
+            println!(
+                "the chart is installed in {CHART_NAMESPACE} (kubectl get pods -n {CHART_NAMESPACE}), and residency \
+                 gpu-0 in namespace models lists small and large; in the lane:\n  \
+                 curl -s http://{router}/v1/chat/completions -d '{{\"model\":\"small\",\"messages\":[]}}'\n  \
+                 model-residency top -A"
+            );
+        }
         println!("(Ctrl-C stops it; its containers, mounts and files go with it)");
         let _ = tokio::signal::ctrl_c().await;
         drop(node);
         Ok(())
     })
+}
+
+/// Where `--chart` installs it.
+const CHART_NAMESPACE: &str = "model-residency-system";
+
+/// `--chart`: the chart into [`CHART_NAMESPACE`] (restricted Pod Security),
+/// and a residency on GPU 0 of `node` in namespace `models`; returns the
+/// router Service's address.
+async fn install_chart(
+    plane: &ControlPlane,
+    client: &kube::Client,
+    node: &str,
+) -> Result<String, Failure> {
+    use k8s_openapi::api::core::v1::{Namespace, Service};
+    use kube::api::{Api, PostParams};
+    use model_residency::local::chart::{Release, helm_binary, helm_release};
+    use model_residency::local::images::model_server_template;
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    for (name, level) in [(CHART_NAMESPACE, "restricted"), ("models", "baseline")] {
+        let ns: Namespace = serde_json::from_value(serde_json::json!({"metadata": {
+            "name": name, "labels": {"pod-security.kubernetes.io/enforce": level}}}))
+        .map_err(Failure::other)?;
+        namespaces
+            .create(&PostParams::default(), &ns)
+            .await
+            .map_err(Failure::other)?;
+    }
+    let helm = helm_binary().map_err(Failure::other)?;
+    println!(
+        "helm install model-residency charts/model-residency -n {CHART_NAMESPACE} (its pods from the local image)"
+    );
+    let out = helm_release(&Release {
+        helm: &helm,
+        kubeconfig: plane.kubeconfig(),
+        verb: "install",
+        release: "model-residency",
+        namespace: CHART_NAMESPACE,
+        tag: model_residency::local::images::CHART_IMAGE_TAGS[0],
+        wait_secs: 180,
+    })
+    .map_err(Failure::other)?;
+    if !out.status.success() {
+        return Err(Failure::other(format!(
+            "helm install: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    let residency: model_residency::api::ModelResidency =
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+            "metadata": {"name": "gpu-0"},
+            "spec": {"nodeName": node, "device": "0", "budget": "40Gi", "models": [
+                {"name": "small", "size": "10Gi", "template": model_server_template(8080, None)},
+                {"name": "large", "size": "30Gi", "template": model_server_template(8080, None)},
+            ]},
+        }))
+        .map_err(Failure::other)?;
+    Api::namespaced(client.clone(), "models")
+        .create(&PostParams::default(), &residency)
+        .await
+        .map_err(Failure::other)?;
+    let services: Api<Service> = Api::namespaced(client.clone(), CHART_NAMESPACE);
+    let ip = services
+        .get("model-residency-router")
+        .await
+        .map_err(Failure::other)?
+        .spec
+        .and_then(|s| s.cluster_ip)
+        .unwrap_or_default();
+    Ok(format!("{ip}:80"))
 }

@@ -2,6 +2,7 @@
 //! plane ([`control_plane`]) and a stand-in for the kubelet ([`kubelet`]),
 //! the one part that cannot run here.
 
+pub mod chart;
 pub mod control_plane;
 pub mod images;
 pub mod kubelet;

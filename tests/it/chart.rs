@@ -20,27 +20,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-pub(crate) const CHART: &str = "charts/model-residency";
+const CHART: &str = "charts/model-residency";
 const RELEASE: &str = "mr";
 
 /// helm, from `HELM` or `scripts/helm.sh`. These tests are `#[ignore]`d
 /// (a plain `cargo test` reports them as ignored) and run by
 /// `scripts/test.sh`, which provides helm; a run without it fails.
 pub(crate) fn helm() -> String {
-    if let Ok(h) = std::env::var("HELM") {
-        return h;
-    }
-    let out = Command::new("bash")
-        .arg("scripts/helm.sh")
-        .output()
-        .expect("bash scripts/helm.sh");
-    assert!(
-        out.status.success(),
-        "helm is unavailable (bash scripts/helm.sh provides it): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.trim().lines().last().unwrap_or("").to_owned()
+    model_residency::local::chart::helm_binary()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .display()
+        .to_string()
 }
 
 fn render(helm: &str, release: &str, namespace: &str, extra: &[&str]) -> String {

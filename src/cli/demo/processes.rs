@@ -126,21 +126,10 @@ pub(super) async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
 /// Renders the chart with helm and applies its ServiceAccounts and RBAC
 /// (the operator's and the router's).
 pub(super) fn install_rbac(plane: &ControlPlane) -> Result<(), Failure> {
-    let helm = std::env::var("HELM").ok().or_else(|| {
-        Command::new("bash")
-            .arg(checkout_file("scripts/helm.sh"))
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-            .and_then(|o| String::from_utf8(o.stdout).ok())
-            .map(|s| s.trim().to_owned())
-    });
-    let Some(helm) = helm else {
-        return Err(Failure {
-            message: "helm is needed to render the chart's RBAC: run `bash scripts/helm.sh` (or set HELM)".into(),
-            code: 1,
-        });
-    };
+    let helm = model_residency::local::chart::helm_binary().map_err(|e| Failure {
+        message: format!("to render the chart's RBAC: {e}"),
+        code: 1,
+    })?;
     say(
         "Installing the chart's ServiceAccounts and RBAC (helm template charts/model-residency | kubectl apply)",
     );

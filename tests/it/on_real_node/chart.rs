@@ -16,8 +16,10 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use model_residency::api::ModelResidency;
 use model_residency::http::Answer;
+use model_residency::local::chart::Release;
 use model_residency::local::images::{CHART_IMAGE_REPOSITORY, PAUSE_IMAGE};
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
@@ -26,21 +28,20 @@ const RELEASE: &str = "mr";
 const CONTROLLER: &str = "mr-model-residency";
 const ROUTER: &str = "mr-model-residency-router";
 
-/// `helm install` or `helm upgrade` of the chart with the image's values
+/// `helm install` or `helm upgrade` of the chart with the images' values
 /// and nothing else, waiting for its pods.
 fn helm(namespace: &str, kubeconfig: &str, verb: &str, tag: &str) -> Output {
-    Command::new(crate::chart::helm())
-        .args([verb, RELEASE, crate::chart::CHART, "--namespace", namespace])
-        .args(["--kubeconfig", kubeconfig, "--wait", "--timeout", "120s"])
-        .args([
-            "--set",
-            &format!("image.repository={CHART_IMAGE_REPOSITORY}"),
-        ])
-        .args(["--set", &format!("image.tag={tag}")])
-        // The GPU holder's image is an image too: the node has no other.
-        .args(["--set", &format!("gpuHolderImage={PAUSE_IMAGE}")])
-        .output()
-        .expect("run helm")
+    let helm = PathBuf::from(crate::chart::helm());
+    model_residency::local::chart::helm_release(&Release {
+        helm: &helm,
+        kubeconfig: Path::new(kubeconfig),
+        verb,
+        release: RELEASE,
+        namespace,
+        tag,
+        wait_secs: 120,
+    })
+    .expect("run helm")
 }
 
 fn text(out: &Output) -> String {
