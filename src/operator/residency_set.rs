@@ -144,6 +144,9 @@ pub async fn run(
 /// Runs `events` into `writer`'s store in a task (aborted when the guard
 /// is dropped), saying on `changed` each change of what `read` takes of an
 /// object (what a set reads of it), each deletion and each relist's end.
+/// The store keeps no object's managedFields (a set never reads them; a
+/// slice's list every device's path, as much again as its spec), and the
+/// change check keeps a hash of what was read, not the text.
 fn spawn_reflector<K>(
     events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
     writer: reflector::store::Writer<K>,
@@ -154,15 +157,20 @@ where
     K: kube::Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
 {
-    let mut seen: std::collections::HashMap<ObjectRef<K>, String> = Default::default();
+    let mut seen: std::collections::HashMap<ObjectRef<K>, u64> = Default::default();
     let run = events
         .backoff(crate::cluster::WatchBackoff::default())
+        .modify(|o| o.meta_mut().managed_fields = None)
         .reflect(writer)
         .for_each(move |event| {
             let change = match &event {
                 Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
-                    let now = read(o);
-                    seen.insert(ObjectRef::from_obj(o), now.clone()).as_ref() != Some(&now)
+                    let now = {
+                        use std::hash::{BuildHasher, BuildHasherDefault};
+                        BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
+                            .hash_one(read(o))
+                    };
+                    seen.insert(ObjectRef::from_obj(o), now) != Some(now)
                 }
                 Ok(watcher::Event::Delete(o)) => {
                     seen.remove(&ObjectRef::from_obj(o));
