@@ -33,6 +33,11 @@ pub struct FakeModelServerArgs {
     /// The longest SIGTERM waits for answers in progress, in seconds.
     #[arg(long, default_value_t = 30)]
     drain_secs: u64,
+    /// Serve LoRA adapters as vLLM 0.32 does with `--enable-lora`, up to
+    /// this rank (`--max-lora-rank`): its runtime load and unload
+    /// endpoints, adapters in `/v1/models`, requests that name one.
+    #[arg(long)]
+    max_lora_rank: Option<u64>,
 }
 
 pub fn fake_model_server(args: FakeModelServerArgs) -> Result<(), Failure> {
@@ -45,6 +50,7 @@ pub fn fake_model_server(args: FakeModelServerArgs) -> Result<(), Failure> {
         sleep: SleepBehaviour::parse(&args.sleep),
         stream_delay: Duration::from_millis(args.stream_delay_ms),
         drain: Duration::from_secs(args.drain_secs),
+        max_lora_rank: args.max_lora_rank,
     };
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -359,6 +359,9 @@ const OTHER_FLAGS: &[&str] = &[
     "served-model-name",
     "enable-memory-saver",
     "enable-weights-cpu-backup",
+    "enable-lora",
+    "max-loras",
+    "max-cpu-loras",
 ];
 
 /// Every `--flag` a doc shows is one of ours (in some subcommand's

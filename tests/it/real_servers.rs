@@ -3,7 +3,9 @@
 //! on the warm tier's contract: the same scenario, with the operator's own
 //! sleep and wake calls (`residency::warm::protocol`, `pod_calls::ask`),
 //! against both, and the same observable sequence asserted of both; then
-//! real vLLM as a model pod through the router and the operator. On
+//! real vLLM as a model pod through the router and the operator; and the
+//! same run of LoRA adapter loads, unloads and requests (vLLM's runtime
+//! adapter API, `--enable-lora`) against both. On
 //! CPU vLLM refuses `--enable-sleep-mode`; with `VLLM_SERVER_DEV_MODE=1`
 //! its sleep endpoints are real (the scheduler pauses, requests are held,
 //! `mode` is honoured, level 2 needs `reload_weights`) and only the memory
@@ -12,7 +14,7 @@
 use crate::support::http::{free_port, send, streamed};
 use model_residency::controller::decide::{PodCall, PodRef};
 use model_residency::controller::pod_calls::ask;
-use model_residency::local::model_server::{FakeModelServer, Identity, SleepBehaviour};
+use model_residency::local::model_server::{FakeModelServer, Identity, SleepBehaviour, Tuning};
 use model_residency::residency::warm::protocol;
 use serde_json::json;
 use std::net::SocketAddr;
@@ -21,6 +23,8 @@ use std::time::{Duration, Instant};
 
 /// The model name both servers serve.
 const MODEL: &str = "tiny";
+/// The largest LoRA rank both servers take.
+const MAX_LORA_RANK: u64 = 8;
 
 /// A real vLLM server on loopback, killed when dropped.
 struct Vllm {
@@ -77,6 +81,11 @@ impl Vllm {
             "--max-model-len",
             "2048",
         ])
+        // LoRA adapters loaded at run time (the adapter contract): two GPU
+        // slots, two host slots, ranks up to 8.
+        .args(["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "2"])
+        .args(["--max-lora-rank", &MAX_LORA_RANK.to_string()])
+        .env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
         .env("VLLM_SERVER_DEV_MODE", "1")
         .env("VLLM_CPU_KVCACHE_SPACE", "1")
         .env("VLLM_CACHE_ROOT", dir.path().join("cache"))
@@ -225,7 +234,7 @@ async fn scenario(addr: SocketAddr, long_tokens: u32) -> Seen {
 
 #[tokio::test]
 #[ignore = "needs vLLM for CPU: scripts/test.sh provides it (scripts/vllm.sh) and runs it with --include-ignored"]
-async fn the_fake_and_a_real_vllm_keep_the_warm_tiers_contract_alike() {
+async fn the_fake_and_a_real_vllm_keep_the_warm_tier_and_adapter_contracts_alike() {
     let all = Seen {
         long_whole: true,
         slept_after_it: true,
@@ -233,7 +242,7 @@ async fn the_fake_and_a_real_vllm_keep_the_warm_tiers_contract_alike() {
         answered_after_wake: true,
         level_2_serves: true,
     };
-    let fake = FakeModelServer::start(
+    let fake = FakeModelServer::start_with(
         ([127, 0, 0, 1], 0).into(),
         Identity {
             model: MODEL.into(),
@@ -241,16 +250,242 @@ async fn the_fake_and_a_real_vllm_keep_the_warm_tiers_contract_alike() {
         },
         Duration::from_millis(2),
         SleepBehaviour::default(),
+        Tuning {
+            max_lora_rank: Some(MAX_LORA_RANK),
+            ..Default::default()
+        },
     )
     .await
     .unwrap();
     // 1,000 chunks 2 ms apart: 2 s.
     assert_eq!(scenario(fake.addr, 1000).await, all, "the fake");
+    let adapters = tempfile::tempdir().unwrap();
+    write_adapters(adapters.path());
+    let expected = adapters_expected();
+    assert_eq!(
+        adapters_scenario(fake.addr, adapters.path()).await,
+        expected,
+        "the fake's adapters"
+    );
     let vllm = Vllm::start().await;
     // 1,500 tokens of the tiny model: seconds on two cores.
     assert_eq!(scenario(vllm.addr, 1500).await, all, "real vLLM");
+    assert_eq!(
+        adapters_scenario(vllm.addr, adapters.path()).await,
+        expected,
+        "real vLLM's adapters"
+    );
     // The same server as a model pod, through the router and the operator.
     through_the_router(&vllm).await;
+}
+
+/// LoRA adapters for the tiny model, written as PEFT does (its config and
+/// a safetensors file of the A and B matrices of `q_proj` and `v_proj` in
+/// both layers, pseudo-random weights of about 0.5): `a1` and `a2` of rank
+/// 8, `big` of rank 16, in directories of those names.
+fn write_adapters(dir: &std::path::Path) {
+    for (name, rank, seed) in [("a1", 8u64, 1u64), ("a2", 8, 2), ("big", 16, 3)] {
+        let d = dir.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        let config = json!({"peft_type": "LORA", "r": rank, "lora_alpha": 16,
+            "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM", "bias": "none",
+            "base_model_name_or_path": MODEL});
+        std::fs::write(d.join("adapter_config.json"), config.to_string()).unwrap();
+        // Hidden size 128; v_proj's output is 2 KV heads of 32.
+        let mut tensors = Vec::new();
+        for layer in 0..2 {
+            for (proj, out) in [("q_proj", 128u64), ("v_proj", 64)] {
+                let key = |ab: &str| {
+                    format!(
+                        "base_model.model.model.layers.{layer}.self_attn.{proj}.lora_{ab}.weight"
+                    )
+                };
+                tensors.push((key("A"), vec![rank, 128]));
+                tensors.push((key("B"), vec![out, rank]));
+            }
+        }
+        std::fs::write(
+            d.join("adapter_model.safetensors"),
+            safetensors(&tensors, seed),
+        )
+        .unwrap();
+    }
+}
+
+/// A safetensors file of f32 tensors with the given names and shapes,
+/// filled from a linear congruential sequence in [-0.5, 0.5).
+fn safetensors(tensors: &[(String, Vec<u64>)], seed: u64) -> Vec<u8> {
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    let mut x = seed;
+    for (name, shape) in tensors {
+        let start = data.len();
+        for _ in 0..shape.iter().product::<u64>() {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let v = ((x >> 40) as f32 / (1u64 << 24) as f32) - 0.5;
+            data.extend_from_slice(&v.to_le_bytes());
+        }
+        header.insert(
+            name.clone(),
+            json!({"dtype": "F32", "shape": shape, "data_offsets": [start, data.len()]}),
+        );
+    }
+    let mut head = serde_json::Value::Object(header).to_string().into_bytes();
+    while !head.len().is_multiple_of(8) {
+        head.push(b' ');
+    }
+    let mut file = (head.len() as u64).to_le_bytes().to_vec();
+    file.extend(head);
+    file.extend(data);
+    file
+}
+
+/// One step of the adapter scenario: what was asked, the status, and what
+/// the answer said (an error's type, the answering model, a model list).
+type Step = (&'static str, u16, String);
+
+/// What both servers must answer, step by step.
+fn adapters_expected() -> Vec<Step> {
+    let s = |step: &'static str, status: u16, what: &str| (step, status, what.to_owned());
+    vec![
+        s(
+            "load a1",
+            200,
+            "Success: LoRA adapter 'a1' added successfully.",
+        ),
+        s("load a1 again", 400, "InvalidUserInput"),
+        s(
+            "load a2",
+            200,
+            "Success: LoRA adapter 'a2' added successfully.",
+        ),
+        s("load a path with no adapter", 404, "NotFoundError"),
+        s("load the base model's name", 400, "InvalidUserInput"),
+        s(
+            "load a rank over the server's",
+            500,
+            "InternalServerError: Call to add_lora method failed: Worker failed with error \
+             'LoRA rank 16 is greater than max_lora_rank 8.', please check the stack trace \
+             above for the root cause",
+        ),
+        s(
+            "list models",
+            200,
+            "tiny, a1 (parent tiny), a2 (parent tiny)",
+        ),
+        s("ask a1", 200, "a1"),
+        s("ask the base model", 200, "tiny"),
+        s(
+            "unload a1",
+            200,
+            "Success: LoRA adapter 'a1' removed successfully.",
+        ),
+        s("unload a1 again", 404, "NotFoundError"),
+        s("ask a1 once unloaded", 404, "NotFoundError"),
+        s("list models", 200, "tiny, a2 (parent tiny)"),
+    ]
+}
+
+/// vLLM's runtime adapter calls, and requests naming adapters, against
+/// the server at `addr`, with the adapters [`write_adapters`] made in `dir`.
+async fn adapters_scenario(addr: SocketAddr, dir: &std::path::Path) -> Vec<Step> {
+    let load = |name: &str, path: std::path::PathBuf| {
+        json!({"lora_name": name, "lora_path": path}).to_string()
+    };
+    let post = |path: &'static str, body: String| async move {
+        let a = send(addr, "POST", path, &body).await;
+        let v: serde_json::Value = serde_json::from_str(&a.body).unwrap_or_default();
+        let what = match (a.status, v["error"]["type"].as_str()) {
+            (500, Some(kind)) => format!(
+                "{kind}: {}",
+                v["error"]["message"].as_str().unwrap_or_default()
+            ),
+            (_, Some(kind)) => kind.to_owned(),
+            (_, None) => v["model"]
+                .as_str()
+                .map_or_else(|| a.body.clone(), str::to_owned),
+        };
+        (a.status, what)
+    };
+    let ask = |model: &str| {
+        json!({"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "the model"}]}).to_string()
+    };
+    let list = || async {
+        let a = send(addr, "GET", "/v1/models", "").await;
+        let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+        let names: Vec<String> = v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| match m["parent"].as_str() {
+                Some(parent) => format!("{} (parent {parent})", m["id"].as_str().unwrap_or("")),
+                None => m["id"].as_str().unwrap_or("").to_owned(),
+            })
+            .collect();
+        (a.status, names.join(", "))
+    };
+    let mut steps = Vec::new();
+    let mut step = |name: &'static str, (status, what): (u16, String)| {
+        steps.push((name, status, what));
+    };
+    step(
+        "load a1",
+        post("/v1/load_lora_adapter", load("a1", dir.join("a1"))).await,
+    );
+    step(
+        "load a1 again",
+        post("/v1/load_lora_adapter", load("a1", dir.join("a1"))).await,
+    );
+    step(
+        "load a2",
+        post("/v1/load_lora_adapter", load("a2", dir.join("a2"))).await,
+    );
+    step(
+        "load a path with no adapter",
+        post(
+            "/v1/load_lora_adapter",
+            load("nowhere", dir.join("nowhere")),
+        )
+        .await,
+    );
+    step(
+        "load the base model's name",
+        post("/v1/load_lora_adapter", load(MODEL, dir.join("a1"))).await,
+    );
+    step(
+        "load a rank over the server's",
+        post("/v1/load_lora_adapter", load("big", dir.join("big"))).await,
+    );
+    step("list models", list().await);
+    step("ask a1", post("/v1/chat/completions", ask("a1")).await);
+    step(
+        "ask the base model",
+        post("/v1/chat/completions", ask(MODEL)).await,
+    );
+    step(
+        "unload a1",
+        post(
+            "/v1/unload_lora_adapter",
+            json!({"lora_name": "a1"}).to_string(),
+        )
+        .await,
+    );
+    step(
+        "unload a1 again",
+        post(
+            "/v1/unload_lora_adapter",
+            json!({"lora_name": "a1"}).to_string(),
+        )
+        .await,
+    );
+    step(
+        "ask a1 once unloaded",
+        post("/v1/chat/completions", ask("a1")).await,
+    );
+    step("list models", list().await);
+    steps
 }
 
 /// Real vLLM as model `tiny`'s pod (the stand-in gives the pod vLLM's

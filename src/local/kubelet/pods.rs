@@ -138,6 +138,7 @@ pub(super) async fn listen_on_one_of(
         let tuning = Tuning {
             prefix: prefix.as_deref().map(PrefixCache::parse),
             batch,
+            max_lora_rank: None,
         };
         match FakeModelServer::start_with(addr, identity.clone(), stream_delay, sleep, tuning).await
         {

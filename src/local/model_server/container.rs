@@ -40,6 +40,8 @@ pub struct Options {
     pub stream_delay: Duration,
     /// The longest a SIGTERM waits for answers in progress.
     pub drain: Duration,
+    /// Serve LoRA adapters up to this rank (vLLM's `--max-lora-rank`).
+    pub max_lora_rank: Option<u64>,
 }
 
 /// Serves until SIGTERM or SIGINT, then drains and returns.
@@ -52,6 +54,7 @@ pub async fn run_in_container(options: Options) -> std::io::Result<()> {
         stream_delay: options.stream_delay,
         prefix: None,
         batch: None,
+        adapters: options.max_lora_rank.map(super::Adapters::new),
     });
     eprintln!(
         "fake model server for {} (pod {}) pid {} listening on {}",

@@ -18,7 +18,10 @@
 //!   `data: [DONE]`;
 //! - `max_tokens` in the body sets how many chunks a stream has (default
 //!   3); a request naming another `model` gets vLLM's 404;
-//! - `GET /v1/models`: the one model; `GET /health` (and `/healthz`): ok.
+//! - `GET /v1/models`: the one model (and its LoRA adapters); `GET
+//!   /health` (and `/healthz`): ok.
+//! - vLLM's runtime LoRA adapter endpoints, as vLLM 0.32 answers them,
+//!   when started with an adapter rank ([`lora`]).
 //! - vLLM's sleep mode endpoints, as vLLM 0.32 behaves ([`sleep`]);
 //!   SGLang's release and resume, as SGLang 0.5.23's HTTP app answers.
 //!   The pod annotation `kubelet-standin.residency.dev/sleep` declares the
@@ -134,10 +137,12 @@ impl SleepBehaviour {
 }
 
 mod container;
+mod lora;
 mod openai;
 mod sleep;
 
 pub use container::{Options as ContainerOptions, run_in_container};
+pub use lora::Adapters;
 
 use sleep::SleepState;
 
@@ -150,6 +155,8 @@ struct Server {
     stream_delay: Duration,
     prefix: Option<PrefixCache>,
     batch: Option<u32>,
+    /// LoRA adapters, when it serves them ([`lora`]).
+    adapters: Option<Adapters>,
 }
 
 impl Server {
@@ -177,6 +184,9 @@ pub const BATCH_ANNOTATION: &str = "kubelet-standin.residency.dev/batch";
 pub struct Tuning {
     pub prefix: Option<PrefixCache>,
     pub batch: Option<u32>,
+    /// Serve LoRA adapters up to this rank, as vLLM with `--enable-lora
+    /// --max-lora-rank N` does ([`lora`]).
+    pub max_lora_rank: Option<u64>,
 }
 
 /// Pod annotation giving the fake server a KV cache of prompt prefixes
@@ -315,6 +325,7 @@ impl FakeModelServer {
             stream_delay,
             prefix: tuning.prefix,
             batch: tuning.batch,
+            adapters: tuning.max_lora_rank.map(Adapters::new),
         });
         let (stop, signal) = tokio::sync::watch::channel(false);
         let stopping = Stop {
@@ -376,7 +387,10 @@ async fn serve(listener: TcpListener, server: Arc<Server>, stop: Option<Stop>) {
                         Ok(answer) => answer,
                         Err(req) => match container::endpoint(req, &server).await {
                             Ok(answer) => answer,
-                            Err(req) => openai::answer(req, &server).await,
+                            Err(req) => match lora::endpoint(req, &server).await {
+                                Ok(answer) => answer,
+                                Err(req) => openai::answer(req, &server).await,
+                            },
                         },
                     };
                     Ok::<_, Infallible>(answer)
@@ -466,6 +480,7 @@ mod tests {
             stream_delay: Duration::from_millis(10),
             prefix: None,
             batch: None,
+            adapters: None,
         })
     }
 
@@ -492,6 +507,45 @@ mod tests {
             let a = send(s.addr, "GET", "/health", "").await.unwrap();
             assert_eq!(a.status, 200);
         }
+    }
+
+    #[tokio::test]
+    async fn an_adapter_is_served_from_its_load_to_its_unload_and_only_from_a_real_config() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut s = Arc::try_unwrap(server()).unwrap();
+        s.adapters = Some(Adapters::new(8));
+        tokio::spawn(serve(listener, Arc::new(s), None));
+        let dir = tempfile::tempdir().unwrap();
+        let a1 = dir.path().join("a1");
+        std::fs::create_dir_all(&a1).unwrap();
+        std::fs::write(a1.join("adapter_config.json"), r#"{"r": 8}"#).unwrap();
+        let load = |name: &str, path: &std::path::Path| {
+            serde_json::json!({"lora_name": name, "lora_path": path}).to_string()
+        };
+        let post = |path: &'static str, body: String| async move {
+            send(addr, "POST", path, &body).await.unwrap()
+        };
+        let ask = r#"{"model":"a1","messages":[]}"#.to_string();
+        assert_eq!(post("/v1/chat/completions", ask.clone()).await.status, 404);
+        assert_eq!(
+            post("/v1/load_lora_adapter", load("a1", &a1)).await.status,
+            200
+        );
+        let missing = post("/v1/load_lora_adapter", load("a2", &dir.path().join("a2"))).await;
+        assert_eq!(missing.status, 404, "no config there: {}", missing.body);
+        let answer = post("/v1/chat/completions", ask.clone()).await;
+        assert_eq!(answer.status, 200);
+        assert!(answer.body.contains("a1 on p"), "{}", answer.body);
+        let models = send(addr, "GET", "/v1/models", "").await.unwrap().body;
+        assert!(models.contains(r#""parent":"m""#), "{models}");
+        let unload = serde_json::json!({"lora_name": "a1"}).to_string();
+        assert_eq!(
+            post("/v1/unload_lora_adapter", unload.clone()).await.status,
+            200
+        );
+        assert_eq!(post("/v1/unload_lora_adapter", unload).await.status, 404);
+        assert_eq!(post("/v1/chat/completions", ask).await.status, 404);
     }
 
     #[tokio::test]

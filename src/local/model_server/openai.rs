@@ -29,7 +29,7 @@ pub(super) async fn answer(req: Request<Incoming>, server: &Arc<Server>) -> Resp
             respond(StatusCode::OK, "text/plain", full("ok\n"), &id.pod)
         }
         (Method::GET, "/v1/models") => {
-            let body = json!({"object": "list", "data": [{"id": id.model, "object": "model"}]});
+            let body = super::lora::models(server);
             respond(StatusCode::OK, JSON, full(body.to_string()), &id.pod)
         }
         (Method::POST, _) if inference => {
@@ -38,9 +38,14 @@ pub(super) async fn answer(req: Request<Incoming>, server: &Arc<Server>) -> Resp
                 return error(StatusCode::BAD_REQUEST, e);
             };
             let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            // The base model, or one of its loaded adapters, answers.
+            let mut answering = id.clone();
             if let Some(named) = request["model"].as_str().filter(|m| *m != id.model) {
-                let e = json!({"error": {"message": format!("The model `{named}` does not exist. Valid aliases: {}", id.model), "type": "NotFoundError", "code": 404}});
-                return error(StatusCode::NOT_FOUND, e);
+                if !server.adapters.as_ref().is_some_and(|a| a.has(named)) {
+                    let e = json!({"error": {"message": format!("The model `{named}` does not exist. Valid aliases: {}", id.model), "type": "NotFoundError", "code": 404}});
+                    return error(StatusCode::NOT_FOUND, e);
+                }
+                answering.model = named.to_owned();
             }
             // A sleeping vLLM holds the request and answers it after the
             // wake (it never answers 503).
@@ -63,12 +68,12 @@ pub(super) async fn answer(req: Request<Incoming>, server: &Arc<Server>) -> Resp
                     .as_u64()
                     .unwrap_or(3)
                     .clamp(1, MAX_CHUNKS);
-                let body = stream(server.clone(), kind, chunks, garbage);
+                let body = stream(server.clone(), answering, kind, chunks, garbage);
                 respond(StatusCode::OK, "text/event-stream", body, &id.pod)
             } else {
                 let answer = match kind {
-                    Kind::Embeddings => embeddings(id, &request["input"]),
-                    Kind::Text | Kind::Chat => completion(id, kind, garbage),
+                    Kind::Embeddings => embeddings(&answering, &request["input"]),
+                    Kind::Text | Kind::Chat => completion(&answering, kind, garbage),
                 };
                 respond(StatusCode::OK, JSON, full(answer.to_string()), &id.pod)
             }
@@ -181,7 +186,7 @@ fn chunk(id: &Identity, kind: Kind, part: &str, finish: Option<&str>) -> Bytes {
 /// marker; a sleep that aborts ends it at once, as vLLM's `mode=abort`
 /// does: a last chunk with `finish_reason: "abort"`, a 200 all the same.
 /// Counted as running until it ends.
-fn stream(server: Arc<Server>, kind: Kind, chunks: u64, garbage: bool) -> Body {
+fn stream(server: Arc<Server>, id: Identity, kind: Kind, chunks: u64, garbage: bool) -> Body {
     let aborts_at_start = server.state.aborts();
     // Counted as running from here until the stream ends or its client
     // goes (the channel closes).
@@ -189,7 +194,7 @@ fn stream(server: Arc<Server>, kind: Kind, chunks: u64, garbage: bool) -> Body {
     let (mut frames, body) = futures::channel::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(1);
     tokio::spawn(async move {
         let _running = running;
-        let id = &server.id;
+        let id = &id;
         for i in 0..chunks {
             if i > 0 {
                 tokio::time::sleep(server.chunk_delay()).await;
