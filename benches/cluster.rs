@@ -803,16 +803,7 @@ async fn memory(plane: &ControlPlane, client: &kube::Client, counts: &[usize]) {
         let names: Vec<String> = objects.iter().map(|r| r.name_any()).collect();
         let t0 = Instant::now();
         create_all(&api, objects).await;
-        futures::stream::iter(names)
-            .for_each_concurrent(16, |name| {
-                let api = api.clone();
-                async move {
-                    demand::load(&api, &name, "model-0", Timestamp::now())
-                        .await
-                        .unwrap();
-                }
-            })
-            .await;
+        load_first_model(&api, names).await;
         wait_converged(&api, count).await;
         total = count;
         let converged = t0.elapsed();
@@ -900,6 +891,20 @@ async fn restart(plane: &ControlPlane, count: usize, streaming: bool) {
     let _ = op.wait();
 }
 
+/// Asks for `model-0` on each named residency (its demand, 16 at a time).
+async fn load_first_model(api: &Api<ModelResidency>, names: Vec<String>) {
+    futures::stream::iter(names)
+        .for_each_concurrent(16, |name| {
+            let api = api.clone();
+            async move {
+                demand::load(&api, &name, "model-0", Timestamp::now())
+                    .await
+                    .unwrap();
+            }
+        })
+        .await;
+}
+
 /// A ResidencySet over `nodes` fake nodes' `gpus` GPUs each: see the
 /// module's `set`.
 async fn stamped_set(
@@ -958,16 +963,7 @@ async fn stamped_set(
             .map(|r| r.name_any())
             .collect();
         let t = Instant::now();
-        futures::stream::iter(names)
-            .for_each_concurrent(16, |name| {
-                let api = api.clone();
-                async move {
-                    demand::load(&api, &name, "model-0", Timestamp::now())
-                        .await
-                        .unwrap();
-                }
-            })
-            .await;
+        load_first_model(&api, names).await;
         wait_converged(&api, count).await;
         tokio::time::sleep(Duration::from_secs(5)).await;
         println!(

@@ -237,9 +237,30 @@ pub async fn send_capped(
     })
 }
 
+/// `s` with every byte but RFC 3986's unreserved ones percent-encoded: a
+/// query parameter's value (a PromQL expression in a Prometheus query).
+pub fn percent_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_query_value_keeps_only_unreserved_bytes() {
+        assert_eq!(
+            percent_encode(r#"sum(rate(x{a="b c"}[5m])) / 2~_.-"#),
+            "sum%28rate%28x%7Ba%3D%22b%20c%22%7D%5B5m%5D%29%29%20%2F%202~_.-"
+        );
+    }
 
     #[tokio::test]
     async fn answers_only_reads_of_the_three_endpoints() {

@@ -23,7 +23,9 @@ use crate::api::{
 use crate::metrics::Metrics;
 use crate::quantity::format_bytes;
 use crate::residency::conditions::{ConditionSet, READY};
-use crate::residency::devices::{Device, Selector, node_matches, published, stamped_name};
+use crate::residency::devices::{
+    Device, Selector, all_devices, node_matches, slice_devices, stamped_name,
+};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
@@ -60,7 +62,7 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     /// The residency controller's cache (every residency it watches).
     pub residencies: Store<ModelResidency>,
-    slices: Store<ResourceSlice>,
+    devices: Arc<PublishedDevices>,
     classes: Store<DeviceClass>,
     nodes: Store<PartialObjectMeta<Node>>,
 }
@@ -79,7 +81,7 @@ pub async fn run(
     let sets: Api<ResidencySet> = crate::cluster::api_in(&client, namespace.as_deref());
     let controller = Controller::new(sets, watcher::Config::default());
     let all_sets = controller.store();
-    let (slices, slice_writer) = reflector::store();
+    let devices = Arc::new(PublishedDevices::default());
     let (classes, class_writer) = reflector::store();
     let (nodes, node_writer) = reflector::store();
     // The devices, classes and nodes are read by tasks of their own (a
@@ -92,14 +94,10 @@ pub async fn run(
     // moment to reconcile in).
     let (changed_tx, changed_rx) = futures::channel::mpsc::unbounded();
     let _watches = [
-        spawn_reflector(
-            watcher(
-                Api::<ResourceSlice>::all(client.clone()),
-                watcher::Config::default(),
-            ),
-            slice_writer,
+        spawn_published_devices(
+            Api::<ResourceSlice>::all(client.clone()),
+            devices.clone(),
             changed_tx.clone(),
-            |s: &ResourceSlice| serde_json::to_string(&s.spec).unwrap_or_default(),
         ),
         spawn_reflector(
             watcher(
@@ -125,7 +123,7 @@ pub async fn run(
         client,
         metrics,
         residencies,
-        slices,
+        devices,
         classes,
         nodes,
     });
@@ -141,12 +139,88 @@ pub async fn run(
         .await;
 }
 
+/// The devices of every ResourceSlice, kept as a set reads them (their
+/// node, names, attributes and capacities: [`Device`]) rather than as whole
+/// slices: at 10,000 GPUs the slices' objects took the operator about
+/// 6 KiB a device (docs/performance.md).
+#[derive(Default)]
+struct PublishedDevices {
+    /// Slice name -> its devices.
+    by_slice: std::sync::RwLock<std::collections::HashMap<String, Vec<Device>>>,
+    /// Whether the first list is in.
+    listed: std::sync::atomic::AtomicBool,
+}
+
+impl PublishedDevices {
+    fn is_listed(&self) -> bool {
+        self.listed.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Every published device, by node and name.
+    fn all(&self) -> Vec<Device> {
+        all_devices(self.by_slice.read().expect("devices lock").values())
+    }
+}
+
+/// Keeps `cache` with the slices' devices in a task (aborted when the
+/// guard is dropped), saying on `changed` each change of a slice's devices,
+/// each slice gone and each relist's end. A relist replaces the whole map
+/// at its end, so a slice deleted while the watch was down goes too.
+fn spawn_published_devices(
+    slices: Api<ResourceSlice>,
+    cache: Arc<PublishedDevices>,
+    changed: futures::channel::mpsc::UnboundedSender<()>,
+) -> super::AbortOnDrop {
+    let mut relisted: Option<std::collections::HashMap<String, Vec<Device>>> = None;
+    let run = watcher(slices, watcher::Config::default())
+        .backoff(crate::cluster::WatchBackoff::default())
+        .for_each(move |event| {
+            let change = match event {
+                Ok(watcher::Event::Init) => {
+                    relisted = Some(Default::default());
+                    false
+                }
+                Ok(watcher::Event::InitApply(slice)) => {
+                    if let Some(map) = relisted.as_mut() {
+                        map.insert(slice.name_any(), slice_devices(&slice));
+                    }
+                    false
+                }
+                Ok(watcher::Event::InitDone) => {
+                    if let Some(map) = relisted.take() {
+                        *cache.by_slice.write().expect("devices lock") = map;
+                    }
+                    cache
+                        .listed
+                        .store(true, std::sync::atomic::Ordering::Release);
+                    true
+                }
+                Ok(watcher::Event::Apply(slice)) => {
+                    let devices = slice_devices(&slice);
+                    let mut map = cache.by_slice.write().expect("devices lock");
+                    map.insert(slice.name_any(), devices.clone()) != Some(devices)
+                }
+                Ok(watcher::Event::Delete(slice)) => cache
+                    .by_slice
+                    .write()
+                    .expect("devices lock")
+                    .remove(&slice.name_any())
+                    .is_some(),
+                Err(_) => false,
+            };
+            if change {
+                let _ = changed.unbounded_send(());
+            }
+            futures::future::ready(())
+        });
+    super::AbortOnDrop(tokio::spawn(run))
+}
+
 /// Runs `events` into `writer`'s store in a task (aborted when the guard
 /// is dropped), saying on `changed` each change of what `read` takes of an
 /// object (what a set reads of it), each deletion and each relist's end.
-/// The store keeps no object's managedFields (a set never reads them; a
-/// slice's list every device's path, as much again as its spec), and the
-/// change check keeps a hash of what was read, not the text.
+/// The store keeps no object's managedFields (a set never reads them),
+/// and the change check keeps a hash of what was read, not the text.
 fn spawn_reflector<K>(
     events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
     writer: reflector::store::Writer<K>,
@@ -275,12 +349,11 @@ async fn reconcile(set: Arc<ResidencySet>, ctx: Arc<Context>) -> Result<Action, 
     // store that has not listed yet would drain its residency.
     use futures::FutureExt;
     let listed = [
-        ctx.slices.wait_until_ready().now_or_never(),
         ctx.classes.wait_until_ready().now_or_never(),
         ctx.nodes.wait_until_ready().now_or_never(),
         ctx.residencies.wait_until_ready().now_or_never(),
     ];
-    if listed.iter().any(|l| !matches!(l, Some(Ok(())))) {
+    if !ctx.devices.is_listed() || listed.iter().any(|l| !matches!(l, Some(Ok(())))) {
         return Ok(Action::requeue(Duration::from_millis(500)));
     }
     let ns = set.namespace().ok_or(Error::Incomplete("namespace"))?;
@@ -341,7 +414,7 @@ async fn reconcile(set: Arc<ResidencySet>, ctx: Arc<Context>) -> Result<Action, 
             return Ok(Action::await_change());
         }
     };
-    let devices = published(&ctx.slices.state());
+    let devices = ctx.devices.all();
     let nodes: BTreeMap<String, Arc<PartialObjectMeta<Node>>> = ctx
         .nodes
         .state()

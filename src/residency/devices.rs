@@ -47,50 +47,61 @@ impl Device {
 
 /// Every device of every node-local slice.
 pub fn published(slices: &[Arc<ResourceSlice>]) -> Vec<Device> {
-    let mut out = Vec::new();
-    for s in slices {
-        let spec = &s.spec;
-        let Some(node) = spec.node_name.clone() else {
-            continue;
-        };
-        for d in spec.devices.iter().flatten() {
-            let attributes = d
-                .attributes
-                .iter()
-                .flatten()
-                .map(|(k, a)| {
-                    let v = if let Some(i) = a.int {
-                        serde_json::json!(i)
-                    } else if let Some(b) = a.bool {
-                        serde_json::json!(b)
-                    } else if let Some(s) = &a.string {
-                        serde_json::json!(s)
-                    } else {
-                        serde_json::json!(a.version)
-                    };
-                    (unqualified(k, &spec.driver), v)
-                })
-                .collect();
-            let capacity = d
-                .capacity
-                .iter()
-                .flatten()
-                .filter_map(|(k, c)| {
-                    Some((unqualified(k, &spec.driver), parse_bytes(&c.value.0).ok()?))
-                })
-                .collect();
-            out.push(Device {
-                node: node.clone(),
-                driver: spec.driver.clone(),
-                pool: spec.pool.name.clone(),
-                name: d.name.clone(),
-                attributes,
-                capacity,
-            });
-        }
-    }
+    let per_slice: Vec<Vec<Device>> = slices.iter().map(|s| slice_devices(s)).collect();
+    all_devices(per_slice.iter())
+}
+
+/// The devices of each slice as one list, by node and name, each once.
+pub fn all_devices<'a>(per_slice: impl Iterator<Item = &'a Vec<Device>>) -> Vec<Device> {
+    let mut out: Vec<Device> = per_slice.flatten().cloned().collect();
     out.sort_by(|a, b| (&a.node, &a.name).cmp(&(&b.node, &b.name)));
     out.dedup_by(|a, b| a.node == b.node && a.name == b.name && a.driver == b.driver);
+    out
+}
+
+/// The devices one slice publishes, if it is a node's (a slice of devices
+/// every node reaches publishes none a set can stamp).
+pub fn slice_devices(s: &ResourceSlice) -> Vec<Device> {
+    let mut out = Vec::new();
+    let spec = &s.spec;
+    let Some(node) = spec.node_name.clone() else {
+        return out;
+    };
+    for d in spec.devices.iter().flatten() {
+        let attributes = d
+            .attributes
+            .iter()
+            .flatten()
+            .map(|(k, a)| {
+                let v = if let Some(i) = a.int {
+                    serde_json::json!(i)
+                } else if let Some(b) = a.bool {
+                    serde_json::json!(b)
+                } else if let Some(s) = &a.string {
+                    serde_json::json!(s)
+                } else {
+                    serde_json::json!(a.version)
+                };
+                (unqualified(k, &spec.driver), v)
+            })
+            .collect();
+        let capacity = d
+            .capacity
+            .iter()
+            .flatten()
+            .filter_map(|(k, c)| {
+                Some((unqualified(k, &spec.driver), parse_bytes(&c.value.0).ok()?))
+            })
+            .collect();
+        out.push(Device {
+            node: node.clone(),
+            driver: spec.driver.clone(),
+            pool: spec.pool.name.clone(),
+            name: d.name.clone(),
+            attributes,
+            capacity,
+        });
+    }
     out
 }
 

@@ -464,21 +464,11 @@ async fn adapters_scenario(addr: SocketAddr, dir: &std::path::Path) -> Vec<Step>
         "ask the base model",
         post("/v1/chat/completions", ask(MODEL)).await,
     );
-    step(
-        "unload a1",
-        post(
-            "/v1/unload_lora_adapter",
-            json!({"lora_name": "a1"}).to_string(),
-        )
-        .await,
-    );
+    let unload = || json!({"lora_name": "a1"}).to_string();
+    step("unload a1", post("/v1/unload_lora_adapter", unload()).await);
     step(
         "unload a1 again",
-        post(
-            "/v1/unload_lora_adapter",
-            json!({"lora_name": "a1"}).to_string(),
-        )
-        .await,
+        post("/v1/unload_lora_adapter", unload()).await,
     );
     step(
         "ask a1 once unloaded",

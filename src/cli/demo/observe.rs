@@ -108,17 +108,6 @@ fn write_targets(dir: &std::path::Path, targets: &[String]) -> Result<(), Failur
     std::fs::rename(&tmp, dir.join("targets.json")).map_err(Failure::other)
 }
 
-fn encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
 impl Prometheus {
     /// Scrapes `target` too from now on.
     pub(super) fn add(&mut self, target: &str) -> Result<(), Failure> {
@@ -147,7 +136,7 @@ impl Prometheus {
         ] {
             let path = format!(
                 "/api/v1/query_range?query={}&start={start}&end={end}&step=1",
-                encode(query)
+                model_residency::http::percent_encode(query)
             );
             let (_, body) = http_get(&self.addr, &path)
                 .await
@@ -164,7 +153,10 @@ impl Prometheus {
 
     /// An instant query's answer: the number of series, or why it failed.
     async fn series(&self, promql: &str) -> Result<usize, String> {
-        let path = format!("/api/v1/query?query={}", encode(promql));
+        let path = format!(
+            "/api/v1/query?query={}",
+            model_residency::http::percent_encode(promql)
+        );
         let (code, body) = http_get(&self.addr, &path)
             .await
             .ok_or_else(|| "Prometheus did not answer".to_owned())?;

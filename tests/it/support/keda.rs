@@ -285,7 +285,10 @@ spec:
 
     /// Prometheus's answer to an instant query, the first sample's value.
     pub async fn query(&self, promql: &str) -> Option<f64> {
-        let path = format!("/api/v1/query?query={}", urlencode(promql));
+        let path = format!(
+            "/api/v1/query?query={}",
+            model_residency::http::percent_encode(promql)
+        );
         let a = super::http::send(self.prometheus, "GET", &path, "").await;
         let v: serde_json::Value = serde_json::from_str(&a.body).ok()?;
         v["data"]["result"][0]["value"][1].as_str()?.parse().ok()
@@ -298,15 +301,4 @@ spec:
         })
         .await;
     }
-}
-
-fn urlencode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
 }
