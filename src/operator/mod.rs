@@ -379,7 +379,7 @@ async fn gpu_events(
     let slices: Api<ResourceSlice> = Api::all(ctx.client.clone());
     let slice_ctx = ctx.clone();
     let slice_store = residencies.clone();
-    let slice_events = watcher(slices, watcher::Config::default())
+    let slice_events = watcher(slices, crate::cluster::slice_watch_config())
         .backoff(crate::cluster::WatchBackoff::default())
         .flat_map(move |event| {
             let touched = match &event {

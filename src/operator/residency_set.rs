@@ -172,7 +172,7 @@ fn spawn_published_devices(
     changed: futures::channel::mpsc::UnboundedSender<()>,
 ) -> super::AbortOnDrop {
     let mut relisted: Option<std::collections::HashMap<String, Vec<Device>>> = None;
-    let run = watcher(slices, watcher::Config::default())
+    let run = watcher(slices, crate::cluster::slice_watch_config())
         .backoff(crate::cluster::WatchBackoff::default())
         .for_each(move |event| {
             let change = match event {
