@@ -45,12 +45,6 @@ impl Device {
     }
 }
 
-/// Every device of every node-local slice.
-pub fn published(slices: &[Arc<ResourceSlice>]) -> Vec<Device> {
-    let per_slice: Vec<Vec<Device>> = slices.iter().map(|s| slice_devices(s)).collect();
-    all_devices(per_slice.iter())
-}
-
 /// The devices of each slice as one list, by node and name, each once.
 pub fn all_devices<'a>(per_slice: impl Iterator<Item = &'a Vec<Device>>) -> Vec<Device> {
     let mut out: Vec<Device> = per_slice.flatten().cloned().collect();
@@ -279,10 +273,12 @@ mod tests {
 
     #[test]
     fn devices_are_selected_by_class_and_set_selectors_as_a_claim_selects_them() {
-        let devices = published(&[
+        let per_slice = [
             slice("a", json!([gpu(0, "H100", "80Gi"), gpu(1, "A10", "24Gi")])),
             slice("b", json!([gpu(0, "H100", "80Gi")])),
-        ]);
+        ]
+        .map(|s| slice_devices(&s));
+        let devices = all_devices(per_slice.iter());
         assert_eq!(devices.len(), 3);
         assert_eq!(devices[0].spec_device().as_deref(), Some("GPU-0"));
         assert_eq!(devices[0].memory(), Some(80 << 30));

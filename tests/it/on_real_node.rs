@@ -603,15 +603,7 @@ async fn services_route_to_pods_and_pods_reach_the_api_in_cluster() {
         .and_then(|s| s.cluster_ip)
         .expect("a cluster IP");
     let addr: SocketAddr = format!("{ip}:80").parse().unwrap();
-    let models = eventually(60, "the Service's cluster IP to answer", || async {
-        let asked = model_residency::http::send(addr, "GET", "/v1/models", "");
-        let a = tokio::time::timeout(std::time::Duration::from_secs(3), asked)
-            .await
-            .ok()?
-            .ok()?;
-        (a.status == 200).then_some(a.body)
-    })
-    .await;
+    let models = crate::support::lane::served_at(addr, "/v1/models", 60).await;
     assert!(models.contains("behind-a-service"), "{models}");
 
     // A residency (no operator runs: it is only read) and a pod that lists
@@ -664,13 +656,21 @@ async fn services_route_to_pods_and_pods_reach_the_api_in_cluster() {
     );
     let listed: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
     assert_eq!(listed[0]["residency"], "seen-from-a-pod", "{listed}");
-    // It was in-cluster: the kubernetes Service's address, no kubeconfig.
+    // It was in-cluster: the pod had no kubeconfig, only the token and CA
+    // the cluster mounted into it (ServiceAccount admission's projected
+    // volume), and `top` read those.
     let p = pods.get("reader").await.unwrap();
-    let env_of = p.spec.unwrap().containers[0]
-        .env
-        .clone()
-        .unwrap_or_default();
-    assert!(env_of.iter().all(|e| e.name != "KUBECONFIG"), "{env_of:?}");
+    let spec = p.spec.unwrap();
+    let mounted: Vec<String> = spec.containers[0]
+        .volume_mounts
+        .iter()
+        .flatten()
+        .map(|m| m.mount_path.clone())
+        .collect();
+    assert!(
+        mounted.contains(&"/var/run/secrets/kubernetes.io/serviceaccount".to_owned()),
+        "{mounted:?}"
+    );
 }
 
 mod chart;

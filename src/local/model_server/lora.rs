@@ -54,7 +54,8 @@ impl Adapters {
 
     /// Whether `name` is a loaded adapter.
     pub fn has(&self, name: &str) -> bool {
-        self.loaded().iter().any(|(n, _)| n == name)
+        let loaded = self.loaded.lock().expect("adapters lock");
+        loaded.iter().any(|(n, _)| n == name)
     }
 }
 

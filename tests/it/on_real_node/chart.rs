@@ -144,16 +144,7 @@ async fn the_chart_serves_upgrades_and_uninstalls_under_restricted_pod_security(
         .and_then(|s| s.cluster_ip)
         .expect("the router Service's cluster IP");
     let router: SocketAddr = format!("{ip}:80").parse().unwrap();
-    // kube-proxy follows the Service's endpoints within a second or so.
-    eventually(30, "the router Service to answer /readyz", || async {
-        let asked = model_residency::http::send(router, "GET", "/readyz", "");
-        let a = tokio::time::timeout(Duration::from_secs(3), asked)
-            .await
-            .ok()?
-            .ok()?;
-        (a.status == 200).then_some(())
-    })
-    .await;
+    crate::support::lane::served_at(router, "/readyz", 30).await;
     // Held by a router while the operator loads it, then answered.
     let first = tokio::time::timeout(Duration::from_secs(120), chat(router, "chart-m"))
         .await
@@ -162,8 +153,8 @@ async fn the_chart_serves_upgrades_and_uninstalls_under_restricted_pod_security(
 
     // An upgrade to a changed image, with a request held through it: for a
     // model whose load takes over 10 s, sent as the rollout starts, so
-    // that the router holding it and the controller loading it are
-    // replaced while it waits.
+    // that the router holding it is replaced while it waits (the
+    // controllers roll over the same seconds).
     let leases: Api<Lease> = Api::namespaced(system.client.clone(), &ns);
     let holder = |l: Lease| l.spec.and_then(|s| s.holder_identity).unwrap_or_default();
     let leader = holder(leases.get(CONTROLLER).await.unwrap());

@@ -114,3 +114,19 @@ pub fn reserve_gpus(gpus: u32) -> u32 {
 pub fn real_template(_model: &str) -> serde_json::Value {
     model_server_template(8080, None)
 }
+
+/// The body of the first 200 to `GET path` at a Service's cluster IP
+/// `addr`, within `secs` (kube-proxy follows a Service's endpoints within
+/// a second or so; each try gives up after 3 s).
+pub async fn served_at(addr: std::net::SocketAddr, path: &str, secs: u64) -> String {
+    let what = format!("http://{addr}{path} to answer 200");
+    super::cluster::eventually(secs, &what, || async {
+        let asked = model_residency::http::send(addr, "GET", path, "");
+        let a = tokio::time::timeout(std::time::Duration::from_secs(3), asked)
+            .await
+            .ok()?
+            .ok()?;
+        (a.status == 200).then_some(a.body)
+    })
+    .await
+}
