@@ -490,7 +490,17 @@ async fn a_server_put_to_sleep_behind_the_operators_back_is_found_and_woken() {
     let (addr, _) = addr_of(&h, "gpu", "a").await;
     let slept = crate::support::http::send(addr, "POST", "/sleep?level=1", "").await;
     assert_eq!(slept.status, 200, "{}", slept.body);
-    assert_eq!(stats(&h, "gpu", "a").await["asleep"], true);
+    // The audit runs every 300 ms, so on a loaded machine it may have woken
+    // the server before this look: asleep now, or already found asleep.
+    let found = || {
+        h.ctx
+            .metrics
+            .sum_where("model_residency_found_asleep_total", "")
+    };
+    assert!(
+        stats(&h, "gpu", "a").await["asleep"] == true || found() == 1,
+        "the sleep took no effect"
+    );
     eventually(30, "a woken by the audit", || async {
         (stats(&h, "gpu", "a").await["asleep"] == false).then_some(())
     })
@@ -507,10 +517,5 @@ async fn a_server_put_to_sleep_behind_the_operators_back_is_found_and_woken() {
     assert!(note.contains("woken"), "{note}");
     let r = h.api.get("gpu").await.unwrap();
     assert_eq!(model(&r, "a").state, ModelState::Loaded);
-    assert_eq!(
-        h.ctx
-            .metrics
-            .sum_where("model_residency_found_asleep_total", ""),
-        1
-    );
+    assert_eq!(found(), 1);
 }
