@@ -7,6 +7,7 @@ mod copies;
 mod demand_map;
 mod gpu;
 mod inference_pool;
+mod lora;
 mod model_catalog;
 mod model_copies;
 mod model_demand;
@@ -27,6 +28,7 @@ pub use gpu::{
 pub use inference_pool::{
     EndpointPickerRef, InferencePool, InferencePoolSpec, PoolPort, PoolSelector,
 };
+pub use lora::{AdapterSpec, LoraSpec, MAX_LORA_RANK_ENV};
 pub use model_catalog::{CatalogRef, ModelCatalog, ModelCatalogSpec, ModelCatalogStatus};
 pub use model_copies::{ModelCopies, ModelCopiesSpec, ModelCopiesStatus};
 pub use model_demand::{ModelDemand, ModelDemandSpec, ModelDemandStatus};
@@ -219,6 +221,11 @@ pub struct ModelSpec {
     /// Copies of the model on other GPUs under load (see CopiesSpec).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub copies: Option<Box<CopiesSpec>>,
+    /// LoRA adapters of this model, loaded into its running pods on demand
+    /// (see LoraSpec): a request naming an adapter is served by this
+    /// model's pod with the adapter loaded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<Box<LoraSpec>>,
 }
 
 /// A model's pod template, kept as its compact JSON text.

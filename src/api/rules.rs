@@ -175,6 +175,18 @@ pub fn artifact_source() -> Value {
     }])
 }
 
+/// `spec.models[].lora`: host slots hold the GPU slots' adapters too, and
+/// the pinned adapters fit in a pod (each pod holds every one once asked).
+pub fn lora() -> Value {
+    json!([{
+        "rule": "!has(self.hostSlots) || !has(self.slots) || self.hostSlots >= self.slots",
+        "message": "hostSlots counts the adapters a pod holds in GPU and host memory together: at least slots",
+    }, {
+        "rule": "!has(self.adapters) || self.adapters.filter(a, has(a.pinned) && a.pinned).size() <= (has(self.hostSlots) ? self.hostSlots : (has(self.slots) ? self.slots : 1))",
+        "message": "more pinned adapters than a pod holds (hostSlots, else slots): one of them could never load",
+    }])
+}
+
 /// An artifact file's `sha256`.
 pub fn sha256() -> Value {
     matching(SHA256_HEX, "is not a SHA-256 (64 hexadecimal digits)")

@@ -1,7 +1,7 @@
 //! Model pods: building one from a model's template (pure), and reading back
 //! what the reconciler needs from the pods it owns.
 
-use crate::api::{ModelResidency, ModelSpec};
+use crate::api::{LoraSpec, ModelResidency, ModelSpec};
 use crate::engine::Bytes;
 use crate::residency::gpu::{Access, CLAIM_REQUEST, Placement};
 use crate::residency::labels::{
@@ -256,6 +256,9 @@ pub fn build_pod(
     // status); a kubelet restart loop would hide failures from it.
     spec.restart_policy.get_or_insert_with(|| "Never".into());
     give_gpu(&mut spec, residency, gpu);
+    if let Some(lora) = &model.lora {
+        give_adapter_slots(&mut spec, residency, lora);
+    }
     let hash = template_hash(
         model
             .template
@@ -330,6 +333,27 @@ fn give_gpu(spec: &mut PodSpec, residency: &ModelResidency, gpu: &Placement) {
         if c.env.as_ref().is_some_and(Vec::is_empty) {
             c.env = None;
         }
+    }
+}
+
+/// Tells the containers that get the GPU their adapter slots and rank
+/// (`LoraSpec::env`), so the template's flags can name them
+/// (`--max-loras=$(MODEL_RESIDENCY_MAX_LORAS)`) and they stay what the
+/// router counts on; the template's own values of these names give way.
+fn give_adapter_slots(spec: &mut PodSpec, residency: &ModelResidency, lora: &LoraSpec) {
+    let vars = lora.env();
+    for c in spec
+        .containers
+        .iter_mut()
+        .filter(|c| residency.spec.gpu.gives_to(&c.name))
+    {
+        let env = c.env.get_or_insert_with(Vec::new);
+        env.retain(|e| !vars.iter().any(|(name, _)| e.name == *name));
+        env.extend(vars.iter().map(|(name, value)| EnvVar {
+            name: (*name).into(),
+            value: Some(value.clone()),
+            value_from: None,
+        }));
     }
 }
 

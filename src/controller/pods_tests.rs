@@ -78,6 +78,7 @@ fn model(template: serde_json::Value) -> ModelSpec {
         load_time: None,
         sleep: None,
         copies: None,
+        lora: None,
     }
 }
 

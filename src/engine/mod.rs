@@ -26,6 +26,7 @@
 //! two intrusive recency lists (unpinned, pinned), so a hit is O(1) and each
 //! victim O(1) plus the loading models skipped on the way.
 
+pub mod adapters;
 mod admission;
 pub mod copies;
 pub mod gangs;

@@ -447,6 +447,7 @@ mod tests {
                         load_time: None,
                         sleep: None,
                         copies: None,
+                        lora: None,
                     })
                     .collect(),
                 prefetch: 0,

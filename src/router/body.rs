@@ -65,7 +65,10 @@ impl super::Router {
     /// The model's name as a metric label: only names the router serves,
     /// so a client cannot grow the label set at will.
     pub(super) fn known(&self, model: &str) -> String {
-        let known = self.snapshot.borrow().models.contains_key(model);
+        let known = {
+            let snap = self.snapshot.borrow();
+            snap.models.contains_key(model) || snap.adapters.contains_key(model)
+        };
         if known {
             model.to_owned()
         } else {

@@ -63,9 +63,13 @@ pub fn answer(q: Question<'_>, snap: &Snapshot, router_ready: bool) -> Response<
         Question::Models => {
             let mut names: Vec<&String> = snap.models.keys().collect();
             names.sort();
-            let data: Vec<Value> = names.into_iter().map(|n| model(snap, n)).collect();
+            let mut data: Vec<Value> = names.into_iter().map(|n| model(snap, n)).collect();
+            let mut adapters: Vec<&String> = snap.adapters.keys().collect();
+            adapters.sort();
+            data.extend(adapters.into_iter().map(|n| adapter(snap, n)));
             ok(json!({"object": "list", "data": data}))
         }
+        Question::Model(id) if snap.adapters.contains_key(id) => ok(adapter(snap, id)),
         Question::Model(id) | Question::ModelReady(id) if !snap.models.contains_key(id) => {
             Refusal::ModelNotFound(format!(
                 "the model `{}` does not exist: no ModelResidency this router serves lists it",
@@ -155,6 +159,32 @@ fn model(snap: &Snapshot, name: &str) -> Value {
         "state": format!("{state:?}"),
         "residency": residency,
         "residencies": places.iter().map(|(r, s)| json!({"residency": r, "state": format!("{s:?}")})).collect::<Vec<_>>(),
+    })
+}
+
+/// A LoRA adapter as vLLM lists one: its base model is its `parent` and
+/// its directory its `root`; where it stands is its base model's state.
+fn adapter(snap: &Snapshot, name: &str) -> Value {
+    let a = &snap.adapters[name];
+    let base = snap
+        .models
+        .contains_key(&a.base)
+        .then(|| model(snap, &a.base));
+    let field = |f: &str| base.as_ref().and_then(|b| b.get(f)).cloned();
+    let state = if a.refused.is_some() {
+        json!("Refused")
+    } else {
+        field("state").unwrap_or(Value::Null)
+    };
+    json!({
+        "id": name,
+        "object": "model",
+        "created": field("created").unwrap_or(json!(0)),
+        "owned_by": "model-residency",
+        "root": a.path,
+        "parent": a.base,
+        "state": state,
+        "residency": field("residency").unwrap_or(Value::Null),
     })
 }
 

@@ -44,6 +44,9 @@ pub enum Refusal {
     },
     /// 502: the model's pod could not be reached.
     Upstream(String),
+    /// 502: the base model's server did not load the adapter the request
+    /// names (its words said), so nothing was sent to it.
+    AdapterLoadFailed(String),
     /// 408 (and the connection closed): the request's body paused longer
     /// than `--body-timeout`, or was not whole within `--body-deadline`.
     BodyTimeout { after: Duration, whole: bool },
@@ -75,7 +78,7 @@ impl Refusal {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             Refusal::TooManyPending { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Refusal::Upstream(_) => StatusCode::BAD_GATEWAY,
+            Refusal::Upstream(_) | Refusal::AdapterLoadFailed(_) => StatusCode::BAD_GATEWAY,
             Refusal::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
         }
     }
@@ -95,6 +98,7 @@ impl Refusal {
             Refusal::ModelUnavailable { .. } => ("server_error", "model_unavailable"),
             Refusal::TooManyPending { .. } => ("rate_limit_error", "too_many_pending"),
             Refusal::Upstream(_) => ("server_error", "upstream_error"),
+            Refusal::AdapterLoadFailed(_) => ("server_error", "adapter_load_failed"),
             Refusal::BodyTimeout { .. } => ("invalid_request_error", "request_timeout"),
         }
     }
@@ -107,6 +111,7 @@ impl Refusal {
             | Refusal::NotReady(m)
             | Refusal::ModelRefused(m)
             | Refusal::Upstream(m)
+            | Refusal::AdapterLoadFailed(m)
             | Refusal::PathNotForwarded(m)
             | Refusal::TooMuchBuffered(m)
             | Refusal::MethodNotAllowed { message: m, .. }

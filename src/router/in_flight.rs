@@ -11,6 +11,8 @@ pub(super) struct InFlight {
     pub(super) start: Instant,
     /// The model's count, released with the last of its holders.
     pub(super) _model: Option<Arc<ModelInFlight>>,
+    /// The adapter it is served by: no victim until the answer ends.
+    pub(super) _adapter: Option<super::adapters::InUse>,
 }
 
 impl InFlight {
@@ -19,6 +21,7 @@ impl InFlight {
         endpoint: &Endpoint,
         start: Instant,
         model: Option<Arc<ModelInFlight>>,
+        adapter: Option<super::adapters::InUse>,
     ) -> Self {
         endpoint.in_flight.fetch_add(1, Ordering::Relaxed);
         InFlight {
@@ -26,6 +29,7 @@ impl InFlight {
             count: endpoint.in_flight.clone(),
             start,
             _model: model,
+            _adapter: adapter,
         }
     }
 }

@@ -43,6 +43,13 @@ pub struct HoldLabels {
     pub kind: &'static str,
 }
 
+/// An adapter and its base model.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AdapterLabels {
+    pub model: String,
+    pub adapter: String,
+}
+
 type HoldHistograms = Family<HoldLabels, Histogram, fn() -> Histogram>;
 
 fn hold_histogram() -> Histogram {
@@ -61,6 +68,11 @@ pub struct RouterMetrics {
     pub upstream_errors: Family<ModelLabels, Counter>,
     pub demand_writes: Family<WriteLabels, Counter>,
     pub demand_write_errors: Counter,
+    pub adapter_hits: Family<AdapterLabels, Counter>,
+    pub adapter_loads: Family<AdapterLabels, Counter>,
+    pub adapter_load_failures: Family<AdapterLabels, Counter>,
+    pub adapter_evictions: Family<AdapterLabels, Counter>,
+    pub adapter_load_seconds: Histogram,
 }
 
 impl Default for RouterMetrics {
@@ -78,6 +90,12 @@ impl Default for RouterMetrics {
             upstream_errors: Family::default(),
             demand_writes: Family::default(),
             demand_write_errors: Counter::default(),
+            adapter_hits: Family::default(),
+            adapter_loads: Family::default(),
+            adapter_load_failures: Family::default(),
+            adapter_evictions: Family::default(),
+            // 1 ms .. ~16 s: an adapter's load reads a few MiB from disk.
+            adapter_load_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
             registry: Registry::default(),
         };
         registry.register(
@@ -124,6 +142,31 @@ impl Default for RouterMetrics {
             "demand_write_errors",
             "Demand writes the API server did not take",
             m.demand_write_errors.clone(),
+        );
+        registry.register(
+            "adapter_hits",
+            "Requests for a LoRA adapter sent to a pod that held it",
+            m.adapter_hits.clone(),
+        );
+        registry.register(
+            "adapter_loads",
+            "LoRA adapters loaded into a pod by this router (the server's load call answered)",
+            m.adapter_loads.clone(),
+        );
+        registry.register(
+            "adapter_load_failures",
+            "LoRA adapter loads the server refused or did not answer",
+            m.adapter_load_failures.clone(),
+        );
+        registry.register(
+            "adapter_evictions",
+            "LoRA adapters unloaded from a pod to make room for another",
+            m.adapter_evictions.clone(),
+        );
+        registry.register(
+            "adapter_load_seconds",
+            "Time of an adapter's load call, an eviction's unload before it included",
+            m.adapter_load_seconds.clone(),
         );
         RouterMetrics { registry, ..m }
     }

@@ -14,8 +14,10 @@
 //! - [`recency`]: when traffic becomes a demand write;
 //! - [`proxy`]: sending on and streaming back;
 //! - [`errors`]: the OpenAI-shaped answers when it cannot proxy;
-//! - [`catalog`]: what it answers itself (model list, readiness).
+//! - [`catalog`]: what it answers itself (model list, readiness);
+//! - [`adapters`]: LoRA adapters loaded into their base model's pods.
 
+mod adapters;
 mod body;
 mod in_flight;
 
@@ -142,6 +144,8 @@ pub struct Router {
     /// Bytes of request bodies held now (read, or declared and being read).
     buffered: Arc<AtomicUsize>,
     pub metrics: RouterMetrics,
+    /// What each model pod holds of LoRA adapters, as this router loaded them.
+    adapters: adapters::Adapters,
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// Set when the shutdown grace is nearly over: requests still held for
     /// a load are answered 503 with `Retry-After` rather than dropped.
@@ -172,6 +176,7 @@ impl Router {
             pending: Mutex::default(),
             buffered: Arc::default(),
             metrics: RouterMetrics::default(),
+            adapters: adapters::Adapters::default(),
             tasks: Mutex::default(),
             closing: watch::Sender::new(false),
         });
@@ -314,6 +319,12 @@ impl Router {
         body: Bytes,
         start: Instant,
     ) -> Result<Response<ProxyBody>, Refusal> {
+        // A LoRA adapter's name: served by a pod of its base model.
+        let adapter = self.snapshot.borrow().adapters.get(model).cloned();
+        if let Some(why) = adapter.as_ref().and_then(|a| a.refused.clone()) {
+            return Err(Refusal::ModelRefused(why));
+        }
+        let target = adapter.as_ref().map_or(model, |a| a.base.as_str());
         let mut gone: Option<Arc<str>> = None;
         // Counted from here to the end of its answer (the clone that
         // `forward` keeps), for models this router serves only: a client
@@ -322,22 +333,38 @@ impl Router {
             .snapshot
             .borrow()
             .models
-            .get(model)
-            .map(|view| Arc::new(ModelInFlight::enter(&self.metrics, &view.namespace, model)));
+            .get(target)
+            .map(|view| Arc::new(ModelInFlight::enter(&self.metrics, &view.namespace, target)));
         // The prompt's prefix is read only when the strategy uses it.
         let key = match self.config.balance {
             balance::Strategy::PrefixHash => balance::prompt_prefix(&body),
             balance::Strategy::LeastInFlight => None,
         };
+        let mut reloaded = false;
         // At most two tries: a pod that went away before the request was
-        // sent is re-resolved once.
+        // sent is re-resolved once (and an adapter its server no longer
+        // knows is loaded again once).
         loop {
-            let (endpoint, cold) = self.resolve(model, gone.as_deref(), key.as_deref()).await?;
+            let affinity = adapter.as_ref().map(|a| a.name.as_str());
+            let (endpoint, cold) = self
+                .resolve(target, gone.as_deref(), key.as_deref(), affinity)
+                .await?;
             if !cold {
                 self.refresh(&endpoint).await;
             }
+            let in_use = match &adapter {
+                Some(a) => Some(self.adapter_in(&endpoint, a).await?),
+                None => None,
+            };
             match self
-                .forward(&endpoint, parts, body.clone(), start, counted.clone())
+                .forward(
+                    &endpoint,
+                    parts,
+                    body.clone(),
+                    start,
+                    counted.clone(),
+                    in_use,
+                )
                 .await
             {
                 Err(proxy::SendError::Connect(e)) if gone.is_none() => {
@@ -349,6 +376,18 @@ impl Router {
                         "model {model}'s pod {} did not answer: {e}",
                         endpoint.pod
                     )));
+                }
+                // The server does not know the adapter it was thought to
+                // hold (its container restarted): what it holds is learned
+                // again, this adapter first.
+                Ok(response)
+                    if adapter.is_some()
+                        && response.status() == http::StatusCode::NOT_FOUND
+                        && !reloaded =>
+                {
+                    tracing::info!(pod = %endpoint.pod, model, "the server lacks the adapter; loading it again");
+                    self.adapters.forget(&endpoint.uid);
+                    reloaded = true;
                 }
                 Ok(response) => return Ok(response),
             }
@@ -362,6 +401,7 @@ impl Router {
         model: &str,
         avoid: Option<&str>,
         key: Option<&str>,
+        adapter: Option<&str>,
     ) -> Result<(Endpoint, bool), Refusal> {
         // The hit path only reads the latest snapshot; a receiver of its
         // own is made only for waiting.
@@ -384,6 +424,18 @@ impl Router {
                 echo(model)
             )));
         };
+        // A copy that holds the adapter before one that does not.
+        if let Some(adapter) = adapter {
+            let holding: Vec<Endpoint> = view
+                .ready
+                .iter()
+                .filter(|e| self.adapters.holds(&e.uid, adapter))
+                .cloned()
+                .collect();
+            if let Some(e) = self.choose(&holding, avoid, key) {
+                return Ok((e, false));
+            }
+        }
         if let Some(e) = self.choose(&view.ready, avoid, key) {
             return Ok((e, false));
         }
@@ -458,8 +510,9 @@ impl Router {
         body: Bytes,
         start: Instant,
         counted: Option<Arc<ModelInFlight>>,
+        adapter: Option<adapters::InUse>,
     ) -> Result<Response<ProxyBody>, proxy::SendError> {
-        let guard = InFlight::enter(self.clone(), endpoint, start, counted);
+        let guard = InFlight::enter(self.clone(), endpoint, start, counted, adapter);
         let answer = proxy::send(&proxy::thread_upstream(), endpoint.addr, parts, body).await?;
         let (head, incoming) = answer.into_parts();
         let body = if proxy::small_and_whole(&head.headers) {

@@ -5,7 +5,7 @@
 //! published.
 
 use super::recency::Key;
-use crate::api::{ModelResidency, ModelState, ModelStatus};
+use crate::api::{AdapterSpec, LoraSpec, ModelResidency, ModelState, ModelStatus};
 use crate::residency::labels::{DRAINING_LABEL, MODEL_LABEL, RESIDENCY_LABEL, serving_port};
 use crate::residency::placement::residency_key;
 use crate::residency::reasons::Reason;
@@ -25,6 +25,9 @@ pub struct Endpoint {
     pub residency: usize,
     /// `<namespace>/<pod>`.
     pub pod: Arc<str>,
+    /// The pod's UID: a pod replaced under the same name is another
+    /// server, holding no adapters.
+    pub uid: Arc<str>,
     pub addr: SocketAddr,
     /// (namespace, residency, model): its recency bookkeeping's key.
     pub key: Key,
@@ -44,6 +47,7 @@ impl Endpoint {
         Endpoint {
             residency: 0,
             pod: pod.into(),
+            uid: pod.into(),
             addr: SocketAddr::from(([127, 0, 0, 1], 8080)),
             key: Arc::new((String::new(), String::new(), String::new())),
             residency_header: HeaderValue::from_static("test"),
@@ -77,6 +81,62 @@ pub struct Snapshot {
     /// after the copy scaler took their demand key away would ask for the
     /// copy again.
     pub draining: std::collections::HashSet<Key>,
+    /// LoRA adapters by name: what a request naming one is served by.
+    pub adapters: HashMap<String, Arc<AdapterView>>,
+}
+
+/// A LoRA adapter as the registries declare it (`spec.models[].lora`).
+#[derive(Debug, PartialEq)]
+pub struct AdapterView {
+    pub name: String,
+    /// Its base model: the model whose pods serve it.
+    pub base: String,
+    /// Where the base's server reads it.
+    pub path: String,
+    pub rank: u32,
+    pub pinned: bool,
+    /// The adapters a pod of the base holds at once.
+    pub capacity: u32,
+    /// Why it is never sent to a server (a rank past the base's maxRank,
+    /// a name two bases declare differently), in words for the client.
+    pub refused: Option<String>,
+}
+
+impl AdapterView {
+    fn of(base: &str, lora: &LoraSpec, a: &AdapterSpec) -> Self {
+        let refused = (a.rank > lora.max_rank).then(|| {
+            format!(
+                "the adapter `{}` has rank {}, larger than its base model `{base}`'s lora.maxRank {}: its server would refuse it",
+                a.name, a.rank, lora.max_rank
+            )
+        });
+        AdapterView {
+            name: a.name.clone(),
+            base: base.to_owned(),
+            path: a.path(),
+            rank: a.rank,
+            pinned: a.pinned,
+            capacity: lora.capacity(),
+            refused,
+        }
+    }
+
+    /// The same adapter in every respect but the refusal.
+    fn same_as(&self, other: &AdapterView) -> bool {
+        (
+            &self.base,
+            &self.path,
+            self.rank,
+            self.pinned,
+            self.capacity,
+        ) == (
+            &other.base,
+            &other.path,
+            other.rank,
+            other.pinned,
+            other.capacity,
+        )
+    }
 }
 
 impl Snapshot {
@@ -101,6 +161,37 @@ impl Snapshot {
                 view.homes.push(i);
             }
         }
+        let mut adapters: HashMap<String, Arc<AdapterView>> = HashMap::new();
+        for r in &residencies {
+            for m in &r.spec.models {
+                let Some(lora) = &m.lora else { continue };
+                for a in &lora.adapters {
+                    let view = AdapterView::of(&m.name, lora, a);
+                    match adapters.get(&a.name) {
+                        None => {
+                            adapters.insert(a.name.clone(), Arc::new(view));
+                        }
+                        Some(first) if first.same_as(&view) => {}
+                        Some(first) => {
+                            // Two declarations that differ: which one a
+                            // request means is nobody's guess.
+                            let refused = format!(
+                                "the adapter `{}` is declared differently by base models `{}` and `{}` (or two residencies): rename one",
+                                a.name, first.base, m.name
+                            );
+                            let view = AdapterView {
+                                refused: Some(refused),
+                                ..AdapterView::of(&first.base, lora, a)
+                            };
+                            adapters.insert(a.name.clone(), Arc::new(view));
+                        }
+                    }
+                }
+            }
+        }
+        // A model's name is the model's: an adapter of that name is
+        // unreachable (the operator reports it on the residency).
+        adapters.retain(|name, _| !models.contains_key(name));
         let mut draining = std::collections::HashSet::new();
         for pod in pods {
             let Some((i, model)) = owner(pod, &by_uid, &residencies) else {
@@ -134,6 +225,7 @@ impl Snapshot {
             view.ready.push(Endpoint {
                 residency: i,
                 pod: format!("{ns}/{name}").into(),
+                uid: pod.uid().unwrap_or_default().into(),
                 addr,
                 key: Arc::new((
                     r.namespace().unwrap_or_default(),
@@ -150,6 +242,7 @@ impl Snapshot {
             residencies,
             models,
             draining,
+            adapters,
         }
     }
 

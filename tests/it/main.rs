@@ -5,6 +5,7 @@
 //! `--include-ignored`. The pure property and fuzz tests keep binaries of
 //! their own (`tests/engine_*.rs`, `tests/decide_fuzz.rs`).
 
+mod adapters;
 mod autoscaling;
 mod catalog;
 mod chart;

@@ -12,6 +12,7 @@
 //! release is a no-op.
 
 use crate::support::http::{free_port, send, streamed};
+use crate::support::lora::write_adapters;
 use model_residency::controller::decide::{PodCall, PodRef};
 use model_residency::controller::pod_calls::ask;
 use model_residency::local::model_server::{FakeModelServer, Identity, SleepBehaviour, Tuning};
@@ -260,7 +261,11 @@ async fn the_fake_and_a_real_vllm_keep_the_warm_tier_and_adapter_contracts_alike
     // 1,000 chunks 2 ms apart: 2 s.
     assert_eq!(scenario(fake.addr, 1000).await, all, "the fake");
     let adapters = tempfile::tempdir().unwrap();
-    write_adapters(adapters.path());
+    write_adapters(
+        adapters.path(),
+        MODEL,
+        &[("a1", 8, 1), ("a2", 8, 2), ("big", 16, 3)],
+    );
     let expected = adapters_expected();
     assert_eq!(
         adapters_scenario(fake.addr, adapters.path()).await,
@@ -277,69 +282,6 @@ async fn the_fake_and_a_real_vllm_keep_the_warm_tier_and_adapter_contracts_alike
     );
     // The same server as a model pod, through the router and the operator.
     through_the_router(&vllm).await;
-}
-
-/// LoRA adapters for the tiny model, written as PEFT does (its config and
-/// a safetensors file of the A and B matrices of `q_proj` and `v_proj` in
-/// both layers, pseudo-random weights of about 0.5): `a1` and `a2` of rank
-/// 8, `big` of rank 16, in directories of those names.
-fn write_adapters(dir: &std::path::Path) {
-    for (name, rank, seed) in [("a1", 8u64, 1u64), ("a2", 8, 2), ("big", 16, 3)] {
-        let d = dir.join(name);
-        std::fs::create_dir_all(&d).unwrap();
-        let config = json!({"peft_type": "LORA", "r": rank, "lora_alpha": 16,
-            "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM", "bias": "none",
-            "base_model_name_or_path": MODEL});
-        std::fs::write(d.join("adapter_config.json"), config.to_string()).unwrap();
-        // Hidden size 128; v_proj's output is 2 KV heads of 32.
-        let mut tensors = Vec::new();
-        for layer in 0..2 {
-            for (proj, out) in [("q_proj", 128u64), ("v_proj", 64)] {
-                let key = |ab: &str| {
-                    format!(
-                        "base_model.model.model.layers.{layer}.self_attn.{proj}.lora_{ab}.weight"
-                    )
-                };
-                tensors.push((key("A"), vec![rank, 128]));
-                tensors.push((key("B"), vec![out, rank]));
-            }
-        }
-        std::fs::write(
-            d.join("adapter_model.safetensors"),
-            safetensors(&tensors, seed),
-        )
-        .unwrap();
-    }
-}
-
-/// A safetensors file of f32 tensors with the given names and shapes,
-/// filled from a linear congruential sequence in [-0.5, 0.5).
-fn safetensors(tensors: &[(String, Vec<u64>)], seed: u64) -> Vec<u8> {
-    let mut header = serde_json::Map::new();
-    let mut data = Vec::new();
-    let mut x = seed;
-    for (name, shape) in tensors {
-        let start = data.len();
-        for _ in 0..shape.iter().product::<u64>() {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            let v = ((x >> 40) as f32 / (1u64 << 24) as f32) - 0.5;
-            data.extend_from_slice(&v.to_le_bytes());
-        }
-        header.insert(
-            name.clone(),
-            json!({"dtype": "F32", "shape": shape, "data_offsets": [start, data.len()]}),
-        );
-    }
-    let mut head = serde_json::Value::Object(header).to_string().into_bytes();
-    while !head.len().is_multiple_of(8) {
-        head.push(b' ');
-    }
-    let mut file = (head.len() as u64).to_le_bytes().to_vec();
-    file.extend(head);
-    file.extend(data);
-    file
 }
 
 /// One step of the adapter scenario: what was asked, the status, and what
@@ -389,7 +331,8 @@ fn adapters_expected() -> Vec<Step> {
 }
 
 /// vLLM's runtime adapter calls, and requests naming adapters, against
-/// the server at `addr`, with the adapters [`write_adapters`] made in `dir`.
+/// the server at `addr`, with the adapters `write_adapters` made in `dir` (a1, a2 of rank 8, big of
+/// rank 16).
 async fn adapters_scenario(addr: SocketAddr, dir: &std::path::Path) -> Vec<Step> {
     let load = |name: &str, path: std::path::PathBuf| {
         json!({"lora_name": name, "lora_path": path}).to_string()

@@ -48,6 +48,7 @@ fn residency(
                     load_time: None,
                     sleep: None,
                     copies: None,
+                    lora: None,
                 })
                 .collect(),
             prefetch: 0,
@@ -432,6 +433,7 @@ fn demand_written_before_its_registry_entry_loads_once_the_model_is_added() {
         load_time: None,
         sleep: None,
         copies: None,
+        lora: None,
     });
     let d = run(&r, &[], 3);
     assert_eq!(state(&d, "new"), ModelState::Loading);

@@ -104,8 +104,17 @@ pub(super) async fn serve(
         .as_ref()
         .and_then(|a| a.get(BATCH_ANNOTATION))
         .and_then(|b| b.trim().parse().ok());
+    // The adapter rank the operator gave the server's containers
+    // (`LoraSpec::env`): a pod with adapter slots speaks the LoRA API.
+    let max_lora_rank = pod
+        .spec
+        .iter()
+        .flat_map(|s| s.containers.iter())
+        .flat_map(|c| c.env.iter().flatten())
+        .find(|e| e.name == crate::api::MAX_LORA_RANK_ENV)
+        .and_then(|e| e.value.as_deref()?.parse().ok());
     let candidates = std::iter::repeat_with(next_pod_ip).take(BIND_TRIES);
-    let behaviour = (sleep, prefix, batch);
+    let behaviour = (sleep, prefix, batch, max_lora_rank);
     match listen_on_one_of(candidates, port, identity, stream_delay, behaviour).await {
         Ok(server) => {
             let ip = match server.addr.ip() {
@@ -123,6 +132,10 @@ pub(super) async fn serve(
     }
 }
 
+/// What the pod asks of its fake server: how it sleeps, its prefix cache
+/// and batch (annotations), its adapters' largest rank (environment).
+pub(super) type Behaviour = (SleepBehaviour, Option<String>, Option<u32>, Option<u64>);
+
 /// A fake model server on the first of `candidates` that can be bound at
 /// `port`; the error says why the last one could not.
 pub(super) async fn listen_on_one_of(
@@ -130,7 +143,7 @@ pub(super) async fn listen_on_one_of(
     port: u16,
     identity: Identity,
     stream_delay: Duration,
-    (sleep, prefix, batch): (SleepBehaviour, Option<String>, Option<u32>),
+    (sleep, prefix, batch, max_lora_rank): Behaviour,
 ) -> Result<FakeModelServer, String> {
     let mut last = String::from("no address to try");
     for ip in candidates {
@@ -138,7 +151,7 @@ pub(super) async fn listen_on_one_of(
         let tuning = Tuning {
             prefix: prefix.as_deref().map(PrefixCache::parse),
             batch,
-            max_lora_rank: None,
+            max_lora_rank,
         };
         match FakeModelServer::start_with(addr, identity.clone(), stream_delay, sleep, tuning).await
         {

@@ -1,0 +1,106 @@
+//! LoRA adapters as residents of their base model (`spec.models[].lora`):
+//! the adapter slots the base model's server is started with, and the
+//! adapters it may load into them at run time. Adapters live one level
+//! down from models: inside a Ready pod of their base model, loaded and
+//! unloaded through the server's own API by the router
+//! ([`crate::router::adapters`]), the least recently used unpinned one
+//! out when the slots are full.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// The base model's adapter slots and its adapters.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = super::rules::lora()))]
+pub struct LoraSpec {
+    /// Adapters active on the GPU at once (vLLM's --max-loras, default 1).
+    /// The pod gets it as MODEL_RESIDENCY_MAX_LORAS.
+    #[serde(default = "one")]
+    #[schemars(range(min = 1, max = 256))]
+    pub slots: u32,
+    /// Adapters a pod holds loaded at once, in GPU and host memory (vLLM's
+    /// --max-cpu-loras; default: slots). The router keeps at most this many
+    /// loaded in each pod, unloading the least recently used unpinned one
+    /// to load another. The pod gets it as MODEL_RESIDENCY_MAX_CPU_LORAS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1024))]
+    pub host_slots: Option<u32>,
+    /// The largest adapter rank the server takes (vLLM's --max-lora-rank,
+    /// default 16): an adapter of a larger rank is refused, never sent.
+    /// The pod gets it as MODEL_RESIDENCY_MAX_LORA_RANK.
+    #[serde(default = "sixteen")]
+    #[schemars(range(min = 1, max = 512))]
+    pub max_rank: u32,
+    /// The adapters, at most 128, keyed by name. A request whose model is
+    /// an adapter's name is served by a pod of this model with the adapter
+    /// loaded.
+    #[serde(default)]
+    #[schemars(length(max = 128), extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub adapters: Vec<AdapterSpec>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn sixteen() -> u32 {
+    16
+}
+
+impl LoraSpec {
+    /// The adapters a pod holds at once (`hostSlots`, else `slots`).
+    pub fn capacity(&self) -> u32 {
+        self.host_slots.unwrap_or(self.slots).max(self.slots)
+    }
+
+    /// The environment the base model's containers get, from which the
+    /// template's flags can be made (`--max-loras=$(MODEL_RESIDENCY_MAX_LORAS)`):
+    /// vLLM's runtime adapter API switched on, and the slots and rank.
+    pub fn env(&self) -> [(&'static str, String); 4] {
+        [
+            ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True".into()),
+            ("MODEL_RESIDENCY_MAX_LORAS", self.slots.to_string()),
+            ("MODEL_RESIDENCY_MAX_CPU_LORAS", self.capacity().to_string()),
+            ("MODEL_RESIDENCY_MAX_LORA_RANK", self.max_rank.to_string()),
+        ]
+    }
+}
+
+/// The environment variable that carries `maxRank` into the pod.
+pub const MAX_LORA_RANK_ENV: &str = "MODEL_RESIDENCY_MAX_LORA_RANK";
+
+/// One adapter of a base model.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AdapterSpec {
+    /// The adapter's name: what requests name as their model. A DNS label,
+    /// unique among the residency's models and adapters.
+    // A pattern, not a CEL rule: CEL's cost over 1000 models of 128
+    // adapters is past what the API server allows a schema.
+    #[schemars(length(min = 1, max = 63), regex(pattern = super::rules::DNS_LABEL))]
+    pub name: String,
+    /// Its rank (the `r` of its adapter_config.json). Larger than the
+    /// base's maxRank: refused, never sent to a server.
+    #[schemars(range(min = 1, max = 4096))]
+    pub rank: u32,
+    /// Where the base model's server reads the adapter's directory
+    /// (adapter_config.json and its weights), as the pod sees it: a volume
+    /// of the template (default `/adapters/<name>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 2, max = 1024), regex(pattern = super::rules::NORMAL_ABSOLUTE_PATH))]
+    pub path: Option<String>,
+    /// A pinned adapter, once loaded into a pod, is never unloaded from it
+    /// to make room for another.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pinned: bool,
+}
+
+impl AdapterSpec {
+    /// Where the server reads it.
+    pub fn path(&self) -> String {
+        self.path
+            .clone()
+            .unwrap_or_else(|| format!("/adapters/{}", self.name))
+    }
+}
