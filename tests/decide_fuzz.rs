@@ -97,6 +97,7 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
         // Now and then an idle timeout of its own.
         artifact: None,
         copies: None,
+        lora: None,
         keep_alive: (t == 0).then(|| "90s".into()),
         template: match t {
             0 => None,

@@ -54,6 +54,11 @@ impl Drop for Vllm {
 
 impl Vllm {
     async fn start() -> Vllm {
+        Self::start_on(free_port()).await
+    }
+
+    /// vLLM on `port` (a replacement takes its predecessor's).
+    async fn start_on(port: u16) -> Vllm {
         let python = std::env::var("MODEL_RESIDENCY_VLLM_PYTHON").expect(
             "MODEL_RESIDENCY_VLLM_PYTHON is not set: run scripts/test.sh, which installs vLLM for CPU (scripts/vllm.sh)",
         );
@@ -65,7 +70,6 @@ impl Vllm {
         let model = venv.join("models/tiny-llama");
         let dir = tempfile::tempdir().unwrap();
         let log = std::fs::File::create(dir.path().join("vllm.log")).unwrap();
-        let port = free_port();
         let mut cmd = Command::new(&python);
         cmd.args([
             "-m",
@@ -83,8 +87,8 @@ impl Vllm {
             "2048",
         ])
         // LoRA adapters loaded at run time (the adapter contract): two GPU
-        // slots, two host slots, ranks up to 8.
-        .args(["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "2"])
+        // slots, three host slots, ranks up to 8.
+        .args(["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "3"])
         .args(["--max-lora-rank", &MAX_LORA_RANK.to_string()])
         .env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
         .env("VLLM_SERVER_DEV_MODE", "1")
@@ -264,7 +268,13 @@ async fn the_fake_and_a_real_vllm_keep_the_warm_tier_and_adapter_contracts_alike
     write_adapters(
         adapters.path(),
         MODEL,
-        &[("a1", 8, 1), ("a2", 8, 2), ("big", 16, 3)],
+        &[
+            ("a1", 8, 1),
+            ("a2", 8, 2),
+            ("big", 16, 3),
+            ("a3", 8, 4),
+            ("p", 8, 5),
+        ],
     );
     let expected = adapters_expected();
     assert_eq!(
@@ -282,6 +292,7 @@ async fn the_fake_and_a_real_vllm_keep_the_warm_tier_and_adapter_contracts_alike
     );
     // The same server as a model pod, through the router and the operator.
     through_the_router(&vllm).await;
+    adapters_through_the_router(vllm, adapters.path()).await;
 }
 
 /// One step of the adapter scenario: what was asked, the status, and what
@@ -492,4 +503,130 @@ async fn through_the_router(vllm: &Vllm) {
     assert_eq!((c.sleeps, c.wakes, c.loads), (1, 1, 2), "{c:?}");
     let s = send(vllm.addr, "GET", "/is_sleeping", "").await;
     assert_eq!(s.body, r#"{"is_sleeping":false}"#);
+}
+
+/// Real vLLM as model `tiny`'s pod with adapters declared on it (two GPU
+/// slots, three in all, `p` pinned): requests naming them through the
+/// router, each answered by the adapter asked (greedy decoding: each
+/// adapter's text is its own, and the same after it is evicted and loaded
+/// again), loads and evictions as the LRU over the three slots says, the
+/// pinned one never out, a rank past the server's refused unsent; then
+/// vLLM killed and a new one in its place as a replaced pod: the next
+/// request for each adapter loads it into the new server and is answered
+/// by it.
+async fn adapters_through_the_router(vllm: Vllm, dir: &std::path::Path) {
+    use crate::support::operator::Harness;
+    use crate::support::router::{RouterUnderTest, json_of};
+    use kube::api::DeleteParams;
+    use model_residency::api::ModelResidency;
+    use model_residency::controller::pods::pod_name;
+    use model_residency::local::kubelet::SERVED_AT_ANNOTATION;
+    let h = Harness::start("real-vllm-lora").await;
+    let port = vllm.addr.port();
+    let adapters: Vec<_> = [("p", 8), ("a1", 8), ("a2", 8), ("a3", 8), ("big", 16)]
+        .iter()
+        .map(|&(n, rank)| json!({"name": n, "rank": rank, "path": dir.join(n), "pinned": n == "p"}))
+        .collect();
+    let r: ModelResidency = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": "gpu"},
+        "spec": {"nodeName": h.node, "device": "0", "gpu": {"mode": "env"}, "budget": "10Gi",
+            "models": [{"name": MODEL, "size": "6Gi",
+                "lora": {"slots": 2, "hostSlots": 3, "maxRank": MAX_LORA_RANK, "adapters": adapters},
+                "template": {"metadata": {"annotations": {SERVED_AT_ANNOTATION: "127.0.0.1"}},
+                    "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
+                        "ports": [{"containerPort": port}]}]}}}]},
+    }))
+    .unwrap();
+    h.api.create(&Default::default(), &r).await.unwrap();
+    let router = RouterUnderTest::exact(&h).await;
+    let ask = |model: &str| {
+        // The tiny model's tokens mostly decode to nothing: its answer is
+        // told by its token ids and their log-probabilities.
+        let body = json!({"model": model, "max_tokens": 6, "temperature": 0, "ignore_eos": true,
+            "logprobs": true, "return_tokens_as_token_ids": true,
+            "messages": [{"role": "user", "content": "the model"}]});
+        let router = &router;
+        let model = model.to_owned();
+        async move {
+            let a = router.post("/v1/chat/completions", &body.to_string()).await;
+            assert_eq!(a.status, 200, "{model}: {}", a.body);
+            let v = json_of(&a);
+            assert_eq!(v["model"], model.as_str(), "answered as the model asked");
+            let tokens = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+            let said: Vec<String> = tokens
+                .iter()
+                .map(|t| {
+                    format!(
+                        "{}@{:.2}",
+                        t["token"].as_str().unwrap(),
+                        t["logprob"].as_f64().unwrap()
+                    )
+                })
+                .collect();
+            said.join(" ")
+        }
+    };
+    let listed = || async {
+        let a = send(vllm_addr(port), "GET", "/v1/models", "").await;
+        let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+        let mut ids: Vec<String> = v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["parent"] == MODEL)
+            .map(|m| m["id"].as_str().unwrap().to_owned())
+            .collect();
+        ids.sort();
+        ids
+    };
+    let metric = |name: &str, adapter: &str| {
+        router.metric(
+            &format!("model_residency_router_adapter_{name}_total"),
+            &format!("adapter=\"{adapter}\""),
+        )
+    };
+    let mut text = std::collections::BTreeMap::new();
+    for m in [MODEL, "p", "a1", "a2"] {
+        text.insert(m, ask(m).await);
+    }
+    assert_eq!(listed().await, ["a1", "a2", "p"]);
+    // Full: a3 takes the place of a1, the least recently used unpinned.
+    text.insert("a3", ask("a3").await);
+    assert_eq!(listed().await, ["a2", "a3", "p"]);
+    assert_eq!(metric("evictions", "a1"), 1);
+    let distinct: std::collections::BTreeSet<&String> = text.values().collect();
+    assert_eq!(
+        distinct.len(),
+        5,
+        "each adapter answers its own way: {text:?}"
+    );
+    // a1 again: loaded again (a2 out), the same answer as before.
+    assert_eq!(ask("a1").await, text["a1"]);
+    assert_eq!(listed().await, ["a1", "a3", "p"]);
+    assert_eq!((metric("loads", "a1"), metric("evictions", "a2")), (2, 1));
+    assert_eq!(metric("evictions", "p"), 0);
+    // A rank past the server's: refused by the router, never sent.
+    let big = router.chat("big").await;
+    assert_eq!(big.status, 503, "{}", big.body);
+    assert!(!listed().await.contains(&"big".to_owned()));
+    // vLLM killed; a new one in its place, as a replaced pod: it holds no
+    // adapter, and each is loaded into it by its next request.
+    drop(vllm);
+    let replacement = Vllm::start_on(port).await;
+    h.pods
+        .delete(&pod_name("gpu", MODEL), &DeleteParams::default())
+        .await
+        .unwrap();
+    assert_eq!(replacement.addr, vllm_addr(port));
+    for m in ["a3", "p"] {
+        let loads = metric("loads", m);
+        assert_eq!(ask(m).await, text[m], "{m} on the new server");
+        assert_eq!(metric("loads", m), loads + 1, "{m} loaded again");
+    }
+    assert_eq!(listed().await, ["a3", "p"]);
+}
+
+fn vllm_addr(port: u16) -> SocketAddr {
+    ([127, 0, 0, 1], port).into()
 }
