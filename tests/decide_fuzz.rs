@@ -271,6 +271,7 @@ fn pods() -> impl Strategy<Value = Vec<ModelPod>> {
             serving_label: false,
             draining: false,
             retire_at: None,
+            adapters: None,
         });
     prop::collection::vec(pod, 0..6)
 }
@@ -466,6 +467,7 @@ fn warm_case() -> impl Strategy<Value = (ModelResidency, Vec<ModelPod>)> {
                             serving_label: false,
                             draining: false,
                             retire_at: None,
+                            adapters: None,
                         });
                     }
                     json!({"name": n, "state": state, "size": format!("{gib}Gi"), "reason": reason,

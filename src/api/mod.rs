@@ -399,6 +399,10 @@ pub struct ModelStatus {
     /// The model's pod, while it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<Box<str>>,
+    /// The LoRA adapters its pod's server holds, as the server said when
+    /// last asked (every --sleep-audit-interval), in its order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub adapters: Vec<Box<str>>,
     /// Load failures in a row (reset when a pod becomes Ready).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub failures: u32,

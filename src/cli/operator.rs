@@ -61,7 +61,9 @@ pub struct Args {
     /// How often each Loaded model that can sleep (spec.models[].sleep with
     /// a status request: vLLM's /is_sleeping) is asked whether it sleeps;
     /// one found asleep behind the operator's back is woken, with a
-    /// FoundAsleep event. 0s: never.
+    /// FoundAsleep event; and each Loaded model with LoRA adapters is asked
+    /// which it holds (GET /v1/models), into status.models[].adapters.
+    /// 0s: never.
     #[arg(long, env = "SLEEP_AUDIT_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     sleep_audit_interval: std::time::Duration,
     /// How the watches get their initial state: stream (a streaming list,

@@ -6,6 +6,7 @@
 //! request in the metrics). This module wires them: the context a
 //! reconcile reads, the reconcile itself and its error policy.
 
+pub mod adapter_audit;
 pub mod artifacts;
 pub mod cached;
 pub mod claims;

@@ -100,6 +100,9 @@ pub struct ModelPod {
     /// When the copy scaler wants this copy off its GPU
     /// ([`RETIRE_ANNOTATION`](crate::residency::labels::RETIRE_ANNOTATION)).
     pub retire_at: Option<Box<str>>,
+    /// The LoRA adapters its server said it holds
+    /// ([`ADAPTERS_ANNOTATION`](crate::residency::labels::ADAPTERS_ANNOTATION)).
+    pub adapters: Option<Box<str>>,
 }
 
 impl ModelPod {
@@ -176,6 +179,7 @@ impl ModelPod {
                 .is_some_and(|v| v == "true"),
             draining: labels.contains_key(crate::residency::labels::DRAINING_LABEL),
             retire_at: annotation(crate::residency::labels::RETIRE_ANNOTATION).map(Into::into),
+            adapters: annotation(crate::residency::labels::ADAPTERS_ANNOTATION).map(Into::into),
         })
     }
 }

@@ -40,6 +40,7 @@ pub async fn run(ctx: Arc<Context>, store: Store<ModelResidency>, every: Duratio
     loop {
         ticks.tick().await;
         audit(&ctx, &store).await;
+        super::adapter_audit::audit(&ctx, &store).await;
     }
 }
 

@@ -14,6 +14,10 @@ pub const BUDGET_EXCEEDS_DEVICE: &str = "BudgetExceedsDevice";
 /// True while a model that sleeps holds more host memory asleep than
 /// spec.warm.hostBudget: it can never sleep, and is deleted instead.
 pub const CANNOT_SLEEP: &str = "CannotSleep";
+/// True while the registry declares LoRA adapters that can never be
+/// served (a rank past the base's maxRank, a model's name): requests for
+/// them are refused by the router, never sent.
+pub const ADAPTERS_REFUSED: &str = "AdaptersRefused";
 
 /// Builds conditions against the previous ones, keeping each one's
 /// `lastTransitionTime` unless its status flips.

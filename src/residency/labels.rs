@@ -38,6 +38,12 @@ pub const DRAINING_LABEL: &str = "residency.dev/draining";
 /// sleep when it can, else unloads it, unless the model was requested there
 /// after that time. Its demand key stays, as an evicted model's does.
 pub const RETIRE_ANNOTATION: &str = "residency.dev/retire-at";
+/// Annotation on a model pod whose model has LoRA adapters: the adapters
+/// its server said it holds when last asked (`GET /v1/models`, its
+/// entries whose parent is the model), comma-separated in the server's
+/// order. Written by the operator's audit; a replaced pod starts without
+/// it, as its server starts without adapters.
+pub const ADAPTERS_ANNOTATION: &str = "residency.dev/adapters";
 /// Label on a model pod: `true` while it serves (Ready, awake, not
 /// draining), set and cleared by the operator with `--inference-pools`:
 /// the model's InferencePool selects it.

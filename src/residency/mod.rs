@@ -3,10 +3,12 @@
 //! (`reasons`), its conditions (`conditions`), the one write that requests
 //! or unloads a model (`demand`), where its GPU is and how its pods get it (`gpu`), the names on its pods (`labels`),
 //! where a model's load or its next copy goes (`placement`), and its
-//! registry with the ModelCatalog it names (`catalog`).
+//! registry with the ModelCatalog it names (`catalog`), the LoRA adapters
+//! it can never serve (`adapters`).
 //! The operator, the router, the node agent and the CLI all build on this;
 //! none of it knows the reconciler. No I/O but the demand merge patch.
 
+pub mod adapters;
 pub mod catalog;
 pub mod conditions;
 pub mod demand;

@@ -5,7 +5,7 @@
 //! published.
 
 use super::recency::Key;
-use crate::api::{AdapterSpec, LoraSpec, ModelResidency, ModelState, ModelStatus};
+use crate::api::{AdapterSpec, LoraSpec, ModelResidency, ModelSpec, ModelState, ModelStatus};
 use crate::residency::labels::{DRAINING_LABEL, MODEL_LABEL, RESIDENCY_LABEL, serving_port};
 use crate::residency::placement::residency_key;
 use crate::residency::reasons::Reason;
@@ -103,13 +103,8 @@ pub struct AdapterView {
 }
 
 impl AdapterView {
-    fn of(base: &str, lora: &LoraSpec, a: &AdapterSpec) -> Self {
-        let refused = (a.rank > lora.max_rank).then(|| {
-            format!(
-                "the adapter `{}` has rank {}, larger than its base model `{base}`'s lora.maxRank {}: its server would refuse it",
-                a.name, a.rank, lora.max_rank
-            )
-        });
+    fn of(models: &[ModelSpec], base: &str, lora: &LoraSpec, a: &AdapterSpec) -> Self {
+        let refused = crate::residency::adapters::refusal(models, base, lora, a);
         AdapterView {
             name: a.name.clone(),
             base: base.to_owned(),
@@ -166,7 +161,7 @@ impl Snapshot {
             for m in &r.spec.models {
                 let Some(lora) = &m.lora else { continue };
                 for a in &lora.adapters {
-                    let view = AdapterView::of(&m.name, lora, a);
+                    let view = AdapterView::of(&r.spec.models, &m.name, lora, a);
                     match adapters.get(&a.name) {
                         None => {
                             adapters.insert(a.name.clone(), Arc::new(view));
@@ -181,7 +176,7 @@ impl Snapshot {
                             );
                             let view = AdapterView {
                                 refused: Some(refused),
-                                ..AdapterView::of(&first.base, lora, a)
+                                ..AdapterView::of(&r.spec.models, &first.base, lora, a)
                             };
                             adapters.insert(a.name.clone(), Arc::new(view));
                         }

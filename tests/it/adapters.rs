@@ -60,6 +60,22 @@ async fn listed(h: &Harness) -> Vec<String> {
         .collect()
 }
 
+/// Waits until `base`'s status lists `held` as its pod's adapters (the
+/// operator's audit asks the server).
+async fn in_status(h: &Harness, held: &[&str]) {
+    eventually(30, "the adapters the server holds in status", || async {
+        let r = h.api.get("gpu").await.unwrap();
+        let status = r.status?;
+        let m = status.models.iter().find(|m| &*m.name == "base")?;
+        m.adapters
+            .iter()
+            .map(|a| &**a)
+            .eq(held.iter().copied())
+            .then_some(())
+    })
+    .await;
+}
+
 /// Requests naming adapters are answered by them through the router: each
 /// loaded on its first request, the least recently used unpinned one
 /// unloaded when the three slots are full, the pinned one never; a rank
@@ -70,7 +86,11 @@ async fn listed(h: &Harness) -> Vec<String> {
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn adapters_load_into_their_base_models_pods_least_recently_used_out() {
-    let h = Harness::start("adapters").await;
+    let mut h = Harness::start("adapters").await;
+    // The audit that reads what each pod's server holds into status.
+    h.stop_operator().await;
+    h.sleep_audit = std::time::Duration::from_millis(300);
+    h.start_operator();
     let dir = tempfile::tempdir().unwrap();
     let files: Vec<(&str, u64, u64)> = ["p", "a1", "a2", "a3", "a4", "big"]
         .iter()
@@ -118,6 +138,24 @@ async fn adapters_load_into_their_base_models_pods_least_recently_used_out() {
     assert_eq!(json_of(&big)["error"]["code"], "model_refused");
     assert!(big.body.contains("maxRank 8"), "{}", big.body);
     assert_eq!(metric("load_failures", "big") + metric("loads", "big"), 0);
+    // ...and said by the operator in a condition, the residency Ready.
+    let r = h.converged("gpu").await;
+    let conditions = &r.status.as_ref().unwrap().conditions;
+    let refused = conditions
+        .iter()
+        .find(|c| c.type_ == "AdaptersRefused")
+        .expect("the AdaptersRefused condition");
+    assert_eq!(refused.status, "True");
+    assert!(
+        refused.message.contains("`big` has rank 16"),
+        "{}",
+        refused.message
+    );
+    assert!(
+        conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True")
+    );
     // Files that are not there: the server's own words, nothing unloaded.
     let gone = router.chat("gone").await;
     assert_eq!(gone.status, 502, "{}", gone.body);
@@ -142,6 +180,8 @@ async fn adapters_load_into_their_base_models_pods_least_recently_used_out() {
     assert_eq!(metric("loads", "a4"), 1);
     assert_eq!(metric("evictions", "a3"), 1);
     assert_eq!(listed(&h).await, ["p", "a2", "a4"]);
+    // Status shows what the server holds, in its order.
+    in_status(&h, &["p", "a2", "a4"]).await;
     // Unloaded behind the router's back: the server's 404 is the truth,
     // and the request is answered after a load.
     let (pod, addr) = base_pod(&h).await;
@@ -162,4 +202,5 @@ async fn adapters_load_into_their_base_models_pods_least_recently_used_out() {
     assert_eq!(listed(&h).await, ["a2"]);
     served(&router.chat("p").await, "p");
     assert_eq!(listed(&h).await, ["a2", "p"]);
+    in_status(&h, &["a2", "p"]).await;
 }

@@ -74,6 +74,7 @@ impl Decision {
         st.message =
             Some(format!("{model} cannot load: the API server rejects its pod: {message}").into());
         st.pod = None;
+        st.adapters.clear();
         st.failures += 1;
         let event = ModelEvent::about(
             model,
@@ -129,6 +130,7 @@ impl Decision {
                 st.reason = Some(Reason::SleepFailed.into());
                 st.message = Some(m.clone().into());
                 st.pod = None;
+                st.adapters.clear();
                 st.slept_at = None;
                 st.uses = 0;
                 st.value_base = None;
@@ -142,6 +144,7 @@ impl Decision {
                 st.reason = Some(Reason::WakeFailed.into());
                 st.message = Some(m.clone().into());
                 st.pod = None;
+                st.adapters.clear();
                 (EventReason::WakeFailed, m, true)
             }
         };

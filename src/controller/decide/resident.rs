@@ -127,6 +127,14 @@ impl<'a> Decider<'a> {
         plan: &mut PodPlan,
     ) -> ModelStatus {
         st.pod = Some(p.name.clone());
+        st.adapters = p
+            .adapters
+            .as_deref()
+            .unwrap_or_default()
+            .split(',')
+            .filter(|a| !a.is_empty())
+            .map(Into::into)
+            .collect();
         if let Some((reason, why)) = self.stale_pod(m, p, size) {
             plan.delete(p);
             let event = match reason {

@@ -10,7 +10,7 @@ use crate::controller::events::transition_events;
 use crate::engine::Bytes;
 use crate::quantity::{format_bytes, format_bytes_rounded};
 use crate::residency::conditions::{
-    BUDGET_EXCEEDS_DEVICE, CANNOT_SLEEP, ConditionSet, model_conditions,
+    ADAPTERS_REFUSED, BUDGET_EXCEEDS_DEVICE, CANNOT_SLEEP, ConditionSet, model_conditions,
 };
 use crate::residency::gpu::GpuView;
 use crate::residency::reasons::Reason;
@@ -265,6 +265,9 @@ impl<'a> Decider<'a> {
         }
         if let Some(never) = self.cannot_sleep() {
             set.set(CANNOT_SLEEP, true, CANNOT_SLEEP, never);
+        }
+        if let Some(refused) = crate::residency::adapters::refused(&r.spec.models) {
+            set.set(ADAPTERS_REFUSED, true, ADAPTERS_REFUSED, refused);
         }
         let mut gpu = match &self.input.gpu {
             GpuView::Placed(p) => p.status.clone(),

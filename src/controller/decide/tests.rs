@@ -101,6 +101,7 @@ fn live(model: &str, size: u64, ready: bool, deleting: bool) -> ModelPod {
         serving_label: false,
         draining: false,
         retire_at: None,
+        adapters: None,
     }
 }
 
