@@ -11,6 +11,7 @@ pub mod model_server;
 pub mod real_node;
 pub mod registry;
 pub mod tls;
+pub mod vllm;
 
 use crate::api::{
     ModelCatalog, ModelCopies, ModelDemand, ModelResidency, NodeModelCache, ResidencySet,

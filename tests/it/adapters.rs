@@ -6,13 +6,13 @@
 
 use crate::support::cluster::eventually;
 use crate::support::http::send;
-use crate::support::lora::write_adapters;
 use crate::support::operator::{Harness, server_template};
 use crate::support::router::{RouterUnderTest, json_of};
 use futures::future::join_all;
 use kube::api::DeleteParams;
 use model_residency::api::ModelResidency;
 use model_residency::controller::pods::pod_name;
+use model_residency::local::vllm::write_adapters;
 use model_residency::residency::labels::DEFAULT_MODEL_PORT;
 use serde_json::json;
 use std::path::Path;
@@ -97,7 +97,7 @@ async fn adapters_load_into_their_base_models_pods_least_recently_used_out() {
         .zip(1..)
         .map(|(&n, seed)| (n, if n == "big" { 16 } else { 8 }, seed))
         .collect();
-    write_adapters(dir.path(), "base", &files);
+    write_adapters(dir.path(), "base", &files).unwrap();
     create(&h, dir.path()).await;
     let router = RouterUnderTest::exact(&h).await;
     let served = |a: &crate::support::router::Answer, adapter: &str| {

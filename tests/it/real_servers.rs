@@ -11,131 +11,17 @@
 //! `mode` is honoured, level 2 needs `reload_weights`) and only the memory
 //! release is a no-op.
 
-use crate::support::http::{free_port, send, streamed};
-use crate::support::lora::write_adapters;
+use crate::support::http::{send, streamed};
 use model_residency::controller::decide::{PodCall, PodRef};
 use model_residency::controller::pod_calls::ask;
 use model_residency::local::model_server::{FakeModelServer, Identity, SleepBehaviour, Tuning};
+use model_residency::local::vllm::{
+    LORA_HOST_SLOTS, LORA_SLOTS, MAX_LORA_RANK, MODEL, Vllm, write_adapters,
+};
 use model_residency::residency::warm::protocol;
 use serde_json::json;
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-/// The model name both servers serve.
-const MODEL: &str = "tiny";
-/// The largest LoRA rank both servers take.
-const MAX_LORA_RANK: u64 = 8;
-
-/// A real vLLM server on loopback, killed when dropped.
-struct Vllm {
-    child: Child,
-    addr: SocketAddr,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Vllm {
-    #[allow(unsafe_code)] // a libc call std has no safe wrapper for
-    fn drop(&mut self) {
-        // Its engine and worker are its children: the whole group goes
-        // (the group is the child's own: it was started with process_group(0)).
-        if let Ok(pgid) = i32::try_from(self.child.id())
-            && pgid > 1
-        {
-            // SAFETY: a signal to a process group this test made.
-            unsafe {
-                libc::kill(-pgid, libc::SIGKILL);
-            }
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Vllm {
-    async fn start() -> Vllm {
-        Self::start_on(free_port()).await
-    }
-
-    /// vLLM on `port` (a replacement takes its predecessor's).
-    async fn start_on(port: u16) -> Vllm {
-        let python = std::env::var("MODEL_RESIDENCY_VLLM_PYTHON").expect(
-            "MODEL_RESIDENCY_VLLM_PYTHON is not set: run scripts/test.sh, which installs vLLM for CPU (scripts/vllm.sh)",
-        );
-        let venv = std::path::Path::new(&python)
-            .parent()
-            .unwrap()
-            .parent()
-            .unwrap();
-        let model = venv.join("models/tiny-llama");
-        let dir = tempfile::tempdir().unwrap();
-        let log = std::fs::File::create(dir.path().join("vllm.log")).unwrap();
-        let mut cmd = Command::new(&python);
-        cmd.args([
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--host",
-            "127.0.0.1",
-        ])
-        .args(["--port", &port.to_string(), "--model"])
-        .arg(&model)
-        .args([
-            "--served-model-name",
-            MODEL,
-            "--enforce-eager",
-            "--max-model-len",
-            "2048",
-        ])
-        // LoRA adapters loaded at run time (the adapter contract): two GPU
-        // slots, three host slots, ranks up to 8.
-        .args(["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "3"])
-        .args(["--max-lora-rank", &MAX_LORA_RANK.to_string()])
-        .env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
-        .env("VLLM_SERVER_DEV_MODE", "1")
-        .env("VLLM_CPU_KVCACHE_SPACE", "1")
-        .env("VLLM_CACHE_ROOT", dir.path().join("cache"))
-        .env("HF_HUB_OFFLINE", "1")
-        .env("TRANSFORMERS_OFFLINE", "1")
-        .env("VLLM_NO_USAGE_STATS", "1")
-        .env("DO_NOT_TRACK", "1")
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log);
-        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        let child = cmd.spawn().expect("starting vLLM");
-        let vllm = Vllm {
-            child,
-            addr: ([127, 0, 0, 1], port).into(),
-            _dir: dir,
-        };
-        // 18 s on a quiet machine, 100 s and more under load.
-        let t0 = Instant::now();
-        loop {
-            let probe = model_residency::http::send(vllm.addr, "GET", "/health", "");
-            if tokio::time::timeout(Duration::from_secs(2), probe)
-                .await
-                .is_ok_and(|a| a.is_ok_and(|a| a.status == 200))
-            {
-                eprintln!("vLLM up in {:.1} s", t0.elapsed().as_secs_f64());
-                return vllm;
-            }
-            if t0.elapsed() > Duration::from_secs(300) {
-                let log =
-                    std::fs::read_to_string(vllm._dir.path().join("vllm.log")).unwrap_or_default();
-                panic!(
-                    "vLLM did not answer /health within 300 s; its log ends:\n{}",
-                    tail(&log)
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-    }
-}
-
-fn tail(log: &str) -> String {
-    let lines: Vec<&str> = log.lines().collect();
-    lines[lines.len().saturating_sub(30)..].join("\n")
-}
 
 /// The operator's call for the vLLM preset at `level`.
 fn call(addr: SocketAddr, level: u8, wake: bool) -> PodCall {
@@ -275,14 +161,15 @@ async fn the_fake_and_a_real_vllm_keep_the_warm_tier_and_adapter_contracts_alike
             ("a3", 8, 4),
             ("p", 8, 5),
         ],
-    );
+    )
+    .unwrap();
     let expected = adapters_expected();
     assert_eq!(
         adapters_scenario(fake.addr, adapters.path()).await,
         expected,
         "the fake's adapters"
     );
-    let vllm = Vllm::start().await;
+    let vllm = Vllm::start().await.unwrap();
     // 1,500 tokens of the tiny model: seconds on two cores.
     assert_eq!(scenario(vllm.addr, 1500).await, all, "real vLLM");
     assert_eq!(
@@ -532,7 +419,8 @@ async fn adapters_through_the_router(vllm: Vllm, dir: &std::path::Path) {
         "metadata": {"name": "gpu"},
         "spec": {"nodeName": h.node, "device": "0", "gpu": {"mode": "env"}, "budget": "10Gi",
             "models": [{"name": MODEL, "size": "6Gi",
-                "lora": {"slots": 2, "hostSlots": 3, "maxRank": MAX_LORA_RANK, "adapters": adapters},
+                "lora": {"slots": LORA_SLOTS, "hostSlots": LORA_HOST_SLOTS, "maxRank": MAX_LORA_RANK,
+                    "adapters": adapters},
                 "template": {"metadata": {"annotations": {SERVED_AT_ANNOTATION: "127.0.0.1"}},
                     "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
                         "ports": [{"containerPort": port}]}]}}}]},
@@ -613,7 +501,7 @@ async fn adapters_through_the_router(vllm: Vllm, dir: &std::path::Path) {
     // vLLM killed; a new one in its place, as a replaced pod: it holds no
     // adapter, and each is loaded into it by its next request.
     drop(vllm);
-    let replacement = Vllm::start_on(port).await;
+    let replacement = Vllm::start_on(port).await.unwrap();
     h.pods
         .delete(&pod_name("gpu", MODEL), &DeleteParams::default())
         .await

@@ -7,7 +7,6 @@ pub mod cluster;
 pub mod http;
 pub mod keda;
 pub mod lane;
-pub mod lora;
 pub mod operator;
 pub mod reference;
 pub mod router;

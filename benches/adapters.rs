@@ -1,0 +1,196 @@
+//! LoRA adapters through the router against real vLLM for CPU, with real
+//! HTTP: what a request naming a loaded adapter costs against one for the
+//! base model, and what an adapter's cold load through the router costs
+//! against vLLM's own load call, in one run.
+//!
+//! Run: `cargo bench --bench adapters [-- --samples 20]` (needs
+//! `bash scripts/control-plane.sh` and `bash scripts/vllm.sh` once, and
+//! MODEL_RESIDENCY_VLLM_PYTHON set to the latter's python). Prints its
+//! figures; the ones in docs/performance.md came from this command.
+//!
+//! The operator and the router in this process, the kubelet stand-in
+//! giving the base model's pod vLLM's loopback address; vLLM serves the
+//! tiny model with 2 GPU adapter slots and 3 in all
+//! ([`model_residency::local::vllm`]), six adapters written by the bench.
+//!
+//! - **Hit**: one-token chat completions, interleaved, for the base model
+//!   and a loaded adapter, through the router and straight to vLLM: the
+//!   medians, and the adapter's over the base's through the router.
+//! - **Cold load**: requests through the router cycling over five adapters
+//!   with three slots, so each is a miss (one unload, one load, then the
+//!   request), minus the median adapter hit: the router's load; against
+//!   vLLM's own unload and load calls, timed straight, in the same run.
+
+mod support;
+
+use kube::api::{Api, PostParams};
+use model_residency::api::ModelResidency;
+use model_residency::local::kubelet::{FakeKubelet, KubeletConfig, SERVED_AT_ANNOTATION};
+use model_residency::local::vllm::{
+    LORA_HOST_SLOTS, LORA_SLOTS, MAX_LORA_RANK, MODEL, Vllm, write_adapters,
+};
+use serde_json::json;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+use support::{arg, bench_args, client_with, ms, percentile, runtime, start_plane};
+
+const NS: &str = "bench-adapters";
+const NODE: &str = "node-l";
+/// The adapters the requests cycle over (`a0` stays loaded for the hits).
+const ADAPTERS: [&str; 6] = ["a0", "a1", "a2", "a3", "a4", "a5"];
+
+/// One request for `model`, a one-token chat completion, to `addr`: its
+/// time to the whole answer.
+async fn ask(addr: SocketAddr, model: &str) -> Duration {
+    let body = json!({"model": model, "max_tokens": 1, "temperature": 0,
+        "messages": [{"role": "user", "content": "the model"}]})
+    .to_string();
+    let t = Instant::now();
+    let a = model_residency::http::send(addr, "POST", "/v1/chat/completions", &body)
+        .await
+        .unwrap();
+    assert_eq!(a.status, 200, "{model}: {}", a.body);
+    t.elapsed()
+}
+
+/// vLLM's own call at `path` with `body`, timed.
+async fn call(addr: SocketAddr, path: &str, body: serde_json::Value) -> Duration {
+    let t = Instant::now();
+    let a = model_residency::http::send(addr, "POST", path, &body.to_string())
+        .await
+        .unwrap();
+    assert_eq!(a.status, 200, "{path}: {}", a.body);
+    t.elapsed()
+}
+
+fn median(mut samples: Vec<Duration>) -> Duration {
+    samples.sort();
+    percentile(&samples, 0.5)
+}
+
+fn main() {
+    let args = bench_args();
+    let samples: usize = arg(&args, "--samples", "20").parse().unwrap();
+    let plane = start_plane();
+    let rt = runtime();
+    rt.block_on(async {
+        let vllm = Vllm::start().await.expect("real vLLM for CPU");
+        let dir = tempfile::tempdir().unwrap();
+        let files: Vec<(&str, u64, u64)> = ADAPTERS.iter().zip(1..).map(|(&n, s)| (n, 8, s)).collect();
+        write_adapters(dir.path(), MODEL, &files).unwrap();
+        let client = client_with(&plane, &[NS]).await;
+        let _kubelet = FakeKubelet::start(client.clone(), KubeletConfig::instant(&[NODE]))
+            .await
+            .unwrap();
+        let (_ctx, _operator) = model_residency::operator::spawn_for_namespace(client.clone(), NS);
+        let adapters: Vec<_> = ADAPTERS
+            .iter()
+            .map(|n| json!({"name": n, "rank": 8, "path": dir.path().join(n)}))
+            .collect();
+        let r: ModelResidency = serde_json::from_value(json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+            "metadata": {"name": "gpu"},
+            "spec": {"nodeName": NODE, "device": "0", "gpu": {"mode": "env"}, "budget": "10Gi",
+                "models": [{"name": MODEL, "size": "6Gi",
+                    "lora": {"slots": LORA_SLOTS, "hostSlots": LORA_HOST_SLOTS, "maxRank": MAX_LORA_RANK,
+                        "adapters": adapters},
+                    "template": {"metadata": {"annotations": {SERVED_AT_ANNOTATION: "127.0.0.1"}},
+                        "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
+                            "ports": [{"containerPort": vllm.addr.port()}]}]}}}]},
+        }))
+        .unwrap();
+        let api: Api<ModelResidency> = Api::namespaced(client.clone(), NS);
+        api.create(&PostParams::default(), &r).await.unwrap();
+        let config = model_residency::router::Config {
+            namespace: Some(NS.into()),
+            ..Default::default()
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let router_addr = listener.local_addr().unwrap();
+        let router = model_residency::router::Router::start(client.clone(), config);
+        tokio::spawn(router.clone().serve(listener));
+        while !router.ready() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // The base model loaded, a0 loaded into it, both warm.
+        for _ in 0..3 {
+            ask(router_addr, MODEL).await;
+            ask(router_addr, "a0").await;
+        }
+
+        let mut hit = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+        for _ in 0..samples {
+            hit[0].push(ask(router_addr, MODEL).await);
+            hit[1].push(ask(router_addr, "a0").await);
+            hit[2].push(ask(vllm.addr, MODEL).await);
+            hit[3].push(ask(vllm.addr, "a0").await);
+        }
+        let [base, adapter, base_direct, adapter_direct] = hit.map(median);
+        println!("adapters bench: real vLLM 0.32 for CPU, tiny model, {samples} samples each");
+        println!("  hit, one-token chat completion (median):");
+        println!(
+            "    through the router: base model {:.1} ms, loaded adapter {:.1} ms: adapter / base {:.2}x",
+            ms(base),
+            ms(adapter),
+            adapter.as_secs_f64() / base.as_secs_f64()
+        );
+        println!(
+            "    straight to vLLM:   base model {:.1} ms, loaded adapter {:.1} ms: adapter / base {:.2}x",
+            ms(base_direct),
+            ms(adapter_direct),
+            adapter_direct.as_secs_f64() / base_direct.as_secs_f64()
+        );
+        println!(
+            "    router / straight: base {:.2}x, adapter {:.2}x",
+            base.as_secs_f64() / base_direct.as_secs_f64(),
+            adapter.as_secs_f64() / adapter_direct.as_secs_f64()
+        );
+
+        // Misses: a1..a5 over the slots a0 and two others share, so each
+        // request unloads the least recently used and loads its own.
+        let loads_before = router
+            .metrics
+            .sum_where("model_residency_router_adapter_loads_total", "");
+        let mut cold = Vec::new();
+        for i in 0..samples {
+            let name = ADAPTERS[1 + i % 5];
+            cold.push(ask(router_addr, name).await);
+        }
+        let loads = router
+            .metrics
+            .sum_where("model_residency_router_adapter_loads_total", "")
+            - loads_before;
+        assert_eq!(loads, samples as u64, "every cycled request a load");
+        // vLLM's own calls for the same work: an unload, then a load.
+        let mut direct = Vec::new();
+        for i in 0..samples {
+            let name = format!("d{i}");
+            let path = dir.path().join(ADAPTERS[1 + i % 5]);
+            let load = call(
+                vllm.addr,
+                "/v1/load_lora_adapter",
+                json!({"lora_name": name, "lora_path": path}),
+            )
+            .await;
+            let unload = call(vllm.addr, "/v1/unload_lora_adapter", json!({"lora_name": name})).await;
+            direct.push(load + unload);
+        }
+        let cold = median(cold);
+        let direct = median(direct);
+        let router_load = cold.saturating_sub(adapter);
+        println!("  cold load (median):");
+        println!(
+            "    through the router: request for an adapter not loaded {:.1} ms, minus the adapter hit: {:.1} ms",
+            ms(cold),
+            ms(router_load)
+        );
+        println!(
+            "    vLLM's own load and unload calls, straight: {:.1} ms",
+            ms(direct)
+        );
+        println!(
+            "    router's load / vLLM's own: {:.2}x (goal <= 1.2x)",
+            router_load.as_secs_f64() / direct.as_secs_f64()
+        );
+    });
+}
