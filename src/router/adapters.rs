@@ -115,24 +115,23 @@ impl Router {
             pod: pod.clone(),
             name: adapter.name.clone(),
         };
-        if pod
-            .slots
-            .lock()
-            .expect("adapter slots")
-            .begin(&adapter.name)
-        {
-            self.metrics.adapter_hits.get_or_create(&labels).inc();
+        let hit = || {
+            let held = pod
+                .slots
+                .lock()
+                .expect("adapter slots")
+                .begin(&adapter.name);
+            if held {
+                self.metrics.adapter_hits.get_or_create(&labels).inc();
+            }
+            held
+        };
+        if hit() {
             return Ok(in_use());
         }
         let _turn = pod.turn.lock().await;
         // Loaded by the request whose turn came first.
-        if pod
-            .slots
-            .lock()
-            .expect("adapter slots")
-            .begin(&adapter.name)
-        {
-            self.metrics.adapter_hits.get_or_create(&labels).inc();
+        if hit() {
             return Ok(in_use());
         }
         let plan = pod.slots.lock().expect("adapter slots").plan(&adapter.name);
