@@ -11,25 +11,19 @@
 use super::Context;
 use super::cached;
 use super::pods::{ModelPod, pod_name};
+use super::sleep_audit::ReadyPods;
 use crate::api::{ModelResidency, ModelState};
 use crate::residency::labels::ADAPTERS_ANNOTATION;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::Store;
-use std::collections::HashMap;
 
 /// The longest model list read: 128 adapters of a few hundred bytes each.
 const LIST_LIMIT: usize = 256 << 10;
 
 /// One round over every residency in the cache.
-pub async fn audit(ctx: &Context, store: &Store<ModelResidency>) {
-    let mut pods = HashMap::new();
-    ctx.pods.each(|ns, _, pod| {
-        if pod.ready_since.is_some() && !pod.deleting {
-            pods.insert((ns.to_owned(), pod.name.to_string()), pod.clone());
-        }
-    });
+pub async fn audit(ctx: &Context, store: &Store<ModelResidency>, pods: &ReadyPods) {
     for r in store.state() {
         let adapters = ctx
             .catalogs

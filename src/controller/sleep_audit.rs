@@ -16,7 +16,7 @@
 use super::Context;
 use super::cached;
 use super::decide::PodCall;
-use super::pods::pod_name;
+use super::pods::{ModelPod, pod_name};
 use crate::api::{ModelResidency, ModelState};
 use crate::residency::warm::{protocol, says_asleep};
 use kube::ResourceExt;
@@ -39,20 +39,28 @@ pub async fn run(ctx: Arc<Context>, store: Store<ModelResidency>, every: Duratio
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
-        audit(&ctx, &store).await;
-        super::adapter_audit::audit(&ctx, &store).await;
+        // One look at the pods for both audits.
+        let pods = ready_pods(&ctx);
+        audit(&ctx, &store, &pods).await;
+        super::adapter_audit::audit(&ctx, &store, &pods).await;
     }
 }
 
-/// One round over every residency in the cache.
-async fn audit(ctx: &Context, store: &Store<ModelResidency>) {
-    // The Ready, live model pods by (namespace, pod name).
+/// The Ready, live model pods by (namespace, pod name).
+pub(super) type ReadyPods = HashMap<(String, String), ModelPod>;
+
+fn ready_pods(ctx: &Context) -> ReadyPods {
     let mut pods = HashMap::new();
     ctx.pods.each(|ns, _, pod| {
         if pod.ready_since.is_some() && !pod.deleting {
             pods.insert((ns.to_owned(), pod.name.to_string()), pod.clone());
         }
     });
+    pods
+}
+
+/// One round over every residency in the cache.
+async fn audit(ctx: &Context, store: &Store<ModelResidency>, pods: &ReadyPods) {
     for r in store.state() {
         let key = ObjectRef::from_obj(&*r);
         if ctx.asking.busy(&key) {

@@ -28,7 +28,7 @@
 
 use super::errors::Refusal;
 use super::metrics::AdapterLabels;
-use super::snapshot::{AdapterView, Endpoint};
+use super::snapshot::{AdapterView, Endpoint, Snapshot};
 use super::*;
 use crate::engine::adapters::{AdapterPlan, AdapterSlots};
 
@@ -89,12 +89,21 @@ impl Adapters {
         }
     }
 
-    /// Drops the pods no snapshot lists any more.
-    pub(super) fn retain(&self, live: &std::collections::HashSet<&str>) {
-        self.pods
-            .lock()
-            .expect("adapter pods")
-            .retain(|uid, _| live.contains(&**uid));
+    /// Drops the pods `snapshot` does not list as Ready (when it serves
+    /// again, its server says what it holds: "already loaded" is loaded).
+    /// Nothing to do, and no set made, for a router that loaded no adapter.
+    pub(super) fn retain(&self, snapshot: &Snapshot) {
+        let mut pods = self.pods.lock().expect("adapter pods");
+        if pods.is_empty() {
+            return;
+        }
+        let live: std::collections::HashSet<&str> = snapshot
+            .models
+            .values()
+            .flat_map(|v| &v.ready)
+            .map(|e| &*e.uid)
+            .collect();
+        pods.retain(|uid, _| live.contains(&**uid));
     }
 }
 

@@ -94,15 +94,7 @@ pub(super) async fn watch_cluster(
                 return;
             };
             snapshot.count_with(|pod| r.in_flight_of(pod));
-            // A pod no longer Ready is forgotten: when it serves again, its
-            // server says what it holds ("already loaded" is loaded).
-            let live = snapshot
-                .models
-                .values()
-                .flat_map(|v| &v.ready)
-                .map(|e| &*e.uid)
-                .collect();
-            r.adapters.retain(&live);
+            r.adapters.retain(&snapshot);
             if tx.send(Arc::new(snapshot)).is_err() {
                 return;
             }

@@ -501,12 +501,11 @@ async fn adapters_through_the_router(vllm: Vllm, dir: &std::path::Path) {
     // vLLM killed; a new one in its place, as a replaced pod: it holds no
     // adapter, and each is loaded into it by its next request.
     drop(vllm);
-    let replacement = Vllm::start_on(port).await.unwrap();
+    let _replacement = Vllm::start_on(port).await.unwrap();
     h.pods
         .delete(&pod_name("gpu", MODEL), &DeleteParams::default())
         .await
         .unwrap();
-    assert_eq!(replacement.addr, vllm_addr(port));
     for m in ["a3", "p"] {
         let loads = metric("loads", m);
         assert_eq!(ask(m).await, text[m], "{m} on the new server");
