@@ -1,5 +1,5 @@
 //! LoRA adapters through the router against real vLLM for CPU, with real
-//! HTTP: what a request naming a loaded adapter costs against one for the
+//! HTTP on kept connections: what a request naming a loaded adapter costs against one for the
 //! base model, and what an adapter's cold load through the router costs
 //! against vLLM's own load call, in one run.
 //!
@@ -24,14 +24,17 @@
 
 mod support;
 
+use http_body_util::BodyExt;
 use kube::api::{Api, PostParams};
 use model_residency::api::ModelResidency;
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig, SERVED_AT_ANNOTATION};
 use model_residency::local::vllm::{
     LORA_HOST_SLOTS, LORA_SLOTS, MAX_LORA_RANK, MODEL, Vllm, write_adapters,
 };
+use model_residency::router::proxy::Upstream;
 use serde_json::json;
 use std::net::SocketAddr;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 use support::{arg, bench_args, client_with, ms, percentile, runtime, start_plane};
 
@@ -40,6 +43,31 @@ const NODE: &str = "node-l";
 /// The adapters the requests cycle over (`a0` stays loaded for the hits).
 const ADAPTERS: [&str; 6] = ["a0", "a1", "a2", "a3", "a4", "a5"];
 
+/// The bench's one client, keeping its connections (to the router and to
+/// vLLM alike), as the router keeps its own to model pods: neither side
+/// pays a connection per call.
+fn client() -> &'static Upstream {
+    static CLIENT: OnceLock<Upstream> = OnceLock::new();
+    CLIENT.get_or_init(model_residency::router::proxy::upstream)
+}
+
+/// A POST of `body` to `addr` at `path`: the status and the answer.
+async fn post(addr: SocketAddr, path: &str, body: String) -> (u16, String) {
+    let (parts, ()) = http::Request::builder()
+        .method(http::Method::POST)
+        .uri(path)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(())
+        .unwrap()
+        .into_parts();
+    let answer = model_residency::router::proxy::send(client(), addr, &parts, body.into())
+        .await
+        .unwrap_or_else(|e| panic!("{path}: {e:?}"));
+    let status = answer.status().as_u16();
+    let bytes = answer.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
 /// One request for `model`, a one-token chat completion, to `addr`: its
 /// time to the whole answer.
 async fn ask(addr: SocketAddr, model: &str) -> Duration {
@@ -47,21 +75,31 @@ async fn ask(addr: SocketAddr, model: &str) -> Duration {
         "messages": [{"role": "user", "content": "the model"}]})
     .to_string();
     let t = Instant::now();
-    let a = model_residency::http::send(addr, "POST", "/v1/chat/completions", &body)
-        .await
-        .unwrap();
-    assert_eq!(a.status, 200, "{model}: {}", a.body);
+    let (status, answer) = post(addr, "/v1/chat/completions", body).await;
+    assert_eq!(status, 200, "{model}: {answer}");
     t.elapsed()
 }
 
 /// vLLM's own call at `path` with `body`, timed.
 async fn call(addr: SocketAddr, path: &str, body: serde_json::Value) -> Duration {
     let t = Instant::now();
-    let a = model_residency::http::send(addr, "POST", path, &body.to_string())
-        .await
-        .unwrap();
-    assert_eq!(a.status, 200, "{path}: {}", a.body);
+    let (status, answer) = post(addr, path, body.to_string()).await;
+    assert_eq!(status, 200, "{path}: {answer}");
     t.elapsed()
+}
+
+/// The mean of the router's adapter_load_seconds (its unload and load
+/// calls to the server), from its exposition.
+fn load_seconds(exposition: &str) -> f64 {
+    let value = |name: &str| {
+        exposition
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let metric = "model_residency_router_adapter_load_seconds";
+    value(&format!("{metric}_sum")) / value(&format!("{metric}_count")).max(1.0)
 }
 
 fn median(mut samples: Vec<Duration>) -> Duration {
@@ -165,7 +203,9 @@ fn main() {
         // vLLM's own calls for the same work, straight: a load, the first
         // request for it (which moves it onto a GPU slot, as the router's
         // first request does), and an unload, less the adapter hit.
+        let router_calls = load_seconds(&router.metrics.encode());
         let mut direct = Vec::new();
+        let mut direct_calls = Vec::new();
         for i in 0..samples {
             let name = format!("d{i}");
             let path = dir.path().join(ADAPTERS[1 + i % 5]);
@@ -178,6 +218,7 @@ fn main() {
             let first = ask(vllm.addr, &name).await;
             let unload = call(vllm.addr, "/v1/unload_lora_adapter", json!({"lora_name": name})).await;
             direct.push(load + first + unload);
+            direct_calls.push(load + unload);
         }
         let cold = median(cold);
         let direct = median(direct);
@@ -193,6 +234,11 @@ fn main() {
             "    straight to vLLM: its load call, the first request, its unload call {:.1} ms, minus the adapter hit: {:.1} ms",
             ms(direct),
             ms(direct_load)
+        );
+        println!(
+            "    of which the server's unload and load calls: through the router {:.1} ms (mean, its adapter_load_seconds), straight {:.1} ms (median)",
+            router_calls * 1e3,
+            ms(median(direct_calls))
         );
         println!(
             "    router's load / vLLM's own: {:.2}x (goal <= 1.2x)",

@@ -94,6 +94,91 @@ pub struct AdapterSpec {
     /// to make room for another.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub pinned: bool,
+    /// Where the adapter's files come from: the node agent fetches them
+    /// (http files, each checked against its sha256, or an OCI artifact),
+    /// caches them on the node's disk like a model's weights, and the base
+    /// model's pods mount them read-only at `path`. A base model's pod
+    /// starts once each of its adapters' files is on the node or has
+    /// failed; one that failed (a sha256 mismatch) is refused in that pod,
+    /// with the node agent's words, never sent to its server. Without
+    /// it, the template provides `path` (an image or a volume of its own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact: Option<AdapterArtifact>,
+}
+
+/// An adapter's files on the node: a small artifact, so its schema holds
+/// patterns only (CEL rules over 1000 models of 128 adapters cost more
+/// than the API server allows a schema); what a pattern cannot say is
+/// checked by the operator (an AdaptersRefused condition).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AdapterArtifact {
+    /// The adapter's files over http(s) (adapter_config.json and its
+    /// weights), at most 8. Either `files` or `source`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8))]
+    pub files: Vec<AdapterFile>,
+    /// An OCI artifact (`oci://<registry>/<repository>@sha256:<digest>`
+    /// or `:<tag>`) whose title-annotated layers are the adapter's files.
+    /// Either `files` or `source`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 8, max = 1024), regex(pattern = r"^oci://[^ ]+$"))]
+    pub source: Option<String>,
+    /// Its declared disk footprint, a positive quantity ("64Mi"): the node
+    /// agent keeps it within the node's disk budget by this size.
+    #[schemars(length(min = 1, max = 32), regex(pattern = super::rules::POSITIVE_QUANTITY))]
+    pub size: String,
+}
+
+/// One file of an adapter's artifact.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AdapterFile {
+    /// An http or https URI under one of the node agent's --allowed-sources.
+    #[schemars(length(min = 8, max = 2048), regex(pattern = r"^https?://[^ ]+$"))]
+    pub uri: String,
+    /// Its path inside the adapter's directory (default: the URI's last
+    /// segment).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 512))]
+    pub path: Option<String>,
+    /// Its SHA-256 (64 hex digits): a file that does not match is not
+    /// used, and the adapter is refused in the pods of that node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[0-9a-fA-F]{64}$"))]
+    pub sha256: Option<String>,
+}
+
+impl AdapterArtifact {
+    /// The same files as a model's artifact, mounted at `mount_path`: what
+    /// the node agent fetches and the operator's gate reads.
+    pub fn as_artifact(&self, mount_path: String) -> super::ArtifactSpec {
+        super::ArtifactSpec {
+            files: self
+                .files
+                .iter()
+                .map(|f| super::ArtifactFile {
+                    uri: f.uri.clone(),
+                    path: f.path.clone(),
+                    sha256: f.sha256.clone(),
+                })
+                .collect(),
+            source: self.source.clone(),
+            path: None,
+            size: super::ByteQuantity(self.size.clone()),
+            mount_path: Some(mount_path),
+        }
+    }
+
+    /// What the schema's patterns cannot say: exactly one of files and
+    /// source.
+    pub fn problem(&self) -> Option<&'static str> {
+        match (self.files.is_empty(), self.source.is_some()) {
+            (true, false) => Some("its artifact names neither files nor a source"),
+            (false, true) => Some("its artifact names both files and a source: one of them"),
+            _ => None,
+        }
+    }
 }
 
 impl AdapterSpec {
@@ -102,5 +187,12 @@ impl AdapterSpec {
         self.path
             .clone()
             .unwrap_or_else(|| format!("/adapters/{}", self.name))
+    }
+
+    /// Its files as an artifact of the node's cache (keyed by the adapter's
+    /// name), mounted where the server reads it.
+    pub fn artifact(&self) -> Option<super::ArtifactSpec> {
+        let a = self.artifact.as_ref().filter(|a| a.problem().is_none())?;
+        Some(a.as_artifact(self.path()))
     }
 }

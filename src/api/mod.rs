@@ -28,7 +28,7 @@ pub use gpu::{
 pub use inference_pool::{
     EndpointPickerRef, InferencePool, InferencePoolSpec, PoolPort, PoolSelector,
 };
-pub use lora::{AdapterSpec, LoraSpec, MAX_LORA_RANK_ENV};
+pub use lora::{AdapterArtifact, AdapterFile, AdapterSpec, LoraSpec, MAX_LORA_RANK_ENV};
 pub use model_catalog::{CatalogRef, ModelCatalog, ModelCatalogSpec, ModelCatalogStatus};
 pub use model_copies::{ModelCopies, ModelCopiesSpec, ModelCopiesStatus};
 pub use model_demand::{ModelDemand, ModelDemandSpec, ModelDemandStatus};

@@ -128,6 +128,13 @@ struct CopiesArgs {
     /// requires it).
     #[arg(long, env = "ENDPOINT_PICKER")]
     endpoint_picker: Option<String>,
+    /// Keep one ConfigMap per base model with LoRA adapters and namespace
+    /// (`<model>-adapters`) in the shape llm-d's payload processor reads
+    /// (label inference.llm-d.ai/ipp-managed=true, keys baseModel and
+    /// adapters), so a gateway running it routes an adapter's name to its
+    /// base model's InferencePool (needs --inference-pools).
+    #[arg(long, env = "LLM_D_ADAPTER_MAPS")]
+    llm_d_adapter_maps: bool,
     /// The endpoint picker Service's port.
     #[arg(long, env = "ENDPOINT_PICKER_PORT", default_value_t = 9002)]
     endpoint_picker_port: u16,
@@ -162,6 +169,11 @@ impl CopiesArgs {
             }
             _ => None,
         };
+        if self.llm_d_adapter_maps && !self.inference_pools {
+            return Err(Failure::bad_input(
+                "--llm-d-adapter-maps needs --inference-pools: an adapter's name is routed to its base model's InferencePool",
+            ));
+        }
         if self.copies_tick.is_zero() || self.copies_target_in_flight == 0 {
             return Err(Failure::bad_input(
                 "--copies-tick and --copies-target-in-flight must be above zero",
@@ -186,6 +198,7 @@ impl CopiesArgs {
                     .clone()
                     .map(|name| EndpointPickerRef::service(name, self.endpoint_picker_port)),
                 routes,
+                adapter_maps: self.llm_d_adapter_maps,
             }),
         })
     }

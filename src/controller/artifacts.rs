@@ -131,6 +131,48 @@ pub fn artifact_gate(
     }
 }
 
+/// What the gate says about a model's LoRA adapters' files on its node.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct AdapterFiles {
+    /// Ready: (volume, host directory, mount path) for each.
+    pub mounts: Vec<(String, String, String)>,
+    /// Failed or refused by the node: (adapter, the node's words). The pod
+    /// starts without them; they are refused in it.
+    pub refused: Vec<(String, String)>,
+    /// Not there yet: the model waits (Fetching), in these words.
+    pub waiting: Option<String>,
+}
+
+/// The gate over `model`'s adapters' files: each Ready one mounted, each
+/// that failed refused, and the pod held while any is still coming.
+pub fn adapter_gate(
+    node: Option<&NodeArtifacts>,
+    model: &crate::api::ModelSpec,
+    node_name: &str,
+) -> AdapterFiles {
+    let mut out = AdapterFiles::default();
+    let adapters = model.lora.iter().flat_map(|l| l.adapters.iter());
+    for (i, adapter) in adapters.enumerate() {
+        let Some(artifact) = adapter.artifact() else {
+            continue;
+        };
+        match artifact_gate(node, &artifact, &adapter.name, node_name) {
+            ArtifactGate::Mount { host_dir } => {
+                let mount = artifact.mount_path_for(&adapter.name);
+                out.mounts.push((format!("lora-{i}"), host_dir, mount));
+            }
+            ArtifactGate::Wait { message } => {
+                out.waiting
+                    .get_or_insert(format!("{}'s adapter {message}", model.name));
+            }
+            ArtifactGate::Fail { message, .. } => {
+                out.refused.push((adapter.name.clone(), message));
+            }
+        }
+    }
+    out
+}
+
 /// The volume's name in the pod.
 const VOLUME: &str = "model-artifact";
 
@@ -139,13 +181,19 @@ const VOLUME: &str = "model-artifact";
 /// refuses to start the pod otherwise, so a pod can never run on a half
 /// or missing artifact.
 pub fn mount_artifact(pod: &mut Pod, host_dir: &str, mount_path: &str) {
+    mount_volume(pod, VOLUME, host_dir, mount_path);
+}
+
+/// Mounts `host_dir` read-only at `mount_path` in every container, as the
+/// volume `name`.
+pub fn mount_volume(pod: &mut Pod, name: &str, host_dir: &str, mount_path: &str) {
     let Some(spec) = pod.spec.as_mut() else {
         return;
     };
     let volumes = spec.volumes.get_or_insert_with(Vec::new);
-    volumes.retain(|v| v.name != VOLUME);
+    volumes.retain(|v| v.name != name);
     volumes.push(Volume {
-        name: VOLUME.into(),
+        name: name.into(),
         host_path: Some(HostPathVolumeSource {
             path: host_dir.into(),
             type_: Some("Directory".into()),
@@ -154,9 +202,9 @@ pub fn mount_artifact(pod: &mut Pod, host_dir: &str, mount_path: &str) {
     });
     for c in &mut spec.containers {
         let mounts = c.volume_mounts.get_or_insert_with(Vec::new);
-        mounts.retain(|m| m.name != VOLUME);
+        mounts.retain(|m| m.name != name);
         mounts.push(VolumeMount {
-            name: VOLUME.into(),
+            name: name.into(),
             mount_path: mount_path.into(),
             read_only: Some(true),
             ..VolumeMount::default()

@@ -36,6 +36,11 @@ pub enum EventReason {
     Woken,
     SleepFailed,
     WakeFailed,
+    /// LoRA adapters a model pod's server holds now and did not when last
+    /// asked (a router loaded them), and those it no longer holds (a
+    /// router unloaded them to make room, or the server restarted).
+    AdapterLoaded,
+    AdapterUnloaded,
 }
 
 impl EventReason {
@@ -58,6 +63,8 @@ impl EventReason {
             EventReason::Woken => "Woken",
             EventReason::SleepFailed => "SleepFailed",
             EventReason::WakeFailed => "WakeFailed",
+            EventReason::AdapterLoaded => "AdapterLoaded",
+            EventReason::AdapterUnloaded => "AdapterUnloaded",
         }
     }
 
@@ -74,6 +81,8 @@ impl EventReason {
             EventReason::InvalidSpec | EventReason::CatalogUnavailable => "Validate",
             EventReason::Slept | EventReason::SleepFailed => "Sleep",
             EventReason::Woken | EventReason::WakeFailed => "Wake",
+            EventReason::AdapterLoaded => "LoadAdapter",
+            EventReason::AdapterUnloaded => "UnloadAdapter",
         }
     }
 
@@ -126,8 +135,59 @@ pub fn transition_events(
 ) -> Vec<ModelEvent> {
     models
         .iter()
-        .filter_map(|m| transition_event(prev.get(&*m.name).copied(), m))
+        .flat_map(|m| {
+            let before = prev.get(&*m.name).copied();
+            transition_event(before, m)
+                .into_iter()
+                .chain(adapter_events(before, m))
+        })
         .collect()
+}
+
+/// The adapters a Loaded model's pod holds now against what it held when
+/// last asked: one event for those loaded since, one for those gone. The
+/// audit asks every --sleep-audit-interval, so a load and unload between
+/// two looks is in the routers' counters only.
+fn adapter_events(before: Option<&ModelStatus>, m: &ModelStatus) -> Vec<ModelEvent> {
+    let Some(before) = before else {
+        return Vec::new();
+    };
+    let same_pod = before.pod.is_some() && before.pod == m.pod;
+    if !same_pod || m.state != ModelState::Loaded || before.adapters == m.adapters {
+        return Vec::new();
+    }
+    let pod = m.pod.as_deref().unwrap_or_default();
+    let list = |names: Vec<&str>| names.join(", ");
+    let loaded: Vec<&str> = m
+        .adapters
+        .iter()
+        .filter(|a| !before.adapters.contains(a))
+        .map(|a| &**a)
+        .collect();
+    let gone: Vec<&str> = before
+        .adapters
+        .iter()
+        .filter(|a| !m.adapters.contains(a))
+        .map(|a| &**a)
+        .collect();
+    let mut out = Vec::new();
+    if !loaded.is_empty() {
+        let message = format!("pod {pod}'s server holds {} now", list(loaded));
+        out.push(ModelEvent::about(
+            &m.name,
+            EventReason::AdapterLoaded,
+            message,
+        ));
+    }
+    if !gone.is_empty() {
+        let message = format!("pod {pod}'s server no longer holds {}", list(gone));
+        out.push(ModelEvent::about(
+            &m.name,
+            EventReason::AdapterUnloaded,
+            message,
+        ));
+    }
+    out
 }
 
 fn transition_event(before: Option<&ModelStatus>, m: &ModelStatus) -> Option<ModelEvent> {
@@ -138,4 +198,50 @@ fn transition_event(before: Option<&ModelStatus>, m: &ModelStatus) -> Option<Mod
         let message = m.message.as_deref().unwrap_or_default().to_owned();
         ModelEvent::about(&m.name, EventReason::LoadFailed, message)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn loaded(pod: &str, adapters: &[&str]) -> ModelStatus {
+        ModelStatus {
+            name: "tiny".into(),
+            state: ModelState::Loaded,
+            pod: Some(pod.into()),
+            adapters: adapters.iter().map(|&a| a.into()).collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn adapters_a_pod_gained_or_lost_since_the_last_look_are_events() {
+        let before = loaded("p1", &["a1", "a2"]);
+        let events = adapter_events(Some(&before), &loaded("p1", &["a2", "a3", "a4"]));
+        let said: Vec<(EventReason, &str)> = events
+            .iter()
+            .map(|e| (e.reason, e.message.as_str()))
+            .collect();
+        assert_eq!(
+            said,
+            [
+                (
+                    EventReason::AdapterLoaded,
+                    "pod p1's server holds a3, a4 now"
+                ),
+                (
+                    EventReason::AdapterUnloaded,
+                    "pod p1's server no longer holds a1"
+                ),
+            ]
+        );
+        // Nothing changed, another pod (a new server starts empty: its
+        // loads are announced from its first look), or not Loaded: none.
+        assert!(adapter_events(Some(&before), &before).is_empty());
+        assert!(adapter_events(Some(&before), &loaded("p2", &[])).is_empty());
+        let mut asleep = loaded("p1", &[]);
+        asleep.state = ModelState::Sleeping;
+        assert!(adapter_events(Some(&before), &asleep).is_empty());
+        assert!(adapter_events(None, &before).is_empty());
+    }
 }

@@ -18,6 +18,12 @@ pub fn refusal(
             adapter.name, adapter.rank, lora.max_rank
         ));
     }
+    if let Some(problem) = adapter.artifact.as_ref().and_then(|a| a.problem()) {
+        return Some(format!(
+            "the adapter `{}` of `{base}` cannot be fetched: {problem}",
+            adapter.name
+        ));
+    }
     if models.iter().any(|m| m.name == adapter.name) {
         return Some(format!(
             "the adapter `{}` of `{base}` has the name of a model: a request for that name is the model's",

@@ -44,6 +44,11 @@ pub const RETIRE_ANNOTATION: &str = "residency.dev/retire-at";
 /// order. Written by the operator's audit; a replaced pod starts without
 /// it, as its server starts without adapters.
 pub const ADAPTERS_ANNOTATION: &str = "residency.dev/adapters";
+/// Annotation on a model pod started without some of its model's adapters
+/// (their files failed on the node: a sha256 mismatch, the disk budget):
+/// a JSON object of adapter name to the node's words. The router refuses
+/// those adapters in that pod, unsent.
+pub const ADAPTERS_REFUSED_ANNOTATION: &str = "residency.dev/adapters-refused";
 /// Label on a model pod: `true` while it serves (Ready, awake, not
 /// draining), set and cleared by the operator with `--inference-pools`:
 /// the model's InferencePool selects it.

@@ -195,19 +195,17 @@ impl Router {
     /// The server's load call; "already loaded" is loaded (another replica
     /// loaded it, or this one forgot).
     async fn load(&self, endpoint: &Endpoint, adapter: &AdapterView) -> Result<(), String> {
-        let body =
-            serde_json::json!({"lora_name": adapter.name, "lora_path": adapter.path}).to_string();
-        let call = crate::http::send(endpoint.addr, "POST", "/v1/load_lora_adapter", &body);
-        let answer = tokio::time::timeout(self.config.load_timeout, call)
+        let body = serde_json::json!({"lora_name": adapter.name, "lora_path": adapter.path});
+        let (status, answer) = self
+            .adapter_call(endpoint, "/v1/load_lora_adapter", &body)
             .await
-            .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
             .map_err(|e| {
-            format!(
-                "loading the adapter `{}` into model `{}`'s pod {}: the server did not answer: {e}",
-                adapter.name, adapter.base, endpoint.pod
-            )
-        })?;
-        if answer.status == 200 || already_loaded(answer.status, &answer.body) {
+                format!(
+                    "loading the adapter `{}` into model `{}`'s pod {}: the server did not answer: {e}",
+                    adapter.name, adapter.base, endpoint.pod
+                )
+            })?;
+        if status == 200 || already_loaded(status, &answer) {
             return Ok(());
         }
         Err(format!(
@@ -216,32 +214,72 @@ impl Router {
             adapter.path,
             adapter.base,
             endpoint.pod,
-            answer.status,
-            server_message(&answer.body)
+            status,
+            server_message(&answer)
         ))
     }
 
     /// The server's unload call; an adapter it does not hold is unloaded.
     async fn unload(&self, endpoint: &Endpoint, victim: &str) -> Result<(), Refusal> {
-        let body = serde_json::json!({"lora_name": victim}).to_string();
-        let call = crate::http::send(endpoint.addr, "POST", "/v1/unload_lora_adapter", &body);
-        let answer = tokio::time::timeout(self.config.load_timeout, call)
+        let body = serde_json::json!({"lora_name": victim});
+        let (status, answer) = self
+            .adapter_call(endpoint, "/v1/unload_lora_adapter", &body)
             .await
-            .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
             .map_err(|e| {
                 Refusal::Upstream(format!(
                     "unloading the adapter `{victim}` from pod {}: the server did not answer: {e}",
                     endpoint.pod
                 ))
             })?;
-        match answer.status {
+        match status {
             200 | 404 => Ok(()),
             s => Err(Refusal::AdapterLoadFailed(format!(
                 "unloading the adapter `{victim}` from pod {} to make room failed: the server answered {s}: {}",
                 endpoint.pod,
-                server_message(&answer.body)
+                server_message(&answer)
             ))),
         }
+    }
+
+    /// One POST of the adapter API to the pod, on this worker's kept
+    /// connections to it (the ones requests use: no connection opened per
+    /// load), within the load timeout; the answer read to at most 64 KiB.
+    async fn adapter_call(
+        &self,
+        endpoint: &Endpoint,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> Result<(u16, String), String> {
+        let (parts, ()) = http::Request::builder()
+            .method(http::Method::POST)
+            .uri(path)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(())
+            .map_err(|e| e.to_string())?
+            .into_parts();
+        let call = async {
+            let answer = proxy::send(
+                &proxy::thread_upstream(),
+                endpoint.addr,
+                &parts,
+                Bytes::from(body.to_string()),
+            )
+            .await
+            .map_err(|e| match e {
+                proxy::SendError::Connect(e) | proxy::SendError::Other(e) => e,
+            })?;
+            let status = answer.status().as_u16();
+            let limited = http_body_util::Limited::new(answer.into_body(), 64 << 10);
+            let bytes = limited
+                .collect()
+                .await
+                .map_err(|e| format!("reading its answer: {e}"))?
+                .to_bytes();
+            Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
+        };
+        tokio::time::timeout(self.config.load_timeout, call)
+            .await
+            .unwrap_or_else(|_| Err("no answer within the load timeout".into()))
     }
 }
 

@@ -352,6 +352,12 @@ impl Router {
             if !cold {
                 self.refresh(&endpoint).await;
             }
+            if let Some(why) = adapter.as_ref().and_then(|a| endpoint.refuses(&a.name)) {
+                return Err(Refusal::ModelRefused(format!(
+                    "the adapter `{model}` is refused in model `{target}`'s pod {}: {why}",
+                    endpoint.pod
+                )));
+            }
             let in_use = match &adapter {
                 Some(a) => Some(self.adapter_in(&endpoint, a).await?),
                 None => None,
@@ -433,6 +439,19 @@ impl Router {
                 .cloned()
                 .collect();
             if let Some(e) = self.choose(&holding, avoid, key) {
+                return Ok((e, false));
+            }
+        }
+        // A copy that can load it (its files are on its node) before one
+        // that refuses it.
+        if let Some(adapter) = adapter {
+            let able: Vec<Endpoint> = view
+                .ready
+                .iter()
+                .filter(|e| e.refuses(adapter).is_none())
+                .cloned()
+                .collect();
+            if let Some(e) = self.choose(&able, avoid, key) {
                 return Ok((e, false));
             }
         }

@@ -6,7 +6,9 @@
 
 use super::recency::Key;
 use crate::api::{AdapterSpec, LoraSpec, ModelResidency, ModelSpec, ModelState, ModelStatus};
-use crate::residency::labels::{DRAINING_LABEL, MODEL_LABEL, RESIDENCY_LABEL, serving_port};
+use crate::residency::labels::{
+    ADAPTERS_REFUSED_ANNOTATION, DRAINING_LABEL, MODEL_LABEL, RESIDENCY_LABEL, serving_port,
+};
 use crate::residency::placement::residency_key;
 use crate::residency::reasons::Reason;
 use http::HeaderValue;
@@ -38,9 +40,20 @@ pub struct Endpoint {
     /// outlives snapshots (the router hands it in, [`Snapshot::count_with`]),
     /// so the hit path counts with an atomic, not a lock both workers share.
     pub in_flight: Arc<AtomicUsize>,
+    /// Adapters this pod started without (their files failed on its
+    /// node), with the node's words: refused in it, unsent.
+    pub refused_adapters: Option<Arc<HashMap<String, String>>>,
 }
 
 impl Endpoint {
+    /// Why this pod cannot serve `adapter`, if it cannot.
+    pub fn refuses(&self, adapter: &str) -> Option<&str> {
+        self.refused_adapters
+            .as_ref()?
+            .get(adapter)
+            .map(String::as_str)
+    }
+
     /// An endpoint that is only a name and a counter (balancing's tests).
     #[cfg(test)]
     pub fn for_tests(pod: &str, in_flight: Arc<AtomicUsize>) -> Self {
@@ -53,6 +66,7 @@ impl Endpoint {
             residency_header: HeaderValue::from_static("test"),
             pod_header: HeaderValue::from_static("test"),
             in_flight,
+            refused_adapters: None,
         }
     }
 }
@@ -230,6 +244,11 @@ impl Snapshot {
                 residency_header,
                 pod_header,
                 in_flight: Arc::default(),
+                refused_adapters: pod
+                    .annotations()
+                    .get(ADAPTERS_REFUSED_ANNOTATION)
+                    .and_then(|a| serde_json::from_str(a).ok())
+                    .map(Arc::new),
             });
         }
         Snapshot {

@@ -130,6 +130,7 @@ async fn adapters_load_into_their_base_models_pods_least_recently_used_out() {
     );
     served(&router.chat("a2").await, "a2");
     assert_eq!(listed(&h).await, ["p", "a3", "a2"], "a1 out, p stays");
+    in_status(&h, &["p", "a3", "a2"]).await;
     // The base model is served as ever beside its adapters.
     served(&router.chat("base").await, "base");
     // A rank past the server's: refused, never sent.
@@ -180,8 +181,17 @@ async fn adapters_load_into_their_base_models_pods_least_recently_used_out() {
     assert_eq!(metric("loads", "a4"), 1);
     assert_eq!(metric("evictions", "a3"), 1);
     assert_eq!(listed(&h).await, ["p", "a2", "a4"]);
-    // Status shows what the server holds, in its order.
+    // Status shows what the server holds, in its order; what it gained
+    // and lost between two looks of the audit are events.
     in_status(&h, &["p", "a2", "a4"]).await;
+    let events = h.events_of("gpu").await;
+    let said = |reason: &str, adapter: &str| {
+        events
+            .iter()
+            .any(|e| e.contains(reason) && e.contains(adapter))
+    };
+    assert!(said("AdapterLoaded", "a4"), "{events:#?}");
+    assert!(said("AdapterUnloaded", "a3"), "{events:#?}");
     // Unloaded behind the router's back: the server's 404 is the truth,
     // and the request is answered after a load.
     let (pod, addr) = base_pod(&h).await;

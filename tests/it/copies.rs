@@ -336,6 +336,7 @@ async fn serving_pods(h: &Harness) -> Vec<String> {
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn inference_pools_select_exactly_the_copies_that_serve() {
+    use kube::ResourceExt;
     use kube::api::{Api, Patch, PatchParams};
     use model_residency::api::{EndpointPickerRef, InferencePool};
     // The extension's own released CRD (v1.6: the picker optional, its
@@ -364,7 +365,8 @@ async fn inference_pools_select_exactly_the_copies_that_serve() {
                 "models": [
                     {"name": "chat", "size": "4Gi", "template": chat,
                      "sleep": {"preset": "vllm", "sleepingSize": "1Gi"}},
-                    {"name": "other", "size": "4Gi", "template": (h.template)("other")},
+                    {"name": "other", "size": "4Gi", "template": (h.template)("other"),
+                     "lora": {"adapters": [{"name": format!("o{}", i % 2), "rank": 8}]}},
                     {"name": "big", "size": "6Gi", "template": (h.template)("big")}]},
         }))
         .unwrap();
@@ -378,6 +380,7 @@ async fn inference_pools_select_exactly_the_copies_that_serve() {
             pools: Some(model_residency::controller::copies::PoolConfig {
                 endpoint_picker: Some(EndpointPickerRef::service("epp".into(), 9002)),
                 routes: None,
+                adapter_maps: true,
             }),
             ..CopiesConfig::default()
         },
@@ -478,9 +481,30 @@ async fn inference_pools_select_exactly_the_copies_that_serve() {
             r#"verb="patch",resource="inferencepools""#,
         )
     };
-    let before = patches();
+    let map_patches = || {
+        h.ctx.metrics.sum_where(
+            "model_residency_api_requests_total",
+            r#"verb="patch",resource="configmaps""#,
+        )
+    };
+    let before = (patches(), map_patches());
     tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(patches() - before, 0, "pools applied at steady state");
+    assert_eq!(
+        (patches(), map_patches()),
+        before,
+        "pools or adapter maps applied at steady state"
+    );
+    // other's adapters, from every registry, for llm-d's payload
+    // processor: one ConfigMap in its shape, owned by every home.
+    let maps: Api<k8s_openapi::api::core::v1::ConfigMap> =
+        Api::namespaced(h.env.client.clone(), &h.env.namespace);
+    let map = maps.get("other-adapters").await.unwrap();
+    assert_eq!(map.labels()["inference.llm-d.ai/ipp-managed"], "true");
+    let data = map.data.clone().unwrap();
+    assert_eq!(data["baseModel"], "other");
+    assert_eq!(data["adapters"], "- \"o0\"\n- \"o1\"\n");
+    assert_eq!(map.metadata.owner_references.map(|o| o.len()), Some(GPUS));
+    assert!(maps.get_opt("chat-adapters").await.unwrap().is_none());
     // The tenant's pool is as they made it, and the clash is said.
     let big = pools.get("big").await.unwrap();
     assert_eq!(big.spec, theirs.spec);
@@ -512,8 +536,10 @@ async fn inference_pools_select_exactly_the_copies_that_serve() {
             .await
             .unwrap();
     }
-    eventually(30, "other's pool gone", || async {
-        pools.get_opt("other").await.ok()?.is_none().then_some(())
+    eventually(30, "other's pool and adapter map gone", || async {
+        let pool = pools.get_opt("other").await.ok()?;
+        let map = maps.get_opt("other-adapters").await.ok()?;
+        (pool.is_none() && map.is_none()).then_some(())
     })
     .await;
 }
@@ -593,6 +619,7 @@ async fn inference_pools_are_taken_by_the_extensions_v1_5_crd() {
         pools: Some(model_residency::controller::copies::PoolConfig {
             endpoint_picker: Some(EndpointPickerRef::service("epp".into(), 9002)),
             routes: None,
+            adapter_maps: false,
         }),
         ..CopiesConfig::default()
     };
@@ -974,6 +1001,7 @@ async fn gateway_routes_send_serving_models_to_their_pools_and_the_rest_to_the_r
             pools: Some(PoolConfig {
                 endpoint_picker: None,
                 routes: Some(routes_config),
+                adapter_maps: false,
             }),
             ..CopiesConfig::default()
         },

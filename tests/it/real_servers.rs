@@ -11,6 +11,7 @@
 //! `mode` is honoured, level 2 needs `reload_weights`) and only the memory
 //! release is a no-op.
 
+use crate::support::artifact_server::sha256_hex;
 use crate::support::http::{send, streamed};
 use model_residency::controller::decide::{PodCall, PodRef};
 use model_residency::controller::pod_calls::ask;
@@ -410,10 +411,39 @@ async fn adapters_through_the_router(vllm: Vllm, dir: &std::path::Path) {
     use model_residency::local::kubelet::SERVED_AT_ANNOTATION;
     let h = Harness::start("real-vllm-lora").await;
     let port = vllm.addr.port();
-    let adapters: Vec<_> = [("p", 8), ("a1", 8), ("a2", 8), ("a3", 8), ("big", 16)]
+    let mut adapters: Vec<_> = [("p", 8), ("a1", 8), ("a2", 8), ("a3", 8), ("big", 16)]
         .iter()
         .map(|&(n, rank)| json!({"name": n, "rank": rank, "path": dir.join(n), "pinned": n == "p"}))
         .collect();
+    // Two adapters whose files the node agent fetches over HTTP: `f` (a3's
+    // files, each with its sha256) and `bad` (the same files, one sha256
+    // wrong). vLLM runs on this host, so each one's path is where the
+    // agent puts it, `<cache>/<key>`, as its mount would be in a pod.
+    let files = crate::support::artifact_server::serve_dir(dir.to_owned()).await;
+    let cache = tempfile::tempdir().unwrap();
+    let _agent = crate::support::node_agent::start_agent(
+        &h,
+        cache.path(),
+        "64Mi",
+        &format!("http://{files}/"),
+    );
+    for (name, wrong) in [("f", false), ("bad", true)] {
+        let sha = |file: &str| {
+            let hex = sha256_hex(&std::fs::read(dir.join("a3").join(file)).unwrap());
+            if wrong && file == "adapter_config.json" {
+                "0".repeat(64)
+            } else {
+                hex
+            }
+        };
+        let mut a = json!({"name": name, "rank": 8, "artifact": {"size": "1Mi", "files": [
+            {"uri": format!("http://{files}/a3/adapter_config.json"), "sha256": sha("adapter_config.json")},
+            {"uri": format!("http://{files}/a3/adapter_model.safetensors"), "sha256": sha("adapter_model.safetensors")}]}});
+        let spec: model_residency::api::AdapterSpec = serde_json::from_value(a.clone()).unwrap();
+        let key = spec.artifact().unwrap().cache_key(name);
+        a["path"] = json!(cache.path().join(key));
+        adapters.push(a);
+    }
     let r: ModelResidency = serde_json::from_value(json!({
         "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
         "metadata": {"name": "gpu"},
@@ -512,6 +542,27 @@ async fn adapters_through_the_router(vllm: Vllm, dir: &std::path::Path) {
         assert_eq!(metric("loads", m), loads + 1, "{m} loaded again");
     }
     assert_eq!(listed().await, ["a3", "p"]);
+    // Files from the node agent: `bad`'s failed their sha256, so the pod
+    // started without them and `bad` is refused with the agent's words,
+    // never sent; `f`'s were verified, mounted where the server reads
+    // them, and answer as a3's (the same weights).
+    let bad = router.chat("bad").await;
+    assert_eq!(bad.status, 503, "{}", bad.body);
+    assert!(bad.body.contains("ChecksumMismatch"), "{}", bad.body);
+    assert!(!listed().await.contains(&"bad".to_owned()));
+    assert_eq!(ask("f").await, text["a3"], "f's fetched files are a3's");
+    assert_eq!(listed().await, ["a3", "f", "p"]);
+    let r = h.api.get("gpu").await.unwrap();
+    let refused = r
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "AdaptersRefused"));
+    let words = refused.map(|c| c.message.clone()).unwrap_or_default();
+    assert!(
+        words.contains("`bad`") && words.contains("ChecksumMismatch"),
+        "{words}"
+    );
+    assert!(!words.contains("`f`"), "{words}");
 }
 
 fn vllm_addr(port: u16) -> SocketAddr {

@@ -42,6 +42,7 @@ use crate::controller::Context;
 use crate::controller::cached;
 use crate::engine::copies::{CopyPolicy, CopyScaler, Step};
 use crate::residency::catalog::Catalogs;
+pub mod adapter_maps;
 mod enact;
 mod owned;
 mod pools;
@@ -360,6 +361,9 @@ impl Scaler {
         self.models.retain(|m, _| all.contains_key(m));
         if let Some(pools) = &self.config.pools {
             self.pools_round(&all, pools).await;
+            if pools.adapter_maps {
+                self.adapter_maps_round(&all).await;
+            }
         }
         let owners = owned::holders(owned::list(self).await);
         for (mc, holder) in &owners {

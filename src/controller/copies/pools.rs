@@ -31,6 +31,8 @@ pub struct PoolConfig {
     pub endpoint_picker: Option<EndpointPickerRef>,
     /// HTTPRoutes toward the pools and the router (`--gateway-routes`).
     pub routes: Option<super::routes::RouteConfig>,
+    /// llm-d's adapter maps beside the pools (`--llm-d-adapter-maps`).
+    pub adapter_maps: bool,
 }
 
 /// Whether a pod that is `up` serves `model` now, as `residency` says.

@@ -7,11 +7,14 @@
 use super::Decider;
 use super::inventory::{PodInventory, PodPlan};
 use crate::api::{ModelState, ModelStatus};
-use crate::controller::artifacts::{ArtifactGate, artifact_gate, mount_artifact};
+use crate::controller::artifacts::{
+    ArtifactGate, adapter_gate, artifact_gate, mount_artifact, mount_volume,
+};
 use crate::controller::events::EventReason;
 use crate::controller::pods::{ModelPod, build_pod, pod_name, template_hash};
 use crate::engine::Bytes;
 use crate::quantity::format_bytes;
+use crate::residency::labels::ADAPTERS_REFUSED_ANNOTATION;
 use crate::residency::reasons::Reason;
 use crate::residency::state::{ValidModel, recorded_time};
 use k8s_openapi::jiff::SignedDuration;
@@ -355,6 +358,32 @@ impl<'a> Decider<'a> {
                     return st;
                 }
             }
+        }
+        // Its adapters' files: each Ready one mounted, a failed one left
+        // out and refused in this pod, the pod held while any is coming.
+        let adapters = adapter_gate(self.input.artifacts, m.spec, &gpu.node);
+        if let Some(message) = adapters.waiting {
+            st.state = ModelState::Fetching;
+            st.reason = Some(Reason::FetchingArtifact.into());
+            st.message = Some(message.into());
+            return st;
+        }
+        for (volume, host_dir, mount) in &adapters.mounts {
+            mount_volume(&mut pod, volume, host_dir, mount);
+        }
+        if !adapters.refused.is_empty() {
+            let refused: serde_json::Map<String, serde_json::Value> = adapters
+                .refused
+                .into_iter()
+                .map(|(name, words)| (name, words.into()))
+                .collect();
+            pod.metadata
+                .annotations
+                .get_or_insert_with(Default::default)
+                .insert(
+                    ADAPTERS_REFUSED_ANNOTATION.into(),
+                    serde_json::Value::Object(refused).to_string(),
+                );
         }
         st.state = ModelState::Loading;
         if pods.live_declared + size > budget {

@@ -5,6 +5,7 @@ use super::inventory::{PodInventory, PodPlan};
 use super::requests::gone_before_ready;
 use super::{Decider, Decision};
 use crate::api::{ModelResidencyStatus, ModelState, ModelStatus};
+use crate::controller::artifacts::adapter_gate;
 use crate::controller::events::EventReason;
 use crate::controller::events::transition_events;
 use crate::engine::Bytes;
@@ -250,6 +251,22 @@ impl<'a> Decider<'a> {
         }
     }
 
+    /// The adapters whose files failed on this GPU's node, in the node's
+    /// words: refused in the pods started since (AdaptersRefused).
+    fn adapter_files_refused(&self) -> Option<String> {
+        let node = &self.placement()?.node;
+        let words: Vec<String> = self
+            .input
+            .residency
+            .spec
+            .models
+            .iter()
+            .flat_map(|m| adapter_gate(self.input.artifacts, m, node).refused)
+            .map(|(adapter, why)| format!("the adapter `{adapter}`'s files: {why}"))
+            .collect();
+        (!words.is_empty()).then(|| words.join("; "))
+    }
+
     /// The residency's status around the model statuses, and the decision.
     fn assemble(mut self, models: Vec<ModelStatus>, mut plan: PodPlan) -> Decision {
         let r = self.input.residency;
@@ -266,8 +283,12 @@ impl<'a> Decider<'a> {
         if let Some(never) = self.cannot_sleep() {
             set.set(CANNOT_SLEEP, true, CANNOT_SLEEP, never);
         }
-        if let Some(refused) = crate::residency::adapters::refused(&r.spec.models) {
-            set.set(ADAPTERS_REFUSED, true, ADAPTERS_REFUSED, refused);
+        let refused: Vec<String> = crate::residency::adapters::refused(&r.spec.models)
+            .into_iter()
+            .chain(self.adapter_files_refused())
+            .collect();
+        if !refused.is_empty() {
+            set.set(ADAPTERS_REFUSED, true, ADAPTERS_REFUSED, refused.join("; "));
         }
         let mut gpu = match &self.input.gpu {
             GpuView::Placed(p) => p.status.clone(),

@@ -2,6 +2,7 @@
 //! pods mount, and what the disk should hold ([`crate::node_agent::keep::plan`]).
 
 use super::*;
+use crate::api::{ArtifactSpec, ModelSpec};
 
 /// An artifact some residency on the node declares.
 #[derive(Debug, Clone)]
@@ -52,6 +53,12 @@ pub(super) fn declared(
         let state_of = |m: &str| status.and_then(|s| s.model(m));
         let mut idle = Vec::new();
         for m in &r.spec.models {
+            // A resident model's adapters' files: its pod waits for them.
+            if state_of(&m.name).is_some_and(|s| s.is_resident()) {
+                for (key, d) in adapter_artifacts(m) {
+                    add(key, d);
+                }
+            }
             let Some(artifact) = &m.artifact else {
                 continue;
             };
@@ -62,26 +69,9 @@ pub(super) fn declared(
             let requested = st
                 .and_then(|s| recorded_time(s.last_requested.as_deref()))
                 .or_else(|| r.spec.demand.get(&m.name).and_then(|t| t.parse().ok()));
-            let origin = match &artifact.source {
-                Some(source) => Origin::Oci {
-                    source: source.clone(),
-                    layer_dir: artifact.layer_dir().to_owned(),
-                },
-                None => Origin::Files(
-                    artifact
-                        .files
-                        .iter()
-                        .map(|f| FileSource {
-                            uri: f.uri.clone(),
-                            path: f.path.clone(),
-                            sha256: f.sha256.as_ref().map(|s| s.to_lowercase()),
-                        })
-                        .collect(),
-                ),
-            };
             let d = Declared {
                 model: m.name.clone(),
-                origin,
+                origin: origin(artifact),
                 size,
                 want: Want::Required,
                 pinned: m.pinned,
@@ -102,7 +92,48 @@ pub(super) fn declared(
     out
 }
 
-/// Every artifact key the registries on `node` declare.
+/// Where an artifact's files come from.
+fn origin(artifact: &ArtifactSpec) -> Origin {
+    match &artifact.source {
+        Some(source) => Origin::Oci {
+            source: source.clone(),
+            layer_dir: artifact.layer_dir().to_owned(),
+        },
+        None => Origin::Files(
+            artifact
+                .files
+                .iter()
+                .map(|f| FileSource {
+                    uri: f.uri.clone(),
+                    path: f.path.clone(),
+                    sha256: f.sha256.as_ref().map(|s| s.to_lowercase()),
+                })
+                .collect(),
+        ),
+    }
+}
+
+/// The files of `m`'s LoRA adapters, keyed in the cache by the adapter's
+/// name (unique among a residency's models and adapters): required, as
+/// the model's pod waits for them.
+fn adapter_artifacts(m: &ModelSpec) -> impl Iterator<Item = (String, Declared)> + '_ {
+    m.lora.iter().flat_map(|l| &l.adapters).filter_map(|a| {
+        let artifact = a.artifact()?;
+        let size = parse_bytes(&artifact.size.0).ok()?;
+        let d = Declared {
+            model: a.name.clone(),
+            origin: origin(&artifact),
+            size,
+            want: Want::Required,
+            pinned: false,
+            requested: None,
+        };
+        Some((artifact.cache_key(&a.name), d))
+    })
+}
+
+/// Every artifact key the registries on `node` declare (their adapters'
+/// included).
 pub(super) fn registry_keys(
     residencies: &[Arc<ModelResidency>],
     node: &str,
@@ -111,7 +142,14 @@ pub(super) fn registry_keys(
         .iter()
         .filter(|r| node_of(r) == Some(node))
         .flat_map(|r| r.spec.models.iter())
-        .filter_map(|m| m.artifact.as_ref().map(|a| a.cache_key(&m.name)))
+        .flat_map(|m| {
+            let adapters = adapter_artifacts(m).map(|(key, _)| key);
+            m.artifact
+                .as_ref()
+                .map(|a| a.cache_key(&m.name))
+                .into_iter()
+                .chain(adapters)
+        })
         .collect()
 }
 

@@ -7,77 +7,15 @@ mod oci;
 
 use crate::support::artifact_server::{serve, serve_logged, sha256_hex, slow_content, weights};
 use crate::support::cluster::eventually;
-use crate::support::http::{free_port, send};
+pub(crate) use crate::support::node_agent::{Agent, start_agent, start_agent_with};
 use crate::support::operator::Harness;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, PostParams};
 use model_residency::api::{ArtifactState, ModelResidency, ModelState, NodeModelCache};
-use model_residency::local::control_plane::spawn_owned;
 use serde_json::{Value, json};
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command};
 use std::sync::atomic::Ordering;
-
-/// The agent process; killed (SIGKILL, no cleanup) when dropped.
-struct Agent {
-    process: Child,
-    /// Where it serves /healthz, /readyz and /metrics.
-    http: SocketAddr,
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.process.kill();
-        let _ = self.process.wait();
-    }
-}
-
-impl Agent {
-    /// The sum of a metric's samples whose labels contain `labels`, as
-    /// the agent's /metrics says now.
-    async fn metric(&self, metric: &str, labels: &str) -> u64 {
-        let answer = send(self.http, "GET", "/metrics", "").await;
-        assert_eq!(answer.status, 200, "{}", answer.body);
-        model_residency::exposition::sum_where(&answer.body, metric, labels)
-    }
-}
-
-fn start_agent(h: &Harness, cache: &Path, budget: &str, allowed: &str) -> Agent {
-    start_agent_with(h, cache, budget, allowed, &[])
-}
-
-/// [`start_agent`] with more flags.
-fn start_agent_with(
-    h: &Harness,
-    cache: &Path,
-    budget: &str,
-    allowed: &str,
-    extra: &[String],
-) -> Agent {
-    // The agent's log, beside the cache (kept while the test runs).
-    let log = std::fs::File::create(cache.with_extension("log")).unwrap();
-    let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_model-residency"));
-    cmd.env("KUBECONFIG", h.env.plane.kubeconfig())
-        .env("RUST_LOG", "info")
-        .args(["node-agent", "--node", &h.node, "--disk-budget", budget])
-        .arg("--cache-dir")
-        .arg(cache)
-        .args([
-            "--allowed-sources",
-            allowed,
-            "--http-addr",
-            &http.to_string(),
-        ])
-        .args(extra)
-        .stdout(std::process::Stdio::null())
-        .stderr(log);
-    Agent {
-        process: spawn_owned(cmd).expect("start the node agent"),
-        http,
-    }
-}
 
 /// A registry entry with a pod template and, optionally, an artifact.
 fn model(name: &str, size: &str, artifact: Option<Value>) -> Value {

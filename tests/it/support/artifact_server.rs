@@ -221,3 +221,37 @@ fn answer(path: &str, range: Option<&str>, first_flaky: bool) -> Response<Body> 
     );
     response
 }
+
+/// A file server over `dir`: `GET /<path>` answers the file at that path
+/// under it (no `..`), else 404. What the adapter tests' node agent
+/// fetches an adapter's files from.
+pub async fn serve_dir(dir: std::path::PathBuf) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(model_residency::http::accept_loop(
+        listener,
+        move |stream| {
+            let dir = dir.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+                    let rel = req.uri().path().trim_start_matches('/').to_owned();
+                    let file = (!rel.split('/').any(|s| s == ".." || s.is_empty()))
+                        .then(|| std::fs::read(dir.join(&rel)).ok())
+                        .flatten();
+                    async move {
+                        let mut r =
+                            Response::new(Full::new(Bytes::from(file.clone().unwrap_or_default())));
+                        if file.is_none() {
+                            *r.status_mut() = StatusCode::NOT_FOUND;
+                        }
+                        Ok::<_, Infallible>(r)
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        },
+    ));
+    addr
+}

@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod http;
 pub mod keda;
 pub mod lane;
+pub mod node_agent;
 pub mod operator;
 pub mod reference;
 pub mod router;
