@@ -13,6 +13,17 @@
 //! own counts), p50 and p99 latency, requests per second, and the ratios
 //! of prefix-hash to least-in-flight in the same run.
 //!
+//! Then adapter affinity: four copies of a base model with LoRA adapters
+//! (24 of them, three held per pod, the fake speaking vLLM's adapter API),
+//! requests naming adapters with a Zipf popularity, the same sequence
+//! through a router that sends a request to a copy holding its adapter
+//! first (the router as it ships) and one that balances by in-flight
+//! requests alone. Printed: the adapter loads and evictions per request
+//! (the router's counts) and p50/p99 latency; each load is a call to the
+//! server (vLLM's is milliseconds for the tiny model, `benches/adapters.rs`,
+//! more for larger adapters; the fake's is immediate, so the latencies
+//! here show the router's side only).
+//!
 //! `cargo bench --bench balance` (`-- --clients N --requests N --prompts N`).
 
 mod support;
@@ -33,14 +44,23 @@ const NS: &str = "balance";
 const NODE: &str = "node-balance";
 const COPIES: u32 = 4;
 
-fn residency(i: u32) -> ModelResidency {
+/// The adapters of the base model `tuned`.
+const ADAPTERS: usize = 24;
+
+fn residency(i: u32, adapters: &std::path::Path) -> ModelResidency {
+    let declared: Vec<_> = (0..ADAPTERS)
+        .map(|a| json!({"name": format!("t{a:02}"), "rank": 8, "path": adapters.join(format!("t{a:02}"))}))
+        .collect();
     serde_json::from_value(json!({
         "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
         "metadata": {"name": format!("gpu-{i}")},
         "spec": {"nodeName": NODE, "device": i.to_string(), "budget": "64Gi", "models": [
             {"name": "chat", "size": "8Gi", "template": {
                 "metadata": {"annotations": {PREFIX_CACHE_ANNOTATION: "slots=8,hit=5ms,miss=60ms"}},
-                "spec": {"containers": [{"name": "server", "image": "example/chat:1"}]}}}]},
+                "spec": {"containers": [{"name": "server", "image": "example/chat:1"}]}}},
+            {"name": "tuned", "size": "8Gi",
+                "lora": {"slots": 2, "hostSlots": 3, "maxRank": 16, "adapters": declared},
+                "template": {"spec": {"containers": [{"name": "server", "image": "example/tuned:1"}]}}}]},
     }))
     .unwrap()
 }
@@ -160,6 +180,86 @@ async fn run(
     }
 }
 
+struct AdapterRun {
+    /// Requests answered 503: every slot of the pod busy serving.
+    busy: u64,
+    loads: u64,
+    evictions: u64,
+    p50: Duration,
+    p99: Duration,
+}
+
+/// The same Zipf sequence of adapter requests through a router with or
+/// without adapter affinity.
+async fn adapter_run(
+    client: &kube::Client,
+    affinity: bool,
+    (clients, requests): (usize, usize),
+) -> AdapterRun {
+    let config = Config {
+        namespace: Some(NS.into()),
+        adapter_affinity: affinity,
+        ..Config::default()
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = Router::start(client.clone(), config);
+    let serving = tokio::spawn(router.clone().serve(listener));
+    while !router.ready() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let order = ranks(clients * requests, ADAPTERS);
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let mine: Vec<usize> = order[c * requests..(c + 1) * requests].to_vec();
+        tasks.push(tokio::spawn(async move {
+            let mut times = Vec::with_capacity(mine.len());
+            let mut busy = 0u64;
+            for rank in mine {
+                let body = json!({"model": format!("t{rank:02}"), "max_tokens": 1,
+                    "messages": [{"role": "user", "content": "hello"}]});
+                let t = Instant::now();
+                let a = model_residency::http::send(
+                    addr,
+                    "POST",
+                    "/v1/chat/completions",
+                    &body.to_string(),
+                )
+                .await
+                .unwrap();
+                // Every slot of the chosen pod busy serving: 503 with
+                // Retry-After, counted.
+                if a.status == 503 {
+                    busy += 1;
+                    continue;
+                }
+                assert_eq!(a.status, 200, "{}", a.body);
+                times.push(t.elapsed());
+            }
+            (times, busy)
+        }));
+    }
+    let (mut times, mut busy) = (Vec::new(), 0);
+    for t in tasks {
+        let (t, b) = t.await.unwrap();
+        times.extend(t);
+        busy += b;
+    }
+    serving.abort();
+    times.sort();
+    AdapterRun {
+        busy,
+        loads: router
+            .metrics
+            .sum_where("model_residency_router_adapter_loads_total", ""),
+        evictions: router
+            .metrics
+            .sum_where("model_residency_router_adapter_evictions_total", ""),
+        p50: percentile(&times, 0.50),
+        p99: percentile(&times, 0.99),
+    }
+}
+
 fn main() {
     let args = bench_args();
     let clients: usize = arg(&args, "--clients", "16").parse().unwrap();
@@ -174,15 +274,24 @@ fn main() {
         let _kubelet = FakeKubelet::start(client.clone(), config).await.unwrap();
         let (_ctx, _operator) = model_residency::operator::spawn_for_namespace(client.clone(), NS);
         let api: Api<ModelResidency> = Api::namespaced(client.clone(), NS);
+        let adapters = tempfile::tempdir().unwrap();
+        let files: Vec<(String, u64, u64)> =
+            (0..ADAPTERS).map(|a| (format!("t{a:02}"), 8, a as u64)).collect();
+        let files: Vec<(&str, u64, u64)> = files.iter().map(|(n, r, s)| (n.as_str(), *r, *s)).collect();
+        model_residency::local::vllm::write_adapters(adapters.path(), "tuned", &files).unwrap();
         for i in 0..COPIES {
-            api.create(&PostParams::default(), &residency(i)).await.unwrap();
+            api.create(&PostParams::default(), &residency(i, adapters.path())).await.unwrap();
             let name = format!("gpu-{i}");
-            model_residency::residency::demand::load(&api, &name, "chat", k8s_openapi::jiff::Timestamp::now())
-                .await
-                .unwrap();
+            for model in ["chat", "tuned"] {
+                model_residency::residency::demand::load(&api, &name, model, k8s_openapi::jiff::Timestamp::now())
+                    .await
+                    .unwrap();
+            }
         }
         for i in 0..COPIES {
-            until_state_of(&api, &format!("gpu-{i}"), "chat", ModelState::Loaded, Duration::from_secs(60)).await;
+            for model in ["chat", "tuned"] {
+                until_state_of(&api, &format!("gpu-{i}"), model, ModelState::Loaded, Duration::from_secs(60)).await;
+            }
         }
         let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
         let addrs: Vec<SocketAddr> = pods
@@ -218,6 +327,31 @@ fn main() {
             ms(prefix.p50) / ms(base.p50),
             ms(prefix.p99) / ms(base.p99),
             prefix.per_sec / base.per_sec
+        );
+        let total = clients * requests;
+        println!(
+            "== adapter affinity: {COPIES} copies of a base model, {ADAPTERS} adapters (Zipf), 3 held per pod; {clients} clients x {requests} requests"
+        );
+        println!("{:<16} {:>14} {:>18} {:>9} {:>9} {:>6}", "router", "loads/request", "evictions/request", "p50 ms", "p99 ms", "busy");
+        let mut runs = Vec::new();
+        for affinity in [false, true] {
+            let r = adapter_run(&client, affinity, (clients, requests)).await;
+            println!(
+                "{:<16} {:>14.3} {:>18.3} {:>9.2} {:>9.2} {:>6}",
+                if affinity { "affinity" } else { "in-flight only" },
+                r.loads as f64 / total as f64,
+                r.evictions as f64 / total as f64,
+                ms(r.p50),
+                ms(r.p99),
+                r.busy
+            );
+            runs.push(r);
+        }
+        println!(
+            "affinity / in-flight only: loads {:.2}x, p50 {:.2}x, p99 {:.2}x",
+            runs[1].loads as f64 / runs[0].loads.max(1) as f64,
+            ms(runs[1].p50) / ms(runs[0].p50),
+            ms(runs[1].p99) / ms(runs[0].p99)
         );
     });
 }

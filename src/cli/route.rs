@@ -113,6 +113,7 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         balance: args.balance,
         max_buffered: args.max_buffered_bytes,
         forward_paths: args.forward_path,
+        adapter_affinity: true,
     };
     let workers = match args.workers {
         Some(n) => usize::from(n),

@@ -90,6 +90,10 @@ pub struct Config {
     /// Exact paths forwarded besides the inference APIs, for servers with
     /// APIs of their own (GET or POST, the model in `X-Model`).
     pub forward_paths: Vec<String>,
+    /// A request naming a LoRA adapter goes to a copy whose pod holds it,
+    /// when one does, before the balancing strategy's pick (on by
+    /// default; off only to measure what it saves, benches/balance.rs).
+    pub adapter_affinity: bool,
 }
 
 impl Default for Config {
@@ -107,6 +111,7 @@ impl Default for Config {
             balance: balance::Strategy::LeastInFlight,
             max_buffered: 96 << 20,
             forward_paths: Vec::new(),
+            adapter_affinity: true,
         }
     }
 }
@@ -431,7 +436,7 @@ impl Router {
             )));
         };
         // A copy that holds the adapter before one that does not.
-        if let Some(adapter) = adapter {
+        if let Some(adapter) = adapter.filter(|_| self.config.adapter_affinity) {
             let holding: Vec<Endpoint> = view
                 .ready
                 .iter()

@@ -181,6 +181,43 @@ fn chart_lints_and_renders_hardened_least_privilege_manifests() {
         .find(|r| r["resources"] == json!(["modelresidencies/status"]))
         .expect("a status rule");
     assert_eq!(status_rule["verbs"], json!(["patch"]));
+    let configmaps = |rules: &[Value]| {
+        rules
+            .iter()
+            .any(|r| r["resources"].as_array().unwrap().contains(&json!("configmaps")))
+    };
+    assert!(!configmaps(&rules), "no ConfigMaps by default");
+
+    // llm-d's adapter maps: the flag, and ConfigMaps for the controller.
+    let maps = documents(&render(
+        &helm,
+        RELEASE,
+        "mr-system",
+        &[
+            "--set",
+            "inferencePools.enabled=true",
+            "--set",
+            "inferencePools.llmdAdapterMaps=true",
+        ],
+    ));
+    let controller_args = of_kind(&maps, "Deployment")
+        .into_iter()
+        .find(|d| d["metadata"]["name"] == "mr-model-residency")
+        .map(|d| d["spec"]["template"]["spec"]["containers"][0]["args"].clone())
+        .unwrap();
+    assert!(
+        controller_args
+            .as_array()
+            .unwrap()
+            .contains(&json!("--llm-d-adapter-maps")),
+        "{controller_args}"
+    );
+    let map_rules: Vec<Value> = of_kind(&maps, "ClusterRole")
+        .into_iter()
+        .find(|r| r["metadata"]["name"] == "mr-model-residency")
+        .map(|r| r["rules"].as_array().unwrap().clone())
+        .unwrap();
+    assert!(configmaps(&map_rules), "ConfigMaps for the adapter maps");
 
     // Optional parts switch on and off.
     let with_monitor = documents(&render(
