@@ -195,6 +195,7 @@ async fn adapter_run(
     client: &kube::Client,
     affinity: bool,
     (clients, requests): (usize, usize),
+    dir: &std::path::Path,
 ) -> AdapterRun {
     let config = Config {
         namespace: Some(NS.into()),
@@ -212,6 +213,7 @@ async fn adapter_run(
     let mut tasks = Vec::new();
     for c in 0..clients {
         let mine: Vec<usize> = order[c * requests..(c + 1) * requests].to_vec();
+        let dir = dir.to_owned();
         tasks.push(tokio::spawn(async move {
             let mut times = Vec::with_capacity(mine.len());
             let mut busy = 0u64;
@@ -233,7 +235,13 @@ async fn adapter_run(
                     busy += 1;
                     continue;
                 }
-                assert_eq!(a.status, 200, "{}", a.body);
+                assert_eq!(
+                    a.status,
+                    200,
+                    "{} (its config on disk: {})",
+                    a.body,
+                    dir.join(format!("t{rank:02}/adapter_config.json")).exists()
+                );
                 times.push(t.elapsed());
             }
             (times, busy)
@@ -335,7 +343,7 @@ fn main() {
         println!("{:<16} {:>14} {:>18} {:>9} {:>9} {:>6}", "router", "loads/request", "evictions/request", "p50 ms", "p99 ms", "busy");
         let mut runs = Vec::new();
         for affinity in [false, true] {
-            let r = adapter_run(&client, affinity, (clients, requests)).await;
+            let r = adapter_run(&client, affinity, (clients, requests), adapters.path()).await;
             println!(
                 "{:<16} {:>14.3} {:>18.3} {:>9.2} {:>9.2} {:>6}",
                 if affinity { "affinity" } else { "in-flight only" },

@@ -143,7 +143,20 @@ impl Router {
         if hit() {
             return Ok(in_use());
         }
-        let plan = pod.slots.lock().expect("adapter slots").plan(&adapter.name);
+        // The victim leaves the view at once, under the lock that chose it:
+        // a request for it arriving during the unload call must not count
+        // it held and be sent to a server that is dropping it.
+        let plan = {
+            let mut slots = pod.slots.lock().expect("adapter slots");
+            let plan = slots.plan(&adapter.name);
+            if let AdapterPlan::Load {
+                evict: Some(victim),
+            } = &plan
+            {
+                slots.unloaded(victim);
+            }
+            plan
+        };
         let evict = match plan {
             AdapterPlan::Hit => None,
             AdapterPlan::Load { evict } => evict,
@@ -160,7 +173,6 @@ impl Router {
         let started = Instant::now();
         if let Some(victim) = evict {
             self.unload(endpoint, &victim).await?;
-            pod.slots.lock().expect("adapter slots").unloaded(&victim);
             self.metrics
                 .adapter_evictions
                 .get_or_create(&AdapterLabels {

@@ -91,8 +91,9 @@ pub struct Config {
     /// APIs of their own (GET or POST, the model in `X-Model`).
     pub forward_paths: Vec<String>,
     /// A request naming a LoRA adapter goes to a copy whose pod holds it,
-    /// when one does, before the balancing strategy's pick (on by
-    /// default; off only to measure what it saves, benches/balance.rs).
+    /// when one does, else to the adapter's home copy (a consistent hash
+    /// of its name), not the balancing strategy's pick (on by default; off
+    /// only to measure what it saves, benches/balance.rs).
     pub adapter_affinity: bool,
 }
 
@@ -364,7 +365,17 @@ impl Router {
                 )));
             }
             let in_use = match &adapter {
-                Some(a) => Some(self.adapter_in(&endpoint, a).await?),
+                Some(a) => match self.adapter_in(&endpoint, a).await {
+                    // Every slot of this pod busy serving: another copy,
+                    // once, before the client hears 503.
+                    Err(Refusal::ModelUnavailable { .. })
+                        if gone.is_none() && self.copies_of(target) > 1 =>
+                    {
+                        gone = Some(endpoint.pod.clone());
+                        continue;
+                    }
+                    held => Some(held?),
+                },
                 None => None,
             };
             match self
@@ -403,6 +414,15 @@ impl Router {
                 Ok(response) => return Ok(response),
             }
         }
+    }
+
+    /// How many Ready copies `model` has now.
+    fn copies_of(&self, model: &str) -> usize {
+        self.snapshot
+            .borrow()
+            .models
+            .get(model)
+            .map_or(0, |v| v.ready.len())
     }
 
     /// A Ready pod for `model` (not `avoid`): at once if there is one, else
@@ -447,8 +467,12 @@ impl Router {
                 return Ok((e, false));
             }
         }
-        // A copy that can load it (its files are on its node) before one
-        // that refuses it.
+        // Else the adapter's home copy among those that can load it (its
+        // files are on their nodes): a consistent hash of its name, with
+        // bounded loads, so each adapter tends to one copy and the copies'
+        // slots together hold more adapters than any one pod's (by the
+        // in-flight count alone, every miss on a quiet model would go to
+        // the same first copy).
         if let Some(adapter) = adapter {
             let able: Vec<Endpoint> = view
                 .ready
@@ -456,7 +480,12 @@ impl Router {
                 .filter(|e| e.refuses(adapter).is_none())
                 .cloned()
                 .collect();
-            if let Some(e) = self.choose(&able, avoid, key) {
+            let home = if self.config.adapter_affinity {
+                balance::pick(balance::Strategy::PrefixHash, &able, avoid, Some(adapter))
+            } else {
+                self.choose(&able, avoid, key)
+            };
+            if let Some(e) = home {
                 return Ok((e, false));
             }
         }

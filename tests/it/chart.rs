@@ -182,9 +182,12 @@ fn chart_lints_and_renders_hardened_least_privilege_manifests() {
         .expect("a status rule");
     assert_eq!(status_rule["verbs"], json!(["patch"]));
     let configmaps = |rules: &[Value]| {
-        rules
-            .iter()
-            .any(|r| r["resources"].as_array().unwrap().contains(&json!("configmaps")))
+        rules.iter().any(|r| {
+            r["resources"]
+                .as_array()
+                .unwrap()
+                .contains(&json!("configmaps"))
+        })
     };
     assert!(!configmaps(&rules), "no ConfigMaps by default");
 
