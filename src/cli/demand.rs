@@ -205,6 +205,10 @@ fn residents(
                 ""
             },
         );
+        // What its pod's server holds of its LoRA adapters.
+        if let Some(m) = m.filter(|m| !m.adapters.is_empty()) {
+            out += &format!("    adapters loaded: {}\n", m.adapters.join(", "));
+        }
     }
     out
 }
@@ -250,4 +254,21 @@ fn not_resident(
         out += "  (none)\n";
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_status_view_shows_the_adapters_a_model_pod_holds() {
+        let r: model_residency::api::ModelResidency = serde_json::from_value(serde_json::json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+            "metadata": {"name": "gpu-0"},
+            "spec": {"nodeName": "n", "device": "0", "budget": "10Gi", "models": [
+                {"name": "tiny", "size": "2Gi", "lora": {"adapters": [{"name": "a1", "rank": 8}]}}]},
+            "status": {"models": [{"name": "tiny", "state": "Loaded", "size": "2Gi",
+                "lastUsed": "2026-12-06T10:00:00Z", "adapters": ["a1", "p"]}]}}))
+        .unwrap();
+        let view = super::render_status(&r);
+        assert!(view.contains("    adapters loaded: a1, p\n"), "{view}");
+    }
 }
