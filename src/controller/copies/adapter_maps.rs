@@ -13,9 +13,8 @@ use super::{ModelKey, Scaler};
 use crate::api::ModelResidency;
 use crate::residency::labels::MANAGER;
 use k8s_openapi::api::core::v1::ConfigMap;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
-use kube::{Resource, ResourceExt};
+use kube::ResourceExt;
+use kube::api::{Api, ListParams, Patch, PatchParams};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
@@ -91,17 +90,7 @@ fn map_for(model: &str, ns: &str, base: &BaseModel) -> ConfigMap {
         (IPP_MANAGED_LABEL.to_owned(), "true".to_owned()),
         (ADAPTER_MAP_LABEL.to_owned(), model.to_owned()),
     ]));
-    map.metadata.owner_references = Some(
-        base.homes
-            .iter()
-            .filter_map(|r| {
-                let mut o: OwnerReference = r.controller_owner_ref(&())?;
-                o.controller = Some(false);
-                o.block_owner_deletion = None;
-                Some(o)
-            })
-            .collect(),
-    );
+    map.metadata.owner_references = Some(super::as_owners(&base.homes));
     map
 }
 
@@ -159,22 +148,7 @@ impl Scaler {
                 tracing::warn!(configmap = %name, error = %e, "adapter maps: could not apply");
             }
         }
-        for old in &existing {
-            let kept = wanted
-                .iter()
-                .any(|w| w.namespace() == old.namespace() && w.name_any() == old.name_any());
-            if kept {
-                continue;
-            }
-            let api: Api<ConfigMap> = Api::namespaced(
-                self.ctx.client.clone(),
-                &old.namespace().unwrap_or_default(),
-            );
-            self.ctx.metrics.api_request("delete", "configmaps");
-            if let Err(e) = api.delete(&old.name_any(), &DeleteParams::default()).await {
-                tracing::warn!(configmap = %old.name_any(), error = %e, "adapter maps: could not delete");
-            }
-        }
+        self.delete_unwanted(&existing, &wanted, "configmaps").await;
     }
 }
 

@@ -279,6 +279,54 @@ fn policy_of(
     })
 }
 
+/// The residencies that list a model, as owners (not controllers) of an
+/// object kept for it (its pool, route, adapter map): it goes with the
+/// last of them.
+fn as_owners<'a>(
+    homes: impl IntoIterator<Item = &'a Arc<ModelResidency>>,
+) -> Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference> {
+    use kube::Resource;
+    homes
+        .into_iter()
+        .filter_map(|r| {
+            let mut o = r.controller_owner_ref(&())?;
+            o.controller = Some(false);
+            o.block_owner_deletion = None;
+            Some(o)
+        })
+        .collect()
+}
+
+impl Scaler {
+    /// Deletes the objects of `existing` (the operator's, of `resource`)
+    /// that `wanted` does not name: what no model needs any more.
+    async fn delete_unwanted<K>(&self, existing: &[K], wanted: &[K], resource: &'static str)
+    where
+        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + serde::de::DeserializeOwned
+            + std::fmt::Debug,
+        K::DynamicType: Default,
+    {
+        for old in existing {
+            let kept = wanted
+                .iter()
+                .any(|w| w.namespace() == old.namespace() && w.name_any() == old.name_any());
+            if kept {
+                continue;
+            }
+            let api: Api<K> = Api::namespaced(
+                self.ctx.client.clone(),
+                &old.namespace().unwrap_or_default(),
+            );
+            self.ctx.metrics.api_request("delete", resource);
+            if let Err(e) = api.delete(&old.name_any(), &Default::default()).await {
+                tracing::warn!(name = %old.name_any(), resource, error = %e, "could not delete");
+            }
+        }
+    }
+}
+
 impl Scaler {
     /// Every router's in-flight counts, summed per model; `false` when one
     /// could not be read.

@@ -18,9 +18,8 @@ use crate::api::{
 use crate::controller::pod_cache::PodCache;
 use crate::controller::pods::{ModelPod, PodPhase};
 use crate::residency::labels::{MANAGER, MODEL_LABEL, POOL_MODEL_LABEL, SERVING_LABEL};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
-use kube::{Resource, ResourceExt};
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::ResourceExt;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
@@ -72,17 +71,7 @@ fn pool_for(
         POOL_MODEL_LABEL.to_owned(),
         model.to_owned(),
     )]));
-    pool.metadata.owner_references = Some(
-        homes
-            .iter()
-            .filter_map(|r| {
-                let mut o: OwnerReference = r.controller_owner_ref(&())?;
-                o.controller = Some(false);
-                o.block_owner_deletion = None;
-                Some(o)
-            })
-            .collect(),
-    );
+    pool.metadata.owner_references = Some(super::as_owners(homes.iter().copied()));
     pool
 }
 
@@ -254,22 +243,8 @@ impl Scaler {
             }
         }
         self.say_clashes(all, clashes).await;
-        for old in &existing {
-            let kept = wanted
-                .iter()
-                .any(|w| w.namespace() == old.namespace() && w.name_any() == old.name_any());
-            if kept {
-                continue;
-            }
-            let api: Api<InferencePool> = Api::namespaced(
-                self.ctx.client.clone(),
-                &old.namespace().unwrap_or_default(),
-            );
-            self.ctx.metrics.api_request("delete", "inferencepools");
-            if let Err(e) = api.delete(&old.name_any(), &DeleteParams::default()).await {
-                tracing::warn!(pool = %old.name_any(), error = %e, "pools: could not delete an InferencePool");
-            }
-        }
+        self.delete_unwanted(&existing, &wanted, "inferencepools")
+            .await;
     }
 }
 

@@ -24,10 +24,9 @@
 use super::{ModelKey, Scaler};
 use crate::api::ModelResidency;
 use crate::residency::labels::MANAGER;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
 use kube::core::GroupVersionKind;
-use kube::{Resource, ResourceExt};
+use kube::ResourceExt;
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -117,15 +116,7 @@ pub fn model_route(
     homes: &[Arc<ModelResidency>],
     config: &RouteConfig,
 ) -> Value {
-    let owners: Vec<OwnerReference> = homes
-        .iter()
-        .filter_map(|r| {
-            let mut o = r.controller_owner_ref(&())?;
-            o.controller = Some(false);
-            o.block_owner_deletion = None;
-            Some(o)
-        })
-        .collect();
+    let owners = super::as_owners(homes);
     json!({
         "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
         "metadata": {"name": model, "namespace": ns,
