@@ -116,6 +116,26 @@ struct Run {
     per_sec: f64,
 }
 
+/// A router of `config` serving on a loopback port once its watches have
+/// listed: its address, itself and its serving task.
+async fn start_router(
+    client: &kube::Client,
+    config: Config,
+) -> (
+    SocketAddr,
+    std::sync::Arc<Router>,
+    tokio::task::JoinHandle<()>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = Router::start(client.clone(), config);
+    let serving = tokio::spawn(router.clone().serve(listener));
+    while !router.ready() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (addr, router, serving)
+}
+
 async fn run(
     client: &kube::Client,
     strategy: Strategy,
@@ -127,13 +147,7 @@ async fn run(
         balance: strategy,
         ..Config::default()
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let router = Router::start(client.clone(), config);
-    let serving = tokio::spawn(router.clone().serve(listener));
-    while !router.ready() {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (addr, _router, serving) = start_router(client, config).await;
     let before = cache_counts(pods).await;
     let order = ranks(clients * requests, prompts);
     let started = Instant::now();
@@ -202,13 +216,7 @@ async fn adapter_run(
         adapter_affinity: affinity,
         ..Config::default()
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let router = Router::start(client.clone(), config);
-    let serving = tokio::spawn(router.clone().serve(listener));
-    while !router.ready() {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (addr, router, serving) = start_router(client, config).await;
     let order = ranks(clients * requests, ADAPTERS);
     let mut tasks = Vec::new();
     for c in 0..clients {

@@ -18,8 +18,8 @@ use crate::api::{
 use crate::controller::pod_cache::PodCache;
 use crate::controller::pods::{ModelPod, PodPhase};
 use crate::residency::labels::{MANAGER, MODEL_LABEL, POOL_MODEL_LABEL, SERVING_LABEL};
-use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::ResourceExt;
+use kube::api::{Api, ListParams, Patch, PatchParams};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 

@@ -24,9 +24,9 @@
 use super::{ModelKey, Scaler};
 use crate::api::ModelResidency;
 use crate::residency::labels::MANAGER;
+use kube::ResourceExt;
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
 use kube::core::GroupVersionKind;
-use kube::ResourceExt;
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
