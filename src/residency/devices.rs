@@ -46,8 +46,8 @@ impl Device {
 }
 
 /// The devices of each slice as one list, by node and name, each once.
-pub fn all_devices<'a>(per_slice: impl Iterator<Item = &'a Vec<Device>>) -> Vec<Device> {
-    let mut out: Vec<Device> = per_slice.flatten().cloned().collect();
+pub fn all_devices<'a>(per_slice: impl Iterator<Item = &'a Vec<Arc<Device>>>) -> Vec<Arc<Device>> {
+    let mut out: Vec<Arc<Device>> = per_slice.flatten().cloned().collect();
     out.sort_by(|a, b| (&a.node, &a.name).cmp(&(&b.node, &b.name)));
     out.dedup_by(|a, b| a.node == b.node && a.name == b.name && a.driver == b.driver);
     out
@@ -55,7 +55,7 @@ pub fn all_devices<'a>(per_slice: impl Iterator<Item = &'a Vec<Device>>) -> Vec<
 
 /// The devices one slice publishes, if it is a node's (a slice of devices
 /// every node reaches publishes none a set can stamp).
-pub fn slice_devices(s: &ResourceSlice) -> Vec<Device> {
+pub fn slice_devices(s: &ResourceSlice) -> Vec<Arc<Device>> {
     let mut out = Vec::new();
     let spec = &s.spec;
     let Some(node) = spec.node_name.clone() else {
@@ -87,14 +87,14 @@ pub fn slice_devices(s: &ResourceSlice) -> Vec<Device> {
                 Some((unqualified(k, &spec.driver), parse_bytes(&c.value.0).ok()?))
             })
             .collect();
-        out.push(Device {
+        out.push(Arc::new(Device {
             node: node.clone(),
             driver: spec.driver.clone(),
             pool: spec.pool.name.clone(),
             name: d.name.clone(),
             attributes,
             capacity,
-        });
+        }));
     }
     out
 }
