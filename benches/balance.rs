@@ -136,6 +136,18 @@ async fn start_router(
     (addr, router, serving)
 }
 
+/// A chat completion to `addr`: the answer and its time.
+async fn chat(
+    addr: SocketAddr,
+    body: &serde_json::Value,
+) -> (model_residency::http::Answer, Duration) {
+    let t = Instant::now();
+    let a = model_residency::http::send(addr, "POST", "/v1/chat/completions", &body.to_string())
+        .await
+        .unwrap();
+    (a, t.elapsed())
+}
+
 async fn run(
     client: &kube::Client,
     strategy: Strategy,
@@ -162,17 +174,9 @@ async fn run(
                 let body = json!({"model": "chat", "messages": [
                     {"role": "system", "content": &system[..120]},
                     {"role": "user", "content": format!("question {c}-{k}")}]});
-                let t = Instant::now();
-                let a = model_residency::http::send(
-                    addr,
-                    "POST",
-                    "/v1/chat/completions",
-                    &body.to_string(),
-                )
-                .await
-                .unwrap();
+                let (a, took) = chat(addr, &body).await;
                 assert_eq!(a.status, 200, "{}", a.body);
-                times.push(t.elapsed());
+                times.push(took);
             }
             times
         }));
@@ -228,15 +232,7 @@ async fn adapter_run(
             for rank in mine {
                 let body = json!({"model": format!("t{rank:02}"), "max_tokens": 1,
                     "messages": [{"role": "user", "content": "hello"}]});
-                let t = Instant::now();
-                let a = model_residency::http::send(
-                    addr,
-                    "POST",
-                    "/v1/chat/completions",
-                    &body.to_string(),
-                )
-                .await
-                .unwrap();
+                let (a, took) = chat(addr, &body).await;
                 // Every slot of the chosen pod busy serving: 503 with
                 // Retry-After, counted.
                 if a.status == 503 {
@@ -250,7 +246,7 @@ async fn adapter_run(
                     a.body,
                     dir.join(format!("t{rank:02}/adapter_config.json")).exists()
                 );
-                times.push(t.elapsed());
+                times.push(took);
             }
             (times, busy)
         }));
