@@ -21,9 +21,40 @@ pub struct Device {
     /// Its name in the slice (`gpu-0`).
     pub name: String,
     /// Attributes by their name within the driver's domain.
-    pub attributes: BTreeMap<String, serde_json::Value>,
+    pub attributes: Fields<serde_json::Value>,
     /// Capacities in bytes (memory) or units.
-    pub capacity: BTreeMap<String, u64>,
+    pub capacity: Fields<u64>,
+}
+
+/// A device's few named fields, sorted by name in one boxed slice: a
+/// BTreeMap's first node holds room for eleven entries, which at 10,000
+/// devices of five attributes and one capacity was most of the 1.1 KB each
+/// took.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fields<V>(Box<[(String, V)]>);
+
+impl<V> Fields<V> {
+    pub fn get(&self, name: &str) -> Option<&V> {
+        self.0
+            .binary_search_by(|(k, _)| k.as_str().cmp(name))
+            .ok()
+            .map(|i| &self.0[i].1)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &V)> {
+        self.0.iter().map(|(k, v)| (k, v))
+    }
+}
+
+impl<V> FromIterator<(String, V)> for Fields<V> {
+    /// Sorted by name; of two with one name the last stands, as in a map.
+    fn from_iter<I: IntoIterator<Item = (String, V)>>(fields: I) -> Self {
+        let mut all: Vec<(String, V)> = fields.into_iter().collect();
+        all.reverse();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all.dedup_by(|later, first| later.0 == first.0);
+        Fields(all.into_boxed_slice())
+    }
 }
 
 impl Device {
@@ -250,6 +281,23 @@ pub fn stamped_name(set: &str, node: &str, device: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn fields_are_found_by_name_and_the_last_of_a_name_stands() {
+        let f: Fields<u64> = [
+            ("b".to_owned(), 1),
+            ("a".to_owned(), 2),
+            ("b".to_owned(), 3),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(
+            (f.get("a"), f.get("b"), f.get("c")),
+            (Some(&2), Some(&3), None)
+        );
+        let names: Vec<&String> = f.iter().map(|(k, _)| k).collect();
+        assert_eq!(names, ["a", "b"]);
+    }
+
     use super::*;
     use serde_json::json;
 
