@@ -157,30 +157,26 @@ fn adapter_events(before: Option<&ModelStatus>, m: &ModelStatus) -> Vec<ModelEve
         return Vec::new();
     }
     let pod = m.pod.as_deref().unwrap_or_default();
-    let list = |names: Vec<&str>| names.join(", ");
-    let loaded: Vec<&str> = m
-        .adapters
-        .iter()
-        .filter(|a| !before.adapters.contains(a))
-        .map(|a| &**a)
-        .collect();
-    let gone: Vec<&str> = before
-        .adapters
-        .iter()
-        .filter(|a| !m.adapters.contains(a))
-        .map(|a| &**a)
-        .collect();
+    // The names of `these` that `those` lacks, comma-separated.
+    let missing = |these: &[Box<str>], those: &[Box<str>]| {
+        let names: Vec<&str> = these
+            .iter()
+            .filter(|a| !those.contains(a))
+            .map(|a| &**a)
+            .collect();
+        (!names.is_empty()).then(|| names.join(", "))
+    };
     let mut out = Vec::new();
-    if !loaded.is_empty() {
-        let message = format!("pod {pod}'s server holds {} now", list(loaded));
+    if let Some(loaded) = missing(&m.adapters, &before.adapters) {
+        let message = format!("pod {pod}'s server holds {loaded} now");
         out.push(ModelEvent::about(
             &m.name,
             EventReason::AdapterLoaded,
             message,
         ));
     }
-    if !gone.is_empty() {
-        let message = format!("pod {pod}'s server no longer holds {}", list(gone));
+    if let Some(gone) = missing(&before.adapters, &m.adapters) {
+        let message = format!("pod {pod}'s server no longer holds {gone}");
         out.push(ModelEvent::about(
             &m.name,
             EventReason::AdapterUnloaded,
