@@ -94,6 +94,7 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
         name: String::new(),
         size: ByteQuantity(size),
         pinned,
+        gpus: None,
         // Now and then an idle timeout of its own.
         artifact: None,
         copies: None,
@@ -272,6 +273,7 @@ fn pods() -> impl Strategy<Value = Vec<ModelPod>> {
             draining: false,
             retire_at: None,
             adapters: None,
+            gang: None,
         });
     prop::collection::vec(pod, 0..6)
 }
@@ -468,6 +470,7 @@ fn warm_case() -> impl Strategy<Value = (ModelResidency, Vec<ModelPod>)> {
                             draining: false,
                             retire_at: None,
                             adapters: None,
+                            gang: None,
                         });
                     }
                     json!({"name": n, "state": state, "size": format!("{gib}Gi"), "reason": reason,

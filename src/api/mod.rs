@@ -186,6 +186,20 @@ pub struct ModelSpec {
     /// unload or a registry removal takes it out).
     #[serde(default)]
     pub pinned: bool,
+    /// GPUs of one node this model spans at once (tensor parallel N). 2 or
+    /// more makes it a gang: loaded on that many GPUs of one node at once,
+    /// by one pod holding them all, only when every one of them has room
+    /// (evicting each GPU's least recently used models), and evicted,
+    /// unloaded and requested as one. `size` is what it holds on EACH of
+    /// its GPUs (as a server's --gpu-memory-utilization is per GPU) and is
+    /// charged to each one's budget. The residencies of one namespace and
+    /// node that list it are the GPUs it may use; the pod learns its GPUs
+    /// from the environment (RESIDENCY_GANG_SIZE, RESIDENCY_GANG_DEVICES)
+    /// and one ResourceClaim reference per GPU in claim mode. Default 1.
+    /// A gang may not declare sleep, copies, lora or artifact (yet).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 16))]
+    pub gpus: Option<u8>,
     /// This model's idle time before it is unloaded (overrides
     /// spec.keepAlive; "0s" never unloads it for idleness).
     #[serde(default, skip_serializing_if = "Option::is_none")]

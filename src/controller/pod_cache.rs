@@ -18,6 +18,7 @@
 
 use super::pods::ModelPod;
 use crate::api::ModelResidency;
+use crate::residency::gangs::{GANG_MEMBERS_ANNOTATION, pod_members};
 use crate::residency::labels::RESIDENCY_LABEL;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -32,8 +33,11 @@ type Key = (Box<str>, Box<str>);
 #[derive(Clone, Debug)]
 struct Entry {
     pod: ModelPod,
-    /// Uid of the ModelResidency named in the pod's owner references.
+    /// Uid of this residency as the pod's owner references name it.
     owner: Option<Box<str>>,
+    /// A gang's pod seen from a member other than the one its residency
+    /// label names: visited once, from that one.
+    secondary: bool,
 }
 
 /// A residency has a handful of pods, so a vector (one slot each) rather
@@ -81,28 +85,57 @@ pub(super) fn resource_version_of(meta: &ObjectMeta) -> u64 {
         .unwrap_or(0)
 }
 
-/// The residency a pod belongs to, with its summary; `None` for pods the
+/// The residencies a pod belongs to, with its summary: the one its
+/// residency label names and, for a gang's pod, every other member its
+/// [`GANG_MEMBERS_ANNOTATION`] names (the pod holds VRAM on each member's
+/// GPU, so each member's budget gate must see it). Empty for pods the
 /// operator does not read (no residency or model label, no name).
-fn entry(pod: &Pod) -> Option<(Key, Entry)> {
-    let residency = pod.metadata.labels.as_ref()?.get(RESIDENCY_LABEL)?;
-    let key = (
-        pod.metadata.namespace.as_deref()?.into(),
-        residency.as_str().into(),
-    );
-    let owner = pod
+fn entries(pod: &Pod) -> Vec<(Key, Entry)> {
+    let Some(residency) = pod
         .metadata
-        .owner_references
-        .iter()
-        .flatten()
-        .find(|o| o.kind == "ModelResidency")
-        .map(|o| o.uid.as_str().into());
-    Some((
-        key,
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(RESIDENCY_LABEL))
+    else {
+        return Vec::new();
+    };
+    let (Some(namespace), Some(summary)) =
+        (pod.metadata.namespace.as_deref(), ModelPod::from_pod(pod))
+    else {
+        return Vec::new();
+    };
+    let owner_named = |name: &str| {
+        pod.metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .find(|o| o.kind == "ModelResidency" && o.name == name)
+            .map(|o| o.uid.as_str().into())
+    };
+    let gang = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(GANG_MEMBERS_ANNOTATION));
+    let mut out = vec![(
+        (namespace.into(), residency.as_str().into()),
         Entry {
-            pod: ModelPod::from_pod(pod)?,
-            owner,
+            pod: summary.clone(),
+            owner: owner_named(residency),
+            secondary: false,
         },
-    ))
+    )];
+    for member in gang.map(|g| pod_members(g)).into_iter().flatten() {
+        if member != residency.as_str() {
+            let entry = Entry {
+                pod: summary.clone(),
+                owner: owner_named(member),
+                secondary: true,
+            };
+            out.push(((namespace.into(), member.into()), entry));
+        }
+    }
+    out
 }
 
 fn residency_ref(key: &Key) -> ObjectRef<ModelResidency> {
@@ -151,7 +184,7 @@ impl PodCache {
         match event {
             watcher::Event::Apply(pod) | watcher::Event::Delete(pod) => {
                 inner.seen = inner.seen.max(resource_version(pod));
-                if let Some((key, e)) = entry(pod) {
+                for (key, e) in entries(pod) {
                     touched.push(residency_ref(&key));
                     if matches!(event, watcher::Event::Apply(_)) {
                         insert(&mut inner.live, key, e);
@@ -163,7 +196,7 @@ impl PodCache {
             watcher::Event::Init => inner.relisting = Some(Pods::new()),
             watcher::Event::InitApply(pod) => {
                 inner.seen = inner.seen.max(resource_version(pod));
-                if let Some((key, e)) = entry(pod) {
+                for (key, e) in entries(pod) {
                     touched.push(residency_ref(&key));
                     let buffer = inner.relisting.get_or_insert_with(Pods::new);
                     insert(buffer, key.clone(), e.clone());
@@ -206,7 +239,7 @@ impl PodCache {
         }
         let inner = self.inner.lock().unwrap();
         for ((namespace, residency), pods) in &inner.live {
-            for e in pods {
+            for e in pods.iter().filter(|e| !e.secondary) {
                 visit(namespace, residency, &e.pod);
             }
         }
@@ -232,10 +265,10 @@ impl PodCache {
     /// unless the watch has already delivered it.
     pub fn created(&self, pod: &Pod) {
         let mut inner = self.inner.lock().unwrap();
-        if resource_version(pod) > inner.seen
-            && let Some((key, e)) = entry(pod)
-        {
-            insert(&mut inner.live, key, e);
+        if resource_version(pod) > inner.seen {
+            for (key, e) in entries(pod) {
+                insert(&mut inner.live, key, e);
+            }
         }
     }
 
@@ -243,12 +276,24 @@ impl PodCache {
     /// more, it is terminating (and still holds VRAM).
     pub fn deleting(&self, namespace: &str, residency: &str, pod: &str) {
         let mut inner = self.inner.lock().unwrap();
-        if let Some(e) = inner
+        let gang = inner
             .live
-            .get_mut(&(namespace.into(), residency.into()))
-            .and_then(|list| list.iter_mut().find(|e| &*e.pod.name == pod))
-        {
-            e.pod.deleting = true;
+            .get(&(namespace.into(), residency.into()))
+            .and_then(|list| list.iter().find(|e| &*e.pod.name == pod))
+            .and_then(|e| e.pod.gang.clone());
+        // A gang's pod is every member's: terminating for each of them.
+        let members: Vec<Box<str>> = match &gang {
+            Some(g) => pod_members(g).map(Into::into).collect(),
+            None => vec![residency.into()],
+        };
+        for member in members {
+            if let Some(e) = inner
+                .live
+                .get_mut(&(namespace.into(), member))
+                .and_then(|list| list.iter_mut().find(|e| &*e.pod.name == pod))
+            {
+                e.pod.deleting = true;
+            }
         }
     }
 }

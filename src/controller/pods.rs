@@ -3,6 +3,9 @@
 
 use crate::api::{LoraSpec, ModelResidency, ModelSpec};
 use crate::engine::Bytes;
+use crate::residency::gangs::{
+    GANG_DEVICES_ENV, GANG_MEMBERS_ANNOTATION, GANG_SIZE_ENV, GangPlacement,
+};
 use crate::residency::gpu::{Access, CLAIM_REQUEST, Placement};
 use crate::residency::labels::{
     DEVICE_ANNOTATION, GPU_ACCESS_ANNOTATION, MODEL_LABEL, NODE_ANNOTATION, RESIDENCY_LABEL,
@@ -103,6 +106,9 @@ pub struct ModelPod {
     /// The LoRA adapters its server said it holds
     /// ([`ADAPTERS_ANNOTATION`](crate::residency::labels::ADAPTERS_ANNOTATION)).
     pub adapters: Option<Box<str>>,
+    /// A gang's pod: its members, head first
+    /// ([`GANG_MEMBERS_ANNOTATION`](crate::residency::gangs::GANG_MEMBERS_ANNOTATION)).
+    pub gang: Option<Box<str>>,
 }
 
 impl ModelPod {
@@ -180,6 +186,7 @@ impl ModelPod {
             draining: labels.contains_key(crate::residency::labels::DRAINING_LABEL),
             retire_at: annotation(crate::residency::labels::RETIRE_ANNOTATION).map(Into::into),
             adapters: annotation(crate::residency::labels::ADAPTERS_ANNOTATION).map(Into::into),
+            gang: annotation(crate::residency::gangs::GANG_MEMBERS_ANNOTATION).map(Into::into),
         })
     }
 }
@@ -336,6 +343,105 @@ fn give_gpu(spec: &mut PodSpec, residency: &ModelResidency, gpu: &Placement) {
         }
         if c.env.as_ref().is_some_and(Vec::is_empty) {
             c.env = None;
+        }
+    }
+}
+
+/// Makes `pod`, built by its head for its own GPU ([`build_pod`]), the
+/// pod of gang `gang`: owned by every member (each member's reconcile sees
+/// it as its own), named by the members' annotation, and given every
+/// member's GPU: a claim reference per member in claim mode (`gpu` the
+/// head's, `gpu-1`, `gpu-2`, ... the others', in member order), all the
+/// members' devices in NVIDIA_VISIBLE_DEVICES in env mode, N of the
+/// extended resource in devicePlugin mode (the device plugin picks them).
+/// The containers that get the GPU also learn the gang's width and its
+/// devices ([`GANG_SIZE_ENV`], [`GANG_DEVICES_ENV`]), e.g. for
+/// `--tensor-parallel-size=$(RESIDENCY_GANG_SIZE)`.
+pub fn make_gang_pod(
+    pod: &mut Pod,
+    residency: &ModelResidency,
+    gpu: &Placement,
+    owner: &OwnerReference,
+    gang: &GangPlacement,
+) {
+    let me = residency.metadata.name.as_deref().unwrap_or_default();
+    let meta = &mut pod.metadata;
+    meta.annotations
+        .get_or_insert_with(Default::default)
+        .insert(GANG_MEMBERS_ANNOTATION.into(), gang.names());
+    let owners = meta.owner_references.get_or_insert_with(Vec::new);
+    for m in gang.members.iter().filter(|m| m.residency != me) {
+        owners.push(OwnerReference {
+            name: m.residency.clone(),
+            uid: m.uid.clone(),
+            controller: None,
+            ..owner.clone()
+        });
+    }
+    let width = gang.members.len();
+    let devices: Vec<&str> = gang
+        .members
+        .iter()
+        .map(|m| m.device.as_deref().unwrap_or("?"))
+        .collect();
+    let Some(spec) = pod.spec.as_mut() else {
+        return;
+    };
+    let others: Vec<(String, String)> = gang
+        .members
+        .iter()
+        .filter(|m| m.residency != me)
+        .enumerate()
+        .filter_map(|(i, m)| Some((format!("{CLAIM_REQUEST}-{}", i + 1), m.claim.clone()?)))
+        .collect();
+    if let Access::Claim { .. } = &gpu.access {
+        let claims = spec.resource_claims.get_or_insert_with(Vec::new);
+        for (name, claim) in &others {
+            claims.push(PodResourceClaim {
+                name: name.clone(),
+                resource_claim_name: Some(claim.clone()),
+                resource_claim_template_name: None,
+            });
+        }
+    }
+    let chosen = &residency.spec.gpu;
+    for c in spec
+        .containers
+        .iter_mut()
+        .filter(|c| chosen.gives_to(&c.name))
+    {
+        let env = c.env.get_or_insert_with(Vec::new);
+        env.retain(|e| e.name != GANG_SIZE_ENV && e.name != GANG_DEVICES_ENV);
+        let var = |name: &str, value: String| EnvVar {
+            name: name.into(),
+            value: Some(value),
+            value_from: None,
+        };
+        env.push(var(GANG_SIZE_ENV, width.to_string()));
+        env.push(var(GANG_DEVICES_ENV, devices.join(",")));
+        match &gpu.access {
+            Access::Env => {
+                for e in env.iter_mut().filter(|e| e.name == DEVICE_ENV) {
+                    e.value = Some(devices.join(","));
+                }
+            }
+            Access::DevicePlugin { resource } => {
+                let resources = c.resources.get_or_insert_with(Default::default);
+                for list in [&mut resources.limits, &mut resources.requests] {
+                    list.get_or_insert_with(Default::default)
+                        .insert(resource.clone(), Quantity(width.to_string()));
+                }
+            }
+            Access::Claim { .. } => {
+                let resources = c.resources.get_or_insert_with(Default::default);
+                let claims = resources.claims.get_or_insert_with(Vec::new);
+                for (name, _) in &others {
+                    claims.push(ResourceClaim {
+                        name: name.clone(),
+                        request: None,
+                    });
+                }
+            }
         }
     }
 }

@@ -72,6 +72,7 @@ fn model(template: serde_json::Value) -> ModelSpec {
         name: "zimage".into(),
         size: ByteQuantity("1Gi".into()),
         pinned: false,
+        gpus: None,
         artifact: None,
         keep_alive: None,
         template: Some(template.into()),
@@ -241,4 +242,91 @@ fn unusable_templates_are_reported() {
     r.spec.gpu.containers = Some(vec!["sever".into()]);
     let err = build(&r, json!({"spec": {"containers": [{"name": "server"}]}})).unwrap_err();
     assert!(err.contains("spec.gpu.containers names \"sever\""), "{err}");
+}
+
+#[test]
+fn a_gang_pod_is_every_members_and_gets_every_members_gpu() {
+    use crate::residency::gangs::{GangMember, GangPlacement};
+    let r = residency();
+    let t = json!({"spec": {"containers": [
+        {"name": "server", "image": "img"},
+        {"name": "sidecar", "image": "img"}
+    ]}});
+    let member = |name: &str, device: &str| GangMember {
+        residency: name.into(),
+        uid: format!("u-{name}"),
+        device: Some(device.into()),
+        claim: Some(format!("{name}-gpu")),
+    };
+    let gang = GangPlacement {
+        members: vec![member("gpu0", "GPU-1234"), member("gpu3", "GPU-9")],
+        ready: true,
+        at: String::new(),
+    };
+    // Env mode: every member's device in NVIDIA_VISIBLE_DEVICES.
+    let mut pod = build(&r, t.clone()).unwrap();
+    make_gang_pod(&mut pod, &r, &assumed(&r), &owner(), &gang);
+    let meta = &pod.metadata;
+    assert_eq!(
+        meta.annotations.as_ref().unwrap()[GANG_MEMBERS_ANNOTATION],
+        "gpu0,gpu3"
+    );
+    let owners: Vec<(&str, Option<bool>)> = meta
+        .owner_references
+        .iter()
+        .flatten()
+        .map(|o| (o.name.as_str(), o.controller))
+        .collect();
+    assert_eq!(owners, [("gpu0", Some(true)), ("gpu3", None)]);
+    let spec = pod.spec.as_ref().unwrap();
+    let env = |c: &Container, name: &str| {
+        c.env
+            .iter()
+            .flatten()
+            .find(|e| e.name == name)
+            .and_then(|e| e.value.clone())
+    };
+    assert_eq!(
+        env(&spec.containers[0], DEVICE_ENV).as_deref(),
+        Some("GPU-1234,GPU-9")
+    );
+    assert_eq!(
+        env(&spec.containers[0], GANG_SIZE_ENV).as_deref(),
+        Some("2")
+    );
+    assert_eq!(
+        env(&spec.containers[0], GANG_DEVICES_ENV).as_deref(),
+        Some("GPU-1234,GPU-9")
+    );
+    // The GPU goes to every container unless spec.gpu.containers names them.
+    assert_eq!(
+        env(&spec.containers[1], GANG_SIZE_ENV).as_deref(),
+        Some("2")
+    );
+    // Claim mode: one claim reference per member, the head's first.
+    let mut claimed = r.clone();
+    claimed.spec.gpu.mode = GpuMode::Claim;
+    let gpu = Placement {
+        access: Access::Claim {
+            claim: "gpu0-gpu".into(),
+        },
+        ..assumed(&r)
+    };
+    let mut pod = build_pod(&claimed, &owner(), &model(t), 1 << 30, &gpu).unwrap();
+    make_gang_pod(&mut pod, &claimed, &gpu, &owner(), &gang);
+    let spec = pod.spec.unwrap();
+    let claims: Vec<(&str, &str)> = spec
+        .resource_claims
+        .iter()
+        .flatten()
+        .map(|c| (c.name.as_str(), c.resource_claim_name.as_deref().unwrap()))
+        .collect();
+    assert_eq!(claims, [("gpu", "gpu0-gpu"), ("gpu-1", "gpu3-gpu")]);
+    let used: Vec<&str> = spec.containers[0]
+        .resources
+        .iter()
+        .flat_map(|r| r.claims.iter().flatten())
+        .map(|c| c.name.as_str())
+        .collect();
+    assert_eq!(used, ["gpu", "gpu-1"]);
 }

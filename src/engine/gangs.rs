@@ -147,6 +147,15 @@ impl NodeGpus {
         }
     }
 
+    /// Records when `name` was last used on `gpu`, on a scale of the
+    /// caller's (a replay's node clock, or nanoseconds of recorded times):
+    /// what ranks GPUs by the recency of the models a gang would evict
+    /// there, for a node rebuilt from its GPUs' statuses.
+    pub fn used_at(&mut self, gpu: usize, name: &str, at: u64) {
+        self.clock = self.clock.max(at);
+        self.touched.insert((gpu, name.to_owned()), at);
+    }
+
     pub fn gpus(&self) -> &[Engine] {
         &self.gpus
     }

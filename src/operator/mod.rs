@@ -7,6 +7,7 @@
 //! decides and does is the controllers' business.
 
 mod catalogs;
+pub mod gangs;
 
 use catalogs::*;
 
@@ -49,6 +50,7 @@ pub async fn run(
     let (claim_tx, claim_rx) = futures::channel::mpsc::unbounded();
     let (changed_tx, changed_rx) = futures::channel::mpsc::unbounded();
     let (set_tx, set_rx) = futures::channel::mpsc::unbounded();
+    let (gang_tx, gang_rx) = futures::channel::mpsc::unbounded();
     let (handed_back_tx, handed_back_rx) = futures::channel::mpsc::unbounded();
     // A residency whose sleeps and wakes were asked is reconciled again
     // when they end.
@@ -78,9 +80,12 @@ pub async fn run(
         &ctx,
         residencies,
         writer,
-        claim_tx,
-        model_demands.is_some().then_some(changed_tx),
-        set_tx,
+        Told {
+            claim_tx,
+            changed_tx: model_demands.is_some().then_some(changed_tx),
+            set_tx,
+            gang_tx,
+        },
         lane.clone(),
     );
     // At most this many reconciles at once: each holds an API connection
@@ -108,6 +113,11 @@ pub async fn run(
         namespace.clone(),
         store.clone(),
         ctx.copies.clone(),
+    )));
+    let _gangs = AbortOnDrop(tokio::spawn(gangs::run(
+        ctx.clone(),
+        store.clone(),
+        gang_rx,
     )));
     let _sleep_audit = AbortOnDrop(tokio::spawn(crate::controller::sleep_audit::run(
         ctx.clone(),
@@ -139,6 +149,17 @@ pub async fn run(
     lane.finish().await;
 }
 
+/// Who the residency watch tells of changes: the residencies sharing a
+/// GPU (`claim_tx`), the ModelDemand controller when it runs
+/// (`changed_tx`), the ResidencySet controller (`set_tx`) and the gang
+/// coordinator (`gang_tx`).
+struct Told {
+    claim_tx: futures::channel::mpsc::UnboundedSender<ObjectRef<ModelResidency>>,
+    changed_tx: Option<futures::channel::mpsc::UnboundedSender<ObjectRef<ModelResidency>>>,
+    set_tx: futures::channel::mpsc::UnboundedSender<ObjectRef<crate::api::ResidencySet>>,
+    gang_tx: futures::channel::mpsc::UnboundedSender<ObjectRef<ModelResidency>>,
+}
+
 /// The residency watch: compacted into the cache, recording deletions and
 /// GPU claims (and waking the residencies sharing a GPU with one that
 /// changed), telling the ModelDemand controller (`changed`, when it runs)
@@ -148,11 +169,15 @@ fn residency_events(
     ctx: &Arc<Context>,
     residencies: Api<ModelResidency>,
     writer: reflector::store::Writer<ModelResidency>,
-    claim_tx: futures::channel::mpsc::UnboundedSender<ObjectRef<ModelResidency>>,
-    changed_tx: Option<futures::channel::mpsc::UnboundedSender<ObjectRef<ModelResidency>>>,
-    set_tx: futures::channel::mpsc::UnboundedSender<ObjectRef<crate::api::ResidencySet>>,
+    told: Told,
     offered: Arc<fast_lane::FastLane>,
 ) -> impl futures::Stream<Item = Result<ModelResidency, watcher::Error>> + Send + use<> {
+    let Told {
+        claim_tx,
+        changed_tx,
+        set_tx,
+        gang_tx,
+    } = told;
     let cached = writer.as_reader();
     let relisted_tx = claim_tx.clone();
     watcher(residencies, ctx.initial_list.config())
@@ -200,6 +225,8 @@ fn residency_events(
                 if let Some(changed_tx) = &changed_tx {
                     let _ = changed_tx.unbounded_send(ObjectRef::from_obj(r));
                 }
+                // The gang coordinator looks at the nodes with gangs.
+                let _ = gang_tx.unbounded_send(ObjectRef::from_obj(r));
                 // A stamped residency's change is its set's to count.
                 if let Some(set) = residency_set::set_of(r) {
                     let _ = set_tx.unbounded_send(set);

@@ -4,7 +4,7 @@
 //! or unloads a model (`demand`), where its GPU is and how its pods get it (`gpu`), the names on its pods (`labels`),
 //! where a model's load or its next copy goes (`placement`), and its
 //! registry with the ModelCatalog it names (`catalog`), the LoRA adapters
-//! it can never serve (`adapters`).
+//! it can never serve (`adapters`), the gangs placed on its GPU (`gangs`).
 //! The operator, the router, the node agent and the CLI all build on this;
 //! none of it knows the reconciler. No I/O but the demand merge patch.
 
@@ -13,6 +13,7 @@ pub mod catalog;
 pub mod conditions;
 pub mod demand;
 pub mod devices;
+pub mod gangs;
 pub mod gpu;
 pub mod labels;
 pub mod placement;

@@ -88,6 +88,21 @@ pub enum Reason {
     NoEvictableRoom,
     /// Refused: not in the registry.
     UnknownModel,
+    /// A gang (`gpus: N`) requested here, waiting for the operator to
+    /// place it on N GPUs of its node that can all make room.
+    GangPlacing,
+    /// A gang placed here, waiting for its other GPUs to make room before
+    /// its pod starts.
+    GangWaiting,
+    /// A gang on this GPU whose pod another residency of the gang (its
+    /// head, the first GPU) starts and replaces.
+    GangMember,
+    /// A gang's pod went away (a member let the gang go, or someone
+    /// deleted it): the coordinator takes the gang off every member.
+    GangPodLost,
+    /// Refused: no N GPUs of the node could ever hold the gang (each GPU's
+    /// reason in the message).
+    GangRefused,
 }
 
 impl Reason {
@@ -130,6 +145,11 @@ impl Reason {
             Reason::LargerThanBudget => "LargerThanBudget",
             Reason::NoEvictableRoom => "NoEvictableRoom",
             Reason::UnknownModel => "UnknownModel",
+            Reason::GangPlacing => "GangPlacing",
+            Reason::GangWaiting => "GangWaiting",
+            Reason::GangMember => "GangMember",
+            Reason::GangRefused => "GangRefused",
+            Reason::GangPodLost => "GangPodLost",
         }
     }
 }

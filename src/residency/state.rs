@@ -40,6 +40,12 @@ pub enum InvalidSpec {
     KeepAlive { field: String, value: String },
     #[error("{0}")]
     Warm(String),
+    #[error("spec.models[{model}]: a model of gpus: {gpus} {problem}")]
+    Gang {
+        model: String,
+        gpus: u8,
+        problem: &'static str,
+    },
     #[error("spec.demand.{model}: {value:?} is not an RFC 3339 time: {problem}")]
     RequestTime {
         model: String,
@@ -207,6 +213,30 @@ fn validate_model(
             field: format!("spec.models[{}].loadTime", m.name),
             value: t.to_string(),
         });
+    }
+    if let Some(gpus) = m.gpus {
+        let gang = |problem| InvalidSpec::Gang {
+            model: m.name.clone(),
+            gpus,
+            problem,
+        };
+        if gpus == 0 || gpus > 16 {
+            return Err(gang("is out of range: 1 to 16 GPUs"));
+        }
+        if gpus > 1 {
+            if m.sleep.is_some() {
+                return Err(gang("cannot declare sleep yet"));
+            }
+            if m.copies.is_some() {
+                return Err(gang("cannot declare copies yet"));
+            }
+            if m.lora.is_some() {
+                return Err(gang("cannot declare lora yet"));
+            }
+            if m.artifact.is_some() {
+                return Err(gang("cannot declare an artifact yet"));
+            }
+        }
     }
     let sleep = match &m.sleep {
         Some(s) => Some(
@@ -441,6 +471,7 @@ mod tests {
                         name: (*n).into(),
                         size: ByteQuantity((*s).into()),
                         pinned: false,
+                        gpus: None,
                         artifact: None,
                         keep_alive: None,
                         template: None,

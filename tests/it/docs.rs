@@ -362,6 +362,8 @@ const OTHER_FLAGS: &[&str] = &[
     "enable-lora",
     "max-loras",
     "max-cpu-loras",
+    "tensor-parallel-size",
+    "gpu-memory-utilization",
 ];
 
 /// Every `--flag` a doc shows is one of ours (in some subcommand's

@@ -34,6 +34,7 @@ use crate::api::{ModelResidency, ModelResidencyStatus, ModelState, ModelStatus};
 use crate::engine::{Bytes, Engine, ModelId, RefuseReason, Resize};
 use crate::quantity::format_bytes;
 use crate::residency::conditions::{ConditionSet, DEGRADED, READY, REFUSED};
+use crate::residency::gangs::GangPlacement;
 use crate::residency::gpu::{Budget, GpuView, assumed};
 use crate::residency::reasons::{Reason, refusal_message};
 use crate::residency::state::{
@@ -273,6 +274,10 @@ struct Decider<'a> {
     /// Models chosen to sleep and requested again before their sleep was
     /// sent (counted by the engine as a sleep and a wake).
     cancelled_sleeps: u64,
+    /// The gangs the coordinator placed on this GPU, and those it refused
+    /// where they were asked for here ([`crate::residency::gangs`]).
+    gangs: BTreeMap<String, GangPlacement>,
+    gang_refusals: BTreeMap<String, String>,
 }
 
 impl<'a> Decider<'a> {
@@ -312,6 +317,8 @@ impl<'a> Decider<'a> {
             events: Vec::new(),
             unannounced,
             cancelled_sleeps: 0,
+            gangs: crate::residency::gangs::placements(input.residency),
+            gang_refusals: crate::residency::gangs::refusals(input.residency),
         };
         decider.end_old_protections();
         decider.end_ready_loads();
@@ -337,6 +344,28 @@ impl<'a> Decider<'a> {
             self.unload_idle();
         }
         self.settle()
+    }
+
+    /// How many GPUs `model` spans (1 for a model not declared here).
+    fn width(&self, model: &str) -> usize {
+        self.by_name
+            .get(model)
+            .map_or(1, |m| crate::residency::gangs::width(m.spec))
+    }
+
+    /// This residency's name.
+    fn me(&self) -> &'a str {
+        self.input
+            .residency
+            .metadata
+            .name
+            .as_deref()
+            .unwrap_or_default()
+    }
+
+    /// The placement of gang `model` that includes this GPU.
+    fn gang_here(&self, model: &str) -> Option<&GangPlacement> {
+        self.gangs.get(model).filter(|g| g.includes(self.me()))
     }
 
     fn event(&mut self, model: &str, reason: EventReason, message: String) {

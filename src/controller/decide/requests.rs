@@ -141,6 +141,23 @@ impl<'a> Decider<'a> {
             self.outcome(model, ModelState::Refused, Reason::UnknownModel, message);
             return;
         };
+        if self.width(model) > 1 && self.gang_here(model).is_none() {
+            // A gang loads only where the coordinator placed it: on N GPUs
+            // that all make room at once.
+            if let Some(why) = self.gang_refusals.get(model).cloned() {
+                self.processed(model, written);
+                let message = format!("{model} is refused: {why}");
+                self.event(model, EventReason::Refused, message.clone());
+                self.outcome(model, ModelState::Refused, Reason::GangRefused, message);
+            } else if !self.engine.is_resident(id) {
+                let message = format!(
+                    "{model} needs {} GPUs of one node at once: it waits for the operator to place it on GPUs that can all make room",
+                    self.width(model)
+                );
+                self.outcome(model, ModelState::Queued, Reason::GangPlacing, message);
+            }
+            return;
+        }
         if !self.engine.is_resident(id)
             && let Some(problem) = self.template_problem(model)
         {

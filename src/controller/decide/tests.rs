@@ -40,6 +40,7 @@ fn residency(
                     name: (*n).into(),
                     size: ByteQuantity((*s).into()),
                     pinned: *p,
+                    gpus: None,
                     artifact: None,
                     keep_alive: None,
                     template: Some(
@@ -102,6 +103,7 @@ fn live(model: &str, size: u64, ready: bool, deleting: bool) -> ModelPod {
         draining: false,
         retire_at: None,
         adapters: None,
+        gang: None,
     }
 }
 
@@ -428,6 +430,7 @@ fn demand_written_before_its_registry_entry_loads_once_the_model_is_added() {
         name: "new".into(),
         size: ByteQuantity("2Gi".into()),
         pinned: false,
+        gpus: None,
         artifact: None,
         keep_alive: None,
         template: r.spec.models[0].template.clone(),

@@ -3,6 +3,7 @@
 //! cluster through demand patches and checks status, pods and events.
 
 mod faults;
+mod gangs;
 mod gpu_claims;
 mod gpus_pods_and_events;
 mod specs;

@@ -15,6 +15,7 @@ use model_residency::controller::Context;
 use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
 use model_residency::quantity::parse_bytes;
 use model_residency::residency::demand;
+use model_residency::residency::gangs::GANG_MEMBERS_ANNOTATION;
 use model_residency::residency::labels::{RESIDENCY_LABEL, SIZE_ANNOTATION};
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet};
@@ -416,11 +417,26 @@ impl Harness {
     /// Models of live, non-deleting pods of a residency, and the number of
     /// terminating ones.
     pub async fn pods_of(&self, name: &str) -> (BTreeSet<String>, usize) {
-        let lp = kube::api::ListParams::default().labels(&format!("{RESIDENCY_LABEL}={name}"));
+        // Its own pods, and the pods of gangs it is a member of.
+        let lp = kube::api::ListParams::default().labels(RESIDENCY_LABEL);
         let pods = self.pods.list(&lp).await.unwrap();
+        let mine = |p: &Pod| {
+            let labelled = p
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(RESIDENCY_LABEL));
+            let gang = p
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(GANG_MEMBERS_ANNOTATION));
+            labelled.is_some_and(|l| l == name)
+                || gang.is_some_and(|g| g.split(',').any(|m| m == name))
+        };
         let mut live = BTreeSet::new();
         let mut terminating = 0;
-        for p in pods.items {
+        for p in pods.items.into_iter().filter(mine) {
             if p.metadata.deletion_timestamp.is_some() {
                 terminating += 1;
             } else if p.status.as_ref().and_then(|s| s.phase.as_deref()) != Some("Failed") {
@@ -457,8 +473,9 @@ impl BudgetWatcher {
         let events: Arc<Mutex<u64>> = Arc::default();
         let (v, e) = (violations.clone(), events.clone());
         let task = tokio::spawn(async move {
-            // pod name -> (residency, declared size) for live pods.
-            let mut live: BTreeMap<String, (String, u64)> = BTreeMap::new();
+            // pod name -> (residencies, declared size) for live pods: a
+            // gang's pod holds its size on each member's GPU.
+            let mut live: BTreeMap<String, (Vec<String>, u64)> = BTreeMap::new();
             let cfg = watcher::Config::default().labels(RESIDENCY_LABEL);
             let mut stream = std::pin::pin!(watcher(pods, cfg).default_backoff());
             while let Ok(Some(event)) = stream.try_next().await {
@@ -479,7 +496,16 @@ impl BudgetWatcher {
                             .and_then(|a| a.get(SIZE_ANNOTATION))
                             .and_then(|s| parse_bytes(s).ok())
                             .unwrap_or(u64::MAX / 4);
-                        live.insert(name, (labels[RESIDENCY_LABEL].clone(), size));
+                        let gang = p
+                            .metadata
+                            .annotations
+                            .as_ref()
+                            .and_then(|a| a.get(GANG_MEMBERS_ANNOTATION));
+                        let members = match gang {
+                            Some(g) => g.split(',').map(str::to_owned).collect(),
+                            None => vec![labels[RESIDENCY_LABEL].clone()],
+                        };
+                        live.insert(name, (members, size));
                     }
                 };
                 match &event {
@@ -490,15 +516,20 @@ impl BudgetWatcher {
                 }
                 *e.lock().unwrap() += 1;
                 let mut per: BTreeMap<&str, u64> = BTreeMap::new();
-                for (res, size) in live.values() {
-                    *per.entry(res.as_str()).or_default() += size;
+                for (members, size) in live.values() {
+                    for res in members {
+                        *per.entry(res.as_str()).or_default() += size;
+                    }
                 }
                 for (res, used) in per {
                     if let Some(&budget) = budgets.get(res)
                         && used > budget
                     {
                         v.lock().unwrap().push(format!(
-                            "{res}: live pods declare {used} bytes, budget {budget}"
+                            "{res}: live pods declare {used} bytes, budget {budget}: {:?}",
+                            live.iter()
+                                .map(|(n, (m, s))| format!("{n} {m:?} {s}"))
+                                .collect::<Vec<_>>()
                         ));
                     }
                 }

@@ -1,0 +1,283 @@
+//! Gangs (`gpus: N`) on the real control plane, the kubelet stand-in
+//! playing a node of four GPUs (claim mode: each residency's claim
+//! allocated by the real scheduler, the gang's pod referencing every
+//! member's claim): placed all or nothing, evicting on each member by its
+//! own LRU, leaving as one, refused with each GPU's reason; the budget
+//! watcher charges a gang's pod to every member and is never over.
+
+use super::*;
+use model_residency::residency::gangs::{GANG_MEMBERS_ANNOTATION, GANGS_ANNOTATION, placements};
+
+const GPUS: [&str; 4] = ["gpu-0", "gpu-1", "gpu-2", "gpu-3"];
+
+/// The registry every GPU of the node declares: four singles of 20Gi, the
+/// TP-2 model `tp` (30Gi on each of its GPUs), and two gangs that no node
+/// of four 40Gi GPUs could ever hold.
+fn registry() -> serde_json::Value {
+    let single = |n: &str| json!({"name": n, "size": "20Gi", "template": crate::support::operator::server_template(n)});
+    let gang = |n: &str, size: &str, gpus: u8| json!({"name": n, "size": size, "gpus": gpus, "template": crate::support::operator::server_template(n)});
+    json!([
+        single("a"),
+        single("b"),
+        single("c"),
+        single("d"),
+        gang("tp", "30Gi", 2),
+        gang("tp2", "30Gi", 2),
+        gang("tp3", "30Gi", 2),
+        gang("huge", "50Gi", 2),
+        gang("wide", "1Gi", 5),
+    ])
+}
+
+async fn gang_pods(h: &Harness) -> Vec<Pod> {
+    let lp = ListParams::default().labels("residency.dev/model=tp");
+    h.pods
+        .list(&lp)
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .collect()
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_gang_is_placed_on_two_gpus_at_once_evicts_on_each_and_leaves_as_one() {
+    let h = Harness::start("gangs").await;
+    for name in GPUS {
+        h.create(name, "40Gi", &[]).await;
+        h.patch_spec(name, json!({ "models": registry() })).await;
+    }
+    let budgets = GPUS.iter().map(|g| (g.to_string(), 40u64 << 30)).collect();
+    let watcher = h.budget_watcher(budgets);
+    // Singles on three of the four GPUs: the fourth is empty.
+    for (gpu, m) in [("gpu-0", "a"), ("gpu-1", "b"), ("gpu-2", "c")] {
+        h.request(gpu, m).await;
+    }
+
+    // The gang, asked for on gpu-0: gpu-3 holds it without evicting, and
+    // gpu-0 (where it was asked for) evicts its least recently used model.
+    h.request_nowait("gpu-0", "tp").await;
+    let r0 = h.until_state("gpu-0", "tp", ModelState::Loaded, 60).await;
+    let r3 = h.until_state("gpu-3", "tp", ModelState::Loaded, 60).await;
+    assert_eq!(
+        model(&r0, "a").state,
+        ModelState::Evicted,
+        "{:?}",
+        r0.status
+    );
+    assert_eq!(model(&r3, "tp").reason.as_deref(), Some("GangMember"));
+    for untouched in ["gpu-1", "gpu-2"] {
+        let r = h.converged(untouched).await;
+        assert!(
+            r.status
+                .as_ref()
+                .unwrap()
+                .model("tp")
+                .is_none_or(|m| !m.state.is_resident()),
+            "{untouched} was not chosen: {:?}",
+            r.status
+        );
+    }
+    let placed = &placements(&r0)["tp"];
+    assert_eq!(placed.names(), "gpu-0,gpu-3");
+    assert!(placed.ready);
+    let pods = gang_pods(&h).await;
+    assert_eq!(pods.len(), 1, "one pod holds the gang");
+    let pod = &pods[0];
+    assert_eq!(
+        pod.metadata.annotations.as_ref().unwrap()[GANG_MEMBERS_ANNOTATION],
+        "gpu-0,gpu-3"
+    );
+    let spec = pod.spec.as_ref().unwrap();
+    let claims: Vec<&str> = spec
+        .resource_claims
+        .iter()
+        .flatten()
+        .filter_map(|c| c.resource_claim_name.as_deref())
+        .collect();
+    assert_eq!(claims, ["gpu-0-gpu", "gpu-3-gpu"], "a claim per member GPU");
+    let env: BTreeMap<String, String> = spec.containers[0]
+        .env
+        .iter()
+        .flatten()
+        .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
+        .collect();
+    assert_eq!(env["RESIDENCY_GANG_SIZE"], "2");
+    assert_eq!(env["RESIDENCY_GANG_DEVICES"].split(',').count(), 2);
+    let owners: Vec<&str> = pod
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .map(|o| o.name.as_str())
+        .collect();
+    assert_eq!(owners, ["gpu-0", "gpu-3"]);
+
+    // A request for `d` on gpu-3 evicts the gang there: it leaves gpu-0
+    // too, and its pod goes.
+    h.request_nowait("gpu-3", "d").await;
+    h.until_state("gpu-3", "d", ModelState::Loaded, 60).await;
+    let r0 = h.until_state("gpu-0", "tp", ModelState::Unloaded, 60).await;
+    assert_eq!(model(&r0, "tp").reason.as_deref(), Some("DemandRemoved"));
+    assert!(!placements(&r0).contains_key("tp"));
+    eventually(30, "the gang's pod to go", || async {
+        gang_pods(&h).await.is_empty().then_some(())
+    })
+    .await;
+    let r3 = h.converged("gpu-3").await;
+    assert_eq!(model(&r3, "tp").state, ModelState::Evicted);
+
+    // Asked again: placed afresh (every GPU must evict now), loaded.
+    h.request_nowait("gpu-1", "tp").await;
+    let r1 = h.until_state("gpu-1", "tp", ModelState::Loaded, 60).await;
+    let members = placements(&r1)["tp"].names();
+    assert!(members.starts_with("gpu-1,"), "{members}");
+
+    let violations = watcher.violations.lock().unwrap().clone();
+    assert!(violations.is_empty(), "over budget: {violations:?}");
+    assert!(*watcher.events.lock().unwrap() > 10);
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_gang_no_gpus_of_the_node_could_hold_is_refused_with_each_gpus_reason() {
+    let h = Harness::start("gang-refusals").await;
+    for name in GPUS {
+        h.create(name, "40Gi", &[]).await;
+        h.patch_spec(name, json!({ "models": registry() })).await;
+    }
+    h.request("gpu-2", "a").await;
+    h.request_nowait("gpu-2", "huge").await;
+    let r = h
+        .until_state("gpu-2", "huge", ModelState::Refused, 30)
+        .await;
+    let m = model(&r, "huge");
+    assert_eq!(m.reason.as_deref(), Some("GangRefused"));
+    let message = m.message.as_deref().unwrap();
+    for gpu in GPUS {
+        assert!(
+            message.contains(&format!("{gpu}: LargerThanBudget")),
+            "{message}"
+        );
+    }
+    assert!(message.contains("needs 2 GPUs"), "{message}");
+    // Nothing was evicted for it.
+    assert_eq!(model(&r, "a").state, ModelState::Loaded);
+
+    h.request_nowait("gpu-1", "wide").await;
+    let r = h
+        .until_state("gpu-1", "wide", ModelState::Refused, 30)
+        .await;
+    let message = model(&r, "wide").message.clone().unwrap_or_default();
+    assert!(
+        message.contains("needs 5 GPUs of node") && message.contains("4 of its 4"),
+        "{message}"
+    );
+    eventually(30, "the Refused event for wide", || async {
+        let events = events_for(&h, "gpu-1").await;
+        events
+            .iter()
+            .any(|(reason, note)| reason == "Refused" && note.contains("wide"))
+            .then_some(())
+    })
+    .await;
+    // No placement anywhere.
+    for gpu in GPUS {
+        let r = h.api.get(gpu).await.unwrap();
+        let annotations = r.metadata.annotations.unwrap_or_default();
+        assert!(
+            !annotations.contains_key(GANGS_ANNOTATION),
+            "{gpu}: {annotations:?}"
+        );
+    }
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn gangs_racing_for_the_same_gpus_all_end_served_never_stuck() {
+    let h = Harness::start("gang-race").await;
+    for name in GPUS {
+        h.create(name, "40Gi", &[]).await;
+        h.patch_spec(name, json!({ "models": registry() })).await;
+    }
+    let budgets = GPUS.iter().map(|g| (g.to_string(), 40u64 << 30)).collect();
+    let watcher = h.budget_watcher(budgets);
+    // Two gangs asked for at once, on the same GPU: the node holds both
+    // (two GPUs each), never one GPU for both.
+    h.request_nowait("gpu-0", "tp").await;
+    h.request_nowait("gpu-0", "tp2").await;
+    let mut holders = BTreeMap::new();
+    for gang in ["tp", "tp2"] {
+        let r = eventually(60, &format!("{gang} to be Loaded on two GPUs"), || async {
+            let mut on = Vec::new();
+            for gpu in GPUS {
+                let r = h.api.get(gpu).await.unwrap();
+                if r.status
+                    .as_ref()
+                    .and_then(|s| s.model(gang))
+                    .is_some_and(|m| m.state == ModelState::Loaded)
+                {
+                    on.push(gpu);
+                }
+            }
+            (on.len() == 2).then_some(on)
+        })
+        .await;
+        holders.insert(
+            gang,
+            r.into_iter().map(str::to_owned).collect::<Vec<String>>(),
+        );
+    }
+    assert!(
+        holders["tp"].iter().all(|g| !holders["tp2"].contains(g)),
+        "each GPU holds one of them: {holders:?}"
+    );
+    // A third, asked for on a GPU that holds tp2: it evicts the least
+    // recently used gang, tp (asked for first), from both its GPUs, and is
+    // served there.
+    h.request_nowait(&holders["tp2"][0], "tp3").await;
+    let r = h
+        .until_state(&holders["tp"][0], "tp3", ModelState::Loaded, 60)
+        .await;
+    let members: Vec<String> = placements(&r)["tp3"]
+        .names()
+        .split(',')
+        .map(str::to_owned)
+        .collect();
+    let mut sorted = members.clone();
+    sorted.sort();
+    assert_eq!(sorted, holders["tp"], "tp3 took tp's GPUs");
+    // One of tp's GPUs evicted it; the other unloaded it (its demand key
+    // taken off by the coordinator) or evicted it too, whichever came
+    // first.
+    let mut states = Vec::new();
+    for gpu in &holders["tp"] {
+        states.push(model(&h.converged(gpu).await, "tp").state);
+    }
+    assert!(states.contains(&ModelState::Evicted), "{states:?}");
+    assert!(states.iter().all(|s| !s.is_resident()), "{states:?}");
+    for gpu in &holders["tp2"] {
+        let r = h.api.get(gpu).await.unwrap();
+        assert_eq!(model(&r, "tp2").state, ModelState::Loaded, "{gpu}");
+    }
+    eventually(30, "three gangs' pods to settle to two", || async {
+        let lp = ListParams::default().labels("residency.dev/model");
+        let live = h.pods.list(&lp).await.unwrap().items;
+        let gangs = live
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .filter(|p| {
+                p.metadata
+                    .annotations
+                    .as_ref()
+                    .is_some_and(|a| a.contains_key(GANG_MEMBERS_ANNOTATION))
+            })
+            .count();
+        (gangs == 2).then_some(())
+    })
+    .await;
+    let violations = watcher.violations.lock().unwrap().clone();
+    assert!(violations.is_empty(), "over budget: {violations:?}");
+}
