@@ -29,6 +29,17 @@ fn registry() -> serde_json::Value {
     ])
 }
 
+/// A node of four 40Gi GPUs, a residency each, every one declaring
+/// [`registry`].
+async fn four_gpus(test: &str) -> Harness {
+    let h = Harness::start(test).await;
+    for name in GPUS {
+        h.create(name, "40Gi", &[]).await;
+        h.patch_spec(name, json!({ "models": registry() })).await;
+    }
+    h
+}
+
 async fn gang_pods(h: &Harness) -> Vec<Pod> {
     let lp = ListParams::default().labels("residency.dev/model=tp");
     h.pods
@@ -44,11 +55,7 @@ async fn gang_pods(h: &Harness) -> Vec<Pod> {
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn a_gang_is_placed_on_two_gpus_at_once_evicts_on_each_and_leaves_as_one() {
-    let h = Harness::start("gangs").await;
-    for name in GPUS {
-        h.create(name, "40Gi", &[]).await;
-        h.patch_spec(name, json!({ "models": registry() })).await;
-    }
+    let h = four_gpus("gangs").await;
     let budgets = GPUS.iter().map(|g| (g.to_string(), 40u64 << 30)).collect();
     let watcher = h.budget_watcher(budgets);
     // Singles on three of the four GPUs: the fourth is empty.
@@ -143,11 +150,7 @@ async fn a_gang_is_placed_on_two_gpus_at_once_evicts_on_each_and_leaves_as_one()
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn a_gang_no_gpus_of_the_node_could_hold_is_refused_with_each_gpus_reason() {
-    let h = Harness::start("gang-refusals").await;
-    for name in GPUS {
-        h.create(name, "40Gi", &[]).await;
-        h.patch_spec(name, json!({ "models": registry() })).await;
-    }
+    let h = four_gpus("gang-refusals").await;
     h.request("gpu-2", "a").await;
     h.request_nowait("gpu-2", "huge").await;
     let r = h
@@ -197,11 +200,7 @@ async fn a_gang_no_gpus_of_the_node_could_hold_is_refused_with_each_gpus_reason(
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn gangs_racing_for_the_same_gpus_all_end_served_never_stuck() {
-    let h = Harness::start("gang-race").await;
-    for name in GPUS {
-        h.create(name, "40Gi", &[]).await;
-        h.patch_spec(name, json!({ "models": registry() })).await;
-    }
+    let h = four_gpus("gang-race").await;
     let budgets = GPUS.iter().map(|g| (g.to_string(), 40u64 << 30)).collect();
     let watcher = h.budget_watcher(budgets);
     // Two gangs asked for at once, on the same GPU: the node holds both
