@@ -132,6 +132,9 @@ struct Gpu {
     engine: Engine,
     /// The gangs it declares, with their width.
     gangs: BTreeMap<String, usize>,
+    /// Its annotations as read: the gangs placed on it, those refused there.
+    placed: BTreeMap<String, GangPlacement>,
+    refused: BTreeMap<String, String>,
 }
 
 impl Gpu {
@@ -174,6 +177,23 @@ struct Write {
     demand: BTreeMap<String, Option<String>>,
 }
 
+impl Write {
+    /// The gangs placed on `g` as this pass leaves them.
+    fn gangs(&mut self, g: &Gpu) -> &mut BTreeMap<String, GangPlacement> {
+        self.gangs.get_or_insert_with(|| g.placed.clone())
+    }
+
+    /// The gangs refused on `g` as this pass leaves them.
+    fn refused(&mut self, g: &Gpu) -> &mut BTreeMap<String, String> {
+        self.refused.get_or_insert_with(|| g.refused.clone())
+    }
+}
+
+/// What to write on `g`.
+fn write<'w>(writes: &'w mut BTreeMap<String, Write>, g: &Gpu) -> &'w mut Write {
+    writes.entry(g.name.clone()).or_default()
+}
+
 /// One pass over a node's residencies; `true` while a gang there waits
 /// (queued, or placed and not every member ready).
 async fn pass(
@@ -189,9 +209,9 @@ async fn pass(
         .collect();
     let mut placed: BTreeMap<String, GangPlacement> = BTreeMap::new();
     for g in &gpus {
-        for (model, p) in placements(&g.r) {
-            if p.head() == g.name || !placed.contains_key(&model) {
-                placed.insert(model, p);
+        for (model, p) in &g.placed {
+            if p.head() == g.name || !placed.contains_key(model) {
+                placed.insert(model.clone(), p.clone());
             }
         }
     }
@@ -229,11 +249,9 @@ async fn pass(
             if let_go {
                 tracing::info!(model, members = %p.names(), "a gang member let the gang go: taken off every member");
                 for g in &gpus {
-                    if p.includes(&g.name) || placements(&g.r).contains_key(model) {
-                        let w = writes.entry(g.name.clone()).or_default();
-                        let mut mine = w.gangs.take().unwrap_or_else(|| placements(&g.r));
-                        mine.remove(model);
-                        w.gangs = Some(mine);
+                    if p.includes(&g.name) || g.placed.contains_key(model) {
+                        let w = write(&mut writes, g);
+                        w.gangs(g).remove(model);
                         w.demand.insert(model.clone(), None);
                     }
                 }
@@ -243,7 +261,7 @@ async fn pass(
             if let Some((text, t)) = newest {
                 for g in &members {
                     if g.demand(model).is_none_or(|(_, mine)| mine < t) {
-                        let w = writes.entry(g.name.clone()).or_default();
+                        let w = write(&mut writes, g);
                         w.demand.insert(model.clone(), Some(text.to_owned()));
                     }
                 }
@@ -252,7 +270,7 @@ async fn pass(
                 .iter()
                 .filter(|g| !p.includes(&g.name) && g.demand(model).is_some())
             {
-                let w = writes.entry(g.name.clone()).or_default();
+                let w = write(&mut writes, g);
                 w.demand.insert(model.clone(), None);
             }
             if !p.ready {
@@ -264,10 +282,9 @@ async fn pass(
                     let mut ready = p.clone();
                     ready.ready = true;
                     for g in &members {
-                        let w = writes.entry(g.name.clone()).or_default();
-                        let mut mine = w.gangs.take().unwrap_or_else(|| placements(&g.r));
-                        mine.insert(model.clone(), ready.clone());
-                        w.gangs = Some(mine);
+                        write(&mut writes, g)
+                            .gangs(g)
+                            .insert(model.clone(), ready.clone());
                     }
                 } else {
                     waits = true;
@@ -320,10 +337,8 @@ async fn pass(
                 tracing::info!(model, members = %placement.names(), "gang placed");
                 for &i in &order {
                     let g = &gpus[i];
-                    let w = writes.entry(g.name.clone()).or_default();
-                    let mut mine = w.gangs.take().unwrap_or_else(|| placements(&g.r));
-                    mine.insert(model.clone(), placement.clone());
-                    w.gangs = Some(mine);
+                    let w = write(&mut writes, g);
+                    w.gangs(g).insert(model.clone(), placement.clone());
                     w.demand.insert(model.clone(), Some(text.to_owned()));
                     // Its room is this gang's in the next plans of this pass.
                     if let Some(id) = plan_engines[i].id(model) {
@@ -333,26 +348,23 @@ async fn pass(
                 }
                 for g in &requesters {
                     if !placement.includes(&g.name) {
-                        let w = writes.entry(g.name.clone()).or_default();
+                        let w = write(&mut writes, g);
                         w.demand.insert(model.clone(), None);
                     }
                 }
-                for g in gpus.iter().filter(|g| refusals(&g.r).contains_key(model)) {
-                    let w = writes.entry(g.name.clone()).or_default();
-                    let mut mine = w.refused.take().unwrap_or_else(|| refusals(&g.r));
-                    mine.remove(model);
-                    w.refused = Some(mine);
+                for g in gpus.iter().filter(|g| g.refused.contains_key(model)) {
+                    write(&mut writes, g).refused(g).remove(model);
                 }
             }
             NodeAdmission::GangRefused(refused) => {
                 let why = refusal(&gpus, w, refused.could, &refused.why);
-                for g in &requesters {
-                    let mut mine = refusals(&g.r);
-                    if mine.get(model) != Some(&why) {
-                        mine.insert(model.clone(), why.clone());
-                        let w = writes.entry(g.name.clone()).or_default();
-                        w.refused = Some(mine);
-                    }
+                for g in requesters
+                    .iter()
+                    .filter(|g| g.refused.get(model) != Some(&why))
+                {
+                    write(&mut writes, g)
+                        .refused(g)
+                        .insert(model.clone(), why.clone());
                 }
             }
             NodeAdmission::Queued => waits = true,
@@ -398,6 +410,8 @@ fn node_gpus(ctx: &Context, store: &Store<ModelResidency>, group: &Group) -> Vec
             };
             Some(Gpu {
                 name: r.name_any(),
+                placed: placements(&r),
+                refused: refusals(&r),
                 r,
                 engine,
                 gangs,
@@ -546,6 +560,8 @@ mod tests {
                 r: Arc::new(r),
                 engine: Engine::new(budget),
                 gangs: BTreeMap::new(),
+                placed: BTreeMap::new(),
+                refused: BTreeMap::new(),
             }
         };
         let gpus = [gpu("g0", 10), gpu("g1", 10), gpu("g2", 10)];
