@@ -28,6 +28,9 @@
 //!   memory mode's fleet), the time from one more GPU appearing in a
 //!   slice to its residency Ready, and a restart over them (ready time,
 //!   RSS).
+//! - `gang [--samples 30] [--load-ms 0]`: apply-to-status of a TP-2 gang's
+//!   request beside a single model's, cold and as a hit
+//!   (`benches/cluster/gangs.rs`).
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
@@ -46,6 +49,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod support;
+
+#[path = "cluster/gangs.rs"]
+mod gangs;
 
 use support::{
     CountedRuntime, arg, bench_args, copy_as_floor, copy_residency, create_namespace, ms,
@@ -108,7 +114,12 @@ fn main() {
                 let load = args.iter().any(|a| a == "--load");
                 stamped_set(&plane, &client, nodes, gpus, load).await
             }
-            other => panic!("unknown mode {other}: latency, scale, memory or set"),
+            "gang" => {
+                let samples = arg(&args, "--samples", "30").parse().unwrap();
+                let load = Duration::from_millis(arg(&args, "--load-ms", "0").parse().unwrap());
+                gangs::gang(&client, samples, load).await
+            }
+            other => panic!("unknown mode {other}: latency, scale, memory, set or gang"),
         }
     });
     println!(

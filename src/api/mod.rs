@@ -196,7 +196,9 @@ pub struct ModelSpec {
     /// node that list it are the GPUs it may use; the pod learns its GPUs
     /// from the environment (RESIDENCY_GANG_SIZE, RESIDENCY_GANG_DEVICES)
     /// and one ResourceClaim reference per GPU in claim mode. Default 1.
-    /// A gang may not declare sleep, copies, lora or artifact (yet).
+    /// A gang that declares sleep sleeps and wakes as one (its
+    /// sleepingSize held on each GPU). A gang may not declare copies, lora
+    /// or artifact (yet).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 16))]
     pub gpus: Option<u8>,

@@ -262,6 +262,7 @@ fn a_gang_pod_is_every_members_and_gets_every_members_gpu() {
         members: vec![member("gpu0", "GPU-1234"), member("gpu3", "GPU-9")],
         ready: true,
         at: String::new(),
+        sleep: None,
     };
     // Env mode: every member's device in NVIDIA_VISIBLE_DEVICES.
     let mut pod = build(&r, t.clone()).unwrap();

@@ -23,17 +23,19 @@
 //!   too small) is taken off every member (placement and demand key: each
 //!   unloads it), so it leaves as one;
 //! - a request for a placed gang on one member (the routers' recency ticks
-//!   go to the head) is copied to the others: one recency.
+//!   go to the head) is copied to the others: one recency;
+//! - a gang a member put to sleep to make room sleeps on every member, and
+//!   a request after that wakes it on every member ([`sleep_step`]).
 
-use crate::api::ModelResidency;
+use crate::api::{ModelResidency, ModelState};
 use crate::controller::Context;
 use crate::controller::cached;
 use crate::engine::gangs::{NodeAdmission, NodeGpus};
 use crate::engine::{Engine, RefuseReason};
 use crate::quantity::format_bytes;
 use crate::residency::gangs::{
-    GANG_REFUSED_ANNOTATION, GANGS_ANNOTATION, GangMember, GangPlacement, placements, refusals,
-    width,
+    GANG_REFUSED_ANNOTATION, GANGS_ANNOTATION, GangMember, GangPlacement, GangSleep, SleepPhase,
+    placements, refusals, width,
 };
 use crate::residency::gpu::node_of;
 use crate::residency::labels::MANAGER;
@@ -140,6 +142,11 @@ struct Gpu {
 impl Gpu {
     fn status_of(&self, model: &str) -> Option<&crate::api::ModelStatus> {
         self.r.status.as_ref()?.model(model)
+    }
+
+    /// `model`'s state and reason in its status.
+    fn state_of(&self, model: &str) -> Option<(ModelState, Option<&str>)> {
+        self.status_of(model).map(|m| (m.state, m.reason.as_deref()))
     }
 
     /// When its status last processed a request for `model`.
@@ -273,6 +280,19 @@ async fn pass(
                 let w = write(&mut writes, g);
                 w.demand.insert(model.clone(), None);
             }
+            let (step, sleep_waits) = sleep_step(ctx, &p, &members, model, newest);
+            waits |= sleep_waits;
+            if let Some(sleep) = step {
+                tracing::info!(model, members = %p.names(), sleep = ?sleep, "gang sleep");
+                let mut next = p.clone();
+                next.sleep = sleep;
+                for g in &members {
+                    write(&mut writes, g)
+                        .gangs(g)
+                        .insert(model.clone(), next.clone());
+                }
+                continue;
+            }
             if !p.ready {
                 let admitted = members.iter().all(|g| {
                     g.holds(model)
@@ -333,6 +353,7 @@ async fn pass(
                     members: order.iter().map(|&i| gpus[i].member()).collect(),
                     ready: false,
                     at: text.to_owned(),
+                    sleep: None,
                 };
                 tracing::info!(model, members = %placement.names(), "gang placed");
                 for &i in &order {
@@ -372,16 +393,92 @@ async fn pass(
         }
     }
     let api: Api<ModelResidency> = Api::namespaced(ctx.client.clone(), &group.0);
-    for (name, w) in writes {
-        let body = patch_body(&w);
+    let params = PatchParams {
+        field_manager: Some(MANAGER.into()),
+        ..PatchParams::default()
+    };
+    // The members' writes at once: a gang's placement is N writes, and
+    // each is a round trip its load would otherwise wait for in series.
+    let patches = writes.iter().map(|(name, w)| {
         ctx.metrics.api_request("patch", "modelresidencies");
-        let params = PatchParams {
-            field_manager: Some(MANAGER.into()),
-            ..PatchParams::default()
-        };
-        api.patch(&name, &params, &Patch::Merge(&body)).await?;
-    }
+        let body = patch_body(w);
+        let (api, params) = (&api, &params);
+        async move { api.patch(name, params, &Patch::Merge(&body)).await }
+    });
+    futures::future::try_join_all(patches).await?;
     Ok(waits)
+}
+
+/// Where a placed gang's sleep goes next (`Some`: the placement's new
+/// `sleep`), and whether it waits on something this pass cannot see
+/// change (a pod going away). A member that put the gang to sleep to make
+/// room asks every member to (`asked`, after the newest request); the
+/// head's pod confirming makes it `asleep` on every member; a newer
+/// request, once every member has processed it and holds the gang awake
+/// again with room for its full size, lets the head wake the pod
+/// (`waking`); the head awake (woken, or its sleep cancelled before it was
+/// sent) ends it.
+fn sleep_step(
+    ctx: &Context,
+    p: &GangPlacement,
+    members: &[&Gpu],
+    model: &str,
+    newest: Option<(&str, k8s_openapi::jiff::Timestamp)>,
+) -> (Option<Option<GangSleep>>, bool) {
+    let Some(head) = members.iter().find(|g| g.name == p.head()) else {
+        return (None, false);
+    };
+    let Some(sleep) = &p.sleep else {
+        let chosen = members
+            .iter()
+            .any(|g| g.state_of(model).is_some_and(|(s, _)| s == ModelState::Sleeping));
+        if !(p.ready && chosen) {
+            return (None, false);
+        }
+        let after = newest.map_or_else(|| p.at.clone(), |(text, _)| text.to_owned());
+        let asked = GangSleep {
+            phase: SleepPhase::Asked,
+            after,
+        };
+        return (Some(Some(asked)), false);
+    };
+    let after = recorded_time(Some(&sleep.after));
+    let woken_by = newest
+        .map(|(_, t)| t)
+        .filter(|t| after.is_none_or(|a| *t > a));
+    let Some(request) = woken_by else {
+        if sleep.phase == SleepPhase::Asked
+            && head.state_of(model) == Some((ModelState::Sleeping, Some(Reason::Asleep.as_str())))
+        {
+            let asleep = GangSleep {
+                phase: SleepPhase::Asleep,
+                after: sleep.after.clone(),
+            };
+            return (Some(Some(asleep)), false);
+        }
+        return (None, sleep.phase == SleepPhase::Asked);
+    };
+    let awake_again = members.iter().all(|g| {
+        g.processed(model).is_some_and(|t| t >= request)
+            && g.state_of(model).is_some_and(|(s, _)| s.is_resident() && s != ModelState::Sleeping)
+    });
+    if !awake_again {
+        return (None, true);
+    }
+    if head.state_of(model).is_some_and(|(s, _)| s == ModelState::Loaded) {
+        return (Some(None), false);
+    }
+    if sleep.phase == SleepPhase::Waking {
+        return (None, true);
+    }
+    if members.iter().all(|g| has_room(ctx, g, model)) {
+        let waking = GangSleep {
+            phase: SleepPhase::Waking,
+            after: sleep.after.clone(),
+        };
+        return (Some(Some(waking)), false);
+    }
+    (None, true)
 }
 
 /// The node's residencies in `group` that can take part: their registry

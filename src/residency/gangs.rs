@@ -64,6 +64,35 @@ pub struct GangPlacement {
     /// this recent and does not hold the gang has let it go.
     #[serde(default)]
     pub at: String,
+    /// The gang sleeps: a member chose to put it to sleep to make room, so
+    /// every member does, and the head asks its one pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sleep: Option<GangSleep>,
+}
+
+/// A gang's sleep, as the coordinator keeps it on every member.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct GangSleep {
+    pub phase: SleepPhase,
+    /// The newest request for the gang when it was put to sleep (RFC
+    /// 3339): a member puts it to sleep only while no newer request came;
+    /// a newer one wakes it on every member.
+    pub after: String,
+}
+
+/// Where a gang's sleep stands.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum SleepPhase {
+    /// Every member puts it to sleep (each holds it at its full size
+    /// until the head's pod confirms); the head asks the pod.
+    Asked,
+    /// The head's pod confirmed: every member holds its sleeping size.
+    Asleep,
+    /// A request woke it on every member and each has made room for its
+    /// full size: the head asks the pod to wake.
+    Waking,
 }
 
 impl GangPlacement {
@@ -129,12 +158,14 @@ mod tests {
         let placed = json!({"big": {"members": [
             {"residency": "gpu-0", "uid": "u0", "device": "0"},
             {"residency": "gpu-1", "uid": "u1", "claim": "gpu-1-gpu"}
-        ], "ready": true, "at": "2026-12-06T00:00:00Z"}});
+        ], "ready": true, "at": "2026-12-06T00:00:00Z",
+           "sleep": {"phase": "asleep", "after": "2026-12-06T00:00:01Z"}}});
         let r = residency(json!({GANGS_ANNOTATION: placed.to_string()}));
         let p = &placements(&r)["big"];
         assert!(p.ready && p.includes("gpu-1") && !p.includes("gpu-2"));
         assert_eq!(p.head(), "gpu-0");
         assert_eq!(p.names(), "gpu-0,gpu-1");
+        assert_eq!(p.sleep.as_ref().unwrap().phase, SleepPhase::Asleep);
         assert_eq!(serde_json::to_value(p).unwrap(), placed["big"]);
         let broken = residency(json!({GANGS_ANNOTATION: "{not json"}));
         assert!(placements(&broken).is_empty());

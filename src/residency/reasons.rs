@@ -103,6 +103,9 @@ pub enum Reason {
     /// Refused: no N GPUs of the node could ever hold the gang (each GPU's
     /// reason in the message).
     GangRefused,
+    /// A gang another GPU put to sleep cannot sleep on this one (its host
+    /// budget has no room): unloaded here, it leaves every GPU.
+    GangCannotSleep,
 }
 
 impl Reason {
@@ -150,6 +153,7 @@ impl Reason {
             Reason::GangMember => "GangMember",
             Reason::GangRefused => "GangRefused",
             Reason::GangPodLost => "GangPodLost",
+            Reason::GangCannotSleep => "GangCannotSleep",
         }
     }
 }

@@ -224,9 +224,6 @@ fn validate_model(
             return Err(gang("is out of range: 1 to 16 GPUs"));
         }
         if gpus > 1 {
-            if m.sleep.is_some() {
-                return Err(gang("cannot declare sleep yet"));
-            }
             if m.copies.is_some() {
                 return Err(gang("cannot declare copies yet"));
             }

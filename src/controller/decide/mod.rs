@@ -25,7 +25,8 @@
 //! through its life), [`warm`] (what sleeps and wakes), [`inventory`]
 //! (what the pods hold), [`decision`] (what is yielded, and the outcome of
 //! the calls written back into it), [`progress`] (a load's first moments,
-//! held back from the status).
+//! held back from the status), [`gangs`] (a model spanning several GPUs:
+//! its one pod, its sleep and wake as one).
 
 use super::artifacts::NodeArtifacts;
 use super::events::{EventReason, ModelEvent};
@@ -47,6 +48,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
 mod decision;
+mod gangs;
 mod gpu;
 mod inventory;
 mod progress;
@@ -341,6 +343,7 @@ impl<'a> Decider<'a> {
             self.unload_undemanded();
             self.apply_requests();
             self.retire_removed_copies();
+            self.sleep_gangs();
             self.unload_idle();
         }
         self.settle()

@@ -48,6 +48,9 @@ impl<'a> Decider<'a> {
         let mut st = self.base_status(m.name(), Some(size));
         let id = self.engine.id(m.name()).expect("registered");
         if self.engine.is_asleep(id) {
+            if self.width(m.name()) > 1 {
+                return self.gang_asleep_status(st, pods, plan);
+            }
             return self.asleep_status(st, pods, plan);
         }
         if self.width(m.name()) > 1 {
@@ -68,113 +71,6 @@ impl<'a> Decider<'a> {
             st.failures = self.previous_failures(m.name());
             self.start_pod(st, m, size, pods, plan)
         }
-    }
-
-    /// A resident gang: its head (the first member) keeps, replaces and
-    /// retries its one pod as any model's, and starts it once the
-    /// coordinator says every member made room; the other members follow
-    /// that pod (it holds VRAM on their GPUs too) and never start, replace
-    /// or retry it.
-    fn gang_status(
-        &mut self,
-        mut st: ModelStatus,
-        m: ValidModel<'_>,
-        size: Bytes,
-        pods: &mut PodInventory<'_>,
-        plan: &mut PodPlan,
-    ) -> ModelStatus {
-        let name = m.name();
-        let Some(gang) = self.gang_here(name).cloned() else {
-            st.state = ModelState::Loading;
-            st.reason = Some(Reason::GangPlacing.into());
-            st.message = Some(format!("{name} waits for its gang's placement").into());
-            return st;
-        };
-        let head = gang.head() == self.me();
-        let members = gang.names();
-        if let Some(p) = pods.live(name) {
-            if head {
-                return self.with_live_pod(st, m, p, size, plan);
-            }
-            st.pod = Some(p.name.clone());
-            st.reason = Some(Reason::GangMember.into());
-            if let Some(since) = &p.ready_since {
-                st.state = ModelState::Loaded;
-                st.loaded_at = Some(since.clone());
-                st.message =
-                    Some(format!("{name} runs on GPUs {members} in pod {}", p.name).into());
-            } else {
-                st.state = ModelState::Loading;
-                st.message =
-                    Some(format!("{name} is starting on GPUs {members} in pod {}", p.name).into());
-            }
-            return st;
-        }
-        if head {
-            if let Some(p) = pods.failed(name) {
-                return self.with_failed_pod(st, p, plan);
-            }
-            if self.gang_pod_lost(name) {
-                // Deleted by a member that let the gang go (or by someone
-                // else): started again only once the coordinator has seen
-                // every member hold it afresh, never on this placement's
-                // word alone (a member may have used the room since).
-                st.state = ModelState::Loading;
-                st.reason = Some(Reason::GangPodLost.into());
-                let message = format!(
-                    "{name}'s pod went away: the operator takes the gang off every GPU and its next request places it again"
-                );
-                st.message = Some(message.into());
-                return st;
-            }
-            if let Some(waiting) = self.waiting_for_retry(&st, plan) {
-                return waiting;
-            }
-        }
-        st.state = ModelState::Loading;
-        if !gang.ready {
-            st.reason = Some(Reason::GangWaiting.into());
-            let message =
-                format!("{name} waits for every GPU of its gang ({members}) to make room");
-            st.message = Some(message.into());
-            return st;
-        }
-        if !head {
-            st.reason = Some(Reason::GangMember.into());
-            let message = format!(
-                "{name} waits for {} to start its pod on GPUs {members}",
-                gang.head()
-            );
-            st.message = Some(message.into());
-            return st;
-        }
-        st.failures = self.previous_failures(name);
-        self.start_pod(st, m, size, pods, plan)
-    }
-
-    /// Whether the gang `name`'s pod, which this head started (its last
-    /// status names it), is gone without having failed or been replaced
-    /// by this residency.
-    pub(super) fn gang_pod_lost(&self, name: &str) -> bool {
-        let Some(prev) = self.prev_models.get(name) else {
-            return false;
-        };
-        // Said once, it stays so until the coordinator takes the gang off
-        // (its placement gone, it unloads): a reconcile between the two
-        // must not start it again.
-        if prev.reason.as_deref() == Some(Reason::GangPodLost.as_str()) {
-            return true;
-        }
-        let replaced = [
-            Reason::Resized,
-            Reason::Moved,
-            Reason::TemplateChanged,
-            Reason::Retrying,
-            Reason::GangWaiting,
-        ]
-        .iter()
-        .any(|r| prev.reason.as_deref() == Some(r.as_str()));
-        prev.pod.is_some() && prev.is_resident() && prev.state != ModelState::Failed && !replaced
     }
 
     /// Why a live pod no longer matches what it should run, if it does not:

@@ -2,10 +2,14 @@
 //! playing a node of four GPUs (claim mode: each residency's claim
 //! allocated by the real scheduler, the gang's pod referencing every
 //! member's claim): placed all or nothing, evicting on each member by its
-//! own LRU, leaving as one, refused with each GPU's reason; the budget
-//! watcher charges a gang's pod to every member and is never over.
+//! own LRU, leaving as one, sleeping and waking as one, refused with each
+//! GPU's reason; the budget watcher charges a gang's pod to every member
+//! and is never over.
 
 use super::*;
+use crate::support::operator::WarmBudgetWatcher;
+use crate::support::router::{RouterUnderTest, assert_served_by};
+use model_residency::local::model_server::SLEEP_ANNOTATION;
 use model_residency::residency::gangs::{GANG_MEMBERS_ANNOTATION, GANGS_ANNOTATION, placements};
 
 const GPUS: [&str; 4] = ["gpu-0", "gpu-1", "gpu-2", "gpu-3"];
@@ -38,18 +42,6 @@ async fn four_gpus(test: &str) -> Harness {
         h.patch_spec(name, json!({ "models": registry() })).await;
     }
     h
-}
-
-async fn gang_pods(h: &Harness) -> Vec<Pod> {
-    let lp = ListParams::default().labels("residency.dev/model=tp");
-    h.pods
-        .list(&lp)
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter(|p| p.metadata.deletion_timestamp.is_none())
-        .collect()
 }
 
 #[tokio::test]
@@ -90,7 +82,7 @@ async fn a_gang_is_placed_on_two_gpus_at_once_evicts_on_each_and_leaves_as_one()
     let placed = &placements(&r0)["tp"];
     assert_eq!(placed.names(), "gpu-0,gpu-3");
     assert!(placed.ready);
-    let pods = gang_pods(&h).await;
+    let pods = live_pods_of(&h, "tp").await;
     assert_eq!(pods.len(), 1, "one pod holds the gang");
     let pod = &pods[0];
     assert_eq!(
@@ -130,7 +122,7 @@ async fn a_gang_is_placed_on_two_gpus_at_once_evicts_on_each_and_leaves_as_one()
     assert_eq!(model(&r0, "tp").reason.as_deref(), Some("DemandRemoved"));
     assert!(!placements(&r0).contains_key("tp"));
     eventually(30, "the gang's pod to go", || async {
-        gang_pods(&h).await.is_empty().then_some(())
+        live_pods_of(&h, "tp").await.is_empty().then_some(())
     })
     .await;
     let r3 = h.converged("gpu-3").await;
@@ -279,4 +271,113 @@ async fn gangs_racing_for_the_same_gpus_all_end_served_never_stuck() {
     .await;
     let violations = watcher.violations.lock().unwrap().clone();
     assert!(violations.is_empty(), "over budget: {violations:?}");
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_gang_sleeps_and_wakes_as_one_on_every_gpu_the_router_holding_its_request() {
+    let h = Harness::start("gang-sleep").await;
+    // The TP-2 model sleeps (vLLM's preset against the fake server's
+    // endpoints) at 4Gi a GPU; the singles cannot sleep.
+    let template = json!({
+        "metadata": {"annotations": {SLEEP_ANNOTATION: "sleep=100ms,wake=50ms"}},
+        "spec": {"containers": [{"name": "server", "image": "example/tps:1"}]},
+    });
+    let models = json!([
+        {"name": "a", "size": "20Gi", "template": crate::support::operator::server_template("a")},
+        {"name": "c", "size": "20Gi", "template": crate::support::operator::server_template("c")},
+        {"name": "tps", "size": "30Gi", "gpus": 2, "template": template,
+         "sleep": {"preset": "vllm", "sleepingSize": "4Gi"}},
+    ]);
+    for name in GPUS {
+        h.create(name, "40Gi", &[]).await;
+        h.patch_spec(
+            name,
+            json!({"models": models, "warm": {"hostBudget": "64Gi"}}),
+        )
+        .await;
+    }
+    let watcher = WarmBudgetWatcher::start(h.pods.clone(), h.api.clone());
+    // gpu-2 and gpu-3 hold a single each: the gang goes to the empty two.
+    h.request("gpu-2", "c").await;
+    h.request("gpu-3", "c").await;
+    h.request_nowait("gpu-0", "tps").await;
+    h.until_state("gpu-0", "tps", ModelState::Loaded, 60).await;
+    let r1 = h.until_state("gpu-1", "tps", ModelState::Loaded, 60).await;
+    assert_eq!(placements(&r1)["tps"].names(), "gpu-0,gpu-1");
+    let pods = live_pods_of(&h, "tps").await;
+    assert_eq!(pods.len(), 1, "one pod holds the gang");
+    let uid = pods[0].metadata.uid.clone();
+
+    // `a` on gpu-1 needs the room the gang holds there: the gang is its
+    // victim and, able to sleep, sleeps, on gpu-0 too (its head asks the
+    // one pod); `a` starts once the pod's sleep is confirmed.
+    h.request_nowait("gpu-1", "a").await;
+    h.until_state("gpu-1", "a", ModelState::Loaded, 60).await;
+    for gpu in ["gpu-0", "gpu-1"] {
+        let r = h.converged(gpu).await;
+        let m = model(&r, "tps");
+        assert_eq!(
+            (m.state, m.reason.as_deref()),
+            (ModelState::Sleeping, Some("Asleep")),
+            "{gpu}: {:?}",
+            r.status
+        );
+    }
+    let pods = live_pods_of(&h, "tps").await;
+    assert_eq!(pods.len(), 1);
+    assert_eq!(pods[0].metadata.uid, uid, "it sleeps in its pod");
+    let ip = pods[0].status.as_ref().unwrap().pod_ip.clone().unwrap();
+    let addr = std::net::SocketAddr::new(ip.parse().unwrap(), 8080);
+    let stats = || async {
+        let a = crate::support::http::send(addr, "GET", "/fake/stats", "").await;
+        serde_json::from_str::<serde_json::Value>(&a.body).unwrap()
+    };
+    assert_eq!(stats().await["sleeps"], 1, "one sleep for the gang");
+
+    // Asked for again, through the router (which holds the request through
+    // the wake): it wakes on both GPUs (gpu-1 evicts `a` for its full
+    // size), in the same pod, once each has made room.
+    let router = RouterUnderTest::exact(&h).await;
+    assert_served_by(&router.chat("tps").await, "tps");
+    let r0 = h.until_state("gpu-0", "tps", ModelState::Loaded, 60).await;
+    let r1 = h.until_state("gpu-1", "tps", ModelState::Loaded, 60).await;
+    assert_eq!(model(&r1, "tps").reason.as_deref(), Some("GangMember"));
+    assert_eq!(model(&r1, "a").state, ModelState::Evicted);
+    let pods = live_pods_of(&h, "tps").await;
+    assert_eq!(pods.len(), 1);
+    assert_eq!(pods[0].metadata.uid, uid, "woken, not loaded again");
+    let s = stats().await;
+    assert_eq!(
+        (s["sleeps"].as_u64(), s["wakes"].as_u64()),
+        (Some(1), Some(1)),
+        "{s}"
+    );
+    // Counted once, on the head (its calls).
+    let c0 = &r0.status.as_ref().unwrap().counters;
+    let c1 = &r1.status.as_ref().unwrap().counters;
+    assert_eq!((c0.sleeps, c0.wakes, c1.sleeps, c1.wakes), (1, 1, 0, 0));
+    let last = h.api.get("gpu-1").await.unwrap();
+    eventually(10, "the budget watcher to catch up", || async {
+        watcher.caught_up(&last).then_some(())
+    })
+    .await;
+    let violations = watcher.violations.lock().unwrap().clone();
+    assert!(violations.is_empty(), "over budget: {violations:?}");
+    assert!(
+        watcher.events.lock().unwrap().1 >= 2,
+        "counted asleep on both GPUs"
+    );
+}
+
+async fn live_pods_of(h: &Harness, model: &str) -> Vec<Pod> {
+    let lp = ListParams::default().labels(&format!("residency.dev/model={model}"));
+    h.pods
+        .list(&lp)
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .collect()
 }

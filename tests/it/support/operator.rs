@@ -549,7 +549,9 @@ impl BudgetWatcher {
 /// from the status saying its sleep is confirmed (`Sleeping`/`Asleep`, or
 /// `Loading`/`Waking`: still asleep) until it names the pod awake (a
 /// sleeping pod that is deleted holds its sleeping size while it
-/// terminates); at its full size otherwise, going to sleep included. The two watches may deliver out of order, so
+/// terminates); at its full size otherwise, going to sleep included (a
+/// gang's pod on each member, as that member's status says). The two
+/// watches may deliver out of order, so
 /// a breach seen on a pod event is recorded once the residency watch has
 /// caught up with that event (its resourceVersion), or 2 s later.
 pub struct WarmBudgetWatcher {
@@ -574,8 +576,10 @@ type WarmBudgets = (u64, u64, BTreeMap<String, (u64, u64)>);
 
 #[derive(Default)]
 struct WarmView {
-    /// Live pod -> (residency, declared size).
-    pods: BTreeMap<String, (String, u64)>,
+    /// Live pod -> (residencies, declared size): a gang's pod holds its
+    /// size on each member's GPU, each member's status saying whether it
+    /// counts asleep there.
+    pods: BTreeMap<String, (Vec<String>, u64)>,
     /// Residency -> (VRAM budget, host budget, pod -> (sleeping, host)
     /// of the pods it says are asleep).
     residencies: BTreeMap<String, WarmBudgets>,
@@ -648,17 +652,19 @@ impl WarmView {
         let mut vram: BTreeMap<&str, u64> = BTreeMap::new();
         let mut host: BTreeMap<&str, u64> = BTreeMap::new();
         let mut sleeping = 0;
-        for (pod, (res, size)) in &self.pods {
-            let asleep = self.residencies.get(res).and_then(|r| r.2.get(pod));
-            let (v, h) = match asleep {
-                Some(&(kept, h)) => {
-                    sleeping += 1;
-                    (kept, h)
-                }
-                None => (*size, 0),
-            };
-            *vram.entry(res).or_default() += v;
-            *host.entry(res).or_default() += h;
+        for (pod, (members, size)) in &self.pods {
+            for res in members {
+                let asleep = self.residencies.get(res).and_then(|r| r.2.get(pod));
+                let (v, h) = match asleep {
+                    Some(&(kept, h)) => {
+                        sleeping += 1;
+                        (kept, h)
+                    }
+                    None => (*size, 0),
+                };
+                *vram.entry(res).or_default() += v;
+                *host.entry(res).or_default() += h;
+            }
         }
         let mut out = Vec::new();
         for (res, (budget, host_budget, _)) in &self.residencies {
@@ -667,7 +673,7 @@ impl WarmView {
                 let pods: Vec<String> = self
                     .pods
                     .iter()
-                    .filter(|(_, (r, _))| r == res)
+                    .filter(|(_, (members, _))| members.contains(res))
                     .map(|(p, (_, size))| {
                         let asleep = self.residencies[res].2.contains_key(p);
                         format!(
@@ -735,7 +741,12 @@ impl WarmBudgetWatcher {
                                         .and_then(|a| a.get(SIZE_ANNOTATION))
                                         .and_then(|s| parse_bytes(s).ok())
                                         .unwrap_or(u64::MAX / 4);
-                                    view.pods.insert(name, (labels[RESIDENCY_LABEL].clone(), size));
+                                    let members = match p.metadata.annotations.as_ref()
+                                        .and_then(|a| a.get(GANG_MEMBERS_ANNOTATION)) {
+                                        Some(g) => g.split(',').map(str::to_owned).collect(),
+                                        None => vec![labels[RESIDENCY_LABEL].clone()],
+                                    };
+                                    view.pods.insert(name, (members, size));
                                 }
                                 pod_rv = Some(rv(&p.metadata));
                             }
