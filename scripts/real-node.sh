@@ -52,7 +52,8 @@ binary_ok() {
     ctr) prints_line "$CONTAINERD_VERSION" "$OUT/ctr" --version ;;
     containerd-shim-runc-v2) prints_line "$CONTAINERD_VERSION" "$OUT/containerd-shim-runc-v2" -v ;;
     # --help exits 2 (Go's flag package) and writes to stderr.
-    gpu-plugin) local help; help=$("$OUT/gpu-plugin" --help 2>&1 || true); grep -qF "DRA kubelet plugin" <<<"$help" ;;
+    # The per-device variables came later: an older build is rebuilt.
+    gpu-plugin) local help; help=$("$OUT/gpu-plugin" --help 2>&1 || true); grep -qF "per-device variables FAKE_GPU_DEVICE_" <<<"$help" ;;
   esac
 }
 

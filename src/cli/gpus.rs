@@ -217,6 +217,7 @@ mod tests {
             index: Some(i),
             product: Some("H100".into()),
             memory: Some(80 << 30),
+            pcie_root: None,
         }
     }
 

@@ -12,7 +12,9 @@
 //!   room now is anything evicted or loaded. Fewer than N GPUs that could
 //!   ever hold it: refused, with each GPU's reason ([`GangRefused`]);
 //!   enough, but not now (room held by loading models): queued, nothing
-//!   evicted anywhere.
+//!   evicted anywhere. Where the node's GPUs are in groups (an NVLink
+//!   domain, a PCIe root: [`NodeGpus::set_groups`]), the N are of one
+//!   group, the group whose costliest chosen member costs least.
 //! - **One recency.** A request touches every member at once.
 //! - **Leaves as one.** A gang that one member evicts (a victim of a
 //!   request or a budget change there) is evicted from every member; one
@@ -45,7 +47,21 @@ pub struct NodeGpus {
     touched: BTreeMap<(usize, String), u64>,
     /// Gangs refused: no GPU's engine saw those requests.
     refusals: u64,
+    /// Each GPU's group (its NVLink domain, PCIe root, ...: GPUs a gang
+    /// may span together), when the driver publishes one: a gang's
+    /// members all share one (GPUs without one only go with each other).
+    /// Empty: any GPUs of the node go together.
+    groups: Vec<Option<String>>,
 }
+
+/// What placing a gang on a GPU costs, lowest first: where it sleeps (0),
+/// fits (1, the most free room first) or must evict (2, the newest use
+/// among its victims, older cheaper).
+type Cost = (u8, u64, i128);
+
+/// A group's GPUs that could hold a gang now (with what each costs), and
+/// how many more could once the models loading there are ready.
+type Candidates = (Vec<(Cost, usize)>, usize);
 
 #[derive(Clone, Debug)]
 struct Gang {
@@ -64,6 +80,9 @@ pub struct GangRefused {
     /// The others, each with its reason (a GPU where it is not declared:
     /// `UnknownModel`).
     pub why: Vec<(usize, RefuseReason)>,
+    /// The node's GPUs are in groups a gang may not span (`could` is then
+    /// the most of one group).
+    pub grouped: bool,
 }
 
 fn describe(r: &GangRefused) -> String {
@@ -86,9 +105,11 @@ fn describe(r: &GangRefused) -> String {
         })
         .collect();
     format!(
-        "needs {} GPUs of one node at once and {} could ever hold it{}{}",
+        "needs {} GPUs of one node at once and {}{}{} could ever hold it{}{}",
         r.width,
+        if r.grouped { "at most " } else { "" },
         r.could,
+        if r.grouped { " of one group" } else { "" },
         if gpus.is_empty() { "" } else { "; " },
         gpus.join("; ")
     )
@@ -144,7 +165,18 @@ impl NodeGpus {
             clock: 0,
             touched: BTreeMap::new(),
             refusals: 0,
+            groups: Vec::new(),
         }
+    }
+
+    /// Each GPU's group, by index (see [`NodeGpus`]'s `groups`): from now
+    /// on a gang is placed only on GPUs of one group.
+    pub fn set_groups(&mut self, groups: Vec<Option<String>>) {
+        self.groups = groups;
+    }
+
+    fn group(&self, gpu: usize) -> Option<&str> {
+        self.groups.get(gpu).and_then(|g| g.as_deref())
     }
 
     /// Records when `name` was last used on `gpu`, on a scale of the
@@ -280,8 +312,8 @@ impl NodeGpus {
         }
         let width = gang.width;
         let mut never = Vec::new();
-        let mut now: Vec<((u8, u64, i128), usize)> = Vec::new();
-        let mut later = 0;
+        let mut now: Vec<(Cost, usize)> = Vec::new();
+        let mut later = Vec::new();
         for g in 0..self.gpus.len() {
             let Some(id) = self.id(g, name) else {
                 never.push((g, RefuseReason::UnknownModel));
@@ -290,7 +322,7 @@ impl NodeGpus {
             let engine = &self.gpus[g];
             match engine.plan_load(id) {
                 Err(reason) => never.push((g, reason)),
-                Ok(None) => later += 1,
+                Ok(None) => later.push(g),
                 Ok(Some(victims)) => {
                     // Newest use among its victims, by the node's clock:
                     // older is cheaper.
@@ -311,19 +343,46 @@ impl NodeGpus {
                 }
             }
         }
-        if now.len() + later < width {
+        now.sort();
+        // Each group's candidates: the GPUs that may hold it now (best
+        // first) and how many more could once loads finish.
+        let mut groups: BTreeMap<Option<&str>, Candidates> = BTreeMap::new();
+        for &(rank, g) in &now {
+            groups.entry(self.group(g)).or_default().0.push((rank, g));
+        }
+        for &g in &later {
+            groups.entry(self.group(g)).or_default().1 += 1;
+        }
+        let could = groups
+            .values()
+            .map(|(now, later)| now.len() + later)
+            .max()
+            .unwrap_or(0);
+        let grouped = groups.len() > 1;
+        if could < width {
             self.refusals += 1;
             return NodeAdmission::GangRefused(GangRefused {
                 width,
-                could: now.len() + later,
+                could,
                 why: never,
+                grouped,
             });
         }
-        if now.len() < width {
+        // The group whose chosen members cost least: compared by its
+        // costliest member first.
+        let best = groups
+            .values()
+            .filter(|(now, _)| now.len() >= width)
+            .map(|(now, _)| {
+                let mut ranks: Vec<_> = now.iter().take(width).copied().collect();
+                ranks.reverse();
+                ranks
+            })
+            .min();
+        let Some(best) = best else {
             return NodeAdmission::Queued;
-        }
-        now.sort();
-        let mut chosen: Vec<usize> = now.iter().take(width).map(|&(_, g)| g).collect();
+        };
+        let mut chosen: Vec<usize> = best.iter().map(|&(_, g)| g).collect();
         chosen.sort_unstable();
         self.admit_gang(name, &chosen)
     }

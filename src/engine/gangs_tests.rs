@@ -271,8 +271,17 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
     #[test]
-    fn gangs_and_singles_keep_every_gpu_in_budget_and_every_gang_whole(ops in ops()) {
+    fn gangs_and_singles_keep_every_gpu_in_budget_and_every_gang_whole(
+        ops in ops(),
+        grouped in any::<bool>(),
+    ) {
         let mut n = property_node();
+        // Two PCIe roots of two GPUs each: no gang spans them (g3, of
+        // three, never fits one).
+        let groups: Vec<Option<String>> = ["r0", "r0", "r1", "r1"]
+            .map(|g| grouped.then(|| g.to_owned()))
+            .to_vec();
+        n.set_groups(groups.clone());
         for op in ops {
             let before = residents(&n);
             match op {
@@ -312,6 +321,54 @@ proptest! {
                 Op::Loading(m, l) => n.set_loading(MODELS[m].0, l),
             }
             check(&n)?;
+            for gang in ["g2", "g3", "g2b"] {
+                let members = n.members(gang);
+                prop_assert!(
+                    members.windows(2).all(|w| groups[w[0]] == groups[w[1]]),
+                    "{} spans groups: {:?}", gang, members
+                );
+            }
         }
     }
+}
+
+#[test]
+fn a_gang_stays_inside_one_group_of_gpus() {
+    // Four GPUs of 24 GiB in two groups (NVLink domains): 0-1 and 2-3.
+    let groups = || {
+        ["nvl-0", "nvl-0", "nvl-1", "nvl-1"]
+            .map(|g| Some(g.to_owned()))
+            .to_vec()
+    };
+    let mut n = node(4, 24, &[("tp2", 16), ("a", 16), ("c", 16)], &[("tp2", 2)]);
+    n.set_groups(groups());
+    assert!(matches!(n.request(0, "a"), NodeAdmission::Loaded { .. }));
+    assert!(matches!(n.request(2, "c"), NodeAdmission::Loaded { .. }));
+    // Ungrouped it would take the two free GPUs, 1 and 3; grouped, one
+    // group must evict: the one whose eviction was used longest ago (a).
+    assert_eq!(
+        n.request(0, "tp2"),
+        NodeAdmission::Loaded {
+            gpus: vec![0, 1],
+            evicted: vec![(0, "a".to_owned())]
+        }
+    );
+    // Three GPUs of one group do not exist: refused, saying so.
+    let mut wide = node(4, 24, &[("tp3", 16)], &[("tp3", 3)]);
+    wide.set_groups(groups());
+    let NodeAdmission::GangRefused(r) = wide.request(0, "tp3") else {
+        panic!("refused");
+    };
+    assert!(r.grouped && r.could == 2, "{r:?}");
+    assert!(r.to_string().contains("at most 2 of one group"), "{r}");
+    // GPUs without a group go only with each other.
+    let mut mixed = node(3, 24, &[("tp2", 16)], &[("tp2", 2)]);
+    mixed.set_groups(vec![Some("nvl-0".into()), None, None]);
+    assert_eq!(
+        mixed.request(0, "tp2"),
+        NodeAdmission::Loaded {
+            gpus: vec![1, 2],
+            evicted: vec![]
+        }
+    );
 }

@@ -57,6 +57,23 @@ impl Vllm {
     /// answers `/health` (18 s on a quiet machine, 100 s and more under
     /// load; an error after 300 s, with its log's end).
     pub async fn start_on(port: u16) -> Result<Vllm, String> {
+        Self::start_with(port, 1).await
+    }
+
+    /// vLLM on a free loopback port serving the tiny model tensor parallel
+    /// over `ranks` worker processes (`--tensor-parallel-size`), as a
+    /// model of `gpus: N` runs: each rank bound to a core of its own
+    /// (`VLLM_CPU_OMP_THREADS_BIND`), their collectives on loopback
+    /// (`VLLM_HOST_IP`). No adapters.
+    pub async fn start_tensor_parallel(ranks: u32) -> Result<Vllm, String> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| format!("finding a free port: {e}"))?
+            .port();
+        Self::start_with(port, ranks).await
+    }
+
+    async fn start_with(port: u16, ranks: u32) -> Result<Vllm, String> {
         let python = std::env::var("MODEL_RESIDENCY_VLLM_PYTHON").map_err(|_| {
             "MODEL_RESIDENCY_VLLM_PYTHON is not set: run scripts/test.sh, which installs vLLM for CPU (scripts/vllm.sh)".to_owned()
         })?;
@@ -84,10 +101,6 @@ impl Vllm {
             "--max-model-len",
             "2048",
         ])
-        .args(["--enable-lora", "--max-loras", &LORA_SLOTS.to_string()])
-        .args(["--max-cpu-loras", &LORA_HOST_SLOTS.to_string()])
-        .args(["--max-lora-rank", &MAX_LORA_RANK.to_string()])
-        .env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
         .env("VLLM_SERVER_DEV_MODE", "1")
         .env("VLLM_CPU_KVCACHE_SPACE", "1")
         .env("VLLM_CACHE_ROOT", dir.path().join("cache"))
@@ -98,6 +111,18 @@ impl Vllm {
         .stdin(Stdio::null())
         .stdout(log)
         .stderr(err_log);
+        if ranks > 1 {
+            let cores: Vec<String> = (0..ranks).map(|r| r.to_string()).collect();
+            cmd.args(["--tensor-parallel-size", &ranks.to_string()])
+                .args(["--distributed-executor-backend", "mp"])
+                .env("VLLM_CPU_OMP_THREADS_BIND", cores.join("|"))
+                .env("VLLM_HOST_IP", "127.0.0.1");
+        } else {
+            cmd.args(["--enable-lora", "--max-loras", &LORA_SLOTS.to_string()])
+                .args(["--max-cpu-loras", &LORA_HOST_SLOTS.to_string()])
+                .args(["--max-lora-rank", &MAX_LORA_RANK.to_string()])
+                .env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True");
+        }
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         let child = cmd
             .spawn()
@@ -125,6 +150,12 @@ impl Vllm {
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
+    }
+
+    /// The first 200 lines of its log (its configuration).
+    pub fn log_head(&self) -> String {
+        let log = std::fs::read_to_string(self.dir.path().join("vllm.log")).unwrap_or_default();
+        log.lines().take(200).collect::<Vec<_>>().join("\n")
     }
 
     /// The last 30 lines of its log.

@@ -15,7 +15,8 @@
 //! - a gang requested (a demand key no member has processed) and placed
 //!   nowhere is planned over the node's engines as their statuses leave
 //!   them ([`NodeGpus`]: GPUs where it fits first, then the cheapest
-//!   evictions by each GPU's policy): placed on the chosen GPUs (the
+//!   evictions by each GPU's policy; GPUs of one PCIe root where the
+//!   driver publishes `resource.kubernetes.io/pcieRoot`): placed on the chosen GPUs (the
 //!   placement and the request's time written on each), queued (room held
 //!   by loads: nothing written, looked at again), or refused with each
 //!   GPU's reason (written where it was asked for);
@@ -30,7 +31,7 @@
 use crate::api::{ModelResidency, ModelState};
 use crate::controller::Context;
 use crate::controller::cached;
-use crate::engine::gangs::{NodeAdmission, NodeGpus};
+use crate::engine::gangs::{GangRefused, NodeAdmission, NodeGpus};
 use crate::engine::{Engine, RefuseReason};
 use crate::quantity::format_bytes;
 use crate::residency::gangs::{
@@ -137,6 +138,9 @@ struct Gpu {
     /// Its annotations as read: the gangs placed on it, those refused there.
     placed: BTreeMap<String, GangPlacement>,
     refused: BTreeMap<String, String>,
+    /// Its device's PCIe root, where the driver publishes one (claim
+    /// mode): a gang's members share one.
+    group: Option<String>,
 }
 
 impl Gpu {
@@ -146,7 +150,8 @@ impl Gpu {
 
     /// `model`'s state and reason in its status.
     fn state_of(&self, model: &str) -> Option<(ModelState, Option<&str>)> {
-        self.status_of(model).map(|m| (m.state, m.reason.as_deref()))
+        self.status_of(model)
+            .map(|m| (m.state, m.reason.as_deref()))
     }
 
     /// When its status last processed a request for `model`.
@@ -237,7 +242,7 @@ async fn pass(
             }
         }
     }
-    for (model, &w) in &widths {
+    for model in widths.keys() {
         let newest = gpus
             .iter()
             .filter_map(|g| g.demand(model))
@@ -326,6 +331,9 @@ async fn pass(
         }
         let gangs = widths.iter().map(|(m, w)| (m.clone(), *w));
         let mut node = NodeGpus::new(plan_engines.clone(), gangs);
+        if gpus.iter().any(|g| g.group.is_some()) {
+            node.set_groups(gpus.iter().map(|g| g.group.clone()).collect());
+        }
         // Each GPU's models' last use, so the evictions used longest ago
         // are the cheapest across GPUs.
         for (i, g) in gpus.iter().enumerate() {
@@ -378,7 +386,7 @@ async fn pass(
                 }
             }
             NodeAdmission::GangRefused(refused) => {
-                let why = refusal(&gpus, w, refused.could, &refused.why);
+                let why = refusal(&gpus, &refused);
                 for g in requesters
                     .iter()
                     .filter(|g| g.refused.get(model) != Some(&why))
@@ -429,9 +437,10 @@ fn sleep_step(
         return (None, false);
     };
     let Some(sleep) = &p.sleep else {
-        let chosen = members
-            .iter()
-            .any(|g| g.state_of(model).is_some_and(|(s, _)| s == ModelState::Sleeping));
+        let chosen = members.iter().any(|g| {
+            g.state_of(model)
+                .is_some_and(|(s, _)| s == ModelState::Sleeping)
+        });
         if !(p.ready && chosen) {
             return (None, false);
         }
@@ -460,12 +469,16 @@ fn sleep_step(
     };
     let awake_again = members.iter().all(|g| {
         g.processed(model).is_some_and(|t| t >= request)
-            && g.state_of(model).is_some_and(|(s, _)| s.is_resident() && s != ModelState::Sleeping)
+            && g.state_of(model)
+                .is_some_and(|(s, _)| s.is_resident() && s != ModelState::Sleeping)
     });
     if !awake_again {
         return (None, true);
     }
-    if head.state_of(model).is_some_and(|(s, _)| s == ModelState::Loaded) {
+    if head
+        .state_of(model)
+        .is_some_and(|(s, _)| s == ModelState::Loaded)
+    {
         return (Some(None), false);
     }
     if sleep.phase == SleepPhase::Waking {
@@ -505,10 +518,17 @@ fn node_gpus(ctx: &Context, store: &Store<ModelResidency>, group: &Group) -> Vec
                     .collect();
                 (engine, gangs)
             };
+            let group = r
+                .status
+                .as_ref()
+                .and_then(|s| s.gpu.as_ref())
+                .and_then(|g| ctx.gpus.device_on(g.node.as_deref()?, g.device.as_deref()?))
+                .and_then(|d| d.pcie_root);
             Some(Gpu {
                 name: r.name_any(),
                 placed: placements(&r),
                 refused: refusals(&r),
+                group,
                 r,
                 engine,
                 gangs,
@@ -539,8 +559,10 @@ fn has_room(ctx: &Context, g: &Gpu, model: &str) -> bool {
 }
 
 /// Why no `width` GPUs of the node could ever hold the gang, per GPU.
-fn refusal(gpus: &[Gpu], width: usize, could: usize, why: &[(usize, RefuseReason)]) -> String {
-    let each: Vec<String> = why
+fn refusal(gpus: &[Gpu], refused: &GangRefused) -> String {
+    let (width, could) = (refused.width, refused.could);
+    let each: Vec<String> = refused
+        .why
         .iter()
         .map(|(i, reason)| {
             let detail = match reason {
@@ -564,13 +586,20 @@ fn refusal(gpus: &[Gpu], width: usize, could: usize, why: &[(usize, RefuseReason
             format!("{}: {} ({detail})", gpus[*i].name, reason.as_str())
         })
         .collect();
-    let mut message = format!(
-        "needs {width} GPUs of node {} at once and {could} of its {} could ever hold it",
-        gpus.first()
-            .and_then(|g| node_of(&g.r).map(str::to_owned))
-            .unwrap_or_default(),
-        gpus.len()
-    );
+    let node = gpus
+        .first()
+        .and_then(|g| node_of(&g.r).map(str::to_owned))
+        .unwrap_or_default();
+    let mut message = if refused.grouped {
+        format!(
+            "needs {width} GPUs of one PCIe root of node {node} at once and at most {could} of one root could ever hold it"
+        )
+    } else {
+        format!(
+            "needs {width} GPUs of node {node} at once and {could} of its {} could ever hold it",
+            gpus.len()
+        )
+    };
     if !each.is_empty() {
         message.push_str("; ");
         message.push_str(&each.join("; "));
@@ -659,6 +688,7 @@ mod tests {
                 gangs: BTreeMap::new(),
                 placed: BTreeMap::new(),
                 refused: BTreeMap::new(),
+                group: None,
             }
         };
         let gpus = [gpu("g0", 10), gpu("g1", 10), gpu("g2", 10)];
@@ -672,8 +702,14 @@ mod tests {
             ),
             (2, RefuseReason::UnknownModel),
         ];
+        let refused = GangRefused {
+            width: 2,
+            could: 1,
+            why: why.to_vec(),
+            grouped: false,
+        };
         assert_eq!(
-            refusal(&gpus, 2, 1, &why),
+            refusal(&gpus, &refused),
             "needs 2 GPUs of node node-a at once and 1 of its 3 could ever hold it; g0: LargerThanBudget (needs 16Gi and its budget is 10Gi); g2: UnknownModel (does not declare it)"
         );
     }

@@ -363,6 +363,7 @@ const OTHER_FLAGS: &[&str] = &[
     "max-loras",
     "max-cpu-loras",
     "tensor-parallel-size",
+    "distributed-executor-backend",
     "gpu-memory-utilization",
 ];
 

@@ -674,3 +674,4 @@ async fn services_route_to_pods_and_pods_reach_the_api_in_cluster() {
 }
 
 mod chart;
+mod gangs;

@@ -5,7 +5,8 @@
 //! against both, and the same observable sequence asserted of both; then
 //! real vLLM as a model pod through the router and the operator; and the
 //! same run of LoRA adapter loads, unloads and requests (vLLM's runtime
-//! adapter API, `--enable-lora`) against both. On
+//! adapter API, `--enable-lora`) against both; and a second vLLM, tensor
+//! parallel over two ranks, as the one pod of a gang (`gpus: 2`). On
 //! CPU vLLM refuses `--enable-sleep-mode`; with `VLLM_SERVER_DEV_MODE=1`
 //! its sleep endpoints are real (the scheduler pauses, requests are held,
 //! `mode` is honoured, level 2 needs `reload_weights`) and only the memory
@@ -567,4 +568,62 @@ async fn adapters_through_the_router(vllm: Vllm, dir: &std::path::Path) {
 
 fn vllm_addr(port: u16) -> SocketAddr {
     ([127, 0, 0, 1], port).into()
+}
+
+/// Real vLLM tensor parallel over two ranks (`--tensor-parallel-size 2`,
+/// a worker process per core, their collectives on loopback) as the one
+/// pod of a TP-2 gang (`gpus: 2`) on a four-GPU stand-in node: asked for
+/// through the router, placed on two GPUs at once, and answered by the
+/// real server, the router holding the request through the gang's load.
+#[tokio::test]
+#[ignore = "needs vLLM for CPU: scripts/test.sh provides it (scripts/vllm.sh) and runs it with --include-ignored"]
+async fn a_tensor_parallel_2_vllm_serves_a_gang_through_the_router() {
+    use crate::support::operator::Harness;
+    use crate::support::router::RouterUnderTest;
+    use model_residency::api::{ModelResidency, ModelState};
+    use model_residency::local::kubelet::SERVED_AT_ANNOTATION;
+    use model_residency::residency::gangs::placements;
+    let vllm = Vllm::start_tensor_parallel(2).await.unwrap();
+    let log = vllm.log_head();
+    assert!(
+        log.contains("tensor_parallel_size=2"),
+        "vLLM's engine config: {log}"
+    );
+    let h = Harness::start("real-vllm-tp2").await;
+    let models = json!([
+        {"name": MODEL, "size": "6Gi", "gpus": 2,
+         "template": {"metadata": {"annotations": {SERVED_AT_ANNOTATION: "127.0.0.1"}},
+            "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
+                "args": ["--tensor-parallel-size=$(RESIDENCY_GANG_SIZE)"],
+                "ports": [{"containerPort": vllm.addr.port()}]}]}}},
+    ]);
+    for device in 0..4 {
+        let r: ModelResidency = serde_json::from_value(json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+            "metadata": {"name": format!("gpu-{device}")},
+            "spec": {"nodeName": h.node, "device": device.to_string(), "gpu": {"mode": "env"},
+                     "budget": "10Gi", "models": models},
+        }))
+        .unwrap();
+        h.api.create(&Default::default(), &r).await.unwrap();
+    }
+    let router = RouterUnderTest::exact(&h).await;
+    let answer = router.post("/v1/chat/completions", &chat(8, false)).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let body: serde_json::Value = serde_json::from_str(&answer.body).unwrap();
+    assert_eq!(body["model"], MODEL, "answered by vLLM: {}", answer.body);
+    // Loaded on two GPUs at once, one pod for both.
+    let mut holders = Vec::new();
+    let mut pods = std::collections::BTreeSet::new();
+    for device in 0..4 {
+        let r = h.converged(&format!("gpu-{device}")).await;
+        let m = r.status.as_ref().unwrap().model(MODEL).cloned();
+        if let Some(m) = m.filter(|m| m.state == ModelState::Loaded) {
+            holders.push(format!("gpu-{device}"));
+            pods.insert(m.pod.clone().unwrap());
+            assert_eq!(placements(&r)[MODEL].members.len(), 2);
+        }
+    }
+    assert_eq!(holders.len(), 2, "{holders:?}");
+    assert_eq!(pods.len(), 1, "{pods:?}");
 }

@@ -9,7 +9,9 @@
 // index, minor, uuid, productName and the capacity memory), and prepares a
 // claim by writing a CDI spec that containerd applies to every container
 // using it: NVIDIA_VISIBLE_DEVICES=<uuids> as NVIDIA's driver sets it, plus
-// FAKE_GPU_DEVICES=<device names> and FAKE_GPU_CLAIM=<namespace/name>.
+// FAKE_GPU_DEVICES=<device names> and FAKE_GPU_CLAIM=<namespace/name>, and
+// FAKE_GPU_DEVICE_<NAME>=<uuid> per device (these add up over a pod's
+// several claims, as a real driver's device nodes do).
 // With --gpus-file, the GPU count is read from that file every second and
 // the slice published again when it changes (a GPU added or taken away,
 // the highest index first), as a driver does when a device comes or goes.
@@ -28,8 +30,8 @@ import (
 	"os/signal"
 	"path/filepath"
 	"sort"
-	"strings"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -49,8 +51,10 @@ const (
 	driver = "gpu.nvidia.com"
 	// The CDI kind of prepared claims. CDI needs spec version 0.5.0 or later
 	// for device names that start with a digit, as claim UIDs may.
-	cdiKind    = "k8s.gpu.nvidia.com/claim"
-	cdiVersion = "0.5.0"
+	cdiKind = "k8s.gpu.nvidia.com/claim"
+	// The per-device variables' prefix: FAKE_GPU_DEVICE_GPU_3=<uuid>.
+	devicePrefix = "FAKE_GPU_DEVICE_"
+	cdiVersion   = "0.5.0"
 )
 
 type plugin struct {
@@ -71,7 +75,7 @@ func main() {
 	cdiDir := flag.String("cdi-dir", "/etc/cdi", "where containerd reads CDI specs (its cdi_spec_dirs)")
 	klog.InitFlags(nil)
 	flag.Usage = func() {
-		fmt.Fprintf(flag.CommandLine.Output(), "gpu-plugin: the real node's fake-GPU DRA kubelet plugin (driver %s)\n", driver)
+		fmt.Fprintf(flag.CommandLine.Output(), "gpu-plugin: the real node's fake-GPU DRA kubelet plugin (driver %s, per-device variables %s<NAME>)\n", driver, devicePrefix)
 		flag.PrintDefaults()
 	}
 	flag.Parse()
@@ -229,6 +233,7 @@ func (p *plugin) prepare(claim *resourceapi.ResourceClaim) kubeletplugin.Prepare
 	}
 	var names, uuids []string
 	byRequest := map[string][]string{}
+	uuidOf := map[string]string{}
 	for _, r := range claim.Status.Allocation.Devices.Results {
 		if r.Driver != driver {
 			continue
@@ -240,22 +245,32 @@ func (p *plugin) prepare(claim *resourceapi.ResourceClaim) kubeletplugin.Prepare
 			return kubeletplugin.PrepareResult{Err: fmt.Errorf("claim %s/%s: no device %q on this node", claim.Namespace, claim.Name, r.Device)}
 		}
 		byRequest[r.Device] = append(byRequest[r.Device], r.Request)
+		uuidOf[r.Device] = uuid
 		names = append(names, r.Device)
 		uuids = append(uuids, uuid)
 	}
 	sort.Strings(names)
 	sort.Strings(uuids)
 	device := "claim-" + string(claim.UID)
+	env := []string{
+		"NVIDIA_VISIBLE_DEVICES=" + strings.Join(uuids, ","),
+		"FAKE_GPU_DEVICES=" + strings.Join(names, ","),
+		"FAKE_GPU_CLAIM=" + claim.Namespace + "/" + claim.Name,
+	}
+	// One variable per device as well: a pod with several claims gets
+	// each claim's edits, and the shared names above keep only the last
+	// claim's (containerd applies them in turn), where a real driver's
+	// device nodes add up. These add up too, so a container sees every
+	// device it was given.
+	for _, name := range names {
+		env = append(env, devicePrefix+strings.ToUpper(strings.ReplaceAll(name, "-", "_"))+"="+uuidOf[name])
+	}
 	spec := map[string]any{
 		"cdiVersion": cdiVersion,
 		"kind":       cdiKind,
 		"devices": []any{map[string]any{
-			"name": device,
-			"containerEdits": map[string]any{"env": []string{
-				"NVIDIA_VISIBLE_DEVICES=" + strings.Join(uuids, ","),
-				"FAKE_GPU_DEVICES=" + strings.Join(names, ","),
-				"FAKE_GPU_CLAIM=" + claim.Namespace + "/" + claim.Name,
-			}},
+			"name":           device,
+			"containerEdits": map[string]any{"env": env},
 		}},
 	}
 	body, err := json.Marshal(spec)

@@ -103,7 +103,16 @@ pub struct Device {
     pub index: Option<i64>,
     pub product: Option<String>,
     pub memory: Option<Bytes>,
+    /// Its PCIe root ([`PCIE_ROOT_ATTRIBUTE`]), when the driver publishes
+    /// it: a gang's GPUs share one.
+    pub pcie_root: Option<String>,
 }
+
+/// The standard DRA attribute for a device's PCIe root complex: devices
+/// under one root communicate with the lowest latency, so a gang (a model
+/// spanning several GPUs) is placed on GPUs that share it, where the
+/// driver publishes it.
+pub const PCIE_ROOT_ATTRIBUTE: &str = "resource.kubernetes.io/pcieRoot";
 
 impl Device {
     /// Whether this is the device spec.device names (its index or uuid).
@@ -137,6 +146,7 @@ pub fn devices_of(slice: &ResourceSlice) -> Vec<Device> {
                 uuid: attr("uuid").and_then(|a| a.string.clone()),
                 index: attr("index").and_then(|a| a.int),
                 product: attr("productName").and_then(|a| a.string.clone()),
+                pcie_root: attr(PCIE_ROOT_ATTRIBUTE).and_then(|a| a.string.clone()),
                 memory: d
                     .capacity
                     .as_ref()
@@ -267,6 +277,17 @@ impl GpuInventory {
             .values()
             .flatten()
             .find(|d| d.driver == a.driver && d.pool == a.pool && d.name == a.device)
+            .cloned()
+    }
+
+    /// The device `name` published for `node`.
+    pub fn device_on(&self, node: &str, name: &str) -> Option<Device> {
+        let inner = self.inner.lock().expect("gpu inventory lock");
+        inner
+            .slices
+            .values()
+            .flatten()
+            .find(|d| d.node.as_deref() == Some(node) && d.name == name)
             .cloned()
     }
 

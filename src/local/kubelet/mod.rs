@@ -99,6 +99,11 @@ pub struct FakeNode {
     pub gpus: u32,
     /// Each GPU's memory, in bytes (its ResourceSlice capacity).
     pub gpu_memory: u64,
+    /// GPUs per PCIe root: with `Some(k)`, each GPU publishes the standard
+    /// `resource.kubernetes.io/pcieRoot` attribute, `k` GPUs to a root
+    /// (what says which GPUs communicate fastest); `None`: no such
+    /// attribute, as before.
+    pub gpus_per_pcie_root: Option<u32>,
 }
 
 /// The memory of a stand-in GPU unless said otherwise: an H100's 80 GiB.
@@ -148,6 +153,7 @@ impl std::str::FromStr for FakeNode {
             name: name.to_owned(),
             gpus,
             gpu_memory: memory,
+            gpus_per_pcie_root: None,
         })
     }
 }
@@ -159,6 +165,7 @@ impl FakeNode {
             name: name.to_owned(),
             gpus,
             gpu_memory: DEFAULT_GPU_MEMORY,
+            gpus_per_pcie_root: None,
         }
     }
 }

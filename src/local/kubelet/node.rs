@@ -72,6 +72,8 @@ pub async fn install_device_class(client: &kube::Client) -> Result<(), kube::Err
     }
 }
 
+use crate::controller::gpu::inventory::PCIE_ROOT_ATTRIBUTE;
+
 /// The driver the stand-in plays.
 pub const GPU_DRIVER: &str = "gpu.nvidia.com";
 
@@ -89,7 +91,7 @@ pub(super) async fn publish_gpus(
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let devices: Vec<_> = (0..node.gpus)
         .map(|i| {
-            json!({
+            let mut device = json!({
                 "name": format!("gpu-{i}"),
                 "attributes": {
                     "type": {"string": "gpu"},
@@ -99,7 +101,12 @@ pub(super) async fn publish_gpus(
                     "productName": {"string": FAKE_PRODUCT},
                 },
                 "capacity": {"memory": {"value": node.gpu_memory.to_string()}},
-            })
+            });
+            if let Some(k) = node.gpus_per_pcie_root.filter(|&k| k > 0) {
+                device["attributes"][PCIE_ROOT_ATTRIBUTE] =
+                    json!({"string": format!("pci0000:{:02x}", i / k)});
+            }
+            device
         })
         .collect();
     let body = json!({

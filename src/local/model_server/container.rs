@@ -5,7 +5,9 @@
 //!
 //! - `GET /fake/container`: the process's pid, hostname and the GPU
 //!   environment the node gave it (`NVIDIA_VISIBLE_DEVICES`,
-//!   `FAKE_GPU_DEVICES`, `FAKE_GPU_CLAIM`, `RESIDENCY_GPU_DEVICE`), so a
+//!   `FAKE_GPU_DEVICES`, `FAKE_GPU_CLAIM`, `FAKE_GPU_DEVICE_<NAME>` per
+//!   device, `RESIDENCY_GPU_DEVICE`, a gang's `RESIDENCY_GANG_SIZE` and
+//!   `RESIDENCY_GANG_DEVICES`), so a
 //!   test sees what the DRA driver's CDI spec injected and whether a
 //!   container is still the same one.
 //! - `GET /fake/file?path=P`: the file's sha256 and size as read inside the
@@ -24,12 +26,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// The environment variables `/fake/container` reports.
-const GPU_ENV: [&str; 4] = [
+const GPU_ENV: [&str; 6] = [
     "NVIDIA_VISIBLE_DEVICES",
     "FAKE_GPU_DEVICES",
     "FAKE_GPU_CLAIM",
     "RESIDENCY_GPU_DEVICE",
+    crate::residency::gangs::GANG_SIZE_ENV,
+    crate::residency::gangs::GANG_DEVICES_ENV,
 ];
+
+/// The real node's fake DRA plugin also sets one variable per device it
+/// prepared (`FAKE_GPU_DEVICE_GPU_3=<uuid>`): these add up over a pod's
+/// several claims (a gang's), where the shared names keep the last
+/// claim's only.
+const DEVICE_ENV_PREFIX: &str = "FAKE_GPU_DEVICE_";
 
 /// How the container's server runs.
 #[derive(Clone, Debug)]
@@ -93,9 +103,9 @@ pub(super) async fn endpoint(
     let ok = |body: serde_json::Value| respond(StatusCode::OK, JSON, full(body.to_string()), pod);
     match (req.method(), req.uri().path()) {
         (&Method::GET, "/fake/container") => {
-            let env: serde_json::Map<_, _> = GPU_ENV
-                .iter()
-                .filter_map(|k| Some((k.to_string(), json!(std::env::var(k).ok()?))))
+            let env: serde_json::Map<_, _> = std::env::vars()
+                .filter(|(k, _)| GPU_ENV.contains(&k.as_str()) || k.starts_with(DEVICE_ENV_PREFIX))
+                .map(|(k, v)| (k, json!(v)))
                 .collect();
             let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
                 .unwrap_or_default()

@@ -36,7 +36,11 @@ fn registry() -> serde_json::Value {
 /// A node of four 40Gi GPUs, a residency each, every one declaring
 /// [`registry`].
 async fn four_gpus(test: &str) -> Harness {
-    let h = Harness::start(test).await;
+    four_gpus_on(Harness::start(test).await).await
+}
+
+/// [`four_gpus`] on `h`'s node.
+async fn four_gpus_on(h: Harness) -> Harness {
     for name in GPUS {
         h.create(name, "40Gi", &[]).await;
         h.patch_spec(name, json!({ "models": registry() })).await;
@@ -380,4 +384,27 @@ async fn live_pods_of(h: &Harness, model: &str) -> Vec<Pod> {
         .into_iter()
         .filter(|p| p.metadata.deletion_timestamp.is_none())
         .collect()
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_gang_is_placed_on_gpus_of_one_pcie_root_where_the_driver_publishes_it() {
+    // The node's GPUs publish `resource.kubernetes.io/pcieRoot`, two to a
+    // root: gpu-0 and gpu-1 share one, gpu-2 and gpu-3 another.
+    let h = Harness::start_kubelet("gang-pcie-root", |c| {
+        c.nodes[0].gpus_per_pcie_root = Some(2);
+    })
+    .await;
+    let h = four_gpus_on(h).await;
+    // The free GPUs, gpu-1 and gpu-3, are of two roots: the gang takes one
+    // root whole, evicting the single used longest ago there (gpu-0's).
+    h.request("gpu-0", "a").await;
+    h.request("gpu-2", "c").await;
+    h.request_nowait("gpu-1", "tp").await;
+    let r = h.until_state("gpu-1", "tp", ModelState::Loaded, 60).await;
+    assert_eq!(placements(&r)["tp"].names(), "gpu-1,gpu-0");
+    let r0 = h.until_state("gpu-0", "tp", ModelState::Loaded, 60).await;
+    assert_eq!(model(&r0, "a").state, ModelState::Evicted);
+    let r2 = h.converged("gpu-2").await;
+    assert_eq!(model(&r2, "c").state, ModelState::Loaded);
 }
