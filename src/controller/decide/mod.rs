@@ -276,6 +276,9 @@ struct Decider<'a> {
     /// Models chosen to sleep and requested again before their sleep was
     /// sent (counted by the engine as a sleep and a wake).
     cancelled_sleeps: u64,
+    /// Loads of gangs admitted here whose head counts them: a gang's load
+    /// is one load, in its head's counters.
+    gang_loads_elsewhere: u64,
     /// The gangs the coordinator placed on this GPU, and those it refused
     /// where they were asked for here ([`crate::residency::gangs`]).
     gangs: BTreeMap<String, GangPlacement>,
@@ -319,6 +322,7 @@ impl<'a> Decider<'a> {
             events: Vec::new(),
             unannounced,
             cancelled_sleeps: 0,
+            gang_loads_elsewhere: 0,
             gangs: crate::residency::gangs::placements(input.residency),
             gang_refusals: crate::residency::gangs::refusals(input.residency),
         };

@@ -172,6 +172,9 @@ impl<'a> Decider<'a> {
             Admission::Hit => true,
             Admission::Loaded { evicted } => {
                 let evicted = evicted.to_vec();
+                if self.gang_here(model).is_some_and(|g| g.head() != self.me()) {
+                    self.gang_loads_elsewhere += 1;
+                }
                 self.load_admitted(model);
                 self.admitted(id, &evicted);
                 true

@@ -87,6 +87,10 @@ impl<'a> Decider<'a> {
                 }
                 _ => gone_before_ready(&st.name, st.message.as_deref().unwrap_or("unloaded")),
             };
+            let message = match self.gang_here(&st.name) {
+                Some(g) => format!("{message} (a gang on GPUs {})", g.names()),
+                None => message,
+            };
             self.event(&st.name.clone(), EventReason::Loaded, message);
         }
         let left: Vec<String> = self.unannounced.drain().map(|(m, _)| m).collect();
@@ -381,7 +385,7 @@ impl<'a> Decider<'a> {
     /// count when their server confirms them ([`Decision::call_done`]),
     /// each with its Slept or Woken event, so the counters never go down.
     /// A request that cancels a sleep not sent yet found its model awake:
-    /// a hit.
+    /// a hit. A gang's load counts once, on its head.
     fn counters(&self) -> crate::api::Counters {
         let before = self.input.residency.status.as_ref();
         let before = before.map(|s| s.counters).unwrap_or_default();
@@ -389,6 +393,7 @@ impl<'a> Decider<'a> {
         c.sleeps = before.sleeps;
         c.wakes = before.wakes;
         c.hits += self.cancelled_sleeps;
+        c.loads = c.loads.saturating_sub(self.gang_loads_elsewhere);
         c
     }
 }

@@ -71,6 +71,18 @@ async fn a_gang_is_placed_on_two_gpus_at_once_evicts_on_each_and_leaves_as_one()
         r0.status
     );
     assert_eq!(model(&r3, "tp").reason.as_deref(), Some("GangMember"));
+    // One load, counted by its head; the Loaded event names the members.
+    assert_eq!(r3.status.as_ref().unwrap().counters.loads, 0);
+    eventually(30, "the gang's Loaded event", || async {
+        let events = events_for(&h, "gpu-0").await;
+        events
+            .iter()
+            .any(|(reason, note)| {
+                reason == "Loaded" && note.contains("(a gang on GPUs gpu-0,gpu-3)")
+            })
+            .then_some(())
+    })
+    .await;
     for untouched in ["gpu-1", "gpu-2"] {
         let r = h.converged(untouched).await;
         assert!(
