@@ -61,6 +61,23 @@ async fn model_pod(h: &Harness, name: &str, model: &str) -> Pod {
     .await
 }
 
+/// Device name -> uuid, as the plugin publishes the node's GPUs in its
+/// ResourceSlice.
+async fn uuids_on_node(client: &kube::Client) -> std::collections::BTreeMap<String, String> {
+    let slices: kube::Api<k8s_openapi::api::resource::v1::ResourceSlice> =
+        kube::Api::all(client.clone());
+    slices
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|s| s.spec.node_name.as_deref() == Some(NODE))
+        .flat_map(|s| s.spec.devices.unwrap_or_default())
+        .filter_map(|d| Some((d.name.clone(), d.attributes?.get("uuid")?.string.clone()?)))
+        .collect()
+}
+
 #[tokio::test]
 #[ignore = "needs the real node's lane (scripts/test.sh runs it)"]
 async fn the_seeds_requests_run_in_real_containers_through_the_router() {
@@ -143,18 +160,9 @@ async fn the_gpu_claim_is_shared_by_the_holder_and_the_model_pods_through_cdi() 
     let gpu = r.status.unwrap().gpu.unwrap();
     let device = gpu.device.clone().unwrap();
     // The uuid the plugin published for that device, from its slice.
-    let slices: kube::Api<k8s_openapi::api::resource::v1::ResourceSlice> =
-        kube::Api::all(h.env.client.clone());
-    let uuid = slices
-        .list(&Default::default())
+    let uuid = uuids_on_node(&h.env.client)
         .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter(|s| s.spec.node_name.as_deref() == Some(NODE))
-        .flat_map(|s| s.spec.devices.unwrap_or_default())
-        .find(|d| d.name == device)
-        .and_then(|d| d.attributes?.get("uuid")?.string.clone())
+        .remove(&device)
         .expect("the device's uuid");
     let mut claims = Vec::new();
     for model in ["x", "y"] {

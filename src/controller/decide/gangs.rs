@@ -11,7 +11,6 @@
 use super::Decider;
 use super::inventory::{PodInventory, PodPlan};
 use crate::api::{ModelState, ModelStatus};
-use crate::controller::events::EventReason;
 use crate::controller::pods::ModelPod;
 use crate::engine::Bytes;
 use crate::residency::gangs::{GangPlacement, SleepPhase};
@@ -52,25 +51,11 @@ impl<'a> Decider<'a> {
                 // Asked for again since: it wakes on every member.
                 continue;
             }
-            if let Some(dropped) = self.engine.retire(id) {
-                let dropped = dropped.to_vec();
-                let why = format!("to make host memory for {name}'s sleep");
-                self.evicted(&dropped, Reason::MadeRoom, &why);
-                let message = format!("{name} goes to sleep with its gang on GPUs {members}");
-                self.outcome(&name, ModelState::Sleeping, Reason::FallingAsleep, message);
-                continue;
-            }
-            self.engine.unload(id);
-            let message = format!(
+            let asleep = format!("{name} goes to sleep with its gang on GPUs {members}");
+            let unloaded = format!(
                 "{name} cannot sleep on this GPU (its host budget has no room), so it leaves every GPU of its gang ({members})"
             );
-            self.event(&name, EventReason::Unloaded, message.clone());
-            self.outcome(
-                &name,
-                ModelState::Unloaded,
-                Reason::GangCannotSleep,
-                message,
-            );
+            self.sleep_or_unload(id, &name, asleep, (Reason::GangCannotSleep, unloaded));
         }
     }
 

@@ -493,19 +493,33 @@ impl<'a> Decider<'a> {
                 // Asked for again since: it stays.
                 continue;
             }
-            if let Some(dropped) = self.engine.retire(id) {
-                let dropped = dropped.to_vec();
-                let why = format!("to make host memory for {name}'s sleep");
-                self.evicted(&dropped, Reason::MadeRoom, &why);
-                let message = format!("{name} goes to sleep: its copy was removed");
-                self.outcome(&name, ModelState::Sleeping, Reason::FallingAsleep, message);
-                continue;
-            }
-            self.engine.unload(id);
-            let message = format!("{name} unloaded: its copy was removed");
-            self.event(&name, EventReason::Unloaded, message.clone());
-            self.outcome(&name, ModelState::Unloaded, Reason::CopyRemoved, message);
+            let asleep = format!("{name} goes to sleep: its copy was removed");
+            let unloaded = format!("{name} unloaded: its copy was removed");
+            self.sleep_or_unload(id, &name, asleep, (Reason::CopyRemoved, unloaded));
         }
+    }
+
+    /// Puts `name` to sleep (dropping sleepers for its host memory), or,
+    /// where it cannot sleep, unloads it, with `unloaded`'s reason and
+    /// words.
+    fn sleep_or_unload(
+        &mut self,
+        id: ModelId,
+        name: &str,
+        asleep: String,
+        unloaded: (Reason, String),
+    ) {
+        if let Some(dropped) = self.engine.retire(id) {
+            let dropped = dropped.to_vec();
+            let why = format!("to make host memory for {name}'s sleep");
+            self.evicted(&dropped, Reason::MadeRoom, &why);
+            self.outcome(name, ModelState::Sleeping, Reason::FallingAsleep, asleep);
+            return;
+        }
+        self.engine.unload(id);
+        let (reason, message) = unloaded;
+        self.event(name, EventReason::Unloaded, message.clone());
+        self.outcome(name, ModelState::Unloaded, reason, message);
     }
 
     /// Why a model's pod cannot be made, if it cannot: the template does

@@ -6,16 +6,13 @@
 //! evicted around it in real containers, the budget watcher charging the
 //! gang's pod to both GPUs.
 
-use super::{container_of, inside};
+use super::{container_of, inside, uuids_on_node};
 use crate::support::cluster::eventually;
-use crate::support::lane::{NODE, real_harness};
+use crate::support::lane::real_harness;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::ResourceSlice;
-use kube::api::{Api, ListParams};
 use model_residency::api::ModelState;
 use model_residency::residency::gangs::placements;
 use serde_json::json;
-use std::collections::BTreeMap;
 
 const GPUS: [&str; 4] = ["gang-0", "gang-1", "gang-2", "gang-3"];
 
@@ -121,19 +118,4 @@ async fn a_gangs_pod_gets_both_gpus_through_cdi_and_singles_load_and_leave_aroun
 
 fn model_state(r: &model_residency::api::ModelResidency, m: &str) -> ModelState {
     r.status.as_ref().unwrap().model(m).unwrap().state
-}
-
-/// Device name -> uuid, as the plugin publishes the node's GPUs.
-async fn uuids_on_node(client: &kube::Client) -> BTreeMap<String, String> {
-    let slices: Api<ResourceSlice> = Api::all(client.clone());
-    slices
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter(|s| s.spec.node_name.as_deref() == Some(NODE))
-        .flat_map(|s| s.spec.devices.unwrap_or_default())
-        .filter_map(|d| Some((d.name.clone(), d.attributes?.get("uuid")?.string.clone()?)))
-        .collect()
 }
