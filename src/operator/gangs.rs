@@ -159,6 +159,12 @@ impl Gpu {
         recorded_time(self.status_of(model)?.last_requested.as_deref())
     }
 
+    /// Whether its status has processed a request for `model` at `at` or
+    /// later.
+    fn processed_since(&self, model: &str, at: Option<k8s_openapi::jiff::Timestamp>) -> bool {
+        at.is_some_and(|at| self.processed(model).is_some_and(|t| t >= at))
+    }
+
     fn demand(&self, model: &str) -> Option<(&str, k8s_openapi::jiff::Timestamp)> {
         let at = self.r.spec.demand.get(model)?;
         Some((at.as_str(), recorded_time(Some(at))?))
@@ -206,6 +212,29 @@ fn write<'w>(writes: &'w mut BTreeMap<String, Write>, g: &Gpu) -> &'w mut Write 
     writes.entry(g.name.clone()).or_default()
 }
 
+/// `placement` of `model` written on every member in `members`.
+fn place(
+    writes: &mut BTreeMap<String, Write>,
+    members: &[&Gpu],
+    model: &str,
+    placement: &GangPlacement,
+) {
+    for g in members {
+        write(writes, g)
+            .gangs(g)
+            .insert(model.to_owned(), placement.clone());
+    }
+}
+
+/// Counts `model` as admitted (and loading) in a plan's engine: a
+/// placement's room is its members' from the moment it is written.
+fn hold_room(engine: &mut Engine, model: &str) {
+    if let Some(id) = engine.id(model) {
+        let _ = engine.request(id);
+        engine.set_loading(id, true);
+    }
+}
+
 /// One pass over a node's residencies; `true` while a gang there waits
 /// (queued, or placed and not every member ready).
 async fn pass(
@@ -233,15 +262,29 @@ async fn pass(
     // every plan.
     for (model, p) in &placed {
         for (i, g) in gpus.iter().enumerate() {
-            if p.includes(&g.name)
-                && let Some(id) = plan_engines[i].id(model)
-                && !plan_engines[i].is_resident(id)
-            {
-                let _ = plan_engines[i].request(id);
-                plan_engines[i].set_loading(id, true);
+            let admitted = plan_engines[i]
+                .id(model)
+                .is_some_and(|id| plan_engines[i].is_resident(id));
+            if p.includes(&g.name) && !admitted {
+                hold_room(&mut plan_engines[i], model);
             }
         }
     }
+    // Each GPU's models' last use, so the evictions used longest ago are
+    // the cheapest across GPUs in every plan of this pass.
+    let last_uses: Vec<(usize, &str, u64)> = gpus
+        .iter()
+        .enumerate()
+        .flat_map(|(i, g)| {
+            g.r.status
+                .iter()
+                .flat_map(|s| s.models.iter())
+                .filter_map(move |m| {
+                    let t = recorded_time(m.last_used.as_deref())?;
+                    Some((i, &*m.name, u64::try_from(t.as_nanosecond()).unwrap_or(0)))
+                })
+        })
+        .collect();
     for model in widths.keys() {
         let newest = gpus
             .iter()
@@ -254,9 +297,7 @@ async fn pass(
                 || members.iter().any(|g| {
                     let lost = g.status_of(model).and_then(|m| m.reason.as_deref())
                         == Some(Reason::GangPodLost.as_str());
-                    let processed =
-                        at.is_some_and(|at| g.processed(model).is_some_and(|t| t >= at));
-                    lost || (processed && !g.holds(model))
+                    lost || (g.processed_since(model, at) && !g.holds(model))
                 });
             if let_go {
                 tracing::info!(model, members = %p.names(), "a gang member let the gang go: taken off every member");
@@ -289,28 +330,20 @@ async fn pass(
             waits |= sleep_waits;
             if let Some(sleep) = step {
                 tracing::info!(model, members = %p.names(), sleep = ?sleep, "gang sleep");
-                let mut next = p.clone();
-                next.sleep = sleep;
-                for g in &members {
-                    write(&mut writes, g)
-                        .gangs(g)
-                        .insert(model.clone(), next.clone());
-                }
+                let next = GangPlacement { sleep, ..p.clone() };
+                place(&mut writes, &members, model, &next);
                 continue;
             }
             if !p.ready {
-                let admitted = members.iter().all(|g| {
-                    g.holds(model)
-                        && at.is_some_and(|at| g.processed(model).is_some_and(|t| t >= at))
-                });
+                let admitted = members
+                    .iter()
+                    .all(|g| g.holds(model) && g.processed_since(model, at));
                 if admitted && members.iter().all(|g| has_room(ctx, g, model)) {
-                    let mut ready = p.clone();
-                    ready.ready = true;
-                    for g in &members {
-                        write(&mut writes, g)
-                            .gangs(g)
-                            .insert(model.clone(), ready.clone());
-                    }
+                    let ready = GangPlacement {
+                        ready: true,
+                        ..p.clone()
+                    };
+                    place(&mut writes, &members, model, &ready);
                 } else {
                     waits = true;
                 }
@@ -334,15 +367,8 @@ async fn pass(
         if gpus.iter().any(|g| g.group.is_some()) {
             node.set_groups(gpus.iter().map(|g| g.group.clone()).collect());
         }
-        // Each GPU's models' last use, so the evictions used longest ago
-        // are the cheapest across GPUs.
-        for (i, g) in gpus.iter().enumerate() {
-            for m in g.r.status.iter().flat_map(|s| s.models.iter()) {
-                if let Some(t) = recorded_time(m.last_used.as_deref()) {
-                    let nanos = u64::try_from(t.as_nanosecond()).unwrap_or(0);
-                    node.used_at(i, &m.name, nanos);
-                }
-            }
+        for &(i, name, at) in &last_uses {
+            node.used_at(i, name, at);
         }
         match node.request(0, model) {
             NodeAdmission::Loaded { gpus: chosen, .. }
@@ -370,10 +396,7 @@ async fn pass(
                     w.gangs(g).insert(model.clone(), placement.clone());
                     w.demand.insert(model.clone(), Some(text.to_owned()));
                     // Its room is this gang's in the next plans of this pass.
-                    if let Some(id) = plan_engines[i].id(model) {
-                        let _ = plan_engines[i].request(id);
-                        plan_engines[i].set_loading(id, true);
-                    }
+                    hold_room(&mut plan_engines[i], model);
                 }
                 for g in &requesters {
                     if !placement.includes(&g.name) {
@@ -468,7 +491,7 @@ fn sleep_step(
         return (None, sleep.phase == SleepPhase::Asked);
     };
     let awake_again = members.iter().all(|g| {
-        g.processed(model).is_some_and(|t| t >= request)
+        g.processed_since(model, Some(request))
             && g.state_of(model)
                 .is_some_and(|(s, _)| s.is_resident() && s != ModelState::Sleeping)
     });

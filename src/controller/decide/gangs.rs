@@ -82,12 +82,7 @@ impl<'a> Decider<'a> {
             return st;
         };
         st.pod = Some(pod.name.clone());
-        let prev = self.prev_models.get(name.as_str()).copied();
-        let since = prev
-            .filter(|p| p.state == ModelState::Sleeping)
-            .and_then(|p| p.slept_at.clone())
-            .unwrap_or_else(|| self.input.now.to_string().into());
-        st.slept_at = Some(since);
+        st.slept_at = Some(self.fell_asleep_at(&name).to_string().into());
         let members = gang.map(GangPlacement::names).unwrap_or_default();
         if !head && (phase == Some(SleepPhase::Asleep) || self.was_asleep(&name)) {
             st.reason = Some(Reason::Asleep.into());

@@ -56,6 +56,15 @@ impl<'a> Decider<'a> {
         self.prev_models.get(name).is_some_and(|p| server_asleep(p))
     }
 
+    /// When `name` was chosen to sleep: its previous status's, or now.
+    pub(super) fn fell_asleep_at(&self, name: &str) -> Timestamp {
+        self.prev_models
+            .get(name)
+            .filter(|p| p.state == ModelState::Sleeping)
+            .and_then(|p| recorded_time(p.slept_at.as_deref()))
+            .unwrap_or(self.input.now)
+    }
+
     /// A resident model that sleeps: chosen now or before, its sleep asked
     /// once the drain is over; confirmed, it keeps its sleeping size.
     pub(super) fn asleep_status(
@@ -78,10 +87,7 @@ impl<'a> Decider<'a> {
             st.message = prev.and_then(|p| p.message.clone());
             return st;
         }
-        let since = prev
-            .filter(|p| p.state == ModelState::Sleeping)
-            .and_then(|p| recorded_time(p.slept_at.as_deref()))
-            .unwrap_or(self.input.now);
+        let since = self.fell_asleep_at(&st.name);
         st.reason = Some(Reason::FallingAsleep.into());
         st.slept_at = Some(since.to_string().into());
         st.message = Some(
