@@ -42,10 +42,10 @@ use std::time::Duration;
 
 /// The field manager of stamped residencies and of the sets' status.
 pub const MANAGER: &str = "residency-set";
-/// The label naming a stamped residency's set.
-pub const SET_LABEL: &str = "residency.dev/set";
-/// On a stamped residency being drained (its device is gone).
-pub const DRAINING_LABEL: &str = "residency.dev/set-draining";
+use crate::residency::labels::set_label;
+pub use crate::residency::labels::{
+    SET_DEVICE_ANNOTATION, SET_DRAINING_LABEL as DRAINING_LABEL, SET_LABEL,
+};
 /// The default DeviceClass (the NVIDIA DRA driver's).
 pub const DEFAULT_CLASS: &str = "gpu.nvidia.com";
 
@@ -643,7 +643,7 @@ fn stamped_body(
         "metadata": {
             "name": w.name,
             "labels": {SET_LABEL: set.name_any()},
-            "annotations": {"residency.dev/set-device": format!("{}/{}", w.device.node, w.device.name)},
+            "annotations": {SET_DEVICE_ANNOTATION: format!("{}/{}", w.device.node, w.device.name)},
             "ownerReferences": [owner],
         },
         "spec": spec,
@@ -661,8 +661,7 @@ fn differs(r: &ModelResidency, desired: &serde_json::Value) -> bool {
         .and_then(|s| serde_json::to_value(s).ok())
         .unwrap_or_else(|| desired["spec"].clone());
     let keys = desired["spec"].as_object().into_iter().flatten();
-    let label = r.labels().get(SET_LABEL).map(String::as_str);
-    label != desired["metadata"]["labels"][SET_LABEL].as_str()
+    set_label(r) != desired["metadata"]["labels"][SET_LABEL].as_str()
         || r.labels().contains_key(DRAINING_LABEL)
         || keys.into_iter().any(|(k, _)| have.get(k) != want.get(k))
 }
@@ -683,7 +682,7 @@ fn drain_body(r: &ModelResidency, catalog: &CatalogRef) -> serde_json::Value {
         "apiVersion": ModelResidency::api_version(&()), "kind": "ModelResidency",
         "metadata": {
             "name": r.name_any(),
-            "labels": {SET_LABEL: r.labels().get(SET_LABEL), DRAINING_LABEL: "true"},
+            "labels": {SET_LABEL: set_label(r), DRAINING_LABEL: "true"},
             "ownerReferences": r.owner_references(),
         },
         "spec": spec,

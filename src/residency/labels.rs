@@ -2,6 +2,7 @@
 //! and annotation keys of model pods, the field managers that write them,
 //! and the port a model pod serves on.
 
+use crate::api::ModelResidency;
 use k8s_openapi::api::core::v1::Pod;
 
 /// The operator's field manager (status writes, ModelDemand keys) and the
@@ -25,6 +26,38 @@ pub fn serving_port(pod: &Pod) -> u16 {
         .next()
         .and_then(|p| u16::try_from(p).ok())
         .unwrap_or(DEFAULT_MODEL_PORT)
+}
+
+/// Label on a residency a ResidencySet stamped: the set's name.
+pub const SET_LABEL: &str = "residency.dev/set";
+/// Label on a stamped residency being drained (its device is gone).
+pub const SET_DRAINING_LABEL: &str = "residency.dev/set-draining";
+/// Annotation on a stamped residency: its device as the slice names it,
+/// `<node>/<device>` (for people: the name may be shortened with a hash).
+pub const SET_DEVICE_ANNOTATION: &str = "residency.dev/set-device";
+
+/// The set a residency was stamped by: its [`SET_LABEL`]. The operator's
+/// cache keeps an empty labels map (which allocates nothing, where one
+/// label takes a B-tree node of about 540 bytes) for a residency whose
+/// only label is that one naming its controlling set (`controller::cached`);
+/// the API server never sends an empty map, so an empty one means the
+/// controlling ResidencySet's name.
+pub fn set_label(r: &ModelResidency) -> Option<&str> {
+    match &r.metadata.labels {
+        Some(labels) if labels.is_empty() => set_owner(r),
+        Some(labels) => labels.get(SET_LABEL).map(String::as_str),
+        None => None,
+    }
+}
+
+/// The name of the ResidencySet that controls `r`, if one does.
+pub fn set_owner(r: &ModelResidency) -> Option<&str> {
+    r.metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.controller == Some(true) && o.kind == "ResidencySet")
+        .map(|o| o.name.as_str())
 }
 
 /// Label on a model pod: the model it serves.
