@@ -5,12 +5,12 @@
 //! costs no request per load.
 
 use crate::engine::Bytes;
-use crate::quantity::parse_bytes;
+use crate::residency::devices;
 use crate::residency::labels::{CLAIM_DEVICE_ANNOTATION, RESIDENCY_LABEL};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::runtime::watcher;
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// The attribute domain of the NVIDIA DRA driver (its driver name).
 pub const NVIDIA_DRIVER: &str = "gpu.nvidia.com";
@@ -124,36 +124,34 @@ impl Device {
     }
 }
 
-/// The devices one ResourceSlice publishes.
+impl Device {
+    /// What a reconcile reads of a published device.
+    fn of(d: &devices::Device) -> Device {
+        let string = |name: &str| {
+            d.attributes
+                .get(name)
+                .and_then(|v| v.as_str())
+                .map(str::to_owned)
+        };
+        Device {
+            driver: d.driver.clone(),
+            pool: d.pool.clone(),
+            name: d.name.clone(),
+            node: Some(d.node.clone()).filter(|n| !n.is_empty()),
+            uuid: string("uuid"),
+            index: d.attributes.get("index").and_then(|v| v.as_i64()),
+            product: string("productName"),
+            pcie_root: string(PCIE_ROOT_ATTRIBUTE),
+            memory: d.memory(),
+        }
+    }
+}
+
+/// The devices one ResourceSlice publishes, as a reconcile reads them.
 pub fn devices_of(slice: &ResourceSlice) -> Vec<Device> {
-    let spec = &slice.spec;
-    spec.devices
+    devices::slice_devices(slice)
         .iter()
-        .flatten()
-        .map(|d| {
-            let attr = |name: &str| {
-                let attrs = d.attributes.as_ref()?;
-                // Attributes may be written with or without their domain.
-                attrs
-                    .get(name)
-                    .or_else(|| attrs.get(&format!("{}/{name}", spec.driver)))
-            };
-            Device {
-                driver: spec.driver.clone(),
-                pool: spec.pool.name.clone(),
-                name: d.name.clone(),
-                node: spec.node_name.clone().or_else(|| d.node_name.clone()),
-                uuid: attr("uuid").and_then(|a| a.string.clone()),
-                index: attr("index").and_then(|a| a.int),
-                product: attr("productName").and_then(|a| a.string.clone()),
-                pcie_root: attr(PCIE_ROOT_ATTRIBUTE).and_then(|a| a.string.clone()),
-                memory: d
-                    .capacity
-                    .as_ref()
-                    .and_then(|c| c.get("memory"))
-                    .and_then(|c| parse_bytes(&c.value.0).ok()),
-            }
-        })
+        .map(|d| Device::of(d))
         .collect()
 }
 
@@ -163,8 +161,9 @@ type Key = (String, String);
 struct Inner {
     /// (namespace, name) -> claim.
     claims: HashMap<Key, ClaimState>,
-    /// Slice name -> its devices.
-    slices: HashMap<String, Vec<Device>>,
+    /// Slice name -> its devices, as they are decoded once for every
+    /// reader (`devices::slice_devices`).
+    slices: HashMap<String, Vec<Arc<devices::Device>>>,
 }
 
 /// The claims and devices, as the watches last reported them.
@@ -239,7 +238,7 @@ impl GpuInventory {
         match event {
             watcher::Event::Apply(s) | watcher::Event::InitApply(s) => {
                 let name = s.metadata.name.clone().unwrap_or_default();
-                inner.slices.insert(name, devices_of(s));
+                inner.slices.insert(name, devices::slice_devices(s));
             }
             watcher::Event::Delete(s) => {
                 inner
@@ -277,7 +276,7 @@ impl GpuInventory {
             .values()
             .flatten()
             .find(|d| d.driver == a.driver && d.pool == a.pool && d.name == a.device)
-            .cloned()
+            .map(|d| Device::of(d))
     }
 
     /// The device `name` published for `node`.
@@ -287,14 +286,19 @@ impl GpuInventory {
             .slices
             .values()
             .flatten()
-            .find(|d| d.node.as_deref() == Some(node) && d.name == name)
-            .cloned()
+            .find(|d| d.node == node && d.name == name)
+            .map(|d| Device::of(d))
     }
 
     /// Every published device, by node and name.
     pub fn devices(&self) -> Vec<Device> {
         let inner = self.inner.lock().expect("gpu inventory lock");
-        let mut all: Vec<Device> = inner.slices.values().flatten().cloned().collect();
+        let mut all: Vec<Device> = inner
+            .slices
+            .values()
+            .flatten()
+            .map(|d| Device::of(d))
+            .collect();
         all.sort_by(|a, b| (&a.node, &a.name).cmp(&(&b.node, &b.name)));
         all
     }
