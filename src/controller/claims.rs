@@ -11,15 +11,18 @@ use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-/// A residency claiming a GPU; the order is the precedence (oldest first).
-/// Boxed strings: one of these is kept per residency.
+/// A residency by (namespace, name): one allocation shared by its claim
+/// and its entry in the index (one of each is kept per residency).
+type Key = Arc<(Box<str>, Box<str>)>;
+
+/// A residency claiming a GPU; the order is the precedence (oldest first,
+/// then namespace, then name).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 struct Claimant {
     created: Option<Timestamp>,
-    namespace: Box<str>,
-    name: Box<str>,
+    key: Key,
 }
 
 impl Claimant {
@@ -27,22 +30,20 @@ impl Claimant {
         Claimant {
             // A residency always has one once stored; none sorts first.
             created: r.metadata.creation_timestamp.as_ref().map(|t| t.0),
-            namespace: r.namespace().unwrap_or_default().into(),
-            name: r.name_any().into(),
+            key: Arc::new((
+                r.namespace().unwrap_or_default().into(),
+                r.name_any().into(),
+            )),
         }
     }
 
-    fn key(&self) -> (Box<str>, Box<str>) {
-        (self.namespace.clone(), self.name.clone())
-    }
-
     fn object_ref(&self) -> ObjectRef<ModelResidency> {
-        ObjectRef::new(&self.name).within(&self.namespace)
+        ObjectRef::new(&self.key.1).within(&self.key.0)
     }
 }
 
-/// A GPU: (node, device).
-type Gpu = (Box<str>, Box<str>);
+/// A GPU: (node, device), one allocation shared by the index's two maps.
+type Gpu = Arc<(Box<str>, Box<str>)>;
 
 /// The GPU a residency declares: its node and device (devicePlugin and
 /// env mode), or in claim mode its ResourceClaim: the scheduler gives a
@@ -52,35 +53,40 @@ type Gpu = (Box<str>, Box<str>);
 fn gpu_of(r: &ModelResidency) -> Option<Gpu> {
     if r.spec.gpu.mode == crate::api::GpuMode::Claim {
         let ns = r.namespace().unwrap_or_default();
-        return Some((
+        return Some(Arc::new((
             format!("claim {ns}").into(),
             crate::residency::gpu::claim_of(r).into(),
-        ));
+        )));
     }
-    Some((
+    Some(Arc::new((
         r.spec.node_name.as_deref()?.into(),
         r.spec.device.as_str().into(),
-    ))
+    )))
 }
 
 /// Kept small (measured by `cargo bench --bench heap`): a GPU's claimants
 /// in a sorted vector (almost always one) rather than a B-tree, whose
-/// first node alone is most of a kilobyte.
+/// first node alone is most of a kilobyte; each GPU's and each
+/// residency's names once, shared between the maps.
 #[derive(Debug, Default)]
 struct Index {
     by_gpu: HashMap<Gpu, Vec<Claimant>>,
     /// Each residency's current GPU, to find its claim again when it moves.
-    claims: HashMap<(Box<str>, Box<str>), Gpu>,
+    claims: HashMap<Key, Gpu>,
 }
 
 impl Index {
     /// Records a residency's claim; returns the GPUs whose claimants changed.
     fn claim(&mut self, r: &ModelResidency) -> Vec<Gpu> {
         let claimant = Claimant::of(r);
-        let key = claimant.key();
-        let old = self.release(&key);
+        let old = self.release(&claimant.key);
         let Some(gpu) = gpu_of(r) else {
             return old.into_iter().collect();
+        };
+        // The GPU's names as the index already holds them, if it does.
+        let gpu = match self.by_gpu.get_key_value(&gpu) {
+            Some((known, _)) => known.clone(),
+            None => gpu,
         };
         let mut changed = vec![gpu.clone()];
         if let Some(old) = old
@@ -88,18 +94,18 @@ impl Index {
         {
             changed.push(old);
         }
-        let claimants = self.by_gpu.entry(gpu.clone()).or_default();
+        self.claims.insert(claimant.key.clone(), gpu.clone());
+        let claimants = self.by_gpu.entry(gpu).or_default();
         let at = claimants.partition_point(|c| *c < claimant);
         claimants.insert(at, claimant);
         claimants.shrink_to_fit();
-        self.claims.insert(key, gpu);
         changed
     }
 
-    fn release(&mut self, key: &(Box<str>, Box<str>)) -> Option<Gpu> {
+    fn release(&mut self, key: &Key) -> Option<Gpu> {
         let gpu = self.claims.remove(key)?;
         if let Some(claimants) = self.by_gpu.get_mut(&gpu) {
-            claimants.retain(|c| c.namespace != key.0 || c.name != key.1);
+            claimants.retain(|c| c.key != *key);
             if claimants.is_empty() {
                 self.by_gpu.remove(&gpu);
             }
@@ -146,7 +152,7 @@ impl GpuClaims {
                 return index.claimants(&changed);
             }
             watcher::Event::Delete(r) => {
-                if let Some(gpu) = index.release(&Claimant::of(r).key()) {
+                if let Some(gpu) = index.release(&Claimant::of(r).key) {
                     return index.claimants(&[gpu]);
                 }
             }
@@ -160,7 +166,7 @@ impl GpuClaims {
         let me = Claimant::of(r);
         let guard = self.inner.lock().expect("claims lock");
         let first = guard.0.by_gpu.get(&gpu_of(r)?)?.first()?;
-        (*first < me).then(|| format!("{}/{}", first.namespace, first.name))
+        (*first < me).then(|| format!("{}/{}", first.key.0, first.key.1))
     }
 }
 
