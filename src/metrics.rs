@@ -374,6 +374,11 @@ impl Metrics {
         self.reconciles.inc();
     }
 
+    /// Reconciles started so far.
+    pub fn reconciles_started(&self) -> u64 {
+        self.reconciles.get()
+    }
+
     /// Counts one API request, made whatever its answer.
     pub fn api_request(&self, verb: &'static str, resource: &'static str) {
         self.api_requests

@@ -6,6 +6,7 @@
 //! this replica holds the Lease ([`lease`]). Wiring only: what a reconcile
 //! decides and does is the controllers' business.
 
+mod backlog;
 mod catalogs;
 pub mod gangs;
 
@@ -52,6 +53,16 @@ pub async fn run(
     let (set_tx, set_rx) = futures::channel::mpsc::unbounded();
     let (gang_tx, gang_rx) = futures::channel::mpsc::unbounded();
     let (handed_back_tx, handed_back_rx) = futures::channel::mpsc::unbounded();
+    // Bursts (a list's every residency) go to the controller as it takes
+    // them.
+    let (burst_tx, burst_rx) = futures::channel::mpsc::unbounded();
+    let backlog = backlog::paced(
+        {
+            let metrics = ctx.metrics.clone();
+            move || metrics.reconciles_started()
+        },
+        burst_rx,
+    );
     // A residency whose sleeps and wakes were asked is reconciled again
     // when they end.
     let (asked_tx, asked_rx) = futures::channel::mpsc::unbounded();
@@ -82,6 +93,7 @@ pub async fn run(
         writer,
         Told {
             claim_tx,
+            burst_tx: burst_tx.clone(),
             changed_tx: model_demands.is_some().then_some(changed_tx),
             set_tx,
             gang_tx,
@@ -95,7 +107,7 @@ pub async fn run(
     let controller = Controller::for_stream(residency_events, store.clone()).with_config(
         kube::runtime::controller::Config::default().concurrency(RECONCILE_CONCURRENCY),
     );
-    let pod_events = pod_events(&ctx, pods);
+    let pod_events = pod_events(&ctx, pods, burst_tx);
     let (catalog_events, _catalog_watch) =
         catalog_events(ctx.clone(), namespace.as_deref(), store.clone()).await;
     let cache_events = node_cache_events(ctx.clone(), store.clone()).await;
@@ -126,7 +138,10 @@ pub async fn run(
     )));
     controller
         .reconcile_on(futures::stream::select(
-            futures::stream::select(futures::stream::select(pod_events, claim_rx), asked_rx),
+            futures::stream::select(
+                futures::stream::select(pod_events, claim_rx),
+                futures::stream::select(asked_rx, backlog),
+            ),
             futures::stream::select(
                 futures::stream::select(cache_events, handed_back_rx),
                 futures::stream::select(gpu_events, catalog_events),
@@ -150,11 +165,13 @@ pub async fn run(
 }
 
 /// Who the residency watch tells of changes: the residencies sharing a
-/// GPU (`claim_tx`), the ModelDemand controller when it runs
+/// GPU (`claim_tx`), every residency at a list's end (`burst_tx`, paced
+/// by [`backlog`]), the ModelDemand controller when it runs
 /// (`changed_tx`), the ResidencySet controller (`set_tx`) and the gang
 /// coordinator (`gang_tx`).
 struct Told {
     claim_tx: futures::channel::mpsc::UnboundedSender<ObjectRef<ModelResidency>>,
+    burst_tx: futures::channel::mpsc::UnboundedSender<Vec<ObjectRef<ModelResidency>>>,
     changed_tx: Option<futures::channel::mpsc::UnboundedSender<ObjectRef<ModelResidency>>>,
     set_tx: futures::channel::mpsc::UnboundedSender<ObjectRef<crate::api::ResidencySet>>,
     gang_tx: futures::channel::mpsc::UnboundedSender<ObjectRef<ModelResidency>>,
@@ -174,12 +191,12 @@ fn residency_events(
 ) -> impl futures::Stream<Item = Result<ModelResidency, watcher::Error>> + Send + use<> {
     let Told {
         claim_tx,
+        burst_tx,
         changed_tx,
         set_tx,
         gang_tx,
     } = told;
     let cached = writer.as_reader();
-    let relisted_tx = claim_tx.clone();
     watcher(residencies, ctx.initial_list.config())
         .backoff(crate::cluster::WatchBackoff::default())
         .modify(cached::compact)
@@ -212,9 +229,14 @@ fn residency_events(
             // at its end): every residency is reconciled from here, on the
             // listed copies (see the filter below).
             if let watcher::Event::InitDone = event {
-                for r in cached.state() {
-                    let _ = relisted_tx.unbounded_send(ObjectRef::from_obj(&*r));
-                }
+                let every = cached
+                    .state()
+                    .iter()
+                    .map(|r| {
+                        ObjectRef::new(&r.name_any()).within(&r.namespace().unwrap_or_default())
+                    })
+                    .collect();
+                let _ = burst_tx.unbounded_send(every);
             }
             // After the cache has it: the ModelDemands naming this
             // residency read it there.
@@ -255,10 +277,12 @@ fn residency_events(
 }
 
 /// Model pods: one watch by label feeds the pod cache, and wakes the
-/// residency each event concerns (after the cache has it).
+/// residency each event concerns (after the cache has it); those of a
+/// list's pods go to `burst_tx`, paced.
 fn pod_events(
     ctx: &Arc<Context>,
     pods: Api<Pod>,
+    burst_tx: futures::channel::mpsc::UnboundedSender<Vec<ObjectRef<ModelResidency>>>,
 ) -> impl futures::Stream<Item = ObjectRef<ModelResidency>> + Send + use<> {
     ctx.pods.reset();
     let cache = ctx.clone();
@@ -266,6 +290,10 @@ fn pod_events(
         .backoff(crate::cluster::WatchBackoff::default())
         .flat_map(move |event| {
             let touched = match event {
+                Ok(ev @ watcher::Event::InitApply(_)) => {
+                    let _ = burst_tx.unbounded_send(cache.pods.record(&ev));
+                    Vec::new()
+                }
                 Ok(ev) => cache.pods.record(&ev),
                 Err(e) => {
                     tracing::debug!(error = %e, "pod watch");
