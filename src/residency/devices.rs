@@ -29,20 +29,21 @@ pub struct Device {
 /// A device's few named fields, sorted by name in one boxed slice: a
 /// BTreeMap's first node holds room for eleven entries, which at 10,000
 /// devices of five attributes and one capacity was most of the 1.1 KB each
-/// took.
+/// took. The names are shared by every device that has them (one copy of
+/// `uuid` for all).
 #[derive(Clone, Debug, PartialEq)]
-pub struct Fields<V>(Box<[(String, V)]>);
+pub struct Fields<V>(Box<[(Arc<str>, V)]>);
 
 impl<V> Fields<V> {
     pub fn get(&self, name: &str) -> Option<&V> {
         self.0
-            .binary_search_by(|(k, _)| k.as_str().cmp(name))
+            .binary_search_by(|(k, _)| (**k).cmp(name))
             .ok()
             .map(|i| &self.0[i].1)
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = (&String, &V)> {
-        self.0.iter().map(|(k, v)| (k, v))
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &V)> {
+        self.0.iter().map(|(k, v)| (&**k, v))
     }
 }
 
@@ -53,7 +54,36 @@ impl<V> FromIterator<(String, V)> for Fields<V> {
         all.reverse();
         all.sort_by(|a, b| a.0.cmp(&b.0));
         all.dedup_by(|later, first| later.0 == first.0);
-        Fields(all.into_boxed_slice())
+        let mut names = NAMES.lock().expect("field names lock");
+        Fields(all.into_iter().map(|(k, v)| (names.share(&k), v)).collect())
+    }
+}
+
+/// The fields' names, one copy of each.
+static NAMES: std::sync::LazyLock<std::sync::Mutex<Names>> =
+    std::sync::LazyLock::new(Default::default);
+
+#[derive(Default)]
+struct Names {
+    known: std::collections::HashSet<Arc<str>>,
+    /// How many were still in use at the last sweep.
+    kept: usize,
+}
+
+impl Names {
+    fn share(&mut self, name: &str) -> Arc<str> {
+        if let Some(known) = self.known.get(name) {
+            return known.clone();
+        }
+        // Names no device holds any more go once the set has doubled since
+        // the last sweep (a driver may name its attributes per device).
+        if self.known.len() >= 2 * self.kept.max(64) {
+            self.known.retain(|k| Arc::strong_count(k) > 1);
+            self.kept = self.known.len();
+        }
+        let name: Arc<str> = name.into();
+        self.known.insert(name.clone());
+        name
     }
 }
 
@@ -242,12 +272,12 @@ impl Selector {
         let attributes: HashMap<String, Value> = device
             .attributes
             .iter()
-            .map(|(k, v)| (k.clone(), json_value(v)))
+            .map(|(k, v)| (k.to_owned(), json_value(v)))
             .collect();
         let capacity: HashMap<String, Value> = device
             .capacity
             .iter()
-            .map(|(k, v)| (k.clone(), Value::Int(*v as i64)))
+            .map(|(k, v)| (k.to_owned(), Value::Int(*v as i64)))
             .collect();
         let value = Value::Map(
             HashMap::from([
@@ -361,7 +391,7 @@ mod tests {
             (f.get("a"), f.get("b"), f.get("c")),
             (Some(&2), Some(&3), None)
         );
-        let names: Vec<&String> = f.iter().map(|(k, _)| k).collect();
+        let names: Vec<&str> = f.iter().map(|(k, _)| k).collect();
         assert_eq!(names, ["a", "b"]);
     }
 
