@@ -27,7 +27,8 @@
 //!   then (with `--load`, also once one model is loaded on each, as the
 //!   memory mode's fleet), the time from one more GPU appearing in a
 //!   slice to its residency Ready, and a restart over them (ready time,
-//!   RSS).
+//!   peak RSS, RSS 5 s after ready and 30 s after its start, when every
+//!   residency has been reconciled again).
 //! - `gang [--samples 30] [--load-ms 0]`: apply-to-status of a TP-2 gang's
 //!   request beside a single model's, cold and as a hit
 //!   (`benches/cluster/gangs.rs`).
@@ -897,6 +898,25 @@ async fn restart(plane: &ControlPlane, count: usize, streaming: bool) {
         ready.as_secs_f64(),
         mib(status_bytes(op.id(), "VmHWM:")),
         footprint(op.id()),
+    );
+    // Converged again: 30 s after the start (every residency is
+    // reconciled once after the list; that took 10-13 s here), read
+    // before the reconciles are counted: a scrape of /metrics at 10,000
+    // residencies builds a text of about 20 MB, which a heap profile found
+    // still held when scraped every 500 ms.
+    tokio::time::sleep(Duration::from_secs(30).saturating_sub(t0.elapsed())).await;
+    let settled = footprint(op.id());
+    let reconciles = model_residency::http::send(addr, "GET", "/metrics", "")
+        .await
+        .map_or(0, |a| {
+            model_residency::exposition::sum_where(
+                &a.body,
+                model_residency::metrics::RECONCILES,
+                "",
+            )
+        });
+    println!(
+        "    30 s after its start, {reconciles} reconciles started (of {count} residencies): {settled}"
     );
     let _ = op.kill();
     let _ = op.wait();

@@ -4,8 +4,10 @@
 //! Run: `cargo bench --bench heap`. Prints, for 1,000 residencies shaped
 //! like those of `cargo bench --bench cluster -- memory` (3 models, one
 //! resident with its pod): the cached residency, its metrics record and its
-//! pod-cache entry. RSS adds the allocator's own overhead and what is in
-//! flight; this is the floor under it.
+//! pod-cache entry; then a residency as a ResidencySet stamps it (`-- set`),
+//! whole and with each of its parts left out, to say what each costs. RSS
+//! adds the allocator's own overhead and what is in flight; this is the
+//! floor under it.
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher;
@@ -98,6 +100,50 @@ fn residency_json(i: usize) -> String {
     .to_string()
 }
 
+/// A residency as a ResidencySet stamps it (`cargo bench --bench cluster
+/// -- set`: env mode, three catalog models, none loaded) with the status
+/// the operator writes on it.
+fn stamped_json(i: usize, leave_out: &[&str]) -> String {
+    let condition = |t: &str, s: &str, reason: &str, message: &str| {
+        json!({"type": t, "status": s, "reason": reason, "message": message,
+            "lastTransitionTime": "2026-11-30T07:00:02Z", "observedGeneration": 1})
+    };
+    let mut r = json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+        "metadata": {"name": format!("fleet-node-{}-gpu-{}", i / 100, i % 100), "namespace": "bench",
+            "uid": "0b6f6a55-3a4e-4d1e-9a57-2f1c9d7c2c11", "resourceVersion": "1234567",
+            "generation": 1, "creationTimestamp": "2026-11-30T07:00:00Z",
+            "labels": {"residency.dev/set": "fleet"},
+            "annotations": {"residency.dev/set-device": format!("node-{}/gpu-{}", i / 100, i % 100)},
+            "ownerReferences": [{"apiVersion": "residency.dev/v1alpha1", "kind": "ResidencySet",
+                "name": "fleet", "uid": "0b6f6a55-3a4e-4d1e-9a57-2f1c9d7c2c12", "controller": true,
+                "blockOwnerDeletion": true}]},
+        "spec": {"nodeName": format!("node-{}", i / 100),
+            "device": format!("GPU-0000e57a-0000-0000-0000-{i:012x}"),
+            "catalog": {"name": "fleet", "models": ["model-0", "model-1", "model-2"]},
+            "budget": "12Gi", "gpu": {"mode": "env"}},
+        "status": {"observedGeneration": 1, "budget": "12Gi", "used": "0", "peak": "0",
+            "gpu": {"mode": "env", "node": format!("node-{}", i / 100), "device": format!("GPU-0000e57a-0000-0000-0000-{i:012x}")},
+            "resident": 0, "refused": 0,
+            "models": [
+                {"name": "model-0", "state": "Unloaded", "size": "2Gi"},
+                {"name": "model-1", "state": "Unloaded", "size": "2Gi"},
+                {"name": "model-2", "state": "Unloaded", "size": "2Gi"}],
+            "counters": {"hits": 0, "loads": 0, "evictions": 0, "refusals": 0, "unloads": 0},
+            "conditions": [
+                condition("Ready", "True", "AllResidentModelsReady", "0 resident model(s) ready"),
+                condition("Refused", "False", "NoRefusals", "no refused models"),
+                condition("Degraded", "False", "NoLoadFailures", "no failed loads")]}
+    });
+    for path in leave_out {
+        let (parent, key) = path.rsplit_once('/').unwrap();
+        if let Some(o) = r.pointer_mut(parent).and_then(|v| v.as_object_mut()) {
+            o.remove(key);
+        }
+    }
+    r.to_string()
+}
+
 fn pod(i: usize) -> Pod {
     let residency = format!("m0-{i}");
     serde_json::from_value(json!({
@@ -171,4 +217,29 @@ fn main() {
         "  total:                  {total:>6} bytes ({:.1} MiB at 10,000)",
         total as f64 * 10_000.0 / (1 << 20) as f64
     );
+    // A stamped residency, whole and with parts left out (what each costs).
+    println!("heap per stamped residency ({N}, 3 catalog models, none loaded):");
+    for leave_out in [
+        &[][..],
+        &["/metadata/labels"],
+        &["/metadata/annotations"],
+        &["/metadata/ownerReferences"],
+        &["/spec/catalog"],
+        &["/status/gpu"],
+        &["/status/models", "/status/conditions"],
+    ] {
+        let texts: Vec<String> = (0..N).map(|i| stamped_json(i, leave_out)).collect();
+        let mut store = Vec::with_capacity(N);
+        let bytes = retained_per_item(|i| {
+            let mut r = serde_json::from_str::<ModelResidency>(&texts[i]).unwrap();
+            cached::compact(&mut r);
+            store.push(Arc::new(r))
+        });
+        let what = if leave_out.is_empty() {
+            "whole".to_owned()
+        } else {
+            format!("without {}", leave_out.join(", "))
+        };
+        println!("  {what:<40} {bytes:>6} bytes");
+    }
 }
