@@ -55,15 +55,30 @@ fn retained_per_item(mut add: impl FnMut(usize)) -> isize {
     (LIVE.load(Ordering::Relaxed) - before) / N as isize
 }
 
+/// The three conditions the operator writes on a residency with
+/// `resident` models ready, at `generation`.
+fn conditions(resident: u32, generation: i64) -> serde_json::Value {
+    let condition = |t: &str, s: &str, reason: &str, message: &str| {
+        json!({"type": t, "status": s, "reason": reason, "message": message,
+            "lastTransitionTime": "2026-11-30T07:00:02Z", "observedGeneration": generation})
+    };
+    json!([
+        condition(
+            "Ready",
+            "True",
+            "AllResidentModelsReady",
+            &format!("{resident} resident model(s) ready")
+        ),
+        condition("Refused", "False", "NoRefusals", "no refused models"),
+        condition("Degraded", "False", "NoLoadFailures", "no failed loads"),
+    ])
+}
+
 fn residency_json(i: usize) -> String {
     let models: Vec<_> = (0..3)
         .map(|m| json!({"name": format!("model-{m}"), "size": "2Gi",
             "template": {"spec": {"containers": [{"name": "server", "image": format!("example/model-{m}:1")}]}}}))
         .collect();
-    let condition = |t: &str, s: &str, reason: &str, message: &str| {
-        json!({"type": t, "status": s, "reason": reason, "message": message,
-            "lastTransitionTime": "2026-11-30T07:00:02Z", "observedGeneration": 2})
-    };
     json!({
         "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
         "metadata": {"name": format!("m0-{i}"), "namespace": "bench",
@@ -92,10 +107,7 @@ fn residency_json(i: usize) -> String {
                 {"name": "model-1", "state": "Unloaded", "size": "2Gi"},
                 {"name": "model-2", "state": "Unloaded", "size": "2Gi"}],
             "counters": {"hits": 0, "loads": 1, "evictions": 0, "refusals": 0, "unloads": 0},
-            "conditions": [
-                condition("Ready", "True", "AllResidentModelsReady", "1 resident model(s) ready"),
-                condition("Refused", "False", "NoRefusals", "no refused models"),
-                condition("Degraded", "False", "NoLoadFailures", "no failed loads")]}
+            "conditions": conditions(1, 2)}
     })
     .to_string()
 }
@@ -104,10 +116,6 @@ fn residency_json(i: usize) -> String {
 /// -- set`: env mode, three catalog models, none loaded) with the status
 /// the operator writes on it.
 fn stamped_json(i: usize, leave_out: &[&str]) -> String {
-    let condition = |t: &str, s: &str, reason: &str, message: &str| {
-        json!({"type": t, "status": s, "reason": reason, "message": message,
-            "lastTransitionTime": "2026-11-30T07:00:02Z", "observedGeneration": 1})
-    };
     let mut r = json!({
         "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
         "metadata": {"name": format!("fleet-node-{}-gpu-{}", i / 100, i % 100), "namespace": "bench",
@@ -130,10 +138,7 @@ fn stamped_json(i: usize, leave_out: &[&str]) -> String {
                 {"name": "model-1", "state": "Unloaded", "size": "2Gi"},
                 {"name": "model-2", "state": "Unloaded", "size": "2Gi"}],
             "counters": {"hits": 0, "loads": 0, "evictions": 0, "refusals": 0, "unloads": 0},
-            "conditions": [
-                condition("Ready", "True", "AllResidentModelsReady", "0 resident model(s) ready"),
-                condition("Refused", "False", "NoRefusals", "no refused models"),
-                condition("Degraded", "False", "NoLoadFailures", "no failed loads")]}
+            "conditions": conditions(0, 1)}
     });
     for path in leave_out {
         let (parent, key) = path.rsplit_once('/').unwrap();

@@ -133,7 +133,12 @@ impl InitialList {
     pub fn config(self) -> watcher::Config {
         match self {
             InitialList::Stream => watcher::Config::default().streaming_lists(),
-            InitialList::List => watcher::Config::default(),
+            // 100 objects a page, not 500: a page is decoded whole (each
+            // object with its managedFields) while the trimmed copies the
+            // cache keeps are made, and what a restart over 10,000
+            // residencies held above the converged operator was the lists'
+            // passing objects (docs/performance.md, the set at 10,000).
+            InitialList::List => watcher::Config::default().page_size(100),
         }
     }
 }

@@ -43,6 +43,24 @@ use kube::CustomResource;
 use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
 use serde::{Deserialize, Deserializer, Serialize};
 
+/// `spec.catalog` on the wire as the plain object it is (serde's own `Arc`
+/// support is a crate feature every dependant would be rebuilt for).
+mod shared_catalog {
+    use super::CatalogRef;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use std::sync::Arc;
+
+    pub fn serialize<S: Serializer>(v: &Option<Arc<CatalogRef>>, s: S) -> Result<S::Ok, S::Error> {
+        v.as_deref().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<Arc<CatalogRef>>, D::Error> {
+        Ok(Option::<CatalogRef>::deserialize(d)?.map(Arc::new))
+    }
+}
+
 /// Desired residency of models on one GPU.
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[kube(
@@ -125,11 +143,17 @@ pub struct ModelResidencySpec {
     /// and spec.models; a missing catalog (or a listed model it lacks)
     /// leaves the residency Ready=False (CatalogUnavailable) with nothing
     /// unloaded or evicted for it.
-    // Boxed: inline it is 48 bytes, and without it a cached residency (with
-    // its Arc) is 896 bytes, jemalloc's 896 class rather than its 1,024;
-    // a residency naming a catalog pays a 48-byte box for it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub catalog: Option<Box<CatalogRef>>,
+    // Behind an Arc: inline it is 48 bytes, and without it a cached
+    // residency (with its Arc) is 896 bytes, jemalloc's 896 class rather
+    // than its 1,024; and the residencies a set stamps name one catalog
+    // the same way, which the cache keeps once (`controller::cached`).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "shared_catalog"
+    )]
+    #[schemars(with = "Option<CatalogRef>")]
+    pub catalog: Option<std::sync::Arc<CatalogRef>>,
     /// Unload a resident model that has not been requested for this long
     /// (a duration: 90s, 10m, 1h30m), a sleeping one too (its pod is
     /// deleted and its host memory freed). Unset: keep it until it is

@@ -50,7 +50,7 @@ pub struct ModelCatalogStatus {
 }
 
 /// A residency's use of a catalog (`spec.catalog`).
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, Hash, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct CatalogRef {
     /// The ModelCatalog, in the residency's namespace.

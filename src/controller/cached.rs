@@ -11,7 +11,9 @@
 //! acting on a model, reads them: each unpacks the copies it reads with
 //! [`unpacked`] (debug builds check that no packed status is read).
 
-use crate::api::{ModelResidency, ModelResidencyStatus, ModelStatus, PackedDetail, PodTemplate};
+use crate::api::{
+    CatalogRef, ModelResidency, ModelResidencyStatus, ModelStatus, PackedDetail, PodTemplate,
+};
 use crate::residency::labels::{SET_DEVICE_ANNOTATION, SET_LABEL, set_owner};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use std::collections::HashSet;
@@ -60,12 +62,12 @@ pub fn compact(r: &mut ModelResidency) {
         v.shrink_to_fit();
     }
     r.spec.models.shrink_to_fit();
-    if let Some(v) = r.spec.catalog.as_mut().and_then(|c| c.models.as_mut()) {
-        v.shrink_to_fit();
+    if let Some(c) = &mut r.spec.catalog {
+        *c = CATALOG_REFS.lock().expect("catalog refs lock").share(c);
     }
     let mut templates = TEMPLATES.lock().expect("templates lock");
     for t in r.spec.models.iter_mut().filter_map(|m| m.template.as_mut()) {
-        *t = templates.share(t);
+        *t = PodTemplate::of_shared(templates.share(t.shared()));
     }
     drop(templates);
     if let Some(status) = &mut r.status {
@@ -73,33 +75,46 @@ pub fn compact(r: &mut ModelResidency) {
     }
 }
 
-/// The pod templates' texts the cache holds, one copy of each.
-static TEMPLATES: LazyLock<Mutex<Templates>> = LazyLock::new(Mutex::default);
+/// The catalog references the cache holds (`spec.catalog`), one copy of
+/// each: the residencies a set stamps all name its catalog the same way.
+static CATALOG_REFS: LazyLock<Mutex<Shared<CatalogRef>>> = LazyLock::new(Mutex::default);
 
-#[derive(Default)]
-struct Templates {
-    known: HashSet<Arc<str>>,
+/// Values the cache holds, one copy of each.
+struct Shared<T: ?Sized> {
+    known: HashSet<Arc<T>>,
     /// How many were still in use at the last sweep.
     kept: usize,
 }
 
-impl Templates {
-    /// The shared copy of `t`'s text (`t`'s own the first time).
-    fn share(&mut self, t: &PodTemplate) -> PodTemplate {
-        if let Some(known) = self.known.get(t.shared()) {
-            return PodTemplate::of_shared(known.clone());
+impl<T: ?Sized> Default for Shared<T> {
+    fn default() -> Self {
+        Shared {
+            known: HashSet::new(),
+            kept: 0,
         }
-        // Texts no cached copy holds any more (only this set does) go
-        // once the set has doubled since the last sweep: bounded by twice
-        // what is in use, at an amortised constant cost per template.
+    }
+}
+
+impl<T: Eq + std::hash::Hash + ?Sized> Shared<T> {
+    /// The shared copy of `t` (`t` itself the first time).
+    fn share(&mut self, t: &Arc<T>) -> Arc<T> {
+        if let Some(known) = self.known.get(t) {
+            return known.clone();
+        }
+        // Those no cached copy holds any more (only this set does) go once
+        // the set has doubled since the last sweep: bounded by twice what
+        // is in use, at an amortised constant cost per value.
         if self.known.len() >= 2 * self.kept.max(32) {
             self.known.retain(|k| Arc::strong_count(k) > 1);
             self.kept = self.known.len();
         }
-        self.known.insert(t.shared().clone());
+        self.known.insert(t.clone());
         t.clone()
     }
 }
+
+/// The pod templates' texts the cache holds, one copy of each.
+static TEMPLATES: LazyLock<Mutex<Shared<str>>> = LazyLock::new(Mutex::default);
 
 /// Deflates `status`'s models and conditions into `packed` (left as they
 /// are if that fails, which JSON of these types cannot).
@@ -222,6 +237,28 @@ mod tests {
     }
 
     #[test]
+    fn residencies_naming_one_catalog_alike_share_one_reference() {
+        let residency = |models: serde_json::Value| {
+            let mut r: ModelResidency = serde_json::from_value(json!({
+                "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+                "metadata": {"name": "gpu", "namespace": "ns"},
+                "spec": {"device": "0", "catalog": {"name": "shared-fleet", "models": models}},
+            }))
+            .unwrap();
+            compact(&mut r);
+            r.spec.catalog.unwrap()
+        };
+        let (a, b) = (
+            residency(json!(["m0", "m1"])),
+            residency(json!(["m0", "m1"])),
+        );
+        assert!(Arc::ptr_eq(&a, &b));
+        let other = residency(json!(["m0"]));
+        assert!(!Arc::ptr_eq(&a, &other));
+        assert_eq!(other.models.as_deref(), Some(&["m0".to_owned()][..]));
+    }
+
+    #[test]
     fn one_template_text_is_kept_once_and_forgotten_when_unused() {
         let residency = |image: &str| {
             let mut r: ModelResidency = serde_json::from_value(json!({
@@ -240,12 +277,12 @@ mod tests {
         assert!(Arc::ptr_eq(&text(&a), &text(&b)), "one copy for both");
         assert!(!Arc::ptr_eq(&text(&a), &text(&residency("another:1"))));
         // Unused texts are swept once the set has doubled.
-        let mut pool = Templates::default();
+        let mut pool = Shared::<str>::default();
         for i in 0..200 {
             let t = PodTemplate::from(
                 json!({"spec": {"containers": [{"image": format!("passing:{i}")}]}}),
             );
-            drop(pool.share(&t));
+            drop(pool.share(t.shared()));
         }
         assert!(pool.known.len() <= 64, "{} texts kept", pool.known.len());
     }

@@ -291,7 +291,10 @@ fn pod_events(
         .flat_map(move |event| {
             let touched = match event {
                 Ok(ev @ watcher::Event::InitApply(_)) => {
-                    let _ = burst_tx.unbounded_send(cache.pods.record(&ev));
+                    let listed = cache.pods.record(&ev);
+                    if !listed.is_empty() {
+                        let _ = burst_tx.unbounded_send(listed);
+                    }
                     Vec::new()
                 }
                 Ok(ev) => cache.pods.record(&ev),
