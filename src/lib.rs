@@ -45,4 +45,5 @@ pub mod quantity;
 pub mod registry;
 pub mod residency;
 pub mod router;
+pub mod shared;
 pub mod simulate;

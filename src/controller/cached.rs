@@ -15,8 +15,8 @@ use crate::api::{
     CatalogRef, ModelResidency, ModelResidencyStatus, ModelStatus, PackedDetail, PodTemplate,
 };
 use crate::residency::labels::{SET_DEVICE_ANNOTATION, SET_LABEL, set_owner};
+use crate::shared::Shared;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
-use std::collections::HashSet;
 use std::io::{Read, Write};
 use std::sync::{Arc, LazyLock, Mutex};
 
@@ -78,40 +78,6 @@ pub fn compact(r: &mut ModelResidency) {
 /// The catalog references the cache holds (`spec.catalog`), one copy of
 /// each: the residencies a set stamps all name its catalog the same way.
 static CATALOG_REFS: LazyLock<Mutex<Shared<CatalogRef>>> = LazyLock::new(Mutex::default);
-
-/// Values the cache holds, one copy of each.
-struct Shared<T: ?Sized> {
-    known: HashSet<Arc<T>>,
-    /// How many were still in use at the last sweep.
-    kept: usize,
-}
-
-impl<T: ?Sized> Default for Shared<T> {
-    fn default() -> Self {
-        Shared {
-            known: HashSet::new(),
-            kept: 0,
-        }
-    }
-}
-
-impl<T: Eq + std::hash::Hash + ?Sized> Shared<T> {
-    /// The shared copy of `t` (`t` itself the first time).
-    fn share(&mut self, t: &Arc<T>) -> Arc<T> {
-        if let Some(known) = self.known.get(t) {
-            return known.clone();
-        }
-        // Those no cached copy holds any more (only this set does) go once
-        // the set has doubled since the last sweep: bounded by twice what
-        // is in use, at an amortised constant cost per value.
-        if self.known.len() >= 2 * self.kept.max(32) {
-            self.known.retain(|k| Arc::strong_count(k) > 1);
-            self.kept = self.known.len();
-        }
-        self.known.insert(t.clone());
-        t.clone()
-    }
-}
 
 /// The pod templates' texts the cache holds, one copy of each.
 static TEMPLATES: LazyLock<Mutex<Shared<str>>> = LazyLock::new(Mutex::default);
@@ -284,7 +250,7 @@ mod tests {
             );
             drop(pool.share(t.shared()));
         }
-        assert!(pool.known.len() <= 64, "{} texts kept", pool.known.len());
+        assert!(pool.len() <= 64, "{} texts kept", pool.len());
     }
 
     #[test]

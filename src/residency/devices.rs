@@ -6,6 +6,7 @@
 //! Pure: the caller hands in the slices, the class and the node labels.
 
 use crate::quantity::parse_bytes;
+use crate::shared::Shared;
 use cel_interpreter::extractors::This;
 use cel_interpreter::{Context, Program, Value};
 use k8s_openapi::api::resource::v1::ResourceSlice;
@@ -13,7 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 /// One published device.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Device {
     pub node: String,
     pub driver: String,
@@ -31,7 +32,7 @@ pub struct Device {
 /// devices of five attributes and one capacity was most of the 1.1 KB each
 /// took. The names are shared by every device that has them (one copy of
 /// `uuid` for all).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Fields<V>(Box<[(Arc<str>, V)]>);
 
 impl<V> Fields<V> {
@@ -55,37 +56,18 @@ impl<V> FromIterator<(String, V)> for Fields<V> {
         all.sort_by(|a, b| a.0.cmp(&b.0));
         all.dedup_by(|later, first| later.0 == first.0);
         let mut names = NAMES.lock().expect("field names lock");
-        Fields(all.into_iter().map(|(k, v)| (names.share(&k), v)).collect())
+        Fields(
+            all.into_iter()
+                .map(|(k, v)| (names.share(&Arc::from(k)), v))
+                .collect(),
+        )
     }
 }
 
-/// The fields' names, one copy of each.
-static NAMES: std::sync::LazyLock<std::sync::Mutex<Names>> =
+/// The fields' names, one copy of each (a driver may name its attributes
+/// per device: unused ones are swept).
+static NAMES: std::sync::LazyLock<std::sync::Mutex<Shared<str>>> =
     std::sync::LazyLock::new(Default::default);
-
-#[derive(Default)]
-struct Names {
-    known: std::collections::HashSet<Arc<str>>,
-    /// How many were still in use at the last sweep.
-    kept: usize,
-}
-
-impl Names {
-    fn share(&mut self, name: &str) -> Arc<str> {
-        if let Some(known) = self.known.get(name) {
-            return known.clone();
-        }
-        // Names no device holds any more go once the set has doubled since
-        // the last sweep (a driver may name its attributes per device).
-        if self.known.len() >= 2 * self.kept.max(64) {
-            self.known.retain(|k| Arc::strong_count(k) > 1);
-            self.kept = self.known.len();
-        }
-        let name: Arc<str> = name.into();
-        self.known.insert(name.clone());
-        name
-    }
-}
 
 impl Device {
     /// What a residency's `spec.device` names it by: its uuid attribute,
@@ -167,63 +149,18 @@ pub fn slice_devices(s: &ResourceSlice) -> Vec<Arc<Device>> {
         }
     });
     let mut shared = SHARED.lock().expect("devices lock");
-    decoded.map(|d| shared.share(d)).collect()
+    decoded.map(|d| shared.share(&Arc::new(d))).collect()
 }
 
-/// The devices decoded so far, one copy of each as it is now.
-static SHARED: std::sync::LazyLock<std::sync::Mutex<Shared>> =
+/// The devices decoded so far, one copy of each as it is.
+static SHARED: std::sync::LazyLock<std::sync::Mutex<Shared<Device>>> =
     std::sync::LazyLock::new(Default::default);
 
-#[derive(Default)]
-struct Shared {
-    known: std::collections::HashSet<ByIdentity>,
-    /// How many were still in use at the last sweep.
-    kept: usize,
-}
-
-/// A device keyed by where it is (node, driver, pool, name).
-struct ByIdentity(Arc<Device>);
-
-impl ByIdentity {
-    fn identity(&self) -> (&str, &str, &str, &str) {
-        let d = &self.0;
-        (&d.node, &d.driver, &d.pool, &d.name)
-    }
-}
-
-impl PartialEq for ByIdentity {
-    fn eq(&self, other: &Self) -> bool {
-        self.identity() == other.identity()
-    }
-}
-
-impl Eq for ByIdentity {}
-
-impl std::hash::Hash for ByIdentity {
+/// Hashed by where it is (node, driver, pool, name), equal when every field
+/// is: a changed device is another value, its old copy swept once unused.
+impl std::hash::Hash for Device {
     fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        self.identity().hash(h)
-    }
-}
-
-impl Shared {
-    /// The shared copy of `d`: the known one if it is the same in every
-    /// field, else `d` (which replaces a changed one).
-    fn share(&mut self, d: Device) -> Arc<Device> {
-        let d = ByIdentity(Arc::new(d));
-        if let Some(known) = self.known.get(&d)
-            && known.0 == d.0
-        {
-            return known.0.clone();
-        }
-        // Devices no one holds any more (only this set does) go once the
-        // set has doubled since the last sweep, as the cache's templates do.
-        if self.known.len() >= 2 * self.kept.max(64) {
-            self.known.retain(|k| Arc::strong_count(&k.0) > 1);
-            self.kept = self.known.len();
-        }
-        let out = d.0.clone();
-        self.known.replace(d);
-        out
+        (&self.node, &self.driver, &self.pool, &self.name).hash(h)
     }
 }
 

@@ -122,9 +122,7 @@ impl Device {
             Err(_) => self.uuid.as_deref() == Some(device),
         }
     }
-}
 
-impl Device {
     /// What a reconcile reads of a published device.
     fn of(d: &devices::Device) -> Device {
         let string = |name: &str| {
