@@ -311,7 +311,26 @@ async fn reconcile_unguarded(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Resul
     } else {
         Default::default()
     };
-    let gpu_holder = ctx.claims.holder_other_than(&r);
+    // Where it would use a GPU now (one withheld from it uses none).
+    let at = match &found.view {
+        GpuView::Placed(p) => claims::allocated(&p.status),
+        GpuView::Withheld(_) => None,
+    };
+    let holder = ctx.claims.holder_other_than(
+        &r,
+        at,
+        |node| ctx.gpus.node_devices(node),
+        |ns, name| ctx.pods.has_pods(ns, name),
+    );
+    // A deleted holder's pods give no event to this residency when they go.
+    let holder_leaving = holder
+        .as_ref()
+        .filter(|h| h.leaving)
+        .map(|_| Duration::from_secs(1));
+    let gpu_holder = holder.map(|h| match h.leaving {
+        true => format!("{} (deleted; its pods are still terminating)", h.name),
+        false => h.name,
+    });
     let node_cache = ctx.node_caches.get(&placement.node);
     let decision = decide(&Observed {
         residency: &r,
@@ -331,10 +350,15 @@ async fn reconcile_unguarded(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Resul
     };
     // A rejected template is asked again when its backoff ends (the
     // quota or webhook that rejected it may have changed meanwhile).
-    let requeue_after = [decided_requeue, rejections.recheck_in, found.recheck]
-        .into_iter()
-        .flatten()
-        .min();
+    let requeue_after = [
+        decided_requeue,
+        rejections.recheck_in,
+        found.recheck,
+        holder_leaving,
+    ]
+    .into_iter()
+    .flatten()
+    .min();
     Ok(match (retry_soon, requeue_after) {
         (true, _) => Action::requeue(Duration::from_millis(500)),
         (false, Some(after)) => Action::requeue(after),

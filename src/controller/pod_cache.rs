@@ -261,6 +261,16 @@ impl PodCache {
             .unwrap_or_default()
     }
 
+    /// Whether any model pod of residency `name` in `namespace` is left
+    /// (of whichever uid: a deleted residency's pods).
+    pub fn has_pods(&self, namespace: &str, name: &str) -> bool {
+        let inner = self.inner.lock().unwrap();
+        inner
+            .live
+            .get(&(namespace.into(), name.into()))
+            .is_some_and(|pods| !pods.is_empty())
+    }
+
     /// Records a pod the reconciler just created (the create response),
     /// unless the watch has already delivered it.
     pub fn created(&self, pod: &Pod) {

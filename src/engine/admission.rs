@@ -5,6 +5,13 @@
 use super::*;
 
 impl super::Engine {
+    /// A request refused outside this engine (a gang the node's GPUs can
+    /// never hold together): counted as a refusal, nothing else changes.
+    pub fn count_refusal(&mut self) {
+        self.clock += 1;
+        self.counters.refusals += 1;
+    }
+
     /// A request for a model by name; unknown names are refused.
     pub fn request_named(&mut self, name: &str) -> Admission<'_> {
         match self.id(name) {

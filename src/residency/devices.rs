@@ -5,6 +5,7 @@
 //! with `quantity("40Gi")` and `.compareTo(...)`), and a node selector.
 //! Pure: the caller hands in the slices, the class and the node labels.
 
+use super::cel_bounds;
 use crate::quantity::parse_bytes;
 use crate::shared::Shared;
 use cel_interpreter::extractors::This;
@@ -180,7 +181,21 @@ pub struct Selector {
 
 impl Selector {
     /// Compiles `expressions`; the first that does not compile is the error.
+    /// Each is held to the bounds of [`cel_bounds`] first (their costs
+    /// together), and parsed only then. Call it on a thread with
+    /// [`SELECTOR_STACK`] of stack ([`select`] does).
     pub fn compile<'a>(expressions: impl IntoIterator<Item = &'a str>) -> Result<Selector, String> {
+        let expressions: Vec<&str> = expressions.into_iter().collect();
+        let mut cost = 0u64;
+        for e in &expressions {
+            cost = cost.saturating_add(cel_bounds::check(e)?);
+        }
+        if cost > cel_bounds::MAX_COST {
+            return Err(format!(
+                "the selectors would take about {cost} steps on each device; at most {} are run",
+                cel_bounds::MAX_COST
+            ));
+        }
         let programs = expressions
             .into_iter()
             .map(|e| {
@@ -249,6 +264,68 @@ impl Selector {
     }
 }
 
+/// The stack of the thread selectors are parsed and run on: the parser
+/// and the evaluator recurse, and a tree within [`cel_bounds`] stays far
+/// inside it (a tokio worker's 2 MiB overflowed at 500 brackets). Only the
+/// pages it touches are memory.
+pub const SELECTOR_STACK: usize = 64 << 20;
+
+/// What a set's selectors picked.
+#[derive(Debug, Default)]
+pub struct Selection {
+    pub selected: Vec<Arc<Device>>,
+    /// The first error of a selector on a device (that device is not
+    /// selected), for the set's status.
+    pub failed_on: Option<String>,
+}
+
+/// Runs `f` on a thread of its own with [`SELECTOR_STACK`] of stack.
+pub fn on_selector_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::Builder::new()
+        .name("cel-selector".into())
+        .stack_size(SELECTOR_STACK)
+        .spawn(f)
+        .expect("a selector thread")
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+}
+
+/// Compiles `expressions` and runs them over `devices`, off the async
+/// runtime: on a thread of its own ([`on_selector_thread`]), awaited here.
+/// The error is why the selectors cannot run (they do not compile, or
+/// pass a bound).
+pub async fn select(
+    expressions: Vec<String>,
+    devices: Vec<Arc<Device>>,
+) -> Result<Selection, String> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("cel-selector".into())
+        .stack_size(SELECTOR_STACK)
+        .spawn(move || {
+            let _ = tx.send(select_now(&expressions, devices));
+        })
+        .map_err(|e| format!("no thread to run the selectors on: {e}"))?;
+    rx.await
+        .map_err(|_| "the selectors' thread ended without an answer".to_owned())?
+}
+
+/// [`select`]'s work, on the thread that runs it.
+fn select_now(expressions: &[String], devices: Vec<Arc<Device>>) -> Result<Selection, String> {
+    let selector = Selector::compile(expressions.iter().map(String::as_str))?;
+    let mut out = Selection::default();
+    for d in devices {
+        match selector.selects(&d) {
+            Ok(true) => out.selected.push(d),
+            Ok(false) => {}
+            Err(e) => {
+                out.failed_on.get_or_insert(e);
+            }
+        }
+    }
+    Ok(out)
+}
+
 fn json_value(v: &serde_json::Value) -> Value {
     match v {
         serde_json::Value::Bool(b) => Value::Bool(*b),
@@ -305,12 +382,29 @@ pub fn stamped_name(set: &str, node: &str, device: &str) -> String {
     if clean.len() <= 63 {
         return clean;
     }
+    with_hash(&clean, &raw)
+}
+
+/// The name of set `set`'s residency for `device` on `node` when
+/// [`stamped_name`]'s is taken: its start and a hash of the three, kept
+/// apart (`s-node` on node `e` and `s` on node `node-e` hash unlike).
+pub fn stamped_name_hashed(set: &str, node: &str, device: &str) -> String {
+    let plain = stamped_name(set, node, device);
+    let raw = format!("{set}\n{node}\n{device}");
+    with_hash(&plain[..plain.len().min(54)], &raw)
+}
+
+/// `clean` cut to 54 characters and an 8-hex-digit hash of `raw`.
+fn with_hash(clean: &str, raw: &str) -> String {
     let digest = ring::digest::digest(&ring::digest::SHA256, raw.as_bytes());
     let hash: String = digest.as_ref()[..4]
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    format!("{}-{hash}", clean[..54].trim_end_matches('-'))
+    format!(
+        "{}-{hash}",
+        clean[..clean.len().min(54)].trim_end_matches('-')
+    )
 }
 
 #[cfg(test)]

@@ -101,8 +101,12 @@ impl Router {
             AtHomes::OnTheWay => return Ok(None),
             AtHomes::Nowhere { refused_here } => refused_here,
         };
-        if let Some(i) = held.admitted_on.take() {
-            // Admitted for this request, and gone before it was Ready.
+        if let Some(i) = held.admitted_on.take()
+            && snap.state(i, model) != ModelState::Refused
+        {
+            // Admitted for this request, and gone before it was Ready (a
+            // gang queued for placement and then refused was not taken
+            // off: the placement below refuses it).
             held.lost += 1;
             if held.lost > 1 {
                 let status = snap.model_status(i, model);

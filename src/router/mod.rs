@@ -282,6 +282,9 @@ impl Router {
         }
         if let Some(q) = catalog::question(req.method(), req.uri().path()) {
             let snap = self.snapshot.borrow().clone();
+            if q == catalog::Question::Models {
+                return catalog::models_list(&snap).await.map(boxed);
+            }
             return catalog::answer(q, &snap, self.ready()).map(boxed);
         }
         let (model, result) = match self.model_of(req).await {
@@ -450,10 +453,7 @@ impl Router {
             }
         }
         let Some(view) = snap.models.get(model) else {
-            return Err(Refusal::ModelNotFound(format!(
-                "the model `{}` does not exist: no ModelResidency this router serves lists it",
-                echo(model)
-            )));
+            return Err(snap.not_listed(model));
         };
         // A copy that holds the adapter before one that does not.
         if let Some(adapter) = adapter.filter(|_| self.config.adapter_affinity) {

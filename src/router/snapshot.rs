@@ -4,6 +4,7 @@
 //! snapshot without a lock; waiting requests wake when a new one is
 //! published.
 
+use super::errors::Refusal;
 use super::recency::Key;
 use crate::api::{AdapterSpec, LoraSpec, ModelResidency, ModelSpec, ModelState, ModelStatus};
 use crate::residency::labels::{
@@ -18,6 +19,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 /// A Ready model pod a request can be sent to, with what the hit path
 /// needs made once per snapshot rather than per request.
@@ -97,6 +99,12 @@ pub struct Snapshot {
     pub draining: std::collections::HashSet<Key>,
     /// LoRA adapters by name: what a request naming one is served by.
     pub adapters: HashMap<String, Arc<AdapterView>>,
+    /// Residencies whose ModelCatalog cannot be read now: a model no
+    /// registry lists may be one of theirs, so it is not said not to exist.
+    pub catalogs_unreadable: usize,
+    /// `GET /v1/models`'s body, built once per snapshot when first asked
+    /// (`router::catalog::models_list`).
+    pub model_list: tokio::sync::OnceCell<bytes::Bytes>,
 }
 
 /// A LoRA adapter as the registries declare it (`spec.models[].lora`).
@@ -257,7 +265,30 @@ impl Snapshot {
             models,
             draining,
             adapters,
+            catalogs_unreadable: 0,
+            model_list: Default::default(),
         }
+    }
+
+    /// The answer for a model no registry lists: 404, unless a residency's
+    /// catalog cannot be read now (then the model may be one of its, and
+    /// the client is told to come back: 503 with Retry-After, never a 404
+    /// for a model whose pods may be running).
+    pub fn not_listed(&self, model: &str) -> Refusal {
+        if self.catalogs_unreadable > 0 {
+            return Refusal::ModelUnavailable {
+                message: format!(
+                    "the model `{}` is not listed by any registry the router can read now: {} residency(ies) name a ModelCatalog that cannot be read; try again",
+                    super::echo(model),
+                    self.catalogs_unreadable
+                ),
+                retry_after: Duration::from_secs(5),
+            };
+        }
+        Refusal::ModelNotFound(format!(
+            "the model `{}` does not exist: no ModelResidency this router serves lists it",
+            super::echo(model)
+        ))
     }
 
     /// Gives every endpoint the counter `counter(pod)` returns for its pod.

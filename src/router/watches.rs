@@ -14,6 +14,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, watch};
@@ -88,8 +89,9 @@ pub(super) async fn watch_cluster(
             catalogs.wait_ready().await;
         };
         synced.await;
+        let mut registries = Registries::default();
         loop {
-            let mut snapshot = build(&residencies, &catalogs, &pods);
+            let mut snapshot = registries.build(&residencies, &catalogs, &pods);
             let Some(r) = router.upgrade() else {
                 return;
             };
@@ -107,16 +109,63 @@ pub(super) async fn watch_cluster(
     tokio::join!(feed, publish);
 }
 
-/// The snapshot of the residencies, each read with its catalog (one whose
-/// catalog cannot be read, with its own models only: it loads nothing
-/// meanwhile, and says so in its status).
-fn build(residencies: &Store<ModelResidency>, catalogs: &Catalogs, pods: &Store<Pod>) -> Snapshot {
-    let residencies = residencies
-        .state()
-        .into_iter()
-        .map(|r| catalogs.resolve(r.clone()).unwrap_or(r))
-        .collect();
-    Snapshot::build(true, residencies, &pods.state())
+/// Each residency's registry as last read with its catalog, for when its
+/// catalog cannot be read (a GitOps tool deleting and making it again): the
+/// operator keeps its models meanwhile (`CatalogUnavailable`), so the
+/// router keeps serving them rather than answering that they do not exist.
+#[derive(Default)]
+struct Registries {
+    last: HashMap<(String, String), Vec<crate::api::ModelSpec>>,
+}
+
+impl Registries {
+    /// The snapshot of the residencies, each read with its catalog; one
+    /// whose catalog cannot be read with its last registry read (else its
+    /// own models only), and counted as such in the snapshot.
+    fn build(
+        &mut self,
+        residencies: &Store<ModelResidency>,
+        catalogs: &Catalogs,
+        pods: &Store<Pod>,
+    ) -> Snapshot {
+        let mut unreadable = 0;
+        let mut seen = HashMap::new();
+        let resolved: Vec<Arc<ModelResidency>> = residencies
+            .state()
+            .into_iter()
+            .map(|r| {
+                let key = (
+                    kube::ResourceExt::namespace(&*r).unwrap_or_default(),
+                    kube::ResourceExt::name_any(&*r),
+                );
+                let out = match catalogs.resolve(r.clone()) {
+                    Ok(resolved) => {
+                        if resolved.spec.catalog.is_some() {
+                            self.last.insert(key.clone(), resolved.spec.models.clone());
+                        }
+                        resolved
+                    }
+                    Err(_) => {
+                        unreadable += 1;
+                        match self.last.get(&key) {
+                            Some(models) => {
+                                let mut kept = (*r).clone();
+                                kept.spec.models = models.clone();
+                                Arc::new(kept)
+                            }
+                            None => r,
+                        }
+                    }
+                };
+                seen.insert(key, ());
+                out
+            })
+            .collect();
+        self.last.retain(|k, _| seen.contains_key(k));
+        let mut snapshot = Snapshot::build(true, resolved, &pods.state());
+        snapshot.catalogs_unreadable = unreadable;
+        snapshot
+    }
 }
 
 /// Whether `key`'s model is Loaded or Loading on its residency, and not a copy

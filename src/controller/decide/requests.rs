@@ -147,7 +147,16 @@ impl<'a> Decider<'a> {
             if let Some(why) = self.gang_refusals.get(model).cloned() {
                 self.processed(model, written);
                 let message = format!("{model} is refused: {why}");
-                self.event(model, EventReason::Refused, message.clone());
+                // Counted and announced once per refusal, not once per
+                // request written while it stands (the routers' requests
+                // for it were 20 a second once).
+                let known = self.previous.model(model).is_some_and(|m| {
+                    m.state == ModelState::Refused && m.message.as_deref() == Some(&message)
+                });
+                if !known {
+                    self.engine.count_refusal();
+                    self.event(model, EventReason::Refused, message.clone());
+                }
                 self.outcome(model, ModelState::Refused, Reason::GangRefused, message);
             } else if !self.engine.is_resident(id) {
                 let message = format!(

@@ -288,6 +288,18 @@ impl GpuInventory {
             .map(|d| Device::of(d))
     }
 
+    /// The devices published for `node` (shared, not copied).
+    pub fn node_devices(&self, node: &str) -> Vec<Arc<devices::Device>> {
+        let inner = self.inner.lock().expect("gpu inventory lock");
+        inner
+            .slices
+            .values()
+            .flatten()
+            .filter(|d| d.node == node)
+            .cloned()
+            .collect()
+    }
+
     /// Every published device, by node and name.
     pub fn devices(&self) -> Vec<Device> {
         let inner = self.inner.lock().expect("gpu inventory lock");

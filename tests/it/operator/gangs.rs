@@ -11,6 +11,7 @@ use crate::support::operator::WarmBudgetWatcher;
 use crate::support::router::{RouterUnderTest, assert_served_by};
 use model_residency::local::model_server::SLEEP_ANNOTATION;
 use model_residency::residency::gangs::{GANG_MEMBERS_ANNOTATION, GANGS_ANNOTATION, placements};
+use std::time::Duration;
 
 const GPUS: [&str; 4] = ["gpu-0", "gpu-1", "gpu-2", "gpu-3"];
 
@@ -203,6 +204,60 @@ async fn a_gang_no_gpus_of_the_node_could_hold_is_refused_with_each_gpus_reason(
             "{gpu}: {annotations:?}"
         );
     }
+}
+
+/// The black-box round's finding 7: a gang no node can hold was held by
+/// the router until the load timeout while it wrote the request again 20
+/// times a second (5,460 Refused events in 5 minutes, refusals never
+/// counted). It is refused at once, as a model larger than its budget is,
+/// counted once and announced once.
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_refused_gang_is_answered_at_once_and_counted_once() {
+    let h = four_gpus("gang-refused-router").await;
+    let router = RouterUnderTest::exact(&h).await;
+    // The first request finds out (the coordinator refuses it).
+    let first = tokio::time::timeout(Duration::from_secs(60), router.chat("wide"))
+        .await
+        .expect("the first request for a refused gang is answered, not held");
+    assert_eq!(first.status, 503, "{}", first.body);
+    assert!(first.body.contains("model_refused"), "{}", first.body);
+    let holder = eventually(30, "wide refused with its count", || async {
+        let all = h.api.list(&Default::default()).await.ok()?;
+        all.items.into_iter().find(|r| {
+            r.status.as_ref().is_some_and(|s| {
+                s.counters.refusals > 0
+                    && s.models
+                        .iter()
+                        .any(|m| &*m.name == "wide" && m.state == ModelState::Refused)
+            })
+        })
+    })
+    .await;
+    let name = holder.metadata.name.clone().unwrap();
+    // Each later request: refused at once, no write that the operator
+    // counts or announces again.
+    for _ in 0..10 {
+        let t = std::time::Instant::now();
+        let a = router.chat("wide").await;
+        assert_eq!(a.status, 503, "{}", a.body);
+        assert!(a.body.contains("model_refused"), "{}", a.body);
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "held {:?}",
+            t.elapsed()
+        );
+    }
+    // Given the operator time to process whatever was written.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let r = h.api.get(&name).await.unwrap();
+    assert_eq!(r.status.unwrap().counters.refusals, 1);
+    let refused_events = events_for(&h, &name)
+        .await
+        .into_iter()
+        .filter(|(reason, note)| reason == "Refused" && note.contains("wide"))
+        .count();
+    assert_eq!(refused_events, 1);
 }
 
 #[tokio::test]

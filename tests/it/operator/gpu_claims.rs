@@ -9,6 +9,7 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::PostParams;
 use model_residency::local::kubelet::fake_gpu_uuid;
 use model_residency::residency::labels::GPU_HOLDER_LABEL;
+use std::time::Duration;
 
 /// A claim-mode residency (the default mode) from its spec's JSON.
 async fn create(h: &Harness, name: &str, spec: serde_json::Value) -> ModelResidency {
@@ -521,4 +522,201 @@ async fn a_residency_naming_anothers_claim_is_a_conflict_not_a_second_budget() {
     // first keeps its model and its one budget.
     let r = h.api.get("first").await.unwrap();
     assert_eq!(model(&r, "a").state, ModelState::Loaded);
+}
+
+/// The black-box round's findings 1 and 2, on a control plane of the
+/// test's own (an operator over every namespace): one 80Gi GPU named three
+/// ways in three namespaces (by index and by uuid in env mode, by index in
+/// claim mode) is one budget, held by the oldest; a ResidencySet keeps the
+/// GPU it stamped first when another tenant names it afterwards, through
+/// the set's next reconciles. The budget watcher charges every pod of
+/// every namespace to the physical GPU (through the ResourceSlices).
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn one_gpu_however_named_from_any_namespace_is_one_budget() {
+    use crate::support::operator::PhysicalBudgetWatcher;
+    use model_residency::api::{ModelCatalog, ResidencySet};
+    use model_residency::local::control_plane::ControlPlane;
+    use model_residency::local::kubelet::{FakeKubelet, KubeletConfig};
+    let plane = ControlPlane::start().expect("a control plane of the test's own");
+    let client = plane.client().await.unwrap();
+    model_residency::local::install_crd(&client).await.unwrap();
+    for ns in ["t1", "t2", "t3", "tenant-a", "tenant-b"] {
+        crate::support::cluster::create_namespace(&client, ns).await;
+    }
+    let mut config = KubeletConfig::instant(&["node-f", "node-e"]);
+    config.nodes[0].gpus = 3;
+    config.nodes[1].gpus = 5;
+    let _kubelet = FakeKubelet::start(client.clone(), config).await.unwrap();
+    let watcher = PhysicalBudgetWatcher::start(client.clone());
+    let _operator = tokio::spawn(model_residency::operator::run(
+        model_residency::controller::Context::new(client.clone()),
+        None,
+        std::future::pending(),
+        Default::default(),
+    ));
+    let api = |ns: &str| Api::<ModelResidency>::namespaced(client.clone(), ns);
+    let m50 = json!([{"name": "m50", "size": "50Gi", "template": {"spec": {
+        "containers": [{"name": "server", "image": "example/m50:1"}]}}}]);
+    let residency = |name: &str, device: &str, mode: &str| -> ModelResidency {
+        serde_json::from_value(json!({
+            "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+            "metadata": {"name": name},
+            "spec": {"nodeName": "node-f", "device": device, "budget": "72Gi",
+                     "gpu": {"mode": mode}, "models": m50}}))
+        .unwrap()
+    };
+    let uuid = fake_gpu_uuid("node-f", 2);
+    let made = [
+        ("t1", "by-index", "2", "env"),
+        ("t2", "by-uuid", uuid.as_str(), "env"),
+        ("t3", "by-claim", "2", "claim"),
+    ];
+    for (ns, name, device, mode) in made {
+        api(ns)
+            .create(&PostParams::default(), &residency(name, device, mode))
+            .await
+            .unwrap();
+        // Creation times a second apart: the oldest is by-index.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+    }
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    for (ns, name, _, _) in made {
+        let demand = json!({"spec": {"demand": {"m50": now}}});
+        api(ns)
+            .patch(name, &PatchParams::default(), &Patch::Merge(&demand))
+            .await
+            .unwrap();
+    }
+    let ready =
+        |ns: &'static str, name: &'static str, status: &'static str, reason: &'static str| {
+            let api = api(ns);
+            async move {
+                eventually(
+                    60,
+                    &format!("{ns}/{name} Ready={status} {reason}"),
+                    || async {
+                        let r = api.get(name).await.ok()?;
+                        let c = r
+                            .status
+                            .as_ref()?
+                            .conditions
+                            .iter()
+                            .find(|c| c.type_ == "Ready")?;
+                        (c.status == status && c.reason == reason).then_some(r.clone())
+                    },
+                )
+                .await
+            }
+        };
+    let r = ready("t1", "by-index", "True", "AllResidentModelsReady").await;
+    assert_eq!(r.model_state("m50"), ModelState::Loaded);
+    for (ns, name) in [("t2", "by-uuid"), ("t3", "by-claim")] {
+        let r = ready(ns, name, "False", "GpuConflict").await;
+        let ready = condition(&r, "Ready");
+        assert!(ready.message.contains("t1/by-index"), "{}", ready.message);
+        assert_ne!(r.model_state("m50"), ModelState::Loaded);
+    }
+    // The oldest goes: the next oldest (by uuid) takes the GPU, the claim
+    // still waits.
+    api("t1")
+        .delete("by-index", &DeleteParams::default())
+        .await
+        .unwrap();
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    api("t2")
+        .patch(
+            "by-uuid",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"demand": {"m50": now}}})),
+        )
+        .await
+        .unwrap();
+    eventually(60, "by-uuid loads m50", || async {
+        let r = api("t2").get("by-uuid").await.ok()?;
+        (r.model_state("m50") == ModelState::Loaded).then_some(())
+    })
+    .await;
+    let r = ready("t3", "by-claim", "False", "GpuConflict").await;
+    assert!(condition(&r, "Ready").message.contains("t2/by-uuid"));
+
+    // Finding 2: tenant A's set stamps node-e's GPU 4 and loads a model
+    // there; tenant B names that GPU afterwards.
+    let catalog: ModelCatalog = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelCatalog",
+        "metadata": {"name": "models"}, "spec": {"models": m50}}))
+    .unwrap();
+    Api::<ModelCatalog>::namespaced(client.clone(), "tenant-a")
+        .create(&PostParams::default(), &catalog)
+        .await
+        .unwrap();
+    let set: ResidencySet = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ResidencySet",
+        "metadata": {"name": "fleet"},
+        "spec": {"devices": {"nodeSelector": {"kubernetes.io/hostname": "node-e"},
+                "selectors": [{"cel": {"expression": "device.attributes['gpu.nvidia.com'].index == 4"}}]},
+            "catalog": {"name": "models"}, "residency": {"budget": "72Gi"}}}))
+    .unwrap();
+    let sets = Api::<ResidencySet>::namespaced(client.clone(), "tenant-a");
+    sets.create(&PostParams::default(), &set).await.unwrap();
+    let stamp = eventually(60, "the set's stamp", || async {
+        let all = api("tenant-a").list(&Default::default()).await.ok()?;
+        all.items.into_iter().next()
+    })
+    .await;
+    let stamp = stamp.metadata.name.unwrap();
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    api("tenant-a")
+        .patch(
+            &stamp,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"demand": {"m50": now}}})),
+        )
+        .await
+        .unwrap();
+    eventually(60, "the stamp loads m50", || async {
+        let r = api("tenant-a").get(&stamp).await.ok()?;
+        (r.model_state("m50") == ModelState::Loaded).then_some(())
+    })
+    .await;
+    let mut theirs = residency("mine", "4", "claim");
+    theirs.spec.node_name = Some("node-e".into());
+    api("tenant-b")
+        .create(&PostParams::default(), &theirs)
+        .await
+        .unwrap();
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    api("tenant-b")
+        .patch(
+            "mine",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"demand": {"m50": now}}})),
+        )
+        .await
+        .unwrap();
+    // The set's next reconciles (a label edit wakes it; so would a slice
+    // update or a restart).
+    for i in 0..3 {
+        let label = json!({"metadata": {"labels": {"poke": i.to_string()}}});
+        sets.patch("fleet", &PatchParams::default(), &Patch::Merge(&label))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    let r = api("tenant-a").get(&stamp).await.unwrap();
+    assert_eq!(
+        r.model_state("m50"),
+        ModelState::Loaded,
+        "the set kept its GPU"
+    );
+    assert!(!kube::ResourceExt::labels(&r).contains_key("residency.dev/draining"));
+    let theirs = api("tenant-b").get("mine").await.unwrap();
+    assert_ne!(theirs.model_state("m50"), ModelState::Loaded);
+    let seen = *watcher.events.lock().unwrap();
+    assert!(
+        seen.0 > 5 && seen.1 >= 50 << 30,
+        "the watcher saw the loads: {seen:?}"
+    );
+    assert_eq!(*watcher.violations.lock().unwrap(), Vec::<String>::new());
+    assert!(watcher.unmapped.lock().unwrap().is_empty());
 }

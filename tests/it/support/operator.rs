@@ -827,3 +827,163 @@ impl WarmBudgetWatcher {
 fn recorded(at: Option<&str>) -> Option<Timestamp> {
     at?.parse().ok()
 }
+
+/// The budget watcher of physical GPUs: every model pod of every namespace
+/// charged to the GPU it really uses, whatever its residency calls it (an
+/// index or a uuid, env or claim mode, by hand or by a set), mapped through
+/// the ResourceSlices to the device's uuid, against the device's memory.
+/// A residency is mapped when one of its pods is first seen (claim mode:
+/// the uuid its status says its claim was given).
+pub struct PhysicalBudgetWatcher {
+    pub violations: Arc<Mutex<Vec<String>>>,
+    /// Residencies with live pods whose GPU is not known yet (claim mode:
+    /// its status names the device after its first pod is made).
+    pub unmapped: Arc<Mutex<BTreeSet<String>>>,
+    /// Pod events seen, and the most bytes any one GPU held at once.
+    pub events: Arc<Mutex<(u64, u64)>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for PhysicalBudgetWatcher {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The uuid and memory of the GPU residency `ns/name` uses, from its spec
+/// and the slices (claim mode: from its status).
+async fn physical_gpu(client: &kube::Client, ns: &str, name: &str) -> Option<(String, u64)> {
+    use k8s_openapi::api::resource::v1::ResourceSlice;
+    use model_residency::api::GpuMode;
+    let r = Api::<ModelResidency>::namespaced(client.clone(), ns)
+        .get(name)
+        .await
+        .ok()?;
+    let slices = Api::<ResourceSlice>::all(client.clone())
+        .list(&Default::default())
+        .await
+        .ok()?;
+    let devices = slices.items.iter().flat_map(|s| {
+        let node = s.spec.node_name.clone().unwrap_or_default();
+        s.spec
+            .devices
+            .iter()
+            .flatten()
+            .map(move |d| (node.clone(), d))
+    });
+    let attr = |d: &k8s_openapi::api::resource::v1::Device, k: &str| {
+        d.attributes.as_ref().and_then(|a| a.get(k)).cloned()
+    };
+    let (node, device) = match r.spec.gpu.mode {
+        GpuMode::Claim => {
+            let g = r.status.as_ref()?.gpu.as_deref()?;
+            (g.node.clone()?, g.device.clone()?)
+        }
+        _ => (r.spec.node_name.clone()?, r.spec.device.clone()),
+    };
+    for (n, d) in devices {
+        let uuid = attr(d, "uuid").and_then(|a| a.string)?;
+        let index = attr(d, "index").and_then(|a| a.int);
+        let names_it =
+            d.name == device || uuid == device || index.is_some_and(|i| i.to_string() == device);
+        if n == node && names_it {
+            let memory = d
+                .capacity
+                .as_ref()
+                .and_then(|c| c.get("memory"))
+                .and_then(|c| parse_bytes(&c.value.0).ok())?;
+            return Some((uuid, memory));
+        }
+    }
+    None
+}
+
+impl PhysicalBudgetWatcher {
+    pub fn start(client: kube::Client) -> Self {
+        let violations: Arc<Mutex<Vec<String>>> = Arc::default();
+        let events: Arc<Mutex<(u64, u64)>> = Arc::default();
+        let unmapped: Arc<Mutex<BTreeSet<String>>> = Arc::default();
+        let (v, e, u) = (violations.clone(), events.clone(), unmapped.clone());
+        let task = tokio::spawn(async move {
+            // "ns/pod" -> (its residencies as "ns/name", declared size).
+            let mut live: BTreeMap<String, (Vec<String>, u64)> = BTreeMap::new();
+            // "ns/residency" -> (uuid, memory).
+            let mut gpus: BTreeMap<String, (String, u64)> = BTreeMap::new();
+            let pods: Api<Pod> = Api::all(client.clone());
+            let cfg = watcher::Config::default().labels(RESIDENCY_LABEL);
+            let mut stream = std::pin::pin!(watcher(pods, cfg).default_backoff());
+            while let Ok(Some(event)) = stream.try_next().await {
+                let mut touch = |p: &Pod, deleted: bool| {
+                    let ns = p.metadata.namespace.clone().unwrap_or_default();
+                    let name = format!("{ns}/{}", p.metadata.name.clone().unwrap_or_default());
+                    let finished = matches!(
+                        p.status.as_ref().and_then(|s| s.phase.as_deref()),
+                        Some("Failed" | "Succeeded")
+                    );
+                    if deleted || finished {
+                        live.remove(&name);
+                        return;
+                    }
+                    let labels = p.metadata.labels.clone().unwrap_or_default();
+                    let annotations = p.metadata.annotations.clone().unwrap_or_default();
+                    let size = annotations
+                        .get(SIZE_ANNOTATION)
+                        .and_then(|s| parse_bytes(s).ok())
+                        .unwrap_or(u64::MAX / 4);
+                    let members = match annotations.get(GANG_MEMBERS_ANNOTATION) {
+                        Some(g) => g.split(',').map(|m| format!("{ns}/{m}")).collect(),
+                        None => vec![format!("{ns}/{}", labels[RESIDENCY_LABEL])],
+                    };
+                    live.insert(name, (members, size));
+                };
+                match &event {
+                    watcher::Event::Apply(p) | watcher::Event::InitApply(p) => touch(p, false),
+                    watcher::Event::Delete(p) => touch(p, true),
+                    watcher::Event::Init => live.clear(),
+                    watcher::Event::InitDone => {}
+                }
+                for (members, _) in live.values() {
+                    for m in members {
+                        if !gpus.contains_key(m)
+                            && let Some((ns, name)) = m.split_once('/')
+                            && let Some(gpu) = physical_gpu(&client, ns, name).await
+                        {
+                            gpus.insert(m.clone(), gpu);
+                        }
+                    }
+                }
+                let mut per: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+                for (members, size) in live.values() {
+                    for m in members {
+                        let Some((uuid, memory)) = gpus.get(m) else {
+                            u.lock().unwrap().insert(m.clone());
+                            continue;
+                        };
+                        u.lock().unwrap().remove(m);
+                        let slot = per.entry(uuid.as_str()).or_insert((0, *memory));
+                        slot.0 += size;
+                    }
+                }
+                let mut seen = e.lock().unwrap();
+                seen.0 += 1;
+                for (uuid, (used, memory)) in per {
+                    seen.1 = seen.1.max(used);
+                    if used > memory {
+                        v.lock().unwrap().push(format!(
+                            "GPU {uuid}: live pods declare {used} bytes of its {memory}: {:?}",
+                            live.iter()
+                                .map(|(n, (m, s))| format!("{n} {m:?} {s}"))
+                                .collect::<Vec<_>>()
+                        ));
+                    }
+                }
+            }
+        });
+        PhysicalBudgetWatcher {
+            violations,
+            unmapped,
+            events,
+            task,
+        }
+    }
+}
