@@ -4,7 +4,7 @@
 //! or unloads a model (`demand`), where its GPU is and how its pods get it (`gpu`), the names on its pods (`labels`),
 //! where a model's load or its next copy goes (`placement`), and its
 //! registry with the ModelCatalog it names (`catalog`), the LoRA adapters
-//! it can never serve (`adapters`), the gangs placed on its GPU (`gangs`), the GPUs ResourceSlices publish
+//! it can never serve (`adapters`), whose a name is when several namespaces list it (`names`), the gangs placed on its GPU (`gangs`), the GPUs ResourceSlices publish
 //! and which a set's CEL selectors pick (`devices`, held to `cel_bounds`).
 //! The operator, the router, the node agent and the CLI all build on this;
 //! none of it knows the reconciler. No I/O but the demand merge patch.
@@ -18,6 +18,7 @@ pub mod devices;
 pub mod gangs;
 pub mod gpu;
 pub mod labels;
+pub mod names;
 pub mod placement;
 pub mod reasons;
 pub mod state;

@@ -10,6 +10,7 @@ use crate::api::{AdapterSpec, LoraSpec, ModelResidency, ModelSpec, ModelState, M
 use crate::residency::labels::{
     ADAPTERS_REFUSED_ANNOTATION, DRAINING_LABEL, MODEL_LABEL, RESIDENCY_LABEL, serving_port,
 };
+use crate::residency::names;
 use crate::residency::placement::residency_key;
 use crate::residency::reasons::Reason;
 use http::HeaderValue;
@@ -163,12 +164,17 @@ impl Snapshot {
         pods: &[Arc<Pod>],
     ) -> Self {
         residencies.sort_by_key(|r| (r.namespace(), r.name_any()));
+        // A name resolves in one namespace: its first owner's
+        // (`residency::names`); other namespaces' entries of it are not
+        // this router's to reach.
+        let owners = names::owners(residencies.iter().map(|r| &**r));
+        let owned = |name: &str, ns: &str| owners.get(name).is_none_or(|o| o.1 == ns);
         let mut models: HashMap<String, ModelView> = HashMap::new();
         let mut by_uid = HashMap::new();
         for (i, r) in residencies.iter().enumerate() {
             by_uid.insert(r.uid().unwrap_or_default(), i);
             let ns = r.namespace().unwrap_or_default();
-            for m in &r.spec.models {
+            for m in r.spec.models.iter().filter(|m| owned(&m.name, &ns)) {
                 let view = models.entry(m.name.clone()).or_default();
                 if view.homes.is_empty() {
                     view.namespace = ns.clone();
@@ -180,9 +186,10 @@ impl Snapshot {
         }
         let mut adapters: HashMap<String, Arc<AdapterView>> = HashMap::new();
         for r in &residencies {
+            let ns = r.namespace().unwrap_or_default();
             for m in &r.spec.models {
                 let Some(lora) = &m.lora else { continue };
-                for a in &lora.adapters {
+                for a in lora.adapters.iter().filter(|a| owned(&a.name, &ns)) {
                     let view = AdapterView::of(&r.spec.models, &m.name, lora, a);
                     match adapters.get(&a.name) {
                         None => {
@@ -228,7 +235,9 @@ impl Snapshot {
             let Some(addr) = serving(pod, r, model) else {
                 continue;
             };
-            let Some(view) = models.get_mut(model) else {
+            // Only a pod of one of the name's homes serves it (another
+            // namespace's model of that name is not the name's).
+            let Some(view) = models.get_mut(model).filter(|v| v.homes.contains(&i)) else {
                 continue;
             };
             let (ns, name) = (pod.namespace().unwrap_or_default(), pod.name_any());
@@ -473,5 +482,69 @@ mod tests {
             !s.draining.contains(&key("b")),
             "a forged label stops nothing"
         );
+    }
+
+    /// The black-box round's finding 5: tenant B lists a model `base` like
+    /// tenant A's (and a plain model named as A's adapter); half of A's
+    /// requests reached B's server. The name is A's (the oldest lister):
+    /// B's pods never serve it, B's adapter clash does not refuse A's.
+    #[test]
+    fn a_name_two_namespaces_list_resolves_in_its_first_owners_only() {
+        let in_ns = |ns: &str, name: &str, uid: &str, created: i64, models: serde_json::Value| {
+            let mut r: ModelResidency = serde_json::from_value(json!({
+                "apiVersion": "residency.dev/v1alpha1", "kind": "ModelResidency",
+                "metadata": {"name": name, "namespace": ns, "uid": uid},
+                "spec": {"nodeName": "n", "device": "0", "budget": "8Gi", "models": models},
+            }))
+            .unwrap();
+            r.metadata.creation_timestamp =
+                Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                    k8s_openapi::jiff::Timestamp::from_second(created).unwrap(),
+                ));
+            Arc::new(r)
+        };
+        let a = in_ns(
+            "a",
+            "gpu",
+            "u-a",
+            100,
+            json!([{"name": "base", "size": "1Gi", "lora": {"adapters": [
+                {"name": "a2", "rank": 8}, {"name": "a3", "rank": 8}]}}]),
+        );
+        let b = in_ns(
+            "b",
+            "gpu",
+            "u-b",
+            200,
+            json!([{"name": "base", "size": "1Gi", "lora": {"adapters": [{"name": "a3", "rank": 4}]}},
+                   {"name": "a2", "size": "1Gi"}, {"name": "own", "size": "1Gi"}]),
+        );
+        let in_ns_pod = |ns: &str, name: &str, uid: &str, model: &str, ip: &str| {
+            let mut p = pod(name, "gpu", uid, model, true, ip);
+            Arc::make_mut(&mut p).metadata.namespace = Some(ns.into());
+            p
+        };
+        let pods = [
+            in_ns_pod("a", "gpu-base", "u-a", "base", "10.0.0.1"),
+            in_ns_pod("b", "gpu-base", "u-b", "base", "10.0.0.2"),
+            in_ns_pod("b", "gpu-a2", "u-b", "a2", "10.0.0.3"),
+            in_ns_pod("b", "gpu-own", "u-b", "own", "10.0.0.4"),
+        ];
+        let s = Snapshot::build(true, vec![b, a], &pods);
+        let ready = |m: &str| -> Vec<String> {
+            s.models
+                .get(m)
+                .map(|v| v.ready.iter().map(|e| e.pod.to_string()).collect())
+                .unwrap_or_default()
+        };
+        assert_eq!(ready("base"), ["a/gpu-base"], "A's base only");
+        assert_eq!(s.models["base"].homes.len(), 1);
+        assert!(
+            !s.models.contains_key("a2"),
+            "B's plain a2 does not take A's adapter"
+        );
+        assert_eq!(s.adapters["a2"].base, "base");
+        assert_eq!(s.adapters["a3"].refused, None, "B's a3 does not refuse A's");
+        assert_eq!(ready("own"), ["b/gpu-own"], "B's own names are B's");
     }
 }

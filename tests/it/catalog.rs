@@ -212,6 +212,28 @@ async fn residencies_take_their_models_from_a_catalog_and_follow_its_changes() {
         .map(|m| m.name.to_string())
         .collect();
     assert!(!loaded.is_empty(), "{loaded:?}");
+    // The router serves what is loaded (the black-box round's finding 9:
+    // it answered 404 model_not_found for running models), and a name no
+    // registry it can read lists is a 503 to retry, not a 404.
+    eventually(30, "the router to see the catalog gone", || async {
+        let a = router.chat("not-in-any-registry").await;
+        (a.status == 503).then_some(a)
+    })
+    .await;
+    for m in &loaded {
+        assert_served_by(&router.chat(m).await, m);
+    }
+    let unknown = router.chat("not-in-any-registry").await;
+    assert!(
+        unknown.body.contains("model_unavailable"),
+        "{}",
+        unknown.body
+    );
+    assert!(
+        unknown.headers.contains_key("retry-after"),
+        "{:?}",
+        unknown.headers
+    );
     assert_eq!(pods(&h, "gpu-all").await, before_all);
     assert_eq!(pods(&h, "gpu-one").await, before_one);
 
