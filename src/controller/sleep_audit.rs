@@ -23,26 +23,33 @@ use kube::ResourceExt;
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::{ObjectRef, Store};
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// How often Loaded models are asked whether they sleep (the default of
 /// `--sleep-audit-interval`).
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(30);
 
-/// Runs until the task is dropped; `every` zero: never.
+/// Runs until the task is dropped (with every question it is asking);
+/// `every` zero: never.
 pub async fn run(ctx: Arc<Context>, store: Store<ModelResidency>, every: Duration) {
     if every.is_zero() {
         return;
     }
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let state = Arc::new(Mutex::new(Backoff::default()));
+    let mut asking = tokio::task::JoinSet::new();
     loop {
-        ticks.tick().await;
-        // One look at the pods for both audits.
-        let pods = ready_pods(&ctx);
-        audit(&ctx, &store, &pods).await;
-        super::adapter_audit::audit(&ctx, &store, &pods).await;
+        tokio::select! {
+            _ = ticks.tick() => {
+                // One look at the pods for both audits.
+                let pods = ready_pods(&ctx);
+                audit(&ctx, &store, &pods, &state, &mut asking);
+                super::adapter_audit::audit(&ctx, &store, &pods).await;
+            }
+            Some(_) = asking.join_next() => {}
+        }
     }
 }
 
@@ -59,8 +66,67 @@ fn ready_pods(ctx: &Context) -> ReadyPods {
     pods
 }
 
-/// One round over every residency in the cache.
-async fn audit(ctx: &Context, store: &Store<ModelResidency>, pods: &ReadyPods) {
+/// The servers asked at once, at most. Each question (and the wake that
+/// may follow it) is a task of its own that the next rounds do not wait
+/// for: one server's status request that never answers costs its own
+/// timeout, not every other tenant's (asked one after another in one
+/// round, two such servers stretched a 5 s round to 150 s). A server still
+/// being asked is passed by.
+pub const AUDIT_CONCURRENCY: usize = 16;
+
+/// The most rounds a server found asleep again and again is passed by.
+const MAX_SKIPPED_ROUNDS: u32 = 32;
+
+/// Servers found asleep round after round (one that always says so, or
+/// whose wake does not hold): each is passed by for twice as many rounds
+/// each time, up to [`MAX_SKIPPED_ROUNDS`], instead of a wake and a
+/// warning every round for ever. Keyed by the pod's uid (a new pod starts
+/// afresh); forgotten once a round finds it awake. Also the servers being
+/// asked now.
+#[derive(Default)]
+pub struct Backoff {
+    round: u64,
+    /// uid -> (times found asleep in a row, the round it is asked again).
+    servers: HashMap<String, (u32, u64)>,
+    asking: std::collections::HashSet<String>,
+}
+
+impl Backoff {
+    fn skips(&self, uid: &str) -> bool {
+        self.asking.contains(uid)
+            || self
+                .servers
+                .get(uid)
+                .is_some_and(|&(_, next)| next > self.round)
+    }
+
+    fn found_asleep(&mut self, uid: &str) {
+        let round = self.round;
+        let entry = self.servers.entry(uid.to_owned()).or_insert((0, 0));
+        entry.0 += 1;
+        let skip = 2u32
+            .saturating_pow(entry.0 - 1)
+            .min(MAX_SKIPPED_ROUNDS)
+            .saturating_sub(1);
+        entry.1 = round + 1 + u64::from(skip);
+    }
+
+    fn found_awake(&mut self, uid: &str) {
+        self.servers.remove(uid);
+    }
+}
+
+/// One round over every residency in the cache: each Loaded model that
+/// can sleep, not asked now and not backed off, asked in a task of its own
+/// (at most [`AUDIT_CONCURRENCY`] at once), and woken if it sleeps.
+fn audit(
+    ctx: &Arc<Context>,
+    store: &Store<ModelResidency>,
+    pods: &ReadyPods,
+    state: &Arc<Mutex<Backoff>>,
+    asking: &mut tokio::task::JoinSet<()>,
+) {
+    state.lock().expect("audit lock").round += 1;
     for r in store.state() {
         let key = ObjectRef::from_obj(&*r);
         if ctx.asking.busy(&key) {
@@ -89,6 +155,14 @@ async fn audit(ctx: &Context, store: &Store<ModelResidency>, pods: &ReadyPods) {
             let Some(pod) = pods.get(&(ns.clone(), pod_name(&r.name_any(), &m.name))) else {
                 continue;
             };
+            let uid = pod.uid.to_string();
+            {
+                let mut s = state.lock().expect("audit lock");
+                if asking.len() >= AUDIT_CONCURRENCY || s.skips(&uid) {
+                    continue;
+                }
+                s.asking.insert(uid.clone());
+            }
             let call = PodCall {
                 model: m.name.clone(),
                 pod: pod.into(),
@@ -96,9 +170,19 @@ async fn audit(ctx: &Context, store: &Store<ModelResidency>, pods: &ReadyPods) {
                 wake: true,
                 protocol: protocol(spec),
             };
-            if asleep(&call, ctx.pod_call_timeout_max).await {
-                wake(ctx, &r, call).await;
-            }
+            let (ctx, r, state) = (ctx.clone(), r.clone(), state.clone());
+            asking.spawn(async move {
+                let found = asleep(&call, ctx.pod_call_timeout_max).await;
+                if found {
+                    wake(&ctx, &r, call).await;
+                }
+                let mut s = state.lock().expect("audit lock");
+                s.asking.remove(&uid);
+                match found {
+                    true => s.found_asleep(&uid),
+                    false => s.found_awake(&uid),
+                }
+            });
         }
     }
 }
@@ -142,4 +226,29 @@ async fn wake(ctx: &Context, r: &ModelResidency, call: PodCall) {
     tracing::warn!(residency = %r.name_any(), %model, ok = result.is_ok(), "{note}");
     ctx.metrics.found_asleep.inc();
     super::publish_event(ctx, r, EventType::Warning, "FoundAsleep", "Wake", note).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server that always says it sleeps is asked, and woken, in rounds
+    /// 1, 2, 4, 8, 16, ... (then every 32nd), not every round.
+    #[test]
+    fn a_server_found_asleep_again_and_again_is_asked_ever_more_rarely() {
+        let mut b = Backoff::default();
+        let mut asked = Vec::new();
+        for round in 1..=80u64 {
+            b.round = round;
+            if !b.skips("uid") {
+                asked.push(round);
+                b.found_asleep("uid");
+            }
+        }
+        assert_eq!(asked, [1, 2, 4, 8, 16, 32, 64]);
+        // Found awake: asked every round again.
+        b.found_awake("uid");
+        b.round += 1;
+        assert!(!b.skips("uid"));
+    }
 }

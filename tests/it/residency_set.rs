@@ -227,6 +227,25 @@ async fn sets_that_select_nothing_overlap_or_do_not_compile_say_so() {
     .unwrap();
     let (_, message) = ready("broken", "InvalidSelector").await;
     assert!(message.contains("is not a CEL expression"), "{message}");
+    // The black-box round's findings 3 and 4: a selector nested 500 deep
+    // overflowed the operator's stack (at every start), nine nested
+    // comprehensions pinned a core for good. Each is refused, said, and
+    // the operator goes on (the sets after these are stamped).
+    let deep = format!("{}true{}", "(".repeat(500), ")".repeat(500));
+    let mut costly = "true".to_owned();
+    for i in 0..9 {
+        costly = format!("[0,1,2,3,4,5,6,7,8,9].all(v{i}, {costly})");
+    }
+    for (name, cel, says) in [
+        ("deep", deep.as_str(), "deep"),
+        ("costly", &costly, "steps"),
+    ] {
+        sets.create(&PostParams::default(), &set(&h, name, cel))
+            .await
+            .unwrap();
+        let (_, message) = ready(name, "InvalidSelector").await;
+        assert!(message.contains(says), "{name}: {message}");
+    }
     // Two sets over one device: the first holds it, the second says so.
     // A hand-written residency on gpu-12 holds that one from both.
     h.create_on("mine", "8Gi", &[("x", "1Gi", false)], "12")

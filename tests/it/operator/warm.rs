@@ -519,3 +519,42 @@ async fn a_server_put_to_sleep_behind_the_operators_back_is_found_and_woken() {
     assert_eq!(model(&r, "a").state, ModelState::Loaded);
     assert_eq!(found(), 1);
 }
+
+/// The black-box round's finding 8: the audit asked every server one after
+/// another, so a server whose status request never answers (here: a status
+/// request the fake server holds while it is paused, with a 60 s timeout)
+/// held up the audit for every other tenant's. Asked concurrently, the
+/// server put to sleep behind the operator's back is found within a few
+/// rounds however long the other one hangs.
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_server_that_never_answers_the_audit_holds_up_only_itself() {
+    let mut h = Harness::start("warm-audit-hang").await;
+    h.stop_operator().await;
+    h.sleep_audit = Duration::from_millis(300);
+    h.start_operator();
+    create(&h, ("gpu", "0"), "sleep=50ms,wake=50ms", "8Gi", vllm()).await;
+    // Its status request is an inference request: held while it sleeps.
+    let hangs = json!({"sleepingSize": "1Gi", "preset": "vllm",
+        "status": {"method": "POST", "path": "/v1/completions", "timeout": "60s",
+                   "body": "{\"model\":\"a\",\"prompt\":\"hi\"}"}});
+    create(&h, ("hang", "1"), "sleep=50ms,wake=50ms", "8Gi", hangs).await;
+    h.request("gpu", "a").await;
+    h.request("hang", "a").await;
+    let (hang_addr, _) = addr_of(&h, "hang", "a").await;
+    let slept = crate::support::http::send(hang_addr, "POST", "/sleep?level=1", "").await;
+    assert_eq!(slept.status, 200, "{}", slept.body);
+    // Let a round start on the hanging server first.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let (addr, _) = addr_of(&h, "gpu", "a").await;
+    let slept = crate::support::http::send(addr, "POST", "/sleep?level=1", "").await;
+    assert_eq!(slept.status, 200, "{}", slept.body);
+    eventually(
+        15,
+        "gpu's a woken by the audit beside the hanging one",
+        || async { (stats(&h, "gpu", "a").await["asleep"] == false).then_some(()) },
+    )
+    .await;
+    let r = h.api.get("gpu").await.unwrap();
+    assert_eq!(model(&r, "a").state, ModelState::Loaded);
+}
