@@ -95,14 +95,68 @@ const CONTROL_PATHS: &[&str] = &[
     "/stop_profile",
 ];
 
-/// Checks a `--forward-path`: an absolute path, not a control endpoint.
+/// Words that mark a model server's control endpoint, whatever its
+/// spelling (vLLM's `/sleep`, `/wake_up`, `/pause`, `/resume`,
+/// `/scale_elastic_ep`, `/collective_rpc`; SGLang's
+/// `/release_memory_occupation`, `/init_weights_update_group`,
+/// `/update_weights_from_distributed`, `/flush_cache`, `/abort_request`;
+/// adapters' and profilers' endpoints): a segment containing one is
+/// refused, so a server's next control endpoint of a known kind is refused
+/// before anyone lists it.
+pub const CONTROL_WORDS: &[&str] = &[
+    "sleep",
+    "wake",
+    "pause",
+    "resume",
+    "collective",
+    "rpc",
+    "prefix_cache",
+    "flush",
+    "abort",
+    "memory_occupation",
+    "weights",
+    "lora",
+    "adapter",
+    "profile",
+    "scale_elastic",
+    "shutdown",
+    "kill",
+    "restart",
+    "reload",
+    "config",
+    "admin",
+    "debug",
+];
+
+/// Checks a `--forward-path`: a plain absolute path (lower-case letters,
+/// digits, `-`, `_` and `.` in non-empty segments, no `.` or `..`
+/// segment, no encoding, no trailing `/`: what a request must then name
+/// exactly), that names no control endpoint (a segment containing a
+/// [`CONTROL_WORDS`] word).
 pub fn check_forward_path(path: &str) -> Result<(), String> {
-    if !path.starts_with('/') || path.contains(['?', '#', ' ']) {
+    let plain = |seg: &str| {
+        !seg.is_empty()
+            && seg != "."
+            && seg != ".."
+            && seg
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-_.".contains(&b))
+    };
+    let Some(rest) = path.strip_prefix('/') else {
         return Err(format!(
             "--forward-path {path:?}: give an absolute path without a query, such as /generate"
         ));
+    };
+    if !rest.split('/').all(plain) {
+        return Err(format!(
+            "--forward-path {path:?}: give a plain absolute path (lower-case letters, digits, '-', '_' and '.' between single slashes, no '.' or '..' segment, no %-encoding, no query, no trailing slash), such as /generate"
+        ));
     }
-    if CONTROL_PATHS.contains(&path) {
+    let control = CONTROL_PATHS.contains(&path)
+        || rest
+            .split('/')
+            .any(|seg| CONTROL_WORDS.iter().any(|w| seg.contains(w)));
+    if control {
         return Err(format!(
             "--forward-path {path}: a model server's control endpoint is never forwarded (the operator alone sleeps, wakes and loads)"
         ));
@@ -334,9 +388,42 @@ mod tests {
             "/generate",
         ]) {
             assert_eq!(ok(Method::POST, p), Err(NotForwarded::Path), "{p}");
-            assert!(check_forward_path(p).is_ok() != CONTROL_PATHS.contains(p));
+            if CONTROL_PATHS.contains(p) {
+                assert!(check_forward_path(p).is_err(), "{p}");
+            }
         }
         assert!(check_forward_path("generate").is_err());
+        // The black-box round's finding 11: spellings of control endpoints
+        // that reach the same handler, and other servers' control
+        // endpoints, are refused; plain inference paths are not.
+        for p in [
+            "/sleep/",
+            "/SLEEP",
+            "//sleep",
+            "/./sleep",
+            "/v1/../sleep",
+            "/%73leep",
+            "/wake_up/",
+            "/pause",
+            "/resume",
+            "/scale_elastic_ep",
+            "/init_weights_update_group",
+            "/update_weights_from_distributed",
+            "/flush_cache",
+            "/abort_request",
+            "/",
+            "/generate?x=1",
+        ] {
+            assert!(check_forward_path(p).is_err(), "{p} was accepted");
+        }
+        for p in [
+            "/generate",
+            "/v1/tokenize",
+            "/detokenize",
+            "/v1/chat/completions_v2",
+        ] {
+            assert!(check_forward_path(p).is_ok(), "{p} was refused");
+        }
         let extra = ["/generate".to_owned()];
         assert_eq!(forwarded(&Method::POST, "/generate", &extra), Ok(()));
         assert_eq!(

@@ -774,6 +774,60 @@ fn the_routers_policy_guards_every_spec_field_but_demand() {
     assert!(of_kind(&off, "ValidatingAdmissionPolicy").is_empty());
 }
 
+/// The black-box round's finding 11: `router.forwardPaths: [/sleep]`
+/// rendered, and `helm upgrade` rolled out routers that crash-looped. The
+/// values schema refuses what `--forward-path` refuses, before anything
+/// is rolled out; the schema's words are the router's own.
+#[test]
+#[ignore = "needs helm: scripts/test.sh provides it and runs this with --include-ignored"]
+fn the_values_schema_refuses_forward_paths_the_router_refuses() {
+    let helm = helm();
+    let template = |path: &str| {
+        Command::new(&helm)
+            .args(["template", "r", CHART, "--set"])
+            .arg(format!("router.forwardPaths={{{path}}}"))
+            .output()
+            .expect("run helm")
+    };
+    for bad in [
+        "/sleep",
+        "/SLEEP",
+        "//sleep",
+        "/v1/../sleep",
+        "/%73leep",
+        "/pause",
+        "/flush_cache",
+        "/",
+    ] {
+        let out = template(bad);
+        assert!(!out.status.success(), "{bad} rendered");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("forwardPaths"),
+            "{bad}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(model_residency::router::target::check_forward_path(bad).is_err());
+    }
+    let out = template("/generate");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let schema: Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{CHART}/values.schema.json")).unwrap(),
+    )
+    .unwrap();
+    let words = schema["properties"]["router"]["properties"]["forwardPaths"]["items"]["not"]["anyOf"][1]
+        ["pattern"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    for w in model_residency::router::target::CONTROL_WORDS {
+        assert!(words.contains(w), "the schema lacks {w}: {words}");
+    }
+}
+
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn the_router_does_its_job_with_only_its_charts_rbac() {
