@@ -921,6 +921,14 @@ async fn the_router_does_its_job_with_only_its_charts_rbac() {
         ("the budget", json!({"spec": {"budget": "1Ti"}})),
         ("a label", json!({"metadata": {"labels": {"x": "y"}}})),
         ("a finalizer", json!({"metadata": {"finalizers": ["x/y"]}})),
+        // The black-box round's finding 13: a forged manager owning the
+        // budget (the tenant's own server-side apply then conflicts).
+        (
+            "managedFields",
+            json!({"metadata": {"managedFields": [{"manager": "forged", "operation": "Apply",
+                "apiVersion": "residency.dev/v1alpha1", "fieldsType": "FieldsV1",
+                "fieldsV1": {"f:spec": {"f:budget": {}}}}]}}),
+        ),
     ] {
         match refused(patch).await {
             Err(kube::Error::Api(e)) => {
