@@ -89,7 +89,7 @@ pub fn run(args: Args) -> Result<(), Failure> {
         );
         println!("the ModelResidency, ModelDemand and NodeModelCache CRDs are installed");
         println!("export KUBECONFIG={}", plane.kubeconfig().display());
-        println!("(Ctrl-C stops it and removes its files)");
+        println!("(Ctrl-C or SIGTERM stops it and removes its files)");
         println!(
             "then, each in a shell with that KUBECONFIG:\n  \
              model-residency run --http-addr 127.0.0.1:8081\n  \
@@ -98,7 +98,7 @@ pub fn run(args: Args) -> Result<(), Failure> {
              curl -s 127.0.0.1:8080/v1/chat/completions -d '{{\"model\":\"qwen-llm\",\"messages\":[]}}'\n  \
              kubectl get mres -n models"
         );
-        let _ = tokio::signal::ctrl_c().await;
+        super::process::termination().await;
         Ok(())
     })
 }
@@ -162,8 +162,8 @@ fn real_node(args: Args) -> Result<(), Failure> {
                  model-residency top -A"
             );
         }
-        println!("(Ctrl-C stops it; its containers, mounts and files go with it)");
-        let _ = tokio::signal::ctrl_c().await;
+        println!("(Ctrl-C or SIGTERM stops it; its containers, mounts and files go with it)");
+        super::process::termination().await;
         drop(node);
         Ok(())
     })

@@ -82,10 +82,13 @@ pub fn run(command: &[OsString]) -> std::io::Result<ExitStatus> {
          ip addr add {NODE_IP}/16 dev {BRIDGE}; ip link set {BRIDGE} up; \
          ip route add {SERVICE_SUBNET} dev {BRIDGE}; \
          set +e; \"$@\" & child=$!; trap 'kill -TERM $child' TERM INT; \
-         wait $child; status=$?; wait $child 2>/dev/null; exit $status"
+         while :; do wait $child; status=$?; kill -0 $child 2>/dev/null || break; done; \
+         exit $status"
     );
     let mut child = Command::new("unshare")
         .args([
+            // unshare dying ends the lane's shell (and so the lane).
+            "--kill-child=TERM",
             "--net",
             "--mount",
             "--propagation",
@@ -107,10 +110,77 @@ pub fn run(command: &[OsString]) -> std::io::Result<ExitStatus> {
     // unshare itself is in the lane's network and mount namespaces: a
     // shell enters them by its pid (`nsenter --target PID --net --mount`).
     let _ = std::fs::write(dir.path().join(PID_FILE), child.id().to_string());
+    pass_on_termination(child.id());
     let status = child.wait()?;
     remove_cgroups(Path::new("/sys/fs/cgroup"), &id);
     drop(dir);
     Ok(status)
+}
+
+/// A SIGTERM or SIGINT to this process is passed on to the lane's
+/// `unshare` (pid `child`), which ends the lane's command, instead of
+/// ending this process alone and leaving the whole lane running (etcd, the
+/// API server, the kubelet, containerd and its containers: a `kill` of
+/// `local-cluster --real-node` did). A thread of its own waits for them.
+#[allow(unsafe_code)] // a libc call std has no safe wrapper for
+fn pass_on_termination(child: u32) {
+    let waiter = move || {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return;
+        };
+        rt.block_on(async {
+            use tokio::signal::unix::{SignalKind, signal};
+            let (Ok(mut term), Ok(mut int)) = (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::interrupt()),
+            ) else {
+                return;
+            };
+            loop {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+                // unshare ignores SIGTERM while it waits for its fork: the
+                // TERM goes to the lane's shell (its child, the lane's
+                // init), which passes it on to the command.
+                for pid in children_of(child) {
+                    // SAFETY: kill(2) with a pid read from /proc and a valid
+                    // signal number; no memory is shared.
+                    unsafe {
+                        libc::kill(pid as libc::pid_t, libc::SIGTERM);
+                    }
+                }
+            }
+        });
+    };
+    let _ = std::thread::Builder::new()
+        .name("lane-signals".into())
+        .spawn(waiter);
+}
+
+/// The processes whose parent is `pid` (from /proc).
+fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| {
+            // /proc/P/stat: "P (comm) S PPID ...", comm may hold spaces.
+            std::fs::read_to_string(format!("/proc/{p}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    let rest = &stat[stat.rfind(')')? + 1..];
+                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
+                })
+                == Some(pid)
+        })
+        .collect()
 }
 
 /// The lane's cgroup root in each hierarchy under `base` that has one.

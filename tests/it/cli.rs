@@ -672,3 +672,39 @@ fn the_demo_runs_end_to_end() {
         "{which:?} not in the demo's output:\n{text}"
     );
 }
+
+/// The black-box round's finding 14: `local-cluster --real-node` stopped
+/// with SIGTERM left its whole lane running (the lane's parent died, its
+/// processes did not hear of it). The lane passes a SIGTERM on: its
+/// command is told (here a shell that says so) and the lane ends.
+#[test]
+fn a_lane_told_to_terminate_passes_it_on_to_its_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let heard = dir.path().join("heard");
+    let script = format!(
+        "trap 'echo term > {}; exit 0' TERM; sleep 60 & wait",
+        heard.display()
+    );
+    let mut lane = Command::new(env!("CARGO_BIN_EXE_model-residency"))
+        .args(["lane", "--", "bash", "-c", &script])
+        .spawn()
+        .unwrap();
+    // The lane's shell is up once its unshare has a child.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let pid = lane.id().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(killed.success());
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = lane.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(20),
+            "the lane was still running 20 s after its SIGTERM"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert!(status.success(), "{status}");
+    assert_eq!(std::fs::read_to_string(&heard).unwrap().trim(), "term");
+}
