@@ -688,6 +688,24 @@ async fn models_are_listed_and_routed_by_path() {
     );
     assert_eq!(router.get("/v2/health/live").await.status, 200);
     assert_eq!(router.get("/v2/health/ready").await.status, 200);
+    // The black-box round's finding 12: a pipelined request (the second
+    // written before the first's answer) was never answered. Both are,
+    // in order, on the one connection.
+    let pipelined = raw_exchange(
+        router.addr,
+        b"GET /v2/health/live HTTP/1.1\r\nHost: r\r\n\r\nGET /v2 HTTP/1.1\r\nHost: r\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(pipelined.matches("HTTP/1.1 200").count(), 2, "{pipelined}");
+    assert!(pipelined.contains("model-residency"), "{pipelined}");
+    // Behind a refused request whose body the router never needed.
+    let pipelined = raw_exchange(
+        router.addr,
+        b"POST /nope HTTP/1.1\r\nHost: r\r\nContent-Length: 5\r\n\r\nhelloGET /v2 HTTP/1.1\r\nHost: r\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(pipelined.contains("HTTP/1.1 404"), "{pipelined}");
+    assert!(pipelined.contains("model-residency"), "{pipelined}");
     assert_eq!(json_of(&router.get("/v2").await)["name"], "model-residency");
     let spec = h.api.get("gpu").await.unwrap().spec;
     assert!(spec.demand.is_empty(), "a readiness poll wrote demand");
@@ -698,6 +716,23 @@ async fn models_are_listed_and_routed_by_path() {
     assert_served_by(&a, "resnet");
     h.converged("gpu").await;
     assert_eq!(router.get("/v2/models/resnet/ready").await.status, 200);
+    // Pipelined proxied requests too.
+    let body = r#"{"inputs":[]}"#;
+    let one = format!(
+        "POST /v2/models/resnet/infer HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let last = one.replacen("Host: r\r\n", "Host: r\r\nConnection: close\r\n", 1);
+    let pipelined = raw_exchange(router.addr, format!("{one}{last}").as_bytes()).await;
+    assert_eq!(pipelined.matches("HTTP/1.1 200").count(), 2, "{pipelined}");
+    let chat = r#"{"model":"resnet","messages":[{"role":"user","content":"hi"}]}"#;
+    let one = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Length: {}\r\n\r\n{chat}",
+        chat.len()
+    );
+    let last = one.replacen("Host: r\r\n", "Host: r\r\nConnection: close\r\n", 1);
+    let pipelined = raw_exchange(router.addr, format!("{one}{one}{last}").as_bytes()).await;
+    assert_eq!(pipelined.matches("HTTP/1.1 200").count(), 3, "{pipelined}");
     assert_eq!(
         router
             .get("/v2/models/resnet/versions/1/ready")
