@@ -24,8 +24,11 @@ use tokio::net::{TcpListener, TcpStream};
 /// stands by: a standby is ready to take over), read by its `/readyz`.
 /// One flag behind a cloneable handle, never unset: a latch, not a copy
 /// kept in step by polling.
+/// The same handle carries liveness: a task of the process that keeps
+/// failing ([`crate::supervise`]) says so here, and `/healthz` then fails,
+/// so Kubernetes restarts the pod (and a leader's Lease moves).
 #[derive(Clone, Debug, Default)]
-pub struct Readiness(Arc<AtomicBool>);
+pub struct Readiness(Arc<AtomicBool>, Arc<std::sync::Mutex<Option<String>>>);
 
 impl Readiness {
     pub fn set(&self) {
@@ -34,6 +37,16 @@ impl Readiness {
 
     pub fn is_ready(&self) -> bool {
         self.0.load(Ordering::Relaxed)
+    }
+
+    /// The process is not healthy any more, for `why`.
+    pub fn fail(&self, why: String) {
+        *self.1.lock().expect("liveness lock") = Some(why);
+    }
+
+    /// Why the process is not healthy, if it is not.
+    pub fn failing(&self) -> Option<String> {
+        self.1.lock().expect("liveness lock").clone()
     }
 }
 
@@ -107,6 +120,11 @@ pub async fn accept_loop(listener: TcpListener, mut connection: impl FnMut(TcpSt
 }
 
 fn respond<B>(req: &Request<B>, endpoints: &Endpoints) -> Response<Full<Bytes>> {
+    if req.uri().path() == "/healthz"
+        && let Some(why) = endpoints.ready.failing()
+    {
+        return text_response(StatusCode::SERVICE_UNAVAILABLE, TEXT, format!("{why}\n"));
+    }
     probe(req, endpoints.ready.is_ready(), || (endpoints.encode)())
         .unwrap_or_else(|| text_response(StatusCode::NOT_FOUND, TEXT, "not found\n".to_owned()))
 }

@@ -24,7 +24,7 @@
 //! Shared plumbing: [`cluster`] (API handles, status writes, watch
 //! backoff), [`http`] (admin endpoints, a small client), [`metrics`] (the
 //! operator's), [`exposition`] (the Prometheus text format, every process's),
-//! [`panic_guard`]; `local` (feature `local`): a local control plane, a
+//! [`panic_guard`], [`supervise`] (background tasks restarted and counted); `local` (feature `local`): a local control plane, a
 //! real node in a lane of its own, the kubelet stand-in, the fake model
 //! server, local images and a registry (tests, benchmarks, demo), not in
 //! the operator image.
@@ -47,3 +47,4 @@ pub mod residency;
 pub mod router;
 pub mod shared;
 pub mod simulate;
+pub mod supervise;

@@ -194,6 +194,14 @@ pub struct Metrics {
     pub copies_routers_unread: Gauge,
     /// Model servers found asleep while their status said Loaded.
     pub found_asleep: Counter,
+    /// Background tasks restarted after they panicked or ended, by task.
+    pub task_restarts: Family<TaskLabels, Counter>,
+}
+
+/// A background task of the operator, as its restarts are counted.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TaskLabels {
+    pub task: &'static str,
 }
 
 /// A model of one namespace, as the copy metrics label it.
@@ -227,6 +235,7 @@ impl Metrics {
             copies_unplaced: Family::default(),
             copies_routers_unread: Gauge::default(),
             found_asleep: Counter::default(),
+            task_restarts: Family::default(),
             registry: Registry::default(),
         };
         registry.register_collector(Box::new(m.residencies.clone()));
@@ -242,6 +251,11 @@ impl Metrics {
             m.reconcile_errors.clone(),
         );
         registry.register("reconciles", "Reconciles started", m.reconciles.clone());
+        registry.register(
+            "task_restarts",
+            "Background tasks (gang coordinator, copy scaler, sleep audit, ...) restarted after they panicked or ended, by task",
+            m.task_restarts.clone(),
+        );
         registry.register(
             "api_requests",
             "API requests the reconciler made (pod creates and deletes, status patches, events), by verb and resource",

@@ -34,7 +34,8 @@ pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(30);
 /// `every` zero: never.
 pub async fn run(ctx: Arc<Context>, store: Store<ModelResidency>, every: Duration) {
     if every.is_zero() {
-        return;
+        // Off: idle, not ended (its supervisor would start it again).
+        return std::future::pending().await;
     }
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

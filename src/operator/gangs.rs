@@ -62,15 +62,21 @@ const RECHECK: Duration = Duration::from_secs(1);
 pub async fn run(
     ctx: Arc<Context>,
     store: Store<ModelResidency>,
-    mut changed: futures::channel::mpsc::UnboundedReceiver<ObjectRef<ModelResidency>>,
+    changed: Arc<
+        tokio::sync::Mutex<futures::channel::mpsc::UnboundedReceiver<ObjectRef<ModelResidency>>>,
+    >,
 ) {
+    // Held for this run (a restart after a panic takes it up again).
+    let mut changed = changed.lock().await;
     // The store's readiness wakes only its latest waiter (the
     // controller's), so poll for it.
     loop {
         let ready = tokio::time::timeout(Duration::from_millis(200), store.wait_until_ready());
         match ready.await {
             Ok(Ok(())) => break,
-            Ok(Err(_)) => return,
+            // The store's writer is gone: the operator's term is ending
+            // (idle until then; its supervisor would start it again).
+            Ok(Err(_)) => return std::future::pending().await,
             Err(_) => {}
         }
     }
@@ -82,7 +88,8 @@ pub async fn run(
         let mut dirty: BTreeSet<Group> = BTreeSet::new();
         tokio::select! {
             next = changed.next() => {
-                let Some(first) = next else { return };
+                // Closed: the residency watch ended with the term.
+                let Some(first) = next else { return std::future::pending().await };
                 let mut refs = vec![first];
                 while let Ok(more) = changed.try_recv() {
                     refs.push(more);

@@ -118,24 +118,58 @@ pub async fn run(
     let _sync = AbortOnDrop(tokio::spawn(mark_synced(
         store.clone(),
         ctx.clone(),
-        synced,
+        synced.clone(),
     )));
-    let _copies = AbortOnDrop(tokio::spawn(crate::controller::copies::run(
-        ctx.clone(),
-        namespace.clone(),
-        store.clone(),
-        ctx.copies.clone(),
-    )));
-    let _gangs = AbortOnDrop(tokio::spawn(gangs::run(
-        ctx.clone(),
-        store.clone(),
-        gang_rx,
-    )));
-    let _sleep_audit = AbortOnDrop(tokio::spawn(crate::controller::sleep_audit::run(
-        ctx.clone(),
-        store.clone(),
-        ctx.sleep_audit,
-    )));
+    // Each supervised: restarted when it panics or ends, counted, and
+    // `/healthz` fails when one keeps failing (crate::supervise).
+    let supervised = |task: &'static str, start: Box<dyn FnMut() -> Task + Send>| {
+        AbortOnDrop(tokio::spawn(crate::supervise::supervised(
+            task,
+            ctx.metrics.clone(),
+            synced.clone(),
+            start,
+        )))
+    };
+    let _copies = {
+        let (ctx, namespace, store) = (ctx.clone(), namespace.clone(), store.clone());
+        supervised(
+            "copies",
+            Box::new(move || {
+                let f = crate::controller::copies::run(
+                    ctx.clone(),
+                    namespace.clone(),
+                    store.clone(),
+                    ctx.copies.clone(),
+                );
+                Box::pin(f) as Task
+            }),
+        )
+    };
+    let gang_rx = Arc::new(tokio::sync::Mutex::new(gang_rx));
+    let _gangs = {
+        let (ctx, store) = (ctx.clone(), store.clone());
+        supervised(
+            "gangs",
+            Box::new(move || {
+                let (ctx, store, rx) = (ctx.clone(), store.clone(), gang_rx.clone());
+                Box::pin(gangs::run(ctx, store, rx)) as Task
+            }),
+        )
+    };
+    let _sleep_audit = {
+        let (ctx, store) = (ctx.clone(), store.clone());
+        supervised(
+            "sleep-audit",
+            Box::new(move || {
+                let f = crate::controller::sleep_audit::run(
+                    ctx.clone(),
+                    store.clone(),
+                    ctx.sleep_audit,
+                );
+                Box::pin(f) as Task
+            }),
+        )
+    };
     controller
         .reconcile_on(futures::stream::select(
             futures::stream::select(
@@ -556,6 +590,9 @@ async fn mark_synced(
 
 /// A task that ends with its owner, however the owner ends.
 pub(crate) struct AbortOnDrop(pub(crate) tokio::task::JoinHandle<()>);
+
+/// A supervised background task's future.
+type Task = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
