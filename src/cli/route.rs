@@ -71,6 +71,13 @@ pub struct Args {
     /// process may use).
     #[arg(long, env = "ROUTER_WORKERS", value_parser = clap::value_parser!(u16).range(1..))]
     workers: Option<u16>,
+    /// How often a request that asked to stream ("stream": true) for a
+    /// model with no Ready pod hears an SSE comment while the router holds
+    /// it through the load (answered at once, 200 text/event-stream): many
+    /// clients and proxies drop a connection idle for 30-60 s. 0s: held
+    /// silently.
+    #[arg(long, env = "STREAM_KEEPALIVE", default_value = "10s", value_parser = parse_duration)]
+    stream_keepalive: Duration,
     /// On SIGTERM, how long requests in flight may take to finish.
     #[arg(long, default_value = "25s", value_parser = parse_duration)]
     shutdown_grace: Duration,
@@ -114,6 +121,7 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         max_buffered: args.max_buffered_bytes,
         forward_paths: args.forward_path,
         adapter_affinity: true,
+        stream_keepalive: args.stream_keepalive,
     };
     let workers = match args.workers {
         Some(n) => usize::from(n),

@@ -15,7 +15,9 @@
 //! - [`proxy`]: sending on and streaming back;
 //! - [`errors`]: the OpenAI-shaped answers when it cannot proxy;
 //! - [`catalog`]: what it answers itself (model list, readiness);
-//! - [`adapters`]: LoRA adapters loaded into their base model's pods.
+//! - [`adapters`]: LoRA adapters loaded into their base model's pods;
+//! - `keepalive`: a streaming client held through a cold load hears SSE
+//!   comments until the model's stream follows.
 
 mod adapters;
 mod body;
@@ -28,6 +30,7 @@ pub mod balance;
 pub mod catalog;
 pub mod errors;
 mod hold;
+mod keepalive;
 pub mod metrics;
 pub mod proxy;
 pub mod recency;
@@ -95,6 +98,10 @@ pub struct Config {
     /// of its name), not the balancing strategy's pick (on by default; off
     /// only to measure what it saves, benches/balance.rs).
     pub adapter_affinity: bool,
+    /// A request that asked to stream (`"stream": true`) for a model with
+    /// no Ready pod is answered at once and sent an SSE comment this often
+    /// while it is held (zero: held silently, answered only once served).
+    pub stream_keepalive: Duration,
 }
 
 impl Default for Config {
@@ -113,6 +120,7 @@ impl Default for Config {
             max_buffered: 96 << 20,
             forward_paths: Vec::new(),
             adapter_affinity: true,
+            stream_keepalive: Duration::from_secs(10),
         }
     }
 }
@@ -288,6 +296,20 @@ impl Router {
             return catalog::answer(q, &snap, self.ready()).map(boxed);
         }
         let (model, result) = match self.model_of(req).await {
+            Ok((model, parts, body, held))
+                if !self.config.stream_keepalive.is_zero()
+                    && keepalive::wants_stream(&body)
+                    && self.held_for_a_load(&model) =>
+            {
+                let request = keepalive::Held {
+                    parts,
+                    body,
+                    buffered: held,
+                    start,
+                };
+                let response = self.keep_alive_through_load(model.clone(), request);
+                (self.known(&model), Ok(response))
+            }
             Ok((model, parts, body, _held)) => {
                 let result = self.serve_model(&model, &parts, body, start).await;
                 // A proxied request's model is one the router serves.

@@ -1115,3 +1115,82 @@ async fn the_bodies_a_router_holds_are_bounded_in_all() {
     }
     assert_eq!(router.router.buffered(), 0, "every held byte released");
 }
+
+/// A streaming client held through a cold load: answered at once, and an
+/// SSE comment at every `stream_keepalive` until the model's own stream
+/// follows, so a proxy that closes idle connections (here: 1.5 s, against
+/// a 4 s load and a 500 ms keep-alive; in production 30 s against minutes
+/// and 10 s) never sees one idle. The second cold load says what the first
+/// measured (`X-Model-Load-Expected`). A refusal is one error event.
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn a_streaming_client_held_through_a_load_hears_keepalives_then_the_stream() {
+    let h = Harness::start_with("route-keepalive", Duration::from_secs(4)).await;
+    h.create(
+        "gpu",
+        "8Gi",
+        &[
+            ("qwen", "4Gi", false),
+            ("sd", "6Gi", false),
+            ("huge", "20Gi", false),
+        ],
+    )
+    .await;
+    let config = Config {
+        stream_keepalive: Duration::from_millis(500),
+        ..exact()
+    };
+    let router = RouterUnderTest::start(&h, config).await;
+    let stream = |m: &str| json!({"model": m, "stream": true, "messages": []}).to_string();
+    let a = router.post("/v1/chat/completions", &stream("qwen")).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(a.headers["content-type"], "text/event-stream");
+    assert!(
+        a.body.starts_with(": waiting for qwen to load"),
+        "{}",
+        a.body
+    );
+    assert!(a.body.ends_with("data: [DONE]\n\n"), "{}", a.body);
+    assert!(a.body.contains("\"model\":\"qwen\""), "{}", a.body);
+    let mut at = Duration::ZERO;
+    let mut longest = Duration::ZERO;
+    for (t, _) in &a.chunks {
+        longest = longest.max(*t - at);
+        at = *t;
+    }
+    assert!(
+        at >= Duration::from_secs(3),
+        "held through the load: {at:?}"
+    );
+    assert!(
+        longest < Duration::from_millis(1500),
+        "idle for {longest:?}"
+    );
+    let comments = a.body.matches(": waiting for qwen").count();
+    assert!(comments >= 5, "{comments} keep-alives in {at:?}");
+    // sd evicts qwen; qwen's next cold load says how long the last took.
+    assert!(
+        router
+            .post("/v1/chat/completions", &stream("sd"))
+            .await
+            .body
+            .contains("[DONE]")
+    );
+    let again = router.post("/v1/chat/completions", &stream("qwen")).await;
+    let expected: f64 = again.headers["x-model-load-expected"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((3.0..30.0).contains(&expected), "{expected}");
+    // A model that can never load, or that does not exist: its error
+    // status at once, as without a stream.
+    let refused = router.post("/v1/chat/completions", &stream("huge")).await;
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert!(refused.body.contains("model_refused"), "{}", refused.body);
+    let unknown = router.post("/v1/chat/completions", &stream("nope")).await;
+    assert_eq!(unknown.status, 404, "{}", unknown.body);
+    // A model already served is streamed as before, with no comment.
+    let hot = router.post("/v1/chat/completions", &stream("qwen")).await;
+    assert!(!hot.body.contains(": waiting"), "{}", hot.body);
+}
