@@ -137,9 +137,35 @@ pub fn cost(e: &IdedExpr) -> u64 {
     }
 }
 
+/// The verdicts of the selectors checked lately, by their text: a set is
+/// reconciled again on every slice, node or class change, and a thousand
+/// hostile selectors took 3.25 CPU seconds to check once
+/// (`cargo bench --bench hostile`). Emptied when it holds
+/// [`REMEMBERED`] of them.
+static VERDICTS: std::sync::LazyLock<
+    std::sync::Mutex<std::collections::HashMap<String, Result<u64, String>>>,
+> = std::sync::LazyLock::new(Default::default);
+
+/// How many verdicts are remembered at most.
+const REMEMBERED: usize = 4096;
+
 /// Checks one selector against the bounds; its estimated cost when it
-/// passes. The text is checked before it is parsed.
+/// passes. The text is checked before it is parsed; a verdict is
+/// remembered ([`VERDICTS`]).
 pub fn check(text: &str) -> Result<u64, String> {
+    if let Some(v) = VERDICTS.lock().expect("verdicts lock").get(text) {
+        return v.clone();
+    }
+    let verdict = check_now(text);
+    let mut verdicts = VERDICTS.lock().expect("verdicts lock");
+    if verdicts.len() >= REMEMBERED {
+        verdicts.clear();
+    }
+    verdicts.insert(text.to_owned(), verdict.clone());
+    verdict
+}
+
+fn check_now(text: &str) -> Result<u64, String> {
     check_nesting(text).map_err(|why| format!("{text:?} {why}"))?;
     let parsed = std::panic::catch_unwind(|| cel_parser::Parser::default().parse(text))
         .map_err(|_| format!("{text:?} is not a CEL expression"))?

@@ -13,7 +13,6 @@
 //! refused everywhere or with no usable GPU gets its error status at once,
 //! as without a stream.
 
-use super::errors::Refusal;
 use super::{Buffered, ProxyBody, Router};
 use bytes::Bytes;
 use http::{Response, StatusCode, header};
@@ -139,18 +138,11 @@ impl Router {
                     }
                 }
                 Ok(response) => {
-                    let status = response.status();
-                    let bytes = response
-                        .into_body()
-                        .collect()
-                        .await
-                        .map(|b| b.to_bytes())
-                        .unwrap_or_default();
-                    let _ = tx.send(Ok(Frame::data(error_event(status, &bytes)))).await;
+                    let _ = tx.send(Ok(Frame::data(event_of(response).await))).await;
                 }
                 Err(refusal) => {
-                    let event = refusal_event(&refusal).await;
-                    let _ = tx.send(Ok(Frame::data(event))).await;
+                    let answer = refusal.response::<http_body_util::Full<Bytes>>();
+                    let _ = tx.send(Ok(Frame::data(event_of(answer).await))).await;
                 }
             }
         });
@@ -174,9 +166,9 @@ impl Router {
     }
 }
 
-/// The refusal the router would have answered, as a `data:` event.
-async fn refusal_event(r: &Refusal) -> Bytes {
-    let response = r.response::<http_body_util::Full<Bytes>>();
+/// An answer that ends the stream (the server's error, or the refusal the
+/// router would have answered), as one `data:` event.
+async fn event_of<B: hyper::body::Body>(response: Response<B>) -> Bytes {
     let status = response.status();
     let bytes = response
         .into_body()

@@ -556,6 +556,17 @@ async fn one_gpu_however_named_from_any_namespace_is_one_budget() {
         Default::default(),
     ));
     let api = |ns: &str| Api::<ModelResidency>::namespaced(client.clone(), ns);
+    // A request for m50 on residency `name` of `ns`, as a router writes one.
+    let request = |ns: &str, name: &str| {
+        let (api, name) = (api(ns), name.to_owned());
+        async move {
+            let now = k8s_openapi::jiff::Timestamp::now().to_string();
+            let demand = json!({"spec": {"demand": {"m50": now}}});
+            api.patch(&name, &PatchParams::default(), &Patch::Merge(&demand))
+                .await
+                .unwrap();
+        }
+    };
     let m50 = json!([{"name": "m50", "size": "50Gi", "template": {"spec": {
         "containers": [{"name": "server", "image": "example/m50:1"}]}}}]);
     let residency = |name: &str, device: &str, mode: &str| -> ModelResidency {
@@ -580,13 +591,8 @@ async fn one_gpu_however_named_from_any_namespace_is_one_budget() {
         // Creation times a second apart: the oldest is by-index.
         tokio::time::sleep(Duration::from_millis(1100)).await;
     }
-    let now = k8s_openapi::jiff::Timestamp::now().to_string();
     for (ns, name, _, _) in made {
-        let demand = json!({"spec": {"demand": {"m50": now}}});
-        api(ns)
-            .patch(name, &PatchParams::default(), &Patch::Merge(&demand))
-            .await
-            .unwrap();
+        request(ns, name).await;
     }
     let ready =
         |ns: &'static str, name: &'static str, status: &'static str, reason: &'static str| {
@@ -623,15 +629,7 @@ async fn one_gpu_however_named_from_any_namespace_is_one_budget() {
         .delete("by-index", &DeleteParams::default())
         .await
         .unwrap();
-    let now = k8s_openapi::jiff::Timestamp::now().to_string();
-    api("t2")
-        .patch(
-            "by-uuid",
-            &PatchParams::default(),
-            &Patch::Merge(&json!({"spec": {"demand": {"m50": now}}})),
-        )
-        .await
-        .unwrap();
+    request("t2", "by-uuid").await;
     eventually(60, "by-uuid loads m50", || async {
         let r = api("t2").get("by-uuid").await.ok()?;
         (r.model_state("m50") == ModelState::Loaded).then_some(())
@@ -665,15 +663,7 @@ async fn one_gpu_however_named_from_any_namespace_is_one_budget() {
     })
     .await;
     let stamp = stamp.metadata.name.unwrap();
-    let now = k8s_openapi::jiff::Timestamp::now().to_string();
-    api("tenant-a")
-        .patch(
-            &stamp,
-            &PatchParams::default(),
-            &Patch::Merge(&json!({"spec": {"demand": {"m50": now}}})),
-        )
-        .await
-        .unwrap();
+    request("tenant-a", &stamp).await;
     eventually(60, "the stamp loads m50", || async {
         let r = api("tenant-a").get(&stamp).await.ok()?;
         (r.model_state("m50") == ModelState::Loaded).then_some(())
@@ -685,15 +675,7 @@ async fn one_gpu_however_named_from_any_namespace_is_one_budget() {
         .create(&PostParams::default(), &theirs)
         .await
         .unwrap();
-    let now = k8s_openapi::jiff::Timestamp::now().to_string();
-    api("tenant-b")
-        .patch(
-            "mine",
-            &PatchParams::default(),
-            &Patch::Merge(&json!({"spec": {"demand": {"m50": now}}})),
-        )
-        .await
-        .unwrap();
+    request("tenant-b", "mine").await;
     // The set's next reconciles (a label edit wakes it; so would a slice
     // update or a restart).
     for i in 0..3 {

@@ -452,6 +452,30 @@ impl Harness {
     }
 }
 
+/// What a model pod holds, as the budget watchers charge it: `None` once it
+/// is deleted or finished (Succeeded, Failed); else its residencies (a
+/// gang's pod is every member's) and its declared size.
+fn charged(p: &Pod, deleted: bool) -> Option<(Vec<String>, u64)> {
+    let finished = matches!(
+        p.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Failed" | "Succeeded")
+    );
+    if deleted || finished {
+        return None;
+    }
+    let labels = p.metadata.labels.clone().unwrap_or_default();
+    let annotations = p.metadata.annotations.clone().unwrap_or_default();
+    let size = annotations
+        .get(SIZE_ANNOTATION)
+        .and_then(|s| parse_bytes(s).ok())
+        .unwrap_or(u64::MAX / 4);
+    let members = match annotations.get(GANG_MEMBERS_ANNOTATION) {
+        Some(g) => g.split(',').map(str::to_owned).collect(),
+        None => vec![labels.get(RESIDENCY_LABEL).cloned().unwrap_or_default()],
+    };
+    Some((members, size))
+}
+
 /// Watches every model pod and, after each event, checks that the declared
 /// sizes of each residency's live pods (terminating included; Succeeded and
 /// Failed excluded) stay within its budget.
@@ -481,32 +505,10 @@ impl BudgetWatcher {
             while let Ok(Some(event)) = stream.try_next().await {
                 let mut touch = |p: &Pod, deleted: bool| {
                     let name = p.metadata.name.clone().unwrap_or_default();
-                    let finished = matches!(
-                        p.status.as_ref().and_then(|s| s.phase.as_deref()),
-                        Some("Failed" | "Succeeded")
-                    );
-                    if deleted || finished {
-                        live.remove(&name);
-                    } else {
-                        let labels = p.metadata.labels.clone().unwrap_or_default();
-                        let size = p
-                            .metadata
-                            .annotations
-                            .as_ref()
-                            .and_then(|a| a.get(SIZE_ANNOTATION))
-                            .and_then(|s| parse_bytes(s).ok())
-                            .unwrap_or(u64::MAX / 4);
-                        let gang = p
-                            .metadata
-                            .annotations
-                            .as_ref()
-                            .and_then(|a| a.get(GANG_MEMBERS_ANNOTATION));
-                        let members = match gang {
-                            Some(g) => g.split(',').map(str::to_owned).collect(),
-                            None => vec![labels[RESIDENCY_LABEL].clone()],
-                        };
-                        live.insert(name, (members, size));
-                    }
+                    match charged(p, deleted) {
+                        Some(held) => live.insert(name, held),
+                        None => live.remove(&name),
+                    };
                 };
                 match &event {
                     watcher::Event::Apply(p) | watcher::Event::InitApply(p) => touch(p, false),
@@ -914,27 +916,18 @@ impl PhysicalBudgetWatcher {
             let mut stream = std::pin::pin!(watcher(pods, cfg).default_backoff());
             while let Ok(Some(event)) = stream.try_next().await {
                 let mut touch = |p: &Pod, deleted: bool| {
+                    // Residencies and pods of every namespace: keyed "ns/name".
                     let ns = p.metadata.namespace.clone().unwrap_or_default();
                     let name = format!("{ns}/{}", p.metadata.name.clone().unwrap_or_default());
-                    let finished = matches!(
-                        p.status.as_ref().and_then(|s| s.phase.as_deref()),
-                        Some("Failed" | "Succeeded")
-                    );
-                    if deleted || finished {
-                        live.remove(&name);
-                        return;
+                    match charged(p, deleted) {
+                        Some((members, size)) => {
+                            let members = members.iter().map(|m| format!("{ns}/{m}")).collect();
+                            live.insert(name, (members, size));
+                        }
+                        None => {
+                            live.remove(&name);
+                        }
                     }
-                    let labels = p.metadata.labels.clone().unwrap_or_default();
-                    let annotations = p.metadata.annotations.clone().unwrap_or_default();
-                    let size = annotations
-                        .get(SIZE_ANNOTATION)
-                        .and_then(|s| parse_bytes(s).ok())
-                        .unwrap_or(u64::MAX / 4);
-                    let members = match annotations.get(GANG_MEMBERS_ANNOTATION) {
-                        Some(g) => g.split(',').map(|m| format!("{ns}/{m}")).collect(),
-                        None => vec![format!("{ns}/{}", labels[RESIDENCY_LABEL])],
-                    };
-                    live.insert(name, (members, size));
                 };
                 match &event {
                     watcher::Event::Apply(p) | watcher::Event::InitApply(p) => touch(p, false),
