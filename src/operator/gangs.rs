@@ -200,13 +200,6 @@ struct Write {
     gangs: Option<BTreeMap<String, GangPlacement>>,
     refused: Option<BTreeMap<String, String>>,
     demand: BTreeMap<String, Option<String>>,
-    /// The residency's resourceVersion as read: the patch's precondition.
-    /// The pass decided from a cache that may lag, and rewrites whole
-    /// annotations and demand keys the routers also write: a patch made
-    /// against an older copy (a router's newer request written meanwhile)
-    /// is refused (409) and the group is planned again from a fresh read,
-    /// instead of erasing that request.
-    read_at: Option<String>,
 }
 
 impl Write {
@@ -223,10 +216,7 @@ impl Write {
 
 /// What to write on `g`.
 fn write<'w>(writes: &'w mut BTreeMap<String, Write>, g: &Gpu) -> &'w mut Write {
-    writes.entry(g.name.clone()).or_insert_with(|| Write {
-        read_at: g.r.metadata.resource_version.clone(),
-        ..Write::default()
-    })
+    writes.entry(g.name.clone()).or_default()
 }
 
 /// `placement` of `model` written on every member in `members`.
@@ -678,9 +668,6 @@ fn patch_body(w: &Write) -> Value {
     if !annotations.is_empty() {
         body["metadata"] = json!({ "annotations": annotations });
     }
-    if let Some(rv) = &w.read_at {
-        body["metadata"]["resourceVersion"] = json!(rv);
-    }
     if !demand.is_empty() {
         body["spec"] = json!({ "demand": demand });
     }
@@ -712,24 +699,6 @@ mod tests {
                 }},
                 "spec": {"demand": {"big": null, "tp": "2026-12-06T00:00:00Z"}}
             })
-        );
-    }
-
-    /// The review's R1: a pass decided from a cache that lags rewrote
-    /// demand keys and placements by merge patches with no precondition,
-    /// erasing a router's request written meanwhile. Each patch carries the
-    /// resourceVersion its pass read: the API server refuses it (409) when
-    /// the residency changed since, and the group is planned again.
-    #[test]
-    fn a_write_is_made_against_the_version_its_pass_read() {
-        let w = Write {
-            read_at: Some("4711".into()),
-            demand: [("tp".to_owned(), None)].into(),
-            ..Write::default()
-        };
-        assert_eq!(
-            patch_body(&w),
-            json!({"metadata": {"resourceVersion": "4711"}, "spec": {"demand": {"tp": null}}})
         );
     }
 
