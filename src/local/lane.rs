@@ -81,7 +81,8 @@ pub fn run(command: &[OsString]) -> std::io::Result<ExitStatus> {
         "set -e; ip link set lo up; ip link add {BRIDGE} type bridge; \
          ip addr add {NODE_IP}/16 dev {BRIDGE}; ip link set {BRIDGE} up; \
          ip route add {SERVICE_SUBNET} dev {BRIDGE}; \
-         set +e; \"$@\" & child=$!; trap 'kill -TERM $child' TERM INT; \
+         set +e; child=; trap 'term=1; [ -n \"$child\" ] && kill -TERM $child' TERM INT; \
+         \"$@\" & child=$!; [ -n \"$term\" ] && kill -TERM $child; \
          while :; do wait $child; status=$?; kill -0 $child 2>/dev/null || break; done; \
          exit $status"
     );

@@ -680,17 +680,30 @@ fn the_demo_runs_end_to_end() {
 #[test]
 fn a_lane_told_to_terminate_passes_it_on_to_its_command() {
     let dir = tempfile::tempdir().unwrap();
-    let heard = dir.path().join("heard");
+    let (ready, heard) = (dir.path().join("ready"), dir.path().join("heard"));
+    // Says it is ready once its trap is set (a fixed wait before the
+    // signal lost it on a loaded machine: the lane was not up yet).
     let script = format!(
-        "trap 'echo term > {}; exit 0' TERM; sleep 60 & wait",
-        heard.display()
+        "trap 'echo term > {}; exit 0' TERM; touch {}; sleep 60 & wait",
+        heard.display(),
+        ready.display()
     );
     let mut lane = Command::new(env!("CARGO_BIN_EXE_model-residency"))
         .args(["lane", "--", "bash", "-c", &script])
         .spawn()
         .unwrap();
-    // The lane's shell is up once its unshare has a child.
-    std::thread::sleep(std::time::Duration::from_secs(2));
+    let start = std::time::Instant::now();
+    while !ready.exists() {
+        assert!(
+            lane.try_wait().unwrap().is_none(),
+            "the lane ended before its command was ready"
+        );
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(60),
+            "the lane never started"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
     let pid = lane.id().to_string();
     let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     assert!(killed.success());
