@@ -123,6 +123,9 @@ struct Index {
     /// Each residency's current node and claim, to find its entries again
     /// when it moves.
     claims: HashMap<Key, (Option<Box<str>>, Option<Key>)>,
+    /// The deleted residencies still held as claimants ([`Index::leave`]):
+    /// few, so each look checks these and never scans every claim.
+    leaving: Vec<Key>,
 }
 
 fn insert(list: &mut Vec<Claimant>, c: Claimant) {
@@ -184,10 +187,14 @@ impl Index {
         if let Some(c) = &claim {
             mark(self.on_claim.get_mut(c));
         }
+        if !self.leaving.contains(key) {
+            self.leaving.push(key.clone());
+        }
         (node.into_iter().collect(), claim.into_iter().collect())
     }
 
     fn release(&mut self, key: &Key) -> Touched {
+        self.leaving.retain(|k| k != key);
         let Some((node, claim)) = self.claims.remove(key) else {
             return Default::default();
         };
@@ -269,21 +276,9 @@ impl GpuClaims {
         let index = &mut guard.0;
         // Deleted residencies whose pods are all gone hold nothing.
         let gone: Vec<Key> = index
-            .claims
-            .keys()
-            .filter(|k| {
-                let lists = index.claims[*k]
-                    .0
-                    .iter()
-                    .filter_map(|n| index.on_node.get(n))
-                    .chain(
-                        index.claims[*k]
-                            .1
-                            .iter()
-                            .filter_map(|c| index.on_claim.get(c)),
-                    );
-                lists.flatten().any(|c| c.key == **k && c.leaving) && !pods_left(&k.0, &k.1)
-            })
+            .leaving
+            .iter()
+            .filter(|k| !pods_left(&k.0, &k.1))
             .cloned()
             .collect();
         for k in &gone {

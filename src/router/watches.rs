@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, watch};
@@ -129,7 +129,7 @@ impl Registries {
         pods: &Store<Pod>,
     ) -> Snapshot {
         let mut unreadable = 0;
-        let mut seen = HashMap::new();
+        let mut seen = HashSet::new();
         let resolved: Vec<Arc<ModelResidency>> = residencies
             .state()
             .into_iter()
@@ -157,11 +157,11 @@ impl Registries {
                         }
                     }
                 };
-                seen.insert(key, ());
+                seen.insert(key);
                 out
             })
             .collect();
-        self.last.retain(|k, _| seen.contains_key(k));
+        self.last.retain(|k, _| seen.contains(k));
         let mut snapshot = Snapshot::build(true, resolved, &pods.state());
         snapshot.catalogs_unreadable = unreadable;
         snapshot

@@ -38,8 +38,18 @@ fn claims(h: &Harness) -> Api<ResourceClaim> {
 
 /// Waits until residency `name` says Ready=`status` with `reason`.
 async fn until_ready(h: &Harness, name: &str, status: &str, reason: &str) -> ModelResidency {
+    until_ready_in(&h.api, name, status, reason).await
+}
+
+/// [`until_ready`] for a residency of `api`'s namespace.
+async fn until_ready_in(
+    api: &Api<ModelResidency>,
+    name: &str,
+    status: &str,
+    reason: &str,
+) -> ModelResidency {
     eventually(60, &format!("{name} Ready={status} {reason}"), || async {
-        let r = h.api.get(name).await.ok()?;
+        let r = api.get(name).await.ok()?;
         let c = r
             .status
             .as_ref()?
@@ -594,27 +604,10 @@ async fn one_gpu_however_named_from_any_namespace_is_one_budget() {
     for (ns, name, _, _) in made {
         request(ns, name).await;
     }
-    let ready =
-        |ns: &'static str, name: &'static str, status: &'static str, reason: &'static str| {
-            let api = api(ns);
-            async move {
-                eventually(
-                    60,
-                    &format!("{ns}/{name} Ready={status} {reason}"),
-                    || async {
-                        let r = api.get(name).await.ok()?;
-                        let c = r
-                            .status
-                            .as_ref()?
-                            .conditions
-                            .iter()
-                            .find(|c| c.type_ == "Ready")?;
-                        (c.status == status && c.reason == reason).then_some(r.clone())
-                    },
-                )
-                .await
-            }
-        };
+    let ready = |ns: &str, name: &'static str, status: &'static str, reason: &'static str| {
+        let api = api(ns);
+        async move { until_ready_in(&api, name, status, reason).await }
+    };
     let r = ready("t1", "by-index", "True", "AllResidentModelsReady").await;
     assert_eq!(r.model_state("m50"), ModelState::Loaded);
     for (ns, name) in [("t2", "by-uuid"), ("t3", "by-claim")] {
