@@ -16,6 +16,7 @@ mod enact;
 pub mod events;
 pub mod fast_lane;
 pub mod gpu;
+pub mod guarded;
 pub mod pod_cache;
 pub mod pod_calls;
 pub mod pods;

@@ -31,6 +31,7 @@
 use crate::api::{ModelResidency, ModelState};
 use crate::controller::Context;
 use crate::controller::cached;
+use crate::controller::guarded::{Guarded, merge_unless_changed};
 use crate::engine::gangs::{GangRefused, NodeAdmission, NodeGpus};
 use crate::engine::{Engine, RefuseReason};
 use crate::quantity::format_bytes;
@@ -43,7 +44,7 @@ use crate::residency::labels::MANAGER;
 use crate::residency::reasons::Reason;
 use crate::residency::state::{recorded_time, restore, validate};
 use futures::StreamExt;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, PatchParams};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 use serde_json::{Value, json};
@@ -437,14 +438,24 @@ async fn pass(
     };
     // The members' writes at once: a gang's placement is N writes, and
     // each is a round trip its load would otherwise wait for in series.
-    let patches = writes.iter().map(|(name, w)| {
+    // Each is guarded: written only if what it changes is still as this
+    // pass read it (a router's request meanwhile, or this coordinator's
+    // own last write not yet in the cache, is never erased).
+    let seen: BTreeMap<&str, &ModelResidency> = gpus
+        .iter()
+        .map(|g| (g.name.as_str(), g.r.as_ref()))
+        .collect();
+    let patches = writes.iter().filter_map(|(name, w)| {
+        let seen = *seen.get(name.as_str())?;
         ctx.metrics.api_request("patch", "modelresidencies");
         let body = patch_body(w);
         let (api, params) = (&api, &params);
-        async move { api.patch(name, params, &Patch::Merge(&body)).await }
+        Some(async move { merge_unless_changed(api, params, seen, &body).await })
     });
-    futures::future::try_join_all(patches).await?;
-    Ok(waits)
+    let written = futures::future::try_join_all(patches).await?;
+    // A stale write is decided again from the change that made it stale.
+    let stale = written.iter().any(|w| matches!(w, Guarded::Stale));
+    Ok(waits || stale)
 }
 
 /// Where a placed gang's sleep goes next (`Some`: the placement's new

@@ -475,3 +475,91 @@ async fn a_gang_is_placed_on_gpus_of_one_pcie_root_where_the_driver_publishes_it
     let r2 = h.converged("gpu-2").await;
     assert_eq!(model(&r2, "c").state, ModelState::Loaded);
 }
+
+/// R1 (#68): the coordinator decides from its cache and writes from it; a
+/// request a router writes after its read, and its own last write not yet
+/// in its cache, must survive the write. Before the guard, its plain merge
+/// patch erased both (the first shape below is the lost demand key).
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn the_coordinators_writes_never_erase_what_was_written_after_its_read() {
+    use kube::ResourceExt;
+    use kube::api::{Patch, PatchParams};
+    use model_residency::controller::guarded::{Guarded, merge_unless_changed};
+    let mut h = four_gpus("gang-writes").await;
+    // Only this test writes: the coordinator's decisions are played here.
+    h.stop_operator().await;
+    let params = PatchParams::default();
+    let demand_of = |r: &ModelResidency, m: &str| r.spec.demand.get(m).cloned();
+
+    // A router asks for `tp` after the coordinator read gpu-0; the
+    // coordinator, from its read, takes `tp` off (its demand key removed).
+    let seen = h.api.get("gpu-0").await.unwrap();
+    let asked = json!({"spec": {"demand": {"tp": "2026-12-07T10:00:00Z"}}});
+    h.api
+        .patch("gpu-0", &params, &Patch::Merge(&asked))
+        .await
+        .unwrap();
+    let take_off = json!({"spec": {"demand": {"tp": null}}});
+    let out = merge_unless_changed(&h.api, &params, &seen, &take_off)
+        .await
+        .unwrap();
+    assert!(matches!(out, Guarded::Stale), "{out:?}");
+    let now = h.api.get("gpu-0").await.unwrap();
+    assert!(
+        demand_of(&now, "tp").is_some(),
+        "the router's request was erased"
+    );
+
+    // Its own last placement not yet in its cache: the next pass's write
+    // of the whole annotation from the older read is refused, not applied.
+    let seen = h.api.get("gpu-1").await.unwrap();
+    let first = json!({"metadata": {"annotations": {GANGS_ANNOTATION: "{\"tp\":{}}"}}});
+    let out = merge_unless_changed(&h.api, &params, &seen, &first)
+        .await
+        .unwrap();
+    assert!(matches!(out, Guarded::Written(_)), "{out:?}");
+    let second = json!({"metadata": {"annotations": {GANGS_ANNOTATION: "{\"tp2\":{}}"}}});
+    let out = merge_unless_changed(&h.api, &params, &seen, &second)
+        .await
+        .unwrap();
+    assert!(matches!(out, Guarded::Stale), "{out:?}");
+    let now = h.api.get("gpu-1").await.unwrap();
+    assert_eq!(
+        now.annotations().get(GANGS_ANNOTATION).map(String::as_str),
+        Some("{\"tp\":{}}")
+    );
+
+    // Other fields moving meanwhile (a label, another model's request) do
+    // not stop a write: it goes on the new version (no starvation).
+    let seen = h.api.get("gpu-2").await.unwrap();
+    let meanwhile = json!({"metadata": {"labels": {"team": "a"}}, "spec": {"demand": {"a": "2026-12-07T10:00:00Z"}}});
+    h.api
+        .patch("gpu-2", &params, &Patch::Merge(&meanwhile))
+        .await
+        .unwrap();
+    let place = json!({"metadata": {"annotations": {GANGS_ANNOTATION: "{\"tp\":{}}"}}, "spec": {"demand": {"tp": "2026-12-07T10:00:01Z"}}});
+    let out = merge_unless_changed(&h.api, &params, &seen, &place)
+        .await
+        .unwrap();
+    let Guarded::Written(now) = out else {
+        panic!("an unrelated change stopped the write: {out:?}")
+    };
+    assert!(demand_of(&now, "a").is_some() && demand_of(&now, "tp").is_some());
+    assert_eq!(now.labels().get("team").map(String::as_str), Some("a"));
+
+    // A residency deleted meanwhile is gone, not an error.
+    let seen = h.api.get("gpu-3").await.unwrap();
+    h.api.delete("gpu-3", &Default::default()).await.unwrap();
+    // The operator is stopped: a finalizer it left is taken off here (none
+    // left: the object is already gone).
+    let unfinalized = json!({"metadata": {"finalizers": null}});
+    let _ = h
+        .api
+        .patch("gpu-3", &params, &Patch::Merge(&unfinalized))
+        .await;
+    let out = merge_unless_changed(&h.api, &params, &seen, &take_off)
+        .await
+        .unwrap();
+    assert!(matches!(out, Guarded::Gone), "{out:?}");
+}
