@@ -17,6 +17,7 @@ pub mod events;
 pub mod fast_lane;
 pub mod gpu;
 pub mod guarded;
+pub mod model_names;
 pub mod pod_cache;
 pub mod pod_calls;
 pub mod pods;
@@ -124,6 +125,8 @@ pub struct Context {
     pub pods: PodCache,
     /// Who holds each GPU; filled by [`run`]'s residency watch.
     pub claims: GpuClaims,
+    /// Which namespace each model name belongs to (`NameShadowed`).
+    pub names: model_names::ModelNames,
     /// Which pod templates the API server accepts.
     pub templates: TemplateVerdicts,
     /// Status writes the residency cache may not show yet.
@@ -227,6 +230,7 @@ impl Context {
             metrics,
             pods: PodCache::default(),
             claims: GpuClaims::default(),
+            names: Default::default(),
             templates: TemplateVerdicts::default(),
             written: WrittenStatuses::default(),
             max_skew,
@@ -343,6 +347,7 @@ async fn reconcile_unguarded(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Resul
         gpu: found.view,
         rejected_templates: &rejections.by_model,
         artifacts: node_cache.as_deref(),
+        shadowing: ctx.names.shadowing(&r),
     });
     let decided_requeue = decision.requeue_after;
     let retry_soon = match enact(&r, &ns, decision, &ctx).await? {

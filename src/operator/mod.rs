@@ -19,7 +19,7 @@ pub mod residency_set;
 use crate::api::ModelResidency;
 use crate::controller::{
     Context, RECONCILE_CONCURRENCY, cached, error_policy, fast_lane, log_controller_error,
-    reconcile_in_turn, relist,
+    model_names, reconcile_in_turn, relist,
 };
 use crate::http::Readiness;
 use crate::residency::labels::{MANAGER, RESIDENCY_LABEL};
@@ -253,6 +253,18 @@ fn residency_events(
                     ctx.written.keep_only(&present);
                 }
                 for other in ctx.claims.record(event) {
+                    let _ = claim_tx.unbounded_send(other);
+                }
+                // Names listed from several namespaces: their listers'
+                // `NameShadowed` may have changed.
+                let listed = |r: &ModelResidency| match &r.spec.catalog {
+                    None => model_names::listed(r),
+                    Some(_) => match ctx.catalogs.resolve(Arc::new(r.clone())) {
+                        Ok(resolved) => model_names::listed(&resolved),
+                        Err(_) => model_names::listed(r),
+                    },
+                };
+                for other in ctx.names.record(event, listed) {
                     let _ = claim_tx.unbounded_send(other);
                 }
             }

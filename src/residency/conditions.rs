@@ -19,6 +19,11 @@ pub const CANNOT_SLEEP: &str = "CannotSleep";
 /// them are refused by the router, never sent.
 pub const ADAPTERS_REFUSED: &str = "AdaptersRefused";
 
+/// True while a name this residency lists belongs to another namespace
+/// (its oldest lister's): a router serving every namespace sends requests
+/// for it there. False, with who else lists them, on the names' owner.
+pub const NAME_SHADOWED: &str = "NameShadowed";
+
 /// Builds conditions against the previous ones, keeping each one's
 /// `lastTransitionTime` unless its status flips.
 pub struct ConditionSet<'a> {

@@ -32,6 +32,7 @@ use super::artifacts::NodeArtifacts;
 use super::events::{EventReason, ModelEvent};
 use super::pods::{ModelPod, build_pod};
 use crate::api::{ModelResidency, ModelResidencyStatus, ModelState, ModelStatus};
+use crate::controller::model_names::Shadowing;
 use crate::engine::{Bytes, Engine, ModelId, RefuseReason, Resize};
 use crate::quantity::format_bytes;
 use crate::residency::conditions::{ConditionSet, DEGRADED, READY, REFUSED};
@@ -79,6 +80,8 @@ pub struct Observed<'a> {
     /// The residency's node's artifact cache, as its agent reports it
     /// (none: no agent, so models with an artifact wait in Fetching).
     pub artifacts: Option<&'a NodeArtifacts>,
+    /// Its names that other namespaces' residencies list too.
+    pub shadowing: Shadowing,
 }
 
 /// Requests may be this far ahead of the operator's clock by default.
@@ -122,6 +125,7 @@ impl<'a> Observed<'a> {
             gpu: GpuView::Placed(assumed(residency)),
             rejected_templates: &NONE,
             artifacts: None,
+            shadowing: Shadowing::default(),
         }
     }
 }

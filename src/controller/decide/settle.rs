@@ -11,7 +11,8 @@ use crate::controller::events::transition_events;
 use crate::engine::Bytes;
 use crate::quantity::{format_bytes, format_bytes_rounded};
 use crate::residency::conditions::{
-    ADAPTERS_REFUSED, BUDGET_EXCEEDS_DEVICE, CANNOT_SLEEP, ConditionSet, model_conditions,
+    ADAPTERS_REFUSED, BUDGET_EXCEEDS_DEVICE, CANNOT_SLEEP, ConditionSet, NAME_SHADOWED,
+    model_conditions,
 };
 use crate::residency::gpu::GpuView;
 use crate::residency::reasons::Reason;
@@ -294,6 +295,7 @@ impl<'a> Decider<'a> {
         if !refused.is_empty() {
             set.set(ADAPTERS_REFUSED, true, ADAPTERS_REFUSED, refused.join("; "));
         }
+        name_conditions(&mut set, &self.input.shadowing);
         let mut gpu = match &self.input.gpu {
             GpuView::Placed(p) => p.status.clone(),
             GpuView::Withheld(w) => w.status.clone(),
@@ -427,4 +429,33 @@ pub(super) fn loaded_message(
         _ => String::new(),
     };
     format!("{name} loaded ({size}): Ready on {where_}{after}{waited}")
+}
+
+/// `NameShadowed`: True on a residency listing names another namespace
+/// owns (the router sends their requests there), False on the owner while
+/// other namespaces list its names; absent when no name is shared.
+fn name_conditions(set: &mut ConditionSet<'_>, s: &crate::controller::model_names::Shadowing) {
+    if !s.shadowed.is_empty() {
+        let each: Vec<String> = s
+            .shadowed
+            .iter()
+            .map(|(name, owner)| format!("{name} (listed first by {owner})"))
+            .collect();
+        let message = format!(
+            "a router serving several namespaces sends requests for these names to the namespace that listed them first: {}; rename them, or serve this namespace with a router of its own (route --namespace)",
+            each.join(", ")
+        );
+        set.set(NAME_SHADOWED, true, "ListedFirstElsewhere", message);
+    } else if !s.shared.is_empty() {
+        let each: Vec<String> = s
+            .shared
+            .iter()
+            .map(|(name, others)| format!("{name} (also listed by {})", others.join(", ")))
+            .collect();
+        let message = format!(
+            "names this namespace listed first are listed in other namespaces too; a router serving several namespaces serves them here: {}",
+            each.join(", ")
+        );
+        set.set(NAME_SHADOWED, false, "ListedElsewhereToo", message);
+    }
 }

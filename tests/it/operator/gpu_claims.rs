@@ -616,6 +616,39 @@ async fn one_gpu_however_named_from_any_namespace_is_one_budget() {
         assert!(ready.message.contains("t1/by-index"), "{}", ready.message);
         assert_ne!(r.model_state("m50"), ModelState::Loaded);
     }
+    // Finding 5: `m50` is listed in three namespaces; it is t1's (listed
+    // first), and each residency's NameShadowed says so.
+    let shadowed = |ns: &str, name: &'static str, status: &'static str, owner: &'static str| {
+        let api = api(ns);
+        async move {
+            eventually(30, &format!("{name}'s NameShadowed {status}"), || async {
+                let r = api.get(name).await.ok()?;
+                let c = r
+                    .status
+                    .as_ref()?
+                    .conditions
+                    .iter()
+                    .find(|c| c.type_ == "NameShadowed")?;
+                (c.status == status && c.message.contains(owner)).then_some(())
+            })
+            .await
+        }
+    };
+    shadowed("t2", "by-uuid", "True", "m50 (listed first by t1/by-index)").await;
+    shadowed(
+        "t3",
+        "by-claim",
+        "True",
+        "m50 (listed first by t1/by-index)",
+    )
+    .await;
+    shadowed(
+        "t1",
+        "by-index",
+        "False",
+        "m50 (also listed by t2/by-uuid, t3/by-claim)",
+    )
+    .await;
     // The oldest goes: the next oldest (by uuid) takes the GPU, the claim
     // still waits.
     api("t1")
@@ -630,6 +663,9 @@ async fn one_gpu_however_named_from_any_namespace_is_one_budget() {
     .await;
     let r = ready("t3", "by-claim", "False", "GpuConflict").await;
     assert!(condition(&r, "Ready").message.contains("t2/by-uuid"));
+    // The name is t2's now.
+    shadowed("t3", "by-claim", "True", "m50 (listed first by t2/by-uuid)").await;
+    shadowed("t2", "by-uuid", "False", "m50 (also listed by t3/by-claim)").await;
 
     // Finding 2: tenant A's set stamps node-e's GPU 4 and loads a model
     // there; tenant B names that GPU afterwards.
