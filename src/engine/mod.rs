@@ -28,7 +28,9 @@
 
 pub mod adapters;
 mod admission;
+pub mod anticipation;
 pub mod copies;
+pub mod forecast;
 pub mod gangs;
 mod queries;
 mod recency;
@@ -51,7 +53,7 @@ pub struct ModelId(u32);
 
 impl ModelId {
     /// The dense index of this model (registration order).
-    fn index(self) -> usize {
+    pub fn index(self) -> usize {
         self.0 as usize
     }
 }

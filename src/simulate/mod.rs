@@ -4,6 +4,8 @@
 pub mod disk;
 pub mod fleet;
 pub mod foresight;
+pub mod servegen;
+pub mod timeline;
 pub mod trace;
 
 use crate::engine::{Admission, Bytes, Engine, ModelId};
