@@ -32,11 +32,13 @@ fn arg(args: &[String], name: &str, default: &str) -> String {
 
 fn row(seed: u64, r: &TimelineReport, secs: f64) {
     println!(
-        "{seed:>4} {:<20} {:>12.0} {:>8.2} {:>8.2} {:>8.3} {:>7.3}% {:>7.3}% {:>7} {:>7} {:>9.0} {:>7} {:>6} {:>6} {:>6}/{:<6} {:>6}/{:<6} {:>6.1}",
+        "{seed:>4} {:<20} {:>12.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.3} {:>7.3}% {:>7.3}% {:>7} {:>7} {:>9.0} {:>7} {:>6} {:>6} {:>6}/{:<6} {:>6}/{:<6} {:>6.1}",
         r.policy,
         r.requests,
         r.p50_wait,
         r.p99_wait,
+        r.p999_wait,
+        r.p9999_wait,
         r.mean_wait,
         100.0 * r.within_1s,
         100.0 * r.within_10s,
@@ -107,7 +109,7 @@ fn main() {
         arg(&args, "--host-budget", "64Gi"),
     );
     println!(
-        "seed policy                   requests      p50      p99     mean  <=1s     <=10s     loads   wakes  load-s   ahead   used wasted quiet-hit    daily-hit     s"
+        "seed policy                   requests      p50      p99    p99.9   p99.99     mean  <=1s     <=10s     loads   wakes  load-s   ahead   used wasted quiet-hit    daily-hit     s"
     );
     let mut summary = Vec::new();
     for &seed in &seeds {
@@ -140,7 +142,7 @@ fn main() {
     }
     println!();
     println!(
-        "seed  gap closed  p99 vs rate+warm  wait vs rate+warm  wasted  daily first-request hits"
+        "seed  gap closed  p99.9 vs rate+warm  p99.99 vs rate+warm  wait vs rate+warm  wasted  daily first-request hits"
     );
     for (seed, r) in &summary {
         let (rate, ahead, best) = (&r[1], &r[2], &r[3]);
@@ -151,9 +153,10 @@ fn main() {
             f64::NAN
         };
         println!(
-            "{seed:>4}  {:>9.1}%  {:>15.2}x  {:>16.2}x  {:>5.1}%  {:>5.1}%",
+            "{seed:>4}  {:>9.1}%  {:>17.2}x  {:>18.2}x  {:>16.2}x  {:>5.1}%  {:>5.1}%",
             100.0 * closed,
-            ahead.p99_wait / rate.p99_wait,
+            ahead.p999_wait / rate.p999_wait,
+            ahead.p9999_wait / rate.p9999_wait,
             ahead.wait_total() / rate.wait_total(),
             100.0 * ahead.wasted_share(),
             100.0 * ahead.daily_hits as f64 / ahead.daily_returns.max(1) as f64,
