@@ -48,15 +48,30 @@ async fn until_ready_in(
     status: &str,
     reason: &str,
 ) -> ModelResidency {
-    eventually(60, &format!("{name} Ready={status} {reason}"), || async {
+    let what = format!("Ready={status} {reason}");
+    until_condition(api, name, "Ready", &what, |c| {
+        c.status == status && c.reason == reason
+    })
+    .await
+}
+
+/// Waits until residency `name`'s condition `type_` is as `ok` wants it.
+async fn until_condition(
+    api: &Api<ModelResidency>,
+    name: &str,
+    type_: &str,
+    what: &str,
+    ok: impl Fn(&k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition) -> bool,
+) -> ModelResidency {
+    eventually(60, &format!("{name} {what}"), || async {
         let r = api.get(name).await.ok()?;
         let c = r
             .status
             .as_ref()?
             .conditions
             .iter()
-            .find(|c| c.type_ == "Ready")?;
-        (c.status == status && c.reason == reason).then_some(r.clone())
+            .find(|c| c.type_ == type_)?;
+        ok(c).then_some(r.clone())
     })
     .await
 }
@@ -621,15 +636,9 @@ async fn one_gpu_however_named_from_any_namespace_is_one_budget() {
     let shadowed = |ns: &str, name: &'static str, status: &'static str, owner: &'static str| {
         let api = api(ns);
         async move {
-            eventually(30, &format!("{name}'s NameShadowed {status}"), || async {
-                let r = api.get(name).await.ok()?;
-                let c = r
-                    .status
-                    .as_ref()?
-                    .conditions
-                    .iter()
-                    .find(|c| c.type_ == "NameShadowed")?;
-                (c.status == status && c.message.contains(owner)).then_some(())
+            let what = format!("NameShadowed={status} naming {owner}");
+            until_condition(&api, name, "NameShadowed", &what, |c| {
+                c.status == status && c.message.contains(owner)
             })
             .await
         }
