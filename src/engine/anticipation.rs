@@ -307,4 +307,69 @@ mod tests {
         assert_eq!(plan(&e, &outlook, &Limits::default(), 1).len(), 1);
         assert!(plan(&e, &outlook, &Limits::default(), 2).is_empty());
     }
+
+    proptest::proptest! {
+        /// Whatever the registry, the requests, the pins, the loads under
+        /// way and the forecasts: the moves never take a GPU over its
+        /// budget, never evict or put to sleep a pinned or loading model,
+        /// and the same state plans the same moves.
+        #[test]
+        fn moves_ahead_stay_in_budget_and_spare_pinned_and_loading_models(
+            sizes in proptest::collection::vec(1u64..24, 2..8),
+            pinned in proptest::collection::vec(proptest::bool::ANY, 8),
+            requests in proptest::collection::vec(0usize..8, 0..30),
+            loading in proptest::collection::vec(proptest::bool::ANY, 8),
+            chances in proptest::collection::vec(0.0f64..1.0, 8),
+            sleeps in proptest::bool::ANY,
+        ) {
+            let mut e = Engine::new(40 * GIB);
+            e.set_eviction(Eviction::Rate);
+            if sleeps {
+                e.set_host_budget(64 * GIB);
+            }
+            let ids: Vec<ModelId> = sizes
+                .iter()
+                .enumerate()
+                .map(|(i, s)| e.register(&format!("m{i}"), s * GIB, false).unwrap())
+                .collect();
+            for (i, id) in ids.iter().enumerate() {
+                if sleeps {
+                    let sleep = Sleep { sleeping_size: GIB / 2, host_memory: sizes[i] * GIB };
+                    let _ = e.set_sleep(*id, Some(sleep));
+                }
+            }
+            for r in &requests {
+                if let Some(id) = ids.get(*r) {
+                    let _ = e.request(*id);
+                }
+            }
+            for (i, id) in ids.iter().enumerate() {
+                if pinned[i] && e.is_resident(*id) && e.pinned_used() + sizes[i] * GIB <= 40 * GIB {
+                    e.set_pinned(*id, true);
+                }
+                if loading[i] {
+                    e.set_loading(*id, true);
+                }
+            }
+            let outlook = Chances(ids.iter().zip(&chances).map(|(id, c)| (*id, *c)).collect());
+            let moves = plan(&e, &outlook, &Limits::default(), 0);
+            proptest::prop_assert_eq!(&moves, &plan(&e, &outlook, &Limits::default(), 0));
+            proptest::prop_assert!(moves.len() <= Limits::default().in_flight);
+            let spared: Vec<ModelId> = ids
+                .iter()
+                .copied()
+                .filter(|id| e.is_pinned(*id) || e.is_loading(*id))
+                .collect();
+            for m in &moves {
+                proptest::prop_assert!(m.chance >= Limits::default().min_chance);
+                for v in &m.victims {
+                    proptest::prop_assert!(!spared.contains(v), "{v:?} spared: {spared:?}");
+                }
+                let _ = e.anticipate(m.id);
+                e.set_loading(m.id, true);
+                proptest::prop_assert!(e.used() <= e.budget());
+                proptest::prop_assert!(e.host_used() <= e.host_budget());
+            }
+        }
+    }
 }
