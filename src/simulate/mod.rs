@@ -1,10 +1,12 @@
 //! Replays request sequences through the engine and reports what happened:
 //! the `simulate` command's core, shared by the CLI and the benchmark.
 
+mod clairvoyant;
 pub mod disk;
 pub mod fleet;
 pub mod foresight;
 pub mod servegen;
+mod tally;
 pub mod timeline;
 pub mod trace;
 
