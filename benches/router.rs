@@ -1,7 +1,7 @@
 //! The request router against the local control plane, with real HTTP.
 //!
 //! Run: `cargo bench --bench router [-- --seconds 5 --rounds 3 --cold-samples 10
-//! --floor-samples 50 --steady 20]` (needs `bash scripts/control-plane.sh`
+//! --floor-samples 50 --steady 20 --list-models 1000]` (needs `bash scripts/control-plane.sh`
 //! once; installs nginx-light and wrk from Debian's packages through
 //! `scripts/bench-tools.sh`). Prints its figures; the ones in
 //! docs/performance.md came from this command.
@@ -25,6 +25,11 @@
 //!   of quiet; and for a copy of the served 21-model residency).
 //! - **Write cost**: demand writes per second from one router under a
 //!   constant load on 20 resident models.
+//! - **Model list under load** (`--list-models N`, 0 skips it): four
+//!   residencies over one catalog of N models, then chat p50/p99 on one
+//!   connection alone and while 4 connections loop `GET /v1/models`, in
+//!   interleaved rounds (#68 finding 6: a list was built on the serving
+//!   threads, and a chat request that took 0.7 ms alone took 16 s).
 
 mod support;
 
@@ -233,12 +238,34 @@ end
 }
 
 fn wrk(tools: &Tools, script: &std::path::Path, addr: SocketAddr, conns: usize, secs: u64) -> Load {
+    wrk_at(
+        tools,
+        Some(script),
+        addr,
+        "/v1/chat/completions",
+        conns,
+        secs,
+    )
+}
+
+/// wrk against `path` of `addr`: with a script, what it sends; without, GETs.
+fn wrk_at(
+    tools: &Tools,
+    script: Option<&std::path::Path>,
+    addr: SocketAddr,
+    path: &str,
+    conns: usize,
+    secs: u64,
+) -> Load {
     let threads = conns.min(2);
-    let out = Command::new(&tools.wrk)
-        .args(["-t", &threads.to_string(), "-c", &conns.to_string()])
-        .args(["-d", &format!("{secs}s"), "--latency", "-s"])
-        .arg(script)
-        .arg(format!("http://{addr}/v1/chat/completions"))
+    let mut cmd = Command::new(&tools.wrk);
+    cmd.args(["-t", &threads.to_string(), "-c", &conns.to_string()])
+        .args(["-d", &format!("{secs}s"), "--latency"]);
+    if let Some(script) = script {
+        cmd.arg("-s").arg(script);
+    }
+    let out = cmd
+        .arg(format!("http://{addr}{path}"))
         .output()
         .expect("run wrk");
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -538,6 +565,7 @@ fn main() {
     let cold_samples: usize = arg(&args, "--cold-samples", "10").parse().unwrap();
     let floor_samples: usize = arg(&args, "--floor-samples", "50").parse().unwrap();
     let steady: u64 = arg(&args, "--steady", "20").parse().unwrap();
+    let list_models: usize = arg(&args, "--list-models", "1000").parse().unwrap();
     let tools = tools();
     let plane = start_plane();
     let rt = runtime();
@@ -546,7 +574,9 @@ fn main() {
         let client = client_with(&plane, &[NS, FLOOR_NS]).await;
         create_namespace(&client, SHAPED_FLOOR_NS).await;
         let mut config = KubeletConfig::instant(&[NODE]);
-        config.nodes[0].gpus = 2;
+        // GPU 0 serves, 1 and 2 hold the claim/env pair, 3-6 the model
+        // list's four residencies.
+        config.nodes[0].gpus = 7;
         config.load_delay = LOAD_DELAY;
         let _kubelet = FakeKubelet::start(client.clone(), config).await.unwrap();
         let (_ctx, _operator) = model_residency::operator::spawn_for_namespace(client.clone(), NS);
@@ -559,9 +589,10 @@ fn main() {
             .await
             .unwrap();
         // The claim's cost per load: two one-model residencies alike but
-        // for spec.gpu.mode, on the node's second GPU.
-        for (name, mode, model) in [("gpu-claim", "claim", "cold-claim"), ("gpu-env", "env", "cold-env")] {
-            api.create(&PostParams::default(), &residency_as(name, "1", mode, &[model.into()]))
+        // for spec.gpu.mode, on the node's second and third GPUs.
+        // (Each on a GPU of its own: one GPU, however named, is one budget.)
+        for (name, device, mode, model) in [("gpu-claim", "1", "claim", "cold-claim"), ("gpu-env", "2", "env", "cold-env")] {
+            api.create(&PostParams::default(), &residency_as(name, device, mode, &[model.into()]))
                 .await
                 .unwrap();
         }
@@ -776,7 +807,7 @@ fn main() {
         let quiet_floor = quiet_pokes(&crs, &seen, floor_samples.min(20), QUIET).await;
         // Interleaved, one sample of each in turn: the served residency
         // (claim mode, its claim allocated long before by its holder pod),
-        // and the one-model claim/env pair on the node's second GPU.
+        // and the one-model claim/env pair on the node's second and third GPUs.
         let claim_rig = ColdRig {
             api: &api,
             pods: &pods,
@@ -871,5 +902,109 @@ fn main() {
             ms(shaped50),
             p50.as_secs_f64() / shaped50.as_secs_f64()
         );
+
+        if list_models > 0 {
+            list_under_load(&tools, &client, router_addr, &hot, list_models, secs, rounds, dir.path()).await;
+        }
     });
+}
+
+/// #68 finding 6: chat requests while clients list a large catalog's
+/// models, against the same chat requests alone, in interleaved rounds.
+#[allow(clippy::too_many_arguments)]
+async fn list_under_load(
+    tools: &Tools,
+    client: &kube::Client,
+    router: SocketAddr,
+    hot: &[String],
+    n: usize,
+    secs: u64,
+    rounds: usize,
+    dir: &std::path::Path,
+) {
+    let entries: Vec<_> = (0..n)
+        .map(|i| json!({"name": format!("listed-{i}"), "size": "1Gi",
+            "template": {"spec": {"containers": [{"name": "server", "image": "example/listed:1"}]}}}))
+        .collect();
+    let catalog: model_residency::api::ModelCatalog = serde_json::from_value(json!({
+        "apiVersion": "residency.dev/v1alpha1", "kind": "ModelCatalog",
+        "metadata": {"name": "listed"}, "spec": {"models": entries},
+    }))
+    .unwrap();
+    Api::<model_residency::api::ModelCatalog>::namespaced(client.clone(), NS)
+        .create(&PostParams::default(), &catalog)
+        .await
+        .unwrap();
+    let api: Api<ModelResidency> = Api::namespaced(client.clone(), NS);
+    for d in 3..7 {
+        let mut r = residency_as(&format!("listed-{d}"), &d.to_string(), "env", &[]);
+        r.spec.catalog = Some(Arc::new(model_residency::api::CatalogRef {
+            name: "listed".into(),
+            ..Default::default()
+        }));
+        api.create(&PostParams::default(), &r).await.unwrap();
+    }
+    // Until the router lists them all.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let (listed, bytes) = loop {
+        let answer = model_residency::http::send(router, "GET", "/v1/models", "").await;
+        if let Ok(a) = answer {
+            let v: serde_json::Value = serde_json::from_str(&a.body).unwrap_or_default();
+            let listed = v["data"].as_array().map_or(0, Vec::len);
+            if listed >= n + hot.len() {
+                break (listed, a.body.len());
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the router never listed the catalog's {n} models"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    println!(
+        "\n== model list under load: {listed} models ({n} from one catalog named by 4 residencies), a list is {} KiB; chat on 1 connection for {secs} s, alone and while 4 connections GET /v1/models, {rounds} rounds",
+        bytes / 1024
+    );
+    let one = wrk_script(dir, &hot[..1]);
+    let (mut p50s, mut p99s) = (Vec::new(), Vec::new());
+    for round in 1..=rounds {
+        let alone = tokio::task::spawn_blocking({
+            let (tools, one) = (tools.clone(), one.clone());
+            move || wrk(&tools, &one, router, 1, secs)
+        })
+        .await
+        .unwrap();
+        let lists = tokio::task::spawn_blocking({
+            let tools = tools.clone();
+            move || wrk_at(&tools, None, router, "/v1/models", 4, secs + 1)
+        });
+        let chat = tokio::task::spawn_blocking({
+            let (tools, one) = (tools.clone(), one.clone());
+            move || wrk(&tools, &one, router, 1, secs)
+        })
+        .await
+        .unwrap();
+        let lists = lists.await.unwrap();
+        println!(
+            "   round {round}: chat alone p50 {:.3} ms p99 {:.3} ms; while listing p50 {:.3} ms p99 {:.3} ms ({:.0} lists/s, list p50 {:.1} ms)  {} {} {}",
+            ms(alone.p50),
+            ms(alone.p99),
+            ms(chat.p50),
+            ms(chat.p99),
+            lists.rps,
+            ms(lists.p50),
+            alone.errors,
+            chat.errors,
+            lists.errors
+        );
+        p50s.push(ms(chat.p50) / ms(alone.p50));
+        p99s.push(ms(chat.p99) / ms(alone.p99));
+    }
+    p50s.sort_by(f64::total_cmp);
+    p99s.sort_by(f64::total_cmp);
+    println!(
+        "   median of {rounds} rounds: chat while listing / alone: p50 {:.2}x, p99 {:.2}x",
+        p50s[rounds / 2],
+        p99s[rounds / 2]
+    );
 }
