@@ -125,7 +125,7 @@ const GAUGES: [(&str, &str, Field); 5] = [
     ),
 ];
 
-const COUNTERS: [(&str, &str, Field); 7] = [
+const COUNTERS: [(&str, &str, Field); 10] = [
     ("hits", "Requests for an already resident model", |s| {
         s.totals.hits
     }),
@@ -149,6 +149,21 @@ const COUNTERS: [(&str, &str, Field); 7] = [
     ("wakes", "Requests that woke a sleeping model", |s| {
         s.totals.wakes
     }),
+    (
+        "anticipated",
+        "Models loaded or woken ahead of demand (spec.anticipate)",
+        |s| s.totals.anticipated,
+    ),
+    (
+        "anticipated_used",
+        "Models loaded or woken ahead of demand that a request used",
+        |s| s.totals.anticipated_used,
+    ),
+    (
+        "anticipated_wasted",
+        "Models loaded or woken ahead of demand that left the GPU or fell asleep unused",
+        |s| s.totals.anticipated_wasted,
+    ),
 ];
 
 impl Collector for PerResidency {
@@ -326,6 +341,21 @@ impl Metrics {
             (&mut totals.unloads, c.unloads, &mut last.unloads),
             (&mut totals.sleeps, c.sleeps, &mut last.sleeps),
             (&mut totals.wakes, c.wakes, &mut last.wakes),
+            (
+                &mut totals.anticipated,
+                c.anticipated,
+                &mut last.anticipated,
+            ),
+            (
+                &mut totals.anticipated_used,
+                c.anticipated_used,
+                &mut last.anticipated_used,
+            ),
+            (
+                &mut totals.anticipated_wasted,
+                c.anticipated_wasted,
+                &mut last.anticipated_wasted,
+            ),
         ] {
             // A lower value means the object was recreated: count on.
             *total += now.checked_sub(*before).unwrap_or(now);

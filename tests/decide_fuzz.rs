@@ -214,6 +214,7 @@ fn residency() -> impl Strategy<Value = ModelResidency> {
                         host_budget: ByteQuantity(host_budget.into()),
                     }),
                     eviction,
+                    anticipate: None,
                     keep_alive: Some("5m".into()),
                     demand: demand.into(),
                 },

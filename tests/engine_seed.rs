@@ -40,6 +40,7 @@ fn counters(hits: u64, loads: u64, evictions: u64, refusals: u64) -> Counters {
         unloads: 0,
         sleeps: 0,
         wakes: 0,
+        ..Counters::default()
     }
 }
 

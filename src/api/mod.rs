@@ -84,6 +84,7 @@ mod shared_catalog {
     printcolumn = r#"{"name":"Sleeping","type":"integer","jsonPath":".status.sleeping","priority":1}"#,
     printcolumn = r#"{"name":"Refused","type":"integer","jsonPath":".status.refused"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"GPU Health","type":"string","jsonPath":".status.conditions[?(@.type==\"GpuHealthy\")].reason"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
     selectable = ".spec.nodeName",
     selectable = ".spec.device",
@@ -184,6 +185,49 @@ pub struct ModelResidencySpec {
     /// Which resident makes room: lru (default), cost or rate.
     #[serde(default, skip_serializing_if = "is_default_eviction")]
     pub eviction: EvictionPolicy,
+    /// Work ahead of demand: models loaded or woken before their requests
+    /// where each model's forecast (learnt from its requests, by time of
+    /// day and week) expects one soon. Unset or `enabled: false`: off, and
+    /// every model waits for a request, as before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub anticipate: Option<AnticipateSpec>,
+}
+
+/// `spec.anticipate`. Off by default: on the production traces of
+/// docs/performance.md it cut the total wait to about a quarter, and about
+/// 70% of the loads it made ahead left the GPU unused (GPU time and bytes
+/// moved, but no request waits for them: they are the first victims).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AnticipateSpec {
+    /// Whether the operator loads and wakes models ahead of demand here.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Loads or wakes ahead of demand under way on this GPU at once
+    /// (default 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 16))]
+    pub in_flight: Option<u32>,
+    /// The least chance, in percent, of a request within the next ten
+    /// minutes (or the model's load time and a minute, when longer) that a
+    /// load ahead is made for (default 50).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100))]
+    pub min_chance_percent: Option<u32>,
+}
+
+impl AnticipateSpec {
+    /// The engine's limits for this spec.
+    pub fn limits(&self) -> crate::engine::anticipation::Limits {
+        let mut limits = crate::engine::anticipation::Limits::default();
+        if let Some(n) = self.in_flight {
+            limits.in_flight = n.clamp(1, 16) as usize;
+        }
+        if let Some(p) = self.min_chance_percent {
+            limits.min_chance = f64::from(p.clamp(1, 100)) / 100.0;
+        }
+        limits
+    }
 }
 
 fn is_default_eviction(e: &EvictionPolicy) -> bool {
@@ -455,6 +499,17 @@ pub struct ModelStatus {
     /// A CamelCase reason for the state (e.g. LargerThanBudget, MadeRoom).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<Box<str>>,
+    /// When it was loaded or woken ahead of demand (`spec.anticipate`);
+    /// cleared by its first request since, or when it leaves the GPU or
+    /// falls asleep unused (counted in counters.anticipatedUsed and
+    /// anticipatedWasted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub anticipated_at: Option<Box<str>>,
+    /// With spec.anticipate on: the start of the ten-minute slot in which
+    /// its forecast next expects a request (the current one while it is
+    /// busy); absent when it expects none within a week.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_next: Option<Box<str>>,
     /// A human-readable explanation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<Box<str>>,

@@ -169,6 +169,23 @@ pub fn render_status(r: &ModelResidency) -> String {
         "counters: hits {} loads {} evictions {} refusals {} unloads {}\n",
         c.hits, c.loads, c.evictions, c.refusals, c.unloads
     );
+    if r.spec.anticipate.as_ref().is_some_and(|a| a.enabled) || c.anticipated > 0 {
+        out += &format!(
+            "ahead of demand: anticipated {} used {} wasted {}\n",
+            c.anticipated, c.anticipated_used, c.anticipated_wasted
+        );
+        for m in status.models.iter().filter(|m| m.expected_next.is_some()) {
+            out += &format!(
+                "  {:<20} next expected {}{}\n",
+                m.name,
+                m.expected_next.as_deref().unwrap_or_default(),
+                m.anticipated_at
+                    .as_deref()
+                    .map(|t| format!(", brought in ahead at {t}"))
+                    .unwrap_or_default()
+            );
+        }
+    }
     for c in &status.conditions {
         out += &format!(
             "condition {}={} ({}): {}\n",

@@ -218,6 +218,7 @@ mod tests {
             product: Some("H100".into()),
             memory: Some(80 << 30),
             pcie_root: None,
+            taints: Vec::new(),
         }
     }
 

@@ -75,6 +75,13 @@ pub struct Args {
     /// keeping its ResourceClaim allocated between loads; docs/gpu.md).
     #[arg(long, env = "GPU_HOLDER_IMAGE", default_value = model_residency::controller::gpu::objects::DEFAULT_HOLDER_IMAGE)]
     gpu_holder_image: String,
+    /// Keep the forecasts of the residencies with spec.anticipate on in a
+    /// ConfigMap beside each (`<residency>-forecasts`, owned by it), so a
+    /// restarted operator or a new leader reads back what was learnt
+    /// (needs ConfigMaps get, create and patch). Off: they are kept in
+    /// memory only and learnt afresh after a restart.
+    #[arg(long, env = "PERSIST_FORECASTS")]
+    persist_forecasts: bool,
     #[command(flatten)]
     copies: CopiesArgs,
 }
@@ -246,6 +253,7 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         let fresh = Arc::get_mut(&mut ctx).expect("a new context");
         fresh.pod_call_timeout_max = args.pod_call_timeout_max;
         fresh.sleep_audit = args.sleep_audit_interval;
+        fresh.forecasts.persist = args.persist_forecasts;
         fresh.copies = copies;
     }
     if !args.leader_elect {

@@ -15,6 +15,7 @@ use kube::{Client, ResourceExt};
 use model_residency::api::{ModelCatalog, ModelResidency, ModelState};
 use model_residency::quantity::{format_bytes_rounded, parse_bytes, parse_duration};
 use model_residency::residency::catalog;
+use model_residency::residency::conditions::GPU_HEALTHY;
 use model_residency::residency::state::{later, recorded_time};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -82,6 +83,9 @@ pub struct GpuView {
     pub models: Vec<ModelView>,
     /// Models left out (not on the GPU; `--all` shows them).
     pub others: usize,
+    /// Why the GPU takes no new models, when it does not (its GpuHealthy
+    /// condition's reason: NoExecute, NoSchedule, Cordoned, HeldOff).
+    pub unhealthy: Option<String>,
 }
 
 #[derive(Debug, PartialEq, Serialize)]
@@ -98,6 +102,9 @@ pub struct ModelView {
     pub idle_unload_at: Option<String>,
     /// GPUs of its namespace where it is Loaded or Loading.
     pub copies: u32,
+    /// With spec.anticipate: when its forecast next expects a request
+    /// (the start of a 10-minute slot, RFC 3339).
+    pub expected_next: Option<String>,
 }
 
 /// Whether a model is on its GPU (holding VRAM or about to).
@@ -167,6 +174,7 @@ pub fn view(
                         .get(&(ns.clone(), m.name.to_string()))
                         .copied()
                         .unwrap_or(0),
+                    expected_next: m.expected_next.as_deref().map(str::to_owned),
                 });
             }
             GpuView {
@@ -183,6 +191,10 @@ pub fn view(
                 set: r.labels().get("residency.dev/set").cloned(),
                 models,
                 others,
+                unhealthy: status.and_then(|s| {
+                    let c = s.conditions.iter().find(|c| c.type_ == GPU_HEALTHY)?;
+                    (c.status == "False" || c.reason == "HeldOff").then(|| c.reason.clone())
+                }),
             }
         })
         .collect();
@@ -216,10 +228,11 @@ fn since(now: Timestamp, t: Option<&str>) -> String {
     }
 }
 
-fn until(now: Timestamp, t: Option<&str>) -> String {
+/// "in 4m", or `reached` once `t` is past.
+fn until(now: Timestamp, t: Option<&str>, reached: &str) -> String {
     match t.and_then(|t| t.parse::<Timestamp>().ok()) {
         Some(t) if t > now => format!("in {}", ago(t.duration_since(now))),
-        Some(_) => "due".into(),
+        Some(_) => reached.into(),
         None => "-".into(),
     }
 }
@@ -255,8 +268,8 @@ pub fn render(gpus: &[GpuView], now: Timestamp) -> String {
         return out;
     }
     out.push_str(&format!(
-        "  {:<20} {:<9} {:>9} {:>9} {:>11} {:>6}\n",
-        "MODEL", "STATE", "SIZE", "LAST USE", "IDLE UNLOAD", "COPIES"
+        "  {:<20} {:<9} {:>9} {:>9} {:>11} {:>6} {:>6}\n",
+        "MODEL", "STATE", "SIZE", "LAST USE", "IDLE UNLOAD", "COPIES", "NEXT"
     ));
     for g in gpus {
         let pct = match (g.used, g.budget) {
@@ -282,15 +295,21 @@ pub fn render(gpus: &[GpuView], now: Timestamp) -> String {
                 String::new()
             }
         ));
+        if let Some(why) = &g.unhealthy {
+            out.push_str(&format!(
+                "  ! takes no new models: {why} (its GpuHealthy condition)\n"
+            ));
+        }
         for m in &g.models {
             out.push_str(&format!(
-                "  {:<20} {:<9} {:>9} {:>9} {:>11} {:>6}\n",
+                "  {:<20} {:<9} {:>9} {:>9} {:>11} {:>6} {:>6}\n",
                 m.name,
                 format!("{:?}", m.state),
                 bytes(m.size),
                 since(now, m.last_used.as_deref()),
-                until(now, m.idle_unload_at.as_deref()),
-                m.copies
+                until(now, m.idle_unload_at.as_deref(), "due"),
+                m.copies,
+                until(now, m.expected_next.as_deref(), "now")
             ));
         }
     }

@@ -182,3 +182,40 @@ fn the_json_view_has_the_documented_keys() {
     }
     assert_eq!(model["state"], "Loaded");
 }
+
+#[test]
+fn a_gpu_that_takes_no_new_models_and_a_models_expected_next_use_show_at_a_glance() {
+    let (mut residencies, catalogs) = fleet();
+    let a = residencies
+        .iter_mut()
+        .find(|r| r.metadata.name.as_deref() == Some("gpu-a"))
+        .unwrap();
+    let status = a.status.as_mut().unwrap();
+    status.conditions = serde_json::from_value(json!([{
+        "type": "GpuHealthy", "status": "False", "reason": "NoExecute",
+        "message": "its device is tainted gpu.nvidia.com/xid=79:NoExecute",
+        "lastTransitionTime": T0,
+    }]))
+    .unwrap();
+    status.models[0].expected_next = Some("2026-12-06T13:00:00Z".into());
+    let gpus = view(&residencies, &catalogs, false);
+    for g in &gpus {
+        let want = (g.residency == "gpu-a" && g.namespace == "ml").then_some("NoExecute");
+        assert_eq!(g.unhealthy.as_deref(), want, "{}", g.residency);
+    }
+    let now: Timestamp = "2026-12-06T12:04:30Z".parse().unwrap();
+    let text = render(&gpus, now);
+    for line in text.lines() {
+        assert!(line.len() <= 80, "{} columns: {line:?}", line.len());
+    }
+    assert!(
+        text.contains("! takes no new models: NoExecute (its GpuHealthy condition)"),
+        "{text}"
+    );
+    let chat = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("chat") && l.contains("Loaded"))
+        .unwrap();
+    assert!(chat.ends_with("in 55m"), "{chat}");
+    assert_eq!(text.matches("ml/gpu-a").count(), 1);
+}

@@ -26,6 +26,8 @@ pub enum EventReason {
     /// it lists: nothing is acted on until it is.
     CatalogUnavailable,
     GpuConflict,
+    /// The GPU's device is tainted NoExecute: every model unloaded.
+    GpuTainted,
     /// claim mode: the GPU is not this residency's (yet); the message says
     /// why (the status's Ready reason names it).
     GpuUnavailable,
@@ -41,6 +43,9 @@ pub enum EventReason {
     /// router unloaded them to make room, or the server restarted).
     AdapterLoaded,
     AdapterUnloaded,
+    /// A model loaded or woken ahead of demand: its forecast expects a
+    /// request within its load time (`spec.anticipate`).
+    Anticipated,
 }
 
 impl EventReason {
@@ -57,6 +62,7 @@ impl EventReason {
             EventReason::InvalidSpec => "InvalidSpec",
             EventReason::CatalogUnavailable => "CatalogUnavailable",
             EventReason::GpuConflict => "GpuConflict",
+            EventReason::GpuTainted => "GpuTainted",
             EventReason::GpuUnavailable => "GpuUnavailable",
             EventReason::ClockSkew => "ClockSkew",
             EventReason::Slept => "Slept",
@@ -65,17 +71,19 @@ impl EventReason {
             EventReason::WakeFailed => "WakeFailed",
             EventReason::AdapterLoaded => "AdapterLoaded",
             EventReason::AdapterUnloaded => "AdapterUnloaded",
+            EventReason::Anticipated => "Anticipated",
         }
     }
 
     /// What the operator was doing (the event's `action`).
     pub fn action(self) -> &'static str {
         match self {
-            EventReason::Loaded | EventReason::LoadFailed => "Load",
+            EventReason::Loaded | EventReason::LoadFailed | EventReason::Anticipated => "Load",
             EventReason::Evicted => "Evict",
-            EventReason::Unloaded | EventReason::GpuConflict | EventReason::GpuUnavailable => {
-                "Unload"
-            }
+            EventReason::Unloaded
+            | EventReason::GpuConflict
+            | EventReason::GpuUnavailable
+            | EventReason::GpuTainted => "Unload",
             EventReason::Refused | EventReason::ClockSkew => "Admit",
             EventReason::Resized | EventReason::Moved | EventReason::TemplateChanged => "Replace",
             EventReason::InvalidSpec | EventReason::CatalogUnavailable => "Validate",

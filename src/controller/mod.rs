@@ -15,6 +15,7 @@ pub mod decide;
 mod enact;
 pub mod events;
 pub mod fast_lane;
+pub mod forecasts;
 pub mod gpu;
 pub mod guarded;
 pub mod model_names;
@@ -161,6 +162,8 @@ pub struct Context {
     /// The ModelCatalogs residencies name; filled by [`run`]'s catalog
     /// watch (crate::operator).
     pub catalogs: Arc<crate::residency::catalog::Catalogs>,
+    /// The models' forecasts of residencies with spec.anticipate on.
+    pub forecasts: forecasts::ForecastStore,
 }
 
 /// Publishes one event on `r` outside a reconcile (the copy scaler's, the
@@ -245,6 +248,7 @@ impl Context {
             copies: Default::default(),
             sleep_audit: sleep_audit::DEFAULT_INTERVAL,
             catalogs: Default::default(),
+            forecasts: Default::default(),
         })
     }
 }
@@ -337,18 +341,35 @@ async fn reconcile_unguarded(r: Arc<ModelResidency>, ctx: Arc<Context>) -> Resul
         false => h.name,
     });
     let node_cache = ctx.node_caches.get(&placement.node);
+    let health = match &found.view {
+        GpuView::Placed(p) => ctx.gpus.health(&p.node, &r.spec.device),
+        GpuView::Withheld(_) => Default::default(),
+    };
+    let now = Timestamp::now();
+    let mut forecasts = ctx
+        .forecasts
+        .learn(&ctx.client, &ctx.metrics, &r, now)
+        .await;
     let decision = decide(&Observed {
         residency: &r,
         owner,
         pods: &owned,
-        now: Timestamp::now(),
+        now,
         max_skew: ctx.max_skew,
         gpu_holder: gpu_holder.as_deref(),
         gpu: found.view,
         rejected_templates: &rejections.by_model,
         artifacts: node_cache.as_deref(),
         shadowing: ctx.names.shadowing(&r),
+        forecasts: forecasts.as_deref().map(|k| &k.models),
+        health,
     });
+    if let Some(kept) = forecasts.as_deref_mut() {
+        ctx.forecasts
+            .persist(&ctx.client, &ctx.metrics, &r, kept)
+            .await;
+    }
+    drop(forecasts);
     let decided_requeue = decision.requeue_after;
     let retry_soon = match enact(&r, &ns, decision, &ctx).await? {
         Enacted::Done(retry_soon) => retry_soon,

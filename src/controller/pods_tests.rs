@@ -59,6 +59,7 @@ fn residency() -> ModelResidency {
             prefetch: 0,
             warm: None,
             eviction: Default::default(),
+            anticipate: None,
             keep_alive: None,
             demand: Default::default(),
         },

@@ -85,6 +85,7 @@ impl super::Engine {
             };
         }
         self.clock += 1;
+        self.counters.anticipated += 1;
         self.make_room(need, Some(id));
         if asleep {
             self.wake(id);
@@ -102,6 +103,18 @@ impl super::Engine {
         slot.base = self.inflation;
         Admission::Loaded {
             evicted: &self.evicted,
+        }
+    }
+}
+
+impl super::Engine {
+    /// What became of a model brought in ahead of demand: a request used
+    /// it (`used`), or it left the GPU or fell asleep unused.
+    pub fn count_anticipation(&mut self, used: bool) {
+        if used {
+            self.counters.anticipated_used += 1;
+        } else {
+            self.counters.anticipated_wasted += 1;
         }
     }
 }

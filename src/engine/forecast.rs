@@ -151,6 +151,12 @@ impl Forecast {
     }
 
     /// The recent rate at `t`, in requests per second.
+    /// The time of the newest request counted (seconds from the epoch), if
+    /// any: a reader feeding requests from a list counts only newer ones.
+    pub fn last_request(&self) -> Option<f64> {
+        (self.level_at > 0.0 || self.level > 0.0).then_some(self.level_at)
+    }
+
     pub fn level(&self, t: f64) -> f64 {
         let dt = (t - self.level_at).max(0.0);
         self.level as f64 * (-(dt / LEVEL_HALF_LIFE) * std::f64::consts::LN_2).exp()

@@ -158,6 +158,20 @@ pub struct Counters {
     /// Requests for a sleeping model, which woke it.
     #[serde(default)]
     pub wakes: u64,
+    /// Models loaded or woken ahead of demand (`spec.anticipate`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub anticipated: u64,
+    /// Of those, the ones a request used before they left the GPU or fell
+    /// asleep...
+    #[serde(default, rename = "anticipatedUsed", skip_serializing_if = "is_zero")]
+    pub anticipated_used: u64,
+    /// ...and the ones that left or fell asleep unused.
+    #[serde(default, rename = "anticipatedWasted", skip_serializing_if = "is_zero")]
+    pub anticipated_wasted: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[derive(Clone, Debug)]

@@ -8,6 +8,7 @@
 
 mod backlog;
 mod catalogs;
+mod cordons;
 pub mod gangs;
 
 use catalogs::*;
@@ -112,6 +113,10 @@ pub async fn run(
         catalog_events(ctx.clone(), namespace.as_deref(), store.clone()).await;
     let cache_events = node_cache_events(ctx.clone(), store.clone()).await;
     let gpu_events = gpu_events(ctx.clone(), namespace.as_deref(), store.clone()).await;
+    let gpu_events = futures::stream::select(
+        gpu_events,
+        cordons::cordon_events(ctx.clone(), store.clone()),
+    );
     // Ended with this function however it ends: a lost lease aborts it
     // (`Term`), and a copy scaler left running would go on adding and
     // removing copies beside the new leader's.
@@ -247,10 +252,13 @@ fn residency_events(
                     ctx.metrics
                         .forget(&r.namespace().unwrap_or_default(), &r.name_any());
                     ctx.written.forget(r);
+                    ctx.forecasts
+                        .forget(&r.namespace().unwrap_or_default(), &r.name_any());
                 }
                 if let Some(present) = relist.record(event) {
                     ctx.metrics.keep_only(&present);
                     ctx.written.keep_only(&present);
+                    ctx.forecasts.keep_only(&present);
                 }
                 for other in ctx.claims.record(event) {
                     let _ = claim_tx.unbounded_send(other);

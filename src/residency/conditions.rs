@@ -24,6 +24,12 @@ pub const ADAPTERS_REFUSED: &str = "AdaptersRefused";
 /// for it there. False, with who else lists them, on the names' owner.
 pub const NAME_SHADOWED: &str = "NameShadowed";
 
+/// False while the GPU takes no new models (a NoSchedule or NoExecute
+/// taint on its device, its node cordoned); True once that went (reason
+/// `HeldOff` for `health::HOLD_OFF`, then `TaintRemoved`). Absent on a
+/// GPU that was never unhealthy.
+pub const GPU_HEALTHY: &str = "GpuHealthy";
+
 /// Builds conditions against the previous ones, keeping each one's
 /// `lastTransitionTime` unless its status flips.
 pub struct ConditionSet<'a> {

@@ -26,6 +26,9 @@ pub struct Device {
     pub attributes: Fields<serde_json::Value>,
     /// Capacities in bytes (memory) or units.
     pub capacity: Fields<u64>,
+    /// Its taints (`DRADeviceTaints`): a failing GPU, one going to
+    /// maintenance ([`super::health`]).
+    pub taints: Box<[super::health::Taint]>,
 }
 
 /// A device's few named fields, sorted by name in one boxed slice: a
@@ -147,6 +150,17 @@ pub fn slice_devices(s: &ResourceSlice) -> Vec<Arc<Device>> {
             name: d.name.clone(),
             attributes,
             capacity,
+            taints: d
+                .taints
+                .iter()
+                .flatten()
+                .map(|t| super::health::Taint {
+                    key: t.key.clone(),
+                    value: t.value.clone(),
+                    effect: t.effect.clone(),
+                    time_added: t.time_added.as_ref().map(|at| at.0.to_string()),
+                })
+                .collect(),
         }
     });
     let mut shared = SHARED.lock().expect("devices lock");

@@ -17,6 +17,7 @@ pub mod demand;
 pub mod devices;
 pub mod gangs;
 pub mod gpu;
+pub mod health;
 pub mod labels;
 pub mod names;
 pub mod placement;

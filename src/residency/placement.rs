@@ -66,10 +66,16 @@ pub enum Placement {
 /// allocated to it.
 fn unusable(r: &ModelResidency) -> Option<&'static str> {
     use crate::residency::reasons::Reason;
-    let ready = r
-        .status
-        .as_ref()?
-        .conditions
+    let conditions = &r.status.as_ref()?.conditions;
+    // A tainted GPU, or one on a cordoned node, takes no new models.
+    if conditions.iter().any(|c| {
+        c.type_ == super::conditions::GPU_HEALTHY && (c.status == "False" || c.reason == "HeldOff")
+    }) {
+        return Some(
+            "its GPU takes no new models (tainted, its node cordoned, or a taint just gone: see its GpuHealthy condition)",
+        );
+    }
+    let ready = conditions
         .iter()
         .find(|c| c.type_ == "Ready" && c.status == "False")?;
     if ready.reason == Reason::GpuConflict.as_str() {

@@ -9,6 +9,9 @@ use crate::quantity::format_bytes;
 pub enum Reason {
     /// Its pod was just created.
     PodCreated,
+    /// Loaded or woken ahead of demand (`spec.anticipate`), not requested
+    /// since.
+    Anticipated,
     /// Its artifact is being fetched onto the node's disk.
     FetchingArtifact,
     /// Its artifact could not be fetched (the node agent says why).
@@ -54,6 +57,11 @@ pub enum Reason {
     Idle,
     /// Unloaded (or not loaded) because another residency holds the GPU.
     GpuConflict,
+    /// Its GPU's device is tainted NoExecute (failing, or taken away): its
+    /// models are unloaded and it loads nothing; or, for a request, the
+    /// GPU takes no new models (NoSchedule, a cordoned node, a taint just
+    /// gone): a router loads it on another GPU.
+    GpuTainted,
     /// claim mode: the claim is being made, replaced or allocated.
     GpuPending,
     /// claim mode: the scheduler cannot allocate the claim (another claim
@@ -112,6 +120,7 @@ impl Reason {
     pub fn as_str(self) -> &'static str {
         match self {
             Reason::PodCreated => "PodCreated",
+            Reason::Anticipated => "Anticipated",
             Reason::FetchingArtifact => "FetchingArtifact",
             Reason::ArtifactFailed => "ArtifactFailed",
             Reason::InvalidArtifact => "InvalidArtifact",
@@ -133,6 +142,7 @@ impl Reason {
             Reason::RemovedFromRegistry => "RemovedFromRegistry",
             Reason::Idle => "Idle",
             Reason::GpuConflict => "GpuConflict",
+            Reason::GpuTainted => "GpuTainted",
             Reason::GpuPending => "GpuPending",
             Reason::GpuUnavailable => "GpuUnavailable",
             Reason::DeviceClassMissing => "DeviceClassMissing",

@@ -481,6 +481,7 @@ mod tests {
                 prefetch: 0,
                 warm: None,
                 eviction: Default::default(),
+                anticipate: None,
                 keep_alive: None,
                 demand: [("b", "2026-11-30T03:00:02Z"), ("a", "2026-11-30T03:00:01Z")]
                     .map(|(m, t)| (m.to_owned(), t.to_owned()))

@@ -222,6 +222,32 @@ fn chart_lints_and_renders_hardened_least_privilege_manifests() {
         .unwrap();
     assert!(configmaps(&map_rules), "ConfigMaps for the adapter maps");
 
+    // Forecasts kept beside their residencies: the flag, and ConfigMaps.
+    let kept = documents(&render(
+        &helm,
+        RELEASE,
+        "mr-system",
+        &["--set", "anticipation.persistForecasts=true"],
+    ));
+    let kept_args = of_kind(&kept, "Deployment")
+        .into_iter()
+        .find(|d| d["metadata"]["name"] == "mr-model-residency")
+        .map(|d| d["spec"]["template"]["spec"]["containers"][0]["args"].clone())
+        .unwrap();
+    assert!(
+        kept_args
+            .as_array()
+            .unwrap()
+            .contains(&json!("--persist-forecasts")),
+        "{kept_args}"
+    );
+    let kept_rules: Vec<Value> = of_kind(&kept, "ClusterRole")
+        .into_iter()
+        .find(|r| r["metadata"]["name"] == "mr-model-residency")
+        .map(|r| r["rules"].as_array().unwrap().clone())
+        .unwrap();
+    assert!(configmaps(&kept_rules), "ConfigMaps for the forecasts");
+
     // Optional parts switch on and off.
     let with_monitor = documents(&render(
         &helm,

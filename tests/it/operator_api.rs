@@ -55,7 +55,16 @@ async fn crd_and_examples_apply_and_print_columns() {
     let table = text(&out);
     let header = table.lines().next().unwrap_or_default();
     for col in [
-        "NAME", "NODE", "DEVICE", "BUDGET", "USED", "RESIDENT", "REFUSED", "READY", "AGE",
+        "NAME",
+        "NODE",
+        "DEVICE",
+        "BUDGET",
+        "USED",
+        "RESIDENT",
+        "REFUSED",
+        "READY",
+        "GPU HEALTH",
+        "AGE",
     ] {
         assert!(header.contains(col), "missing column {col} in:\n{table}");
     }

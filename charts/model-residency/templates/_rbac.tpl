@@ -58,6 +58,13 @@ those on cluster-scoped ones (always a ClusterRole). Each rule says why.
   - apiGroups: ["residency.dev"]
     resources: ["modelcopies/status"]
     verbs: ["patch"]
+  {{- if .Values.anticipation.persistForecasts }}
+  # The forecasts of residencies with spec.anticipate on, one ConfigMap
+  # beside each (--persist-forecasts): read once, applied.
+  - apiGroups: [""]
+    resources: ["configmaps"]
+    verbs: ["get", "create", "patch"]
+  {{- end }}
   {{- if .Values.inferencePools.enabled }}
   # One InferencePool per model (--inference-pools): listed, applied
   # (server-side), deleted when no residency lists its model.
@@ -105,7 +112,8 @@ those on cluster-scoped ones (always a ClusterRole). Each rule says why.
 {{- end }}
 
 {{- define "model-residency.clusterRules" }}
-  # The nodes' labels, for a ResidencySet's nodeSelector (metadata only).
+  # The nodes' labels, for a ResidencySet's nodeSelector (metadata only),
+  # and which are cordoned (a field-selected watch: no new models there).
   - apiGroups: [""]
     resources: ["nodes"]
     verbs: ["list", "watch"]

@@ -4,8 +4,12 @@
 use super::Decider;
 use crate::api::ModelState;
 use crate::controller::events::{EventReason, ModelEvent};
+use crate::residency::conditions::{ConditionSet, GPU_HEALTHY};
 use crate::residency::gpu::{GpuView, Placement};
+use crate::residency::health::{GpuHealth, HOLD_OFF};
 use crate::residency::reasons::Reason;
+use crate::residency::state::later;
+use std::time::Duration;
 
 impl<'a> Decider<'a> {
     /// The GPU the pods are for, when it is this residency's.
@@ -36,9 +40,97 @@ impl<'a> Decider<'a> {
             return Some((Reason::GpuConflict, message));
         }
         match &self.input.gpu {
-            GpuView::Withheld(w) => Some((w.reason, w.message.clone())),
-            GpuView::Placed(_) => None,
+            GpuView::Withheld(w) => return Some((w.reason, w.message.clone())),
+            GpuView::Placed(_) => {}
         }
+        match &self.input.health {
+            GpuHealth::Gone(why) => Some((
+                Reason::GpuTainted,
+                format!(
+                    "{}: {why}; its models are unloaded and it loads nothing until the taint goes",
+                    self.where_()
+                ),
+            )),
+            _ => None,
+        }
+    }
+
+    /// Whether the GPU takes new models now: not while it is unhealthy,
+    /// nor for [`HOLD_OFF`] after it was (a GPU whose taint toggles takes
+    /// nothing new until it is stable). Why not, in words, and when to
+    /// look again.
+    pub(super) fn health(&self) -> (GpuHealth, Option<Duration>) {
+        if self.input.health != GpuHealth::Healthy {
+            return (self.input.health.clone(), None);
+        }
+        let now = self.input.now;
+        let last = self
+            .previous
+            .conditions
+            .iter()
+            .find(|c| c.type_ == GPU_HEALTHY);
+        let went = match last {
+            None => return (GpuHealth::Healthy, None),
+            Some(c) if c.status == "False" => now,
+            Some(c) => c.last_transition_time.0,
+        };
+        let until = later(went, HOLD_OFF);
+        if until <= now {
+            return (GpuHealth::Healthy, None);
+        }
+        let why = format!(
+            "its device's taint went at {went}; new models wait until {until}, so a GPU whose taint toggles takes nothing new"
+        );
+        let after = now.duration_until(until).unsigned_abs();
+        (GpuHealth::NoNewModels(why), Some(after))
+    }
+
+    /// The GpuHealthy condition (listed once the GPU was unhealthy), and
+    /// when the hold-off ends.
+    pub(super) fn health_condition(&self, set: &mut ConditionSet<'_>) -> Option<Duration> {
+        let (health, recheck) = self.health();
+        let listed = self
+            .previous
+            .conditions
+            .iter()
+            .any(|c| c.type_ == GPU_HEALTHY);
+        match &health {
+            GpuHealth::Healthy if listed => {
+                let went = self
+                    .previous
+                    .conditions
+                    .iter()
+                    .find(|c| c.type_ == GPU_HEALTHY)
+                    .map(|c| c.last_transition_time.0)
+                    .unwrap_or(self.input.now);
+                let message = format!("its device's taint went at {went}");
+                set.set(GPU_HEALTHY, true, "TaintRemoved", message);
+            }
+            GpuHealth::Healthy => {}
+            GpuHealth::NoNewModels(why) if health.reason() == "HeldOff" => {
+                set.set(GPU_HEALTHY, true, "HeldOff", why.clone());
+            }
+            h => set.set(GPU_HEALTHY, false, h.reason(), h.message().to_owned()),
+        }
+        recheck
+    }
+
+    /// A request for a model that is not resident awake on a GPU that
+    /// takes no new models: refused here (a router places it on another
+    /// GPU that lists it), not counted as a refusal. `false`: it may load.
+    pub(super) fn refused_for_health(&mut self, model: &str, id: crate::engine::ModelId) -> bool {
+        if self.engine.is_resident(id) && !self.engine.is_asleep(id) {
+            return false;
+        }
+        let GpuHealth::NoNewModels(why) = self.health().0 else {
+            return false;
+        };
+        let message = format!(
+            "{model} is not loaded on {}: {why}; a router loads it on another GPU that lists it",
+            self.where_()
+        );
+        self.outcome(model, ModelState::Refused, Reason::GpuTainted, message);
+        true
     }
 
     /// The GPU is not this residency's: unload every resident model and
@@ -52,10 +144,10 @@ impl<'a> Decider<'a> {
         if !same {
             self.events.push(ModelEvent {
                 model: None,
-                reason: if reason == Reason::GpuConflict {
-                    EventReason::GpuConflict
-                } else {
-                    EventReason::GpuUnavailable
+                reason: match reason {
+                    Reason::GpuConflict => EventReason::GpuConflict,
+                    Reason::GpuTainted => EventReason::GpuTainted,
+                    _ => EventReason::GpuUnavailable,
                 },
                 message: message.clone(),
             });

@@ -48,12 +48,14 @@ use k8s_openapi::jiff::Timestamp;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
+mod anticipate;
 mod decision;
 mod gangs;
 mod gpu;
 mod inventory;
 mod progress;
 mod requests;
+pub use anticipate::{Forecasts, epoch_seconds, look_ahead};
 pub use decision::{Decision, PodCall, PodRef};
 mod resident;
 mod settle;
@@ -82,6 +84,11 @@ pub struct Observed<'a> {
     pub artifacts: Option<&'a NodeArtifacts>,
     /// Its names that other namespaces' residencies list too.
     pub shadowing: Shadowing,
+    /// Its models' forecasts, with `spec.anticipate` on (none: nothing is
+    /// done ahead of demand).
+    pub forecasts: Option<&'a Forecasts>,
+    /// Whether its GPU may take models (device taints, node cordon).
+    pub health: crate::residency::health::GpuHealth,
 }
 
 /// Requests may be this far ahead of the operator's clock by default.
@@ -126,6 +133,8 @@ impl<'a> Observed<'a> {
             rejected_templates: &NONE,
             artifacts: None,
             shadowing: Shadowing::default(),
+            forecasts: None,
+            health: Default::default(),
         }
     }
 }
@@ -287,6 +296,9 @@ struct Decider<'a> {
     /// where they were asked for here ([`crate::residency::gangs`]).
     gangs: BTreeMap<String, GangPlacement>,
     gang_refusals: BTreeMap<String, String>,
+    /// Models brought in ahead of demand and not requested since, with
+    /// when ([`anticipate`]).
+    anticipated: HashMap<String, Box<str>>,
 }
 
 impl<'a> Decider<'a> {
@@ -299,6 +311,9 @@ impl<'a> Decider<'a> {
         let prev_models = recorded_models(previous).map(|m| (&*m.name, m)).collect();
         let unannounced = recorded_models(previous)
             .filter_map(|m| Some((m.name.to_string(), m.admitted_at.clone()?)))
+            .collect();
+        let anticipated = recorded_models(previous)
+            .filter_map(|m| Some((m.name.to_string(), m.anticipated_at.clone()?)))
             .collect();
         let Restored {
             engine,
@@ -329,6 +344,7 @@ impl<'a> Decider<'a> {
             gang_loads_elsewhere: 0,
             gangs: crate::residency::gangs::placements(input.residency),
             gang_refusals: crate::residency::gangs::refusals(input.residency),
+            anticipated,
         };
         decider.end_old_protections();
         decider.end_ready_loads();
@@ -353,7 +369,9 @@ impl<'a> Decider<'a> {
             self.retire_removed_copies();
             self.sleep_gangs();
             self.unload_idle();
+            self.anticipate();
         }
+        self.account_anticipated();
         self.settle()
     }
 

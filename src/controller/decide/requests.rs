@@ -109,13 +109,23 @@ impl<'a> Decider<'a> {
                 .get(&name)
                 .and_then(|t| t.last_used.as_deref())
                 .or_else(|| self.prev_models.get(name.as_str())?.last_used.as_deref());
-            let Some(last_used) = recorded_time(last_used) else {
+            // One brought in ahead of demand is idle from then on.
+            let brought = self
+                .anticipated
+                .get(&name)
+                .and_then(|t| recorded_time(Some(t)));
+            let Some(last_used) = recorded_time(last_used).max(brought) else {
                 continue;
             };
             let expiry = later(last_used, keep_alive);
             if expiry > now {
                 let after = now.duration_until(expiry).unsigned_abs();
                 self.idle_requeue = Some(self.idle_requeue.map_or(after, |r| r.min(after)));
+                continue;
+            }
+            if self.expected_soon(&name) {
+                // Its forecast expects it back within the horizon: an
+                // unload now would be a load then.
                 continue;
             }
             self.engine.unload(id);
@@ -165,6 +175,10 @@ impl<'a> Decider<'a> {
                 );
                 self.outcome(model, ModelState::Queued, Reason::GangPlacing, message);
             }
+            return;
+        }
+        if self.refused_for_health(model, id) {
+            self.processed(model, written);
             return;
         }
         if !self.engine.is_resident(id)
@@ -221,7 +235,7 @@ impl<'a> Decider<'a> {
     /// A counted load of `model`, announced once its pod is Ready or it
     /// leaves the GPU first ([`Self::announce_loads`]). A load of it still
     /// unannounced was made in this reconcile and ended in it.
-    fn load_admitted(&mut self, model: &str) {
+    pub(super) fn load_admitted(&mut self, model: &str) {
         let now: Box<str> = self.input.now.to_string().into();
         if self.unannounced.insert(model.to_owned(), now).is_some() {
             let why = self.outcomes.get(model).map(|o| o.message.as_str());
@@ -232,7 +246,11 @@ impl<'a> Decider<'a> {
 
     /// A load or a wake of `id` admitted, after evicting `evicted` (and
     /// putting the engine's last slept models to sleep).
-    fn admitted(&mut self, id: crate::engine::ModelId, evicted: &[crate::engine::ModelId]) {
+    pub(super) fn admitted(
+        &mut self,
+        id: crate::engine::ModelId,
+        evicted: &[crate::engine::ModelId],
+    ) {
         let model = self.engine.name(id).to_owned();
         // Its pod is not ready (or awake) yet: no later request evicts it.
         self.engine.set_loading(id, true);

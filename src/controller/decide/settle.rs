@@ -58,6 +58,7 @@ impl<'a> Decider<'a> {
             models.extend(states.remove(m.name()));
         }
         models.extend(states.into_values());
+        self.anticipation_fields(&mut models);
         self.announce_loads(&mut models);
         self.assemble(models, plan)
     }
@@ -191,19 +192,36 @@ impl<'a> Decider<'a> {
                 st.reason = p.reason.clone();
                 st.message = p.message.clone();
                 st.failures = p.failures;
-                // Unloaded while the GPU was not this residency's, and it
-                // is again: that reason is over.
-                let gpu_reasons = [Reason::GpuPending.as_str(), Reason::GpuConflict.as_str()];
-                if st
+                // Unloaded while the GPU was not this residency's (or
+                // was tainted), and it is again: that reason is over.
+                let gpu_reasons = [
+                    Reason::GpuPending.as_str(),
+                    Reason::GpuConflict.as_str(),
+                    Reason::GpuTainted.as_str(),
+                ];
+                let over = st
                     .reason
                     .as_deref()
                     .is_some_and(|r| gpu_reasons.contains(&r))
-                    && self.withheld().is_none()
-                {
+                    && self.withheld().is_none();
+                if over && st.state == ModelState::Unloaded {
                     st.reason = None;
                     st.message = Some(
                         format!(
                             "{} was unloaded while the GPU was not this residency's; its next request loads it",
+                            m.name()
+                        )
+                        .into(),
+                    );
+                }
+                // Refused while the GPU took no new models, and it does.
+                let healthy = self.health().0 == crate::residency::health::GpuHealth::Healthy;
+                if over && st.state == ModelState::Refused && healthy {
+                    st.state = ModelState::Unloaded;
+                    st.reason = None;
+                    st.message = Some(
+                        format!(
+                            "{} was not loaded while its GPU took no new models; its next request loads it",
                             m.name()
                         )
                         .into(),
@@ -296,6 +314,9 @@ impl<'a> Decider<'a> {
             set.set(ADAPTERS_REFUSED, true, ADAPTERS_REFUSED, refused.join("; "));
         }
         name_conditions(&mut set, &self.input.shadowing);
+        if let Some(after) = self.health_condition(&mut set) {
+            plan.look_again_within(after);
+        }
         let mut gpu = match &self.input.gpu {
             GpuView::Placed(p) => p.status.clone(),
             GpuView::Withheld(w) => w.status.clone(),
@@ -336,7 +357,9 @@ impl<'a> Decider<'a> {
             used,
             peak,
             resident: status.resident,
-            gpu_conflict: withheld.is_some(),
+            gpu_conflict: withheld
+                .as_ref()
+                .is_some_and(|(r, _)| *r != Reason::GpuTainted),
         };
         plan.delete.sort();
         plan.delete.dedup();

@@ -55,6 +55,7 @@ fn residency(
             prefetch: 0,
             warm: None,
             eviction: Default::default(),
+            anticipate: None,
             keep_alive: None,
             demand: demand
                 .iter()
@@ -1520,4 +1521,294 @@ fn without_a_sleep_spec_nothing_sleeps_and_the_counters_are_the_seeds() {
     assert_eq!(d.delete.len(), 1);
     let c = d.status.counters;
     assert_eq!((c.loads, c.evictions, c.sleeps, c.wakes), (2, 1, 0, 0));
+}
+
+/// Forecasts for the anticipation tests: `busy` requested every 10 s over
+/// the last five minutes before `now`, `once` at `once_at` only.
+fn forecasts(busy: &str, now: i64, once: &str, once_at: i64) -> Forecasts {
+    use crate::engine::forecast::Forecast;
+    let secs = |t: i64| epoch_seconds(at(t));
+    let mut hot = Forecast::default();
+    for i in 0..30 {
+        hot.request(secs(now - 300 + i * 10));
+    }
+    let mut cold = Forecast::default();
+    cold.request(secs(once_at));
+    [(busy.to_owned(), hot), (once.to_owned(), cold)].into()
+}
+
+fn run_with(r: &ModelResidency, pods: &[ModelPod], now: i64, f: &Forecasts) -> Decision {
+    let mut input = Observed::new(r, r.controller_owner_ref(&()).unwrap(), pods, at(now));
+    input.forecasts = Some(f);
+    decide(&input)
+}
+
+/// a loaded and then evicted for b: a's demand entry stays, b is the
+/// newest request. Returns the residency with its status, b's pod Ready.
+fn a_evicted_for_b() -> ModelResidency {
+    let mut r = a_and_b_on_10gi();
+    for (now, pods) in [(2, vec![]), (3, vec![live("a", 6 * GI, true, false)])] {
+        let d = run(&r, &pods, now);
+        r.status = Some(d.status);
+    }
+    r.spec.demand.insert("b".into(), at(3).to_string());
+    for (now, pods) in [
+        (4, vec![live("a", 6 * GI, true, false)]),
+        (5, vec![]),
+        (6, vec![live("b", 6 * GI, true, false)]),
+    ] {
+        let d = run(&r, &pods, now);
+        r.status = Some(d.status);
+    }
+    assert_eq!(
+        r.status.as_ref().unwrap().model("b").unwrap().state,
+        ModelState::Loaded
+    );
+    assert_eq!(
+        r.status.as_ref().unwrap().model("a").unwrap().state,
+        ModelState::Evicted
+    );
+    r
+}
+
+#[test]
+fn anticipation_brings_in_what_the_forecast_expects_and_counts_its_use() {
+    let mut r = a_evicted_for_b();
+    let f = forecasts("a", 100, "b", 3);
+    let b_pod = [live("b", 6 * GI, true, false)];
+    // Off (no spec.anticipate): forecasts or not, nothing moves.
+    let d = run_with(&r, &b_pod, 100, &f);
+    assert_eq!(events(&d, EventReason::Anticipated), 0);
+    assert_eq!(state(&d, "a"), ModelState::Evicted);
+    assert!(d.status.model("a").unwrap().expected_next.is_none());
+    // On: a is expected (requested every 10 s until now), b hardly: b
+    // makes room for a, as a request for a would have it.
+    r.spec.anticipate = Some(crate::api::AnticipateSpec {
+        enabled: true,
+        ..Default::default()
+    });
+    let d = run_with(&r, &b_pod, 100, &f);
+    assert_eq!(events(&d, EventReason::Anticipated), 1, "{:?}", d.events);
+    assert_eq!(state(&d, "a"), ModelState::Loading);
+    assert_eq!(state(&d, "b"), ModelState::Evicted);
+    assert_eq!(d.status.counters.anticipated, 1);
+    let a = d.status.model("a").unwrap();
+    assert_eq!(a.anticipated_at.as_deref(), Some(&*at(100).to_string()));
+    assert_eq!(
+        a.last_used.as_deref(),
+        Some(&*at(1).to_string()),
+        "not a use"
+    );
+    assert!(a.expected_next.is_some());
+    assert!(
+        d.requeue_after
+            .is_some_and(|r| r <= Duration::from_secs(60))
+    );
+    r.status = Some(d.status);
+    // Planned again with a still loading: nothing more, nothing counted
+    // twice.
+    let d = run_with(&r, &[live("b", 6 * GI, true, true)], 101, &f);
+    assert_eq!(events(&d, EventReason::Anticipated), 0);
+    r.status = Some(d.status);
+    let d = run_with(&r, &[], 102, &f);
+    r.status = Some(d.status);
+    // Ready: Loaded, saying it came ahead of demand.
+    let a_pod = [live("a", 6 * GI, true, false)];
+    let d = run_with(&r, &a_pod, 103, &f);
+    let a = d.status.model("a").unwrap();
+    assert_eq!(
+        (a.state, a.reason.as_deref()),
+        (ModelState::Loaded, Some("Anticipated"))
+    );
+    r.status = Some(d.status);
+    // Its request comes: a hit, counted as used, the mark gone.
+    r.spec.demand.insert("a".into(), at(110).to_string());
+    let d = run_with(&r, &a_pod, 110, &f);
+    let a = d.status.model("a").unwrap();
+    assert_eq!((a.state, a.reason.as_deref()), (ModelState::Loaded, None));
+    assert_eq!(a.anticipated_at, None);
+    let c = d.status.counters;
+    assert_eq!(
+        (c.anticipated, c.anticipated_used, c.anticipated_wasted),
+        (1, 1, 0)
+    );
+    assert_eq!(c.hits, 1);
+}
+
+#[test]
+fn a_model_brought_in_ahead_and_sent_out_unused_counts_as_wasted() {
+    let mut r = a_evicted_for_b();
+    r.spec.anticipate = Some(crate::api::AnticipateSpec {
+        enabled: true,
+        ..Default::default()
+    });
+    let f = forecasts("a", 100, "b", 3);
+    let d = run_with(&r, &[live("b", 6 * GI, true, false)], 100, &f);
+    r.status = Some(d.status);
+    let a_pod = [live("a", 6 * GI, true, false)];
+    let d = run_with(&r, &a_pod, 110, &f);
+    r.status = Some(d.status);
+    // b is asked for after all: a, brought in ahead and never used, is
+    // the one that makes room (its last use is older).
+    r.spec.demand.insert("b".into(), at(120).to_string());
+    let d = run_with(&r, &a_pod, 120, &forecasts("b", 120, "a", 1));
+    assert_eq!(state(&d, "a"), ModelState::Evicted);
+    assert_eq!(state(&d, "b"), ModelState::Loading);
+    let a = d.status.model("a").unwrap();
+    assert_eq!(a.anticipated_at, None);
+    let c = d.status.counters;
+    assert_eq!(
+        (c.anticipated, c.anticipated_used, c.anticipated_wasted),
+        (1, 0, 1)
+    );
+}
+
+#[test]
+fn a_model_its_forecast_expects_is_kept_past_its_keep_alive() {
+    let mut r = residency("10Gi", &[("a", "6Gi", false)], &[("a", 1)]);
+    r.spec.keep_alive = Some("60s".into());
+    for (now, pods) in [(2, vec![]), (3, vec![live("a", 6 * GI, true, false)])] {
+        let d = run(&r, &pods, now);
+        r.status = Some(d.status);
+    }
+    let a_pod = [live("a", 6 * GI, true, false)];
+    let f = forecasts("a", 120, "b", 1);
+    // Off: unloaded at its keepAlive.
+    assert_eq!(
+        state(&run_with(&r, &a_pod, 120, &f), "a"),
+        ModelState::Unloaded
+    );
+    // On: its forecast expects it within the horizon, so it stays.
+    r.spec.anticipate = Some(crate::api::AnticipateSpec {
+        enabled: true,
+        ..Default::default()
+    });
+    assert_eq!(
+        state(&run_with(&r, &a_pod, 120, &f), "a"),
+        ModelState::Loaded
+    );
+    // Nothing expected any more (a day later): unloaded.
+    let quiet = forecasts("x", 120, "y", 1);
+    assert_eq!(
+        state(&run_with(&r, &a_pod, 120, &quiet), "a"),
+        ModelState::Unloaded
+    );
+}
+
+fn run_health(
+    r: &ModelResidency,
+    pods: &[ModelPod],
+    now: i64,
+    health: &GpuHealthState,
+) -> Decision {
+    let mut input = Observed::new(r, r.controller_owner_ref(&()).unwrap(), pods, at(now));
+    input.health = health.clone();
+    decide(&input)
+}
+
+use crate::residency::health::GpuHealth as GpuHealthState;
+
+fn tainted(effect: &str) -> GpuHealthState {
+    let taint = crate::residency::health::Taint {
+        key: "gpu.nvidia.com/xid".into(),
+        value: Some("79".into()),
+        effect: effect.into(),
+        time_added: None,
+    };
+    GpuHealthState::of(&[taint], None)
+}
+
+#[test]
+fn a_no_execute_taint_unloads_everything_as_no_eviction_and_loads_nothing() {
+    let mut r = residency(
+        "10Gi",
+        &[("a", "4Gi", false), ("b", "4Gi", false)],
+        &[("a", 1)],
+    );
+    let a_pod = [live("a", 4 * GI, true, false)];
+    for now in [2, 3] {
+        r.status = Some(run(&r, &a_pod, now).status);
+    }
+    let d = run_health(&r, &a_pod, 4, &tainted("NoExecute"));
+    let a = d.status.model("a").unwrap();
+    assert_eq!(
+        (a.state, a.reason.as_deref()),
+        (ModelState::Unloaded, Some("GpuTainted"))
+    );
+    assert_eq!(d.delete.len(), 1);
+    assert_eq!(condition(&d, "Ready"), ("False", "GpuTainted"));
+    assert_eq!(condition(&d, "GpuHealthy"), ("False", "NoExecute"));
+    assert_eq!(events(&d, EventReason::GpuTainted), 1);
+    assert_eq!(d.status.counters.evictions, 0, "not an eviction");
+    r.status = Some(d.status);
+    // A request meanwhile loads nothing here.
+    r.spec.demand.insert("b".into(), at(5).to_string());
+    let d = run_health(&r, &[], 5, &tainted("NoExecute"));
+    assert!(d.create.is_empty());
+    assert_eq!(d.status.resident, 0);
+}
+
+#[test]
+fn a_no_schedule_taint_or_cordon_keeps_what_is_there_and_takes_nothing_new() {
+    for health in [
+        tainted("NoSchedule"),
+        GpuHealthState::of(&[], Some("node-a")),
+    ] {
+        let mut r = residency(
+            "10Gi",
+            &[("a", "4Gi", false), ("b", "4Gi", false)],
+            &[("a", 1)],
+        );
+        let a_pod = [live("a", 4 * GI, true, false)];
+        for now in [2, 3] {
+            r.status = Some(run(&r, &a_pod, now).status);
+        }
+        r.spec.demand.insert("a".into(), at(4).to_string());
+        r.spec.demand.insert("b".into(), at(4).to_string());
+        let d = run_health(&r, &a_pod, 5, &health);
+        assert_eq!(state(&d, "a"), ModelState::Loaded, "{health:?}");
+        let b = d.status.model("b").unwrap();
+        assert_eq!(
+            (b.state, b.reason.as_deref()),
+            (ModelState::Refused, Some("GpuTainted"))
+        );
+        assert!(d.create.is_empty() && d.delete.is_empty());
+        assert_eq!(d.status.counters.refusals, 0, "not a refusal of the model");
+        assert_eq!(d.status.counters.hits, 1, "a is served where it is");
+        assert_eq!(condition(&d, "GpuHealthy"), ("False", health.reason()));
+        assert_eq!(condition(&d, "Ready").0, "True");
+    }
+}
+
+#[test]
+fn a_gpu_whose_taint_went_takes_new_models_only_after_the_hold_off() {
+    let mut r = residency("10Gi", &[("a", "4Gi", false)], &[]);
+    r.status = Some(run_health(&r, &[], 2, &tainted("NoSchedule")).status);
+    // The taint goes: held off, said so, looked at again when it ends.
+    let d = run_health(&r, &[], 10, &GpuHealthState::Healthy);
+    assert_eq!(condition(&d, "GpuHealthy"), ("True", "HeldOff"));
+    let hold = crate::residency::health::HOLD_OFF;
+    assert_eq!(d.requeue_after, Some(hold));
+    r.status = Some(d.status);
+    r.spec.demand.insert("a".into(), at(11).to_string());
+    let d = run_health(&r, &[], 11, &GpuHealthState::Healthy);
+    assert_eq!(state(&d, "a"), ModelState::Refused);
+    r.status = Some(d.status);
+    // Back while held off: the hold-off starts again when it goes.
+    let d = run_health(&r, &[], 12, &tainted("NoSchedule"));
+    assert_eq!(condition(&d, "GpuHealthy"), ("False", "NoSchedule"));
+    r.status = Some(d.status);
+    let d = run_health(&r, &[], 13, &GpuHealthState::Healthy);
+    r.status = Some(d.status);
+    let end = 13 + i64::try_from(hold.as_secs()).unwrap();
+    r.spec.demand.insert("a".into(), at(end - 1).to_string());
+    let d = run_health(&r, &[], end - 1, &GpuHealthState::Healthy);
+    assert_eq!(state(&d, "a"), ModelState::Refused);
+    r.status = Some(d.status);
+    // Stable for the hold-off: it takes models again.
+    r.spec.demand.insert("a".into(), at(end).to_string());
+    let d = run_health(&r, &[], end, &GpuHealthState::Healthy);
+    assert_eq!(state(&d, "a"), ModelState::Loading);
+    assert_eq!(d.create.len(), 1);
+    assert_eq!(condition(&d, "GpuHealthy"), ("True", "TaintRemoved"));
 }

@@ -106,6 +106,7 @@ pub struct Device {
     /// Its PCIe root ([`PCIE_ROOT_ATTRIBUTE`]), when the driver publishes
     /// it: a gang's GPUs share one.
     pub pcie_root: Option<String>,
+    pub taints: Vec<crate::residency::health::Taint>,
 }
 
 /// The standard DRA attribute for a device's PCIe root complex: devices
@@ -141,6 +142,7 @@ impl Device {
             product: string("productName"),
             pcie_root: string(PCIE_ROOT_ATTRIBUTE),
             memory: d.memory(),
+            taints: d.taints.to_vec(),
         }
     }
 }
@@ -162,6 +164,8 @@ struct Inner {
     /// Slice name -> its devices, as they are decoded once for every
     /// reader (`devices::slice_devices`).
     slices: HashMap<String, Vec<Arc<devices::Device>>>,
+    /// The cordoned nodes (spec.unschedulable), from their own watch.
+    cordoned: std::collections::HashSet<String>,
 }
 
 /// The claims and devices, as the watches last reported them.
@@ -286,6 +290,64 @@ impl GpuInventory {
             .flatten()
             .find(|d| d.node == node && d.name == name)
             .map(|d| Device::of(d))
+    }
+
+    /// The health of GPU `device` (spec.device: an index or uuid) of
+    /// `node`: its published device's taints and the node's cordon. A
+    /// device not published (env and devicePlugin mode without DRA) has
+    /// none.
+    pub fn health(&self, node: &str, device: &str) -> crate::residency::health::GpuHealth {
+        let inner = self.inner.lock().expect("gpu inventory lock");
+        let taints = inner
+            .slices
+            .values()
+            .flatten()
+            .filter(|d| d.node == node && !d.taints.is_empty())
+            .map(|d| Device::of(d))
+            .find(|d| d.is(device))
+            .map(|d| d.taints)
+            .unwrap_or_default();
+        let cordoned = inner.cordoned.contains(node).then_some(node);
+        crate::residency::health::GpuHealth::of(&taints, cordoned)
+    }
+
+    /// Records a watch event of cordoned nodes; returns the nodes whose
+    /// cordon changed.
+    pub fn record_cordon(
+        &self,
+        event: &kube::runtime::watcher::Event<
+            kube::api::PartialObjectMeta<k8s_openapi::api::core::v1::Node>,
+        >,
+    ) -> Vec<String> {
+        use kube::runtime::watcher::Event;
+        let mut inner = self.inner.lock().expect("gpu inventory lock");
+        let name =
+            |n: &kube::api::PartialObjectMeta<_>| n.metadata.name.clone().unwrap_or_default();
+        match event {
+            Event::Apply(n) | Event::InitApply(n) => {
+                let node = name(n);
+                inner
+                    .cordoned
+                    .insert(node.clone())
+                    .then_some(node)
+                    .into_iter()
+                    .collect()
+            }
+            Event::Delete(n) => {
+                let node = name(n);
+                inner
+                    .cordoned
+                    .remove(&node)
+                    .then_some(node)
+                    .into_iter()
+                    .collect()
+            }
+            Event::Init => {
+                // A relist: what is cordoned is what it brings.
+                std::mem::take(&mut inner.cordoned).into_iter().collect()
+            }
+            Event::InitDone => Vec::new(),
+        }
     }
 
     /// The devices published for `node` (shared, not copied).

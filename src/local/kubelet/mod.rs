@@ -57,7 +57,7 @@ mod node;
 mod pods;
 
 use node::*;
-pub use node::{GPU_DRIVER, install_device_class, slice_name};
+pub use node::{GPU_DRIVER, install_device_class, set_gpu_taints, slice_name};
 pub use pods::fail_pod;
 use pods::*;
 

@@ -125,6 +125,34 @@ pub(super) async fn publish_gpus(
     Ok(())
 }
 
+/// Sets the taints of fake node `node`'s GPU `gpu-<index>` (DRA device
+/// taints, as a driver publishes them for a failing GPU or an admin for
+/// maintenance): `taints` as the API takes them (`key`, `value`,
+/// `effect`); empty removes them. The devices are an atomic list, so the
+/// slice is read and replaced whole.
+pub async fn set_gpu_taints(
+    client: &kube::Client,
+    node: &str,
+    index: u32,
+    taints: serde_json::Value,
+) -> Result<(), kube::Error> {
+    use k8s_openapi::api::resource::v1::{DeviceTaint, ResourceSlice};
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let mut slice = slices.get(&slice_name(node)).await?;
+    let name = format!("gpu-{index}");
+    let taints: Vec<DeviceTaint> =
+        serde_json::from_value(taints).map_err(kube::Error::SerdeError)?;
+    for d in slice.spec.devices.iter_mut().flatten() {
+        if d.name == name {
+            d.taints = (!taints.is_empty()).then(|| taints.clone());
+        }
+    }
+    slices
+        .replace(&slice_name(node), &Default::default(), &slice)
+        .await?;
+    Ok(())
+}
+
 /// Whether every claim `pod` references is allocated and reserved for it;
 /// `Err` names the first that is not.
 pub(super) async fn claims_ready(client: &kube::Client, pod: &Pod) -> Result<(), String> {

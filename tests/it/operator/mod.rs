@@ -2,9 +2,11 @@
 //! with the kubelet stand-in playing the GPU node. Every scenario drives the
 //! cluster through demand patches and checks status, pods and events.
 
+mod anticipation;
 mod faults;
 mod gangs;
 mod gpu_claims;
+mod gpu_health;
 mod gpus_pods_and_events;
 mod specs;
 mod warm;

@@ -134,6 +134,9 @@ impl Harness {
         let fresh = Arc::get_mut(&mut ctx).expect("a new context");
         fresh.copies = self.copies.clone();
         fresh.sleep_audit = self.sleep_audit;
+        // As the chart's anticipation.persistForecasts: the anticipation
+        // tests restart the operator and read them back.
+        fresh.forecasts.persist = true;
         self.ctx = ctx.clone();
         self.task = Some(tokio::spawn(async move {
             model_residency::operator::run(

@@ -1,0 +1,124 @@
+//! A GPU that fails or is taken away (#70) on the real API server: DRA
+//! device taints on the node's ResourceSlice (as a driver or an admin
+//! writes them) and a cordoned node, read by the operator.
+
+use crate::support::cluster::eventually;
+use crate::support::operator::Harness;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, Patch, PatchParams};
+use model_residency::api::{ModelResidency, ModelState};
+use model_residency::local::kubelet::set_gpu_taints;
+use serde_json::json;
+
+fn condition(r: &ModelResidency, type_: &str) -> Option<(String, String)> {
+    let c = r
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)?;
+    Some((c.status.clone(), c.reason.clone()))
+}
+
+async fn until_condition(
+    h: &Harness,
+    name: &str,
+    type_: &str,
+    want: (&str, &str),
+) -> ModelResidency {
+    eventually(30, &format!("{name} {type_}={want:?}"), || async {
+        let r = h.api.get(name).await.ok()?;
+        let (s, why) = condition(&r, type_)?;
+        (s == want.0 && why == want.1).then_some(r)
+    })
+    .await
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane (scripts/control-plane.sh)"]
+async fn a_tainted_gpu_gives_up_its_models_or_takes_no_new_ones_and_a_cordoned_node_too() {
+    let h = Harness::start("gpu-health").await;
+    let models = [
+        ("x", "2Gi", false),
+        ("y", "2Gi", false),
+        ("z", "2Gi", false),
+    ];
+    // GPU 0 and GPU 1 of the node.
+    h.create("failing", "10Gi", &models).await;
+    h.create("other", "10Gi", &models).await;
+    for m in ["x", "y", "z"] {
+        h.request("failing", m).await;
+    }
+    h.request("other", "x").await;
+    let client = &h.env.client;
+
+    // NoExecute (an XID error): every model there unloaded at once, not
+    // evicted; the other GPU keeps its own.
+    let xid = json!([{"key": "gpu.nvidia.com/xid", "value": "79", "effect": "NoExecute"}]);
+    set_gpu_taints(client, &h.node, 0, xid).await.unwrap();
+    let r = until_condition(&h, "failing", "GpuHealthy", ("False", "NoExecute")).await;
+    let status = r.status.as_ref().unwrap();
+    assert_eq!(
+        condition(&r, "Ready"),
+        Some(("False".into(), "GpuTainted".into()))
+    );
+    for m in ["x", "y", "z"] {
+        let st = status.model(m).unwrap();
+        assert_eq!(
+            (st.state, st.reason.as_deref()),
+            (ModelState::Unloaded, Some("GpuTainted"))
+        );
+    }
+    assert_eq!(status.counters.evictions, 0);
+    eventually(30, "failing's pods gone", || async {
+        (h.pods_of("failing").await.0.is_empty()).then_some(())
+    })
+    .await;
+    let other = h.api.get("other").await.unwrap();
+    assert_eq!(
+        other.status.unwrap().model("x").unwrap().state,
+        ModelState::Loaded
+    );
+    assert!(condition(&h.api.get("other").await.unwrap(), "GpuHealthy").is_none());
+
+    // The taint goes: held off first (a toggling GPU takes nothing new).
+    set_gpu_taints(client, &h.node, 0, json!([])).await.unwrap();
+    until_condition(&h, "failing", "GpuHealthy", ("True", "HeldOff")).await;
+
+    // NoSchedule (maintenance announced): what is there stays and serves,
+    // nothing new comes.
+    let maintenance = json!([{"key": "example.com/maintenance", "effect": "NoSchedule"}]);
+    set_gpu_taints(client, &h.node, 1, maintenance)
+        .await
+        .unwrap();
+    until_condition(&h, "other", "GpuHealthy", ("False", "NoSchedule")).await;
+    let r = h.request("other", "x").await;
+    assert_eq!(
+        r.status.as_ref().unwrap().model("x").unwrap().state,
+        ModelState::Loaded
+    );
+    let r = h.request("other", "y").await;
+    let y = r.status.as_ref().unwrap().model("y").unwrap().clone();
+    assert_eq!(
+        (y.state, y.reason.as_deref()),
+        (ModelState::Refused, Some("GpuTainted")),
+        "{y:?}"
+    );
+    assert_eq!(h.pods_of("other").await.0.len(), 1);
+    set_gpu_taints(client, &h.node, 1, json!([])).await.unwrap();
+
+    // A cordoned node: the same for every GPU on it.
+    let nodes: Api<Node> = Api::all(client.clone());
+    let cordon = |on: bool| json!({"spec": {"unschedulable": on}});
+    let pp = PatchParams::default();
+    nodes
+        .patch(&h.node, &pp, &Patch::Merge(cordon(true)))
+        .await
+        .unwrap();
+    until_condition(&h, "other", "GpuHealthy", ("False", "Cordoned")).await;
+    nodes
+        .patch(&h.node, &pp, &Patch::Merge(cordon(false)))
+        .await
+        .unwrap();
+    until_condition(&h, "other", "GpuHealthy", ("True", "HeldOff")).await;
+}
