@@ -409,6 +409,10 @@ async fn an_allocated_claim_costs_no_request_per_reconcile() {
     let (ctx, mut handle) = mocked();
     ctx.gpus.set_served(true);
     ctx.gpus
+        .record_claim(&kube::runtime::watcher::Event::InitDone);
+    ctx.gpus
+        .record_slice(&kube::runtime::watcher::Event::InitDone);
+    ctx.gpus
         .record_claim(&kube::runtime::watcher::Event::Apply(allocated_claim()));
     let slice = serde_json::from_value(json!({
         "metadata": {"name": "node-a-gpu"},
@@ -441,6 +445,10 @@ async fn an_allocated_claim_costs_no_request_per_reconcile() {
 async fn a_missing_claim_is_made_and_one_that_asks_for_another_device_is_replaced() {
     let (ctx, mut handle) = mocked();
     ctx.gpus.set_served(true);
+    ctx.gpus
+        .record_claim(&kube::runtime::watcher::Event::InitDone);
+    ctx.gpus
+        .record_slice(&kube::runtime::watcher::Event::InitDone);
     let mut r = residency();
     claim_mode(&mut r);
     let owner = kube::Resource::controller_owner_ref(&r, &()).unwrap();

@@ -176,6 +176,11 @@ pub struct GpuInventory {
     /// start), and if not why.
     served: std::sync::atomic::AtomicBool,
     unserved: Mutex<Option<String>>,
+    /// Whether the claims' and the slices' watches have made their first
+    /// list: until then a claim not in the cache may well exist (a
+    /// restarted operator found none, made it again, got a conflict, and
+    /// unloaded every model as if its claim were new).
+    listed: tokio::sync::watch::Sender<(bool, bool)>,
 }
 
 impl GpuInventory {
@@ -230,7 +235,12 @@ impl GpuInventory {
             }
             // A relist re-applies every claim; stale ones are few and are
             // found again as missing when their residency next asks.
-            watcher::Event::Init | watcher::Event::InitDone => Vec::new(),
+            watcher::Event::Init => Vec::new(),
+            watcher::Event::InitDone => {
+                drop(inner);
+                self.listed.send_modify(|l| l.0 = true);
+                Vec::new()
+            }
         }
     }
 
@@ -247,8 +257,18 @@ impl GpuInventory {
                     .slices
                     .remove(s.metadata.name.as_deref().unwrap_or_default());
             }
-            watcher::Event::Init | watcher::Event::InitDone => {}
+            watcher::Event::Init => {}
+            watcher::Event::InitDone => {
+                drop(inner);
+                self.listed.send_modify(|l| l.1 = true);
+            }
         }
+    }
+
+    /// Waits until the claims and the slices are listed.
+    pub async fn wait_listed(&self) {
+        let mut rx = self.listed.subscribe();
+        let _ = rx.wait_for(|(claims, slices)| *claims && *slices).await;
     }
 
     pub fn claim(&self, namespace: &str, name: &str) -> Option<ClaimState> {

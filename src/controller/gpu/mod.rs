@@ -80,6 +80,8 @@ pub async fn find(r: &ModelResidency, owner: &OwnerReference, ctx: &Context) -> 
         });
         return Ok(withheld(Reason::GpuUnavailable, message, &status));
     }
+    // Never decide on a partial view of the claims and devices.
+    ctx.gpus.wait_listed().await;
     let claims: Api<ResourceClaim> = Api::namespaced(ctx.client.clone(), &ns);
     let Some(state) = ctx.gpus.claim(&ns, &claim) else {
         if !ours {

@@ -94,7 +94,9 @@ async fn a_model_its_forecast_expects_is_loaded_ahead_and_what_was_learnt_outliv
     let c = status.counters;
     assert_eq!(
         (c.anticipated, c.anticipated_used, c.anticipated_wasted),
-        (1, 1, 0)
+        (1, 1, 0),
+        "{:#?}",
+        h.events_of("gpu").await
     );
     let ns = &h.env.namespace;
     let exported = eventually(10, "the counters exported", || async {

@@ -740,3 +740,41 @@ async fn one_gpu_however_named_from_any_namespace_is_one_budget() {
     assert_eq!(*watcher.violations.lock().unwrap(), Vec::<String>::new());
     assert!(watcher.unmapped.lock().unwrap().is_empty());
 }
+
+/// A restarted operator (a new leader) decides nothing before it has
+/// listed the claims and devices: it once found no claim in its empty
+/// cache, made it again (a conflict), and unloaded every model as if the
+/// GPU were new.
+#[tokio::test]
+#[ignore = "needs the local control plane (scripts/control-plane.sh)"]
+async fn a_restarted_operator_unloads_nothing_in_claim_mode() {
+    let mut h = Harness::start("claim-restart").await;
+    h.create(
+        "gpu",
+        "10Gi",
+        &[
+            ("a", "2Gi", false),
+            ("b", "2Gi", false),
+            ("c", "2Gi", false),
+        ],
+    )
+    .await;
+    h.request("gpu", "a").await;
+    h.request("gpu", "b").await;
+    for round in 0..10 {
+        h.stop_operator().await;
+        h.start_operator();
+        // A request the new operator processes: it has reconciled.
+        let r = h.request("gpu", "c").await;
+        let status = r.status.as_ref().unwrap();
+        for m in ["a", "b", "c"] {
+            assert_eq!(
+                status.model(m).unwrap().state,
+                ModelState::Loaded,
+                "round {round}: {m}: {:#?}",
+                h.events_of("gpu").await
+            );
+        }
+        assert_eq!(status.counters.unloads, 0, "round {round}");
+    }
+}
