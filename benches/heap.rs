@@ -188,6 +188,7 @@ fn main() {
         peak: 10 << 30,
         resident: status.resident,
         gpu_conflict: false,
+        gpu_unhealthy: false,
     };
     let metric =
         retained_per_item(|i| metrics.observe("bench", &names[i], &usage, status.counters));

@@ -53,6 +53,7 @@ struct Snapshot {
     peak: u64,
     resident: u32,
     gpu_conflict: bool,
+    gpu_unhealthy: bool,
     /// Exported totals: they only grow, even when the object is recreated.
     totals: Counters,
     /// The status counters last seen, to add their growth to `totals`.
@@ -109,7 +110,7 @@ impl Collector for PerModel {
 
 type Field = fn(&Snapshot) -> u64;
 
-const GAUGES: [(&str, &str, Field); 5] = [
+const GAUGES: [(&str, &str, Field); 6] = [
     ("budget_bytes", "VRAM budget of the GPU", |s| s.budget),
     ("used_bytes", "VRAM declared by resident models", |s| s.used),
     ("peak_bytes", "Most VRAM ever declared at once", |s| s.peak),
@@ -122,6 +123,11 @@ const GAUGES: [(&str, &str, Field); 5] = [
         "gpu_conflict",
         "1 while another (older) residency holds this one's GPU, so it loads nothing",
         |s| u64::from(s.gpu_conflict),
+    ),
+    (
+        "gpu_unhealthy",
+        "1 while the residency's GPU takes no new models (its GpuHealthy condition False: a device taint, a cordoned node)",
+        |s| u64::from(s.gpu_unhealthy),
     ),
 ];
 
@@ -332,6 +338,7 @@ impl Metrics {
         snap.peak = usage.peak;
         snap.resident = usage.resident;
         snap.gpu_conflict = usage.gpu_conflict;
+        snap.gpu_unhealthy = usage.gpu_unhealthy;
         let (totals, last) = (&mut snap.totals, &mut snap.last);
         for (total, now, before) in [
             (&mut totals.hits, c.hits, &mut last.hits),
@@ -534,6 +541,7 @@ mod tests {
             peak: 13900 << 20,
             resident: 2,
             gpu_conflict: false,
+            gpu_unhealthy: false,
         };
         let mut c = Counters {
             loads: 2,

@@ -13,6 +13,7 @@ pub mod claims;
 pub mod copies;
 pub mod decide;
 mod enact;
+pub mod evacuate;
 pub mod events;
 pub mod fast_lane;
 pub mod forecasts;

@@ -175,6 +175,16 @@ pub async fn run(
             }),
         )
     };
+    let _evacuate = {
+        let (ctx, store) = (ctx.clone(), store.clone());
+        supervised(
+            "evacuate",
+            Box::new(move || {
+                let f = crate::controller::evacuate::run(ctx.clone(), store.clone());
+                Box::pin(f) as Task
+            }),
+        )
+    };
     controller
         .reconcile_on(futures::stream::select(
             futures::stream::select(

@@ -65,6 +65,9 @@ pub struct Usage {
     pub resident: u32,
     /// Another residency holds the GPU, so this one loads nothing.
     pub gpu_conflict: bool,
+    /// The GPU takes no new models (GpuHealthy=False: a device taint, a
+    /// cordoned node).
+    pub gpu_unhealthy: bool,
 }
 
 /// A registry entry with its size in bytes.

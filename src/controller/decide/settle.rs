@@ -360,6 +360,9 @@ impl<'a> Decider<'a> {
             gpu_conflict: withheld
                 .as_ref()
                 .is_some_and(|(r, _)| *r != Reason::GpuTainted),
+            gpu_unhealthy: status.conditions.iter().any(|c| {
+                c.type_ == crate::residency::conditions::GPU_HEALTHY && c.status == "False"
+            }),
         };
         plan.delete.sort();
         plan.delete.dedup();

@@ -122,3 +122,106 @@ async fn a_tainted_gpu_gives_up_its_models_or_takes_no_new_ones_and_a_cordoned_n
         .unwrap();
     until_condition(&h, "other", "GpuHealthy", ("True", "HeldOff")).await;
 }
+
+#[tokio::test]
+#[ignore = "needs the local control plane (scripts/control-plane.sh)"]
+async fn a_hot_model_is_loaded_elsewhere_before_its_gpu_goes() {
+    let h = Harness::start("gpu-premove").await;
+    let models = [("hot", "4Gi", false), ("cold", "4Gi", false)];
+    h.create("leaving", "10Gi", &models).await;
+    h.create("staying", "10Gi", &models).await;
+    h.request("leaving", "hot").await;
+    let client = &h.env.client;
+
+    // Maintenance announced: the GPU takes no new models, and its hot
+    // model is loaded on the other GPU that lists it while it still
+    // serves here.
+    let maintenance = json!([{"key": "example.com/maintenance", "effect": "NoSchedule"}]);
+    set_gpu_taints(client, &h.node, 0, maintenance)
+        .await
+        .unwrap();
+    let staying = h
+        .until_state("staying", "hot", ModelState::Loaded, 30)
+        .await;
+    let leaving = h.api.get("leaving").await.unwrap();
+    let hot = leaving.status.as_ref().unwrap().model("hot").unwrap();
+    assert_eq!(hot.state, ModelState::Loaded, "still serving where it was");
+    assert!(
+        staying
+            .status
+            .as_ref()
+            .unwrap()
+            .model("cold")
+            .is_none_or(|m| m.state != ModelState::Loaded),
+        "only what was requested moves"
+    );
+    let events = h.events_of("leaving").await;
+    assert!(
+        events
+            .iter()
+            .any(|e| e.contains("MovedAhead") && e.contains("hot is loaded on staying")),
+        "{events:#?}"
+    );
+
+    // The GPU goes: nothing needs a cold load, the copy serves.
+    let gone = json!([{"key": "example.com/maintenance", "effect": "NoExecute"}]);
+    set_gpu_taints(client, &h.node, 0, gone).await.unwrap();
+    h.until_state("leaving", "hot", ModelState::Unloaded, 30)
+        .await;
+    let staying = h.api.get("staying").await.unwrap();
+    assert_eq!(
+        staying.status.unwrap().model("hot").unwrap().state,
+        ModelState::Loaded
+    );
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane (scripts/control-plane.sh)"]
+async fn requests_across_a_no_execute_taint_all_succeed_on_the_other_gpu() {
+    use crate::support::router::{RouterUnderTest, assert_served_by};
+    // Loads that take a second, so requests are held through them.
+    let h = Harness::start_with("taint-router", std::time::Duration::from_secs(1)).await;
+    let models = [
+        ("x", "2Gi", false),
+        ("y", "2Gi", false),
+        ("z", "2Gi", false),
+    ];
+    h.create("failing", "10Gi", &models).await;
+    h.create("other", "10Gi", &models).await;
+    for m in ["x", "y", "z"] {
+        h.request("failing", m).await;
+    }
+    let router = RouterUnderTest::exact(&h).await;
+    let gone = json!([{"key": "gpu.nvidia.com/xid", "value": "79", "effect": "NoExecute"}]);
+    set_gpu_taints(&h.env.client, &h.node, 0, gone)
+        .await
+        .unwrap();
+    // Twenty requests as the GPU goes: each answered, by one model's pod.
+    let router = std::sync::Arc::new(router);
+    let mut sent = tokio::task::JoinSet::new();
+    for i in 0..20 {
+        let router = router.clone();
+        let model = ["x", "y", "z"][i % 3];
+        sent.spawn(async move { (model, router.chat(model).await) });
+    }
+    let mut on_other = 0;
+    while let Some(done) = sent.join_next().await {
+        let (model, answer) = done.unwrap();
+        assert_served_by(&answer, model);
+        let residency = answer.headers["x-residency"].to_str().unwrap().to_owned();
+        on_other += usize::from(residency.ends_with("/other"));
+    }
+    // What came after the taint was served where the models went.
+    until_condition(&h, "failing", "GpuHealthy", ("False", "NoExecute")).await;
+    for m in ["x", "y", "z"] {
+        let answer = router.chat(m).await;
+        assert_served_by(&answer, m);
+        assert!(
+            answer.headers["x-residency"]
+                .to_str()
+                .unwrap()
+                .ends_with("/other")
+        );
+    }
+    println!("{on_other} of 20 requests sent as the taint landed were served by the other GPU");
+}
