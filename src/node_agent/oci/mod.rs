@@ -13,7 +13,13 @@
 //!   annotation is that file (the ORAS convention; the same path rules as
 //!   http files). A tar layer (`...tar`, `+gzip`, `+zstd`) is unpacked, and
 //!   the directory `path` inside it (default `/models`) is the model's
-//!   directory. Every entry of a tar layer is checked before anything is
+//!   directory. Model formats ([`resolve::ModelFormat`]): a CNCF ModelPack
+//!   layer (`application/vnd.cncf.model.*`, and the legacy
+//!   `application/vnd.cnai.model.*` its builder modctl still writes) is,
+//!   raw, the file its `org.cncf.model.filepath` (or `org.cnai.model.filepath`)
+//!   names, and as a tar the files at their paths from the model's root; a
+//!   KitOps ModelKit layer (`application/vnd.kitops.modelkit.*`) is a tar
+//!   of files at their paths from the root. Every entry of a tar layer is checked before anything is
 //!   written: no absolute paths, no `..`, no links out of the layer, no
 //!   device files or fifos. Anything else is `UnsupportedMediaType`.
 //! - **Verify and resume**: a blob streams into `.blobs/partial/<hex>`,
@@ -160,8 +166,13 @@ pub struct Layer {
     pub digest: String,
     pub size: u64,
     pub media_type: String,
-    /// The file it is (ORAS), if annotated.
+    /// The file it is (ORAS's title, a ModelPack raw layer's filepath),
+    /// if annotated.
     pub title: Option<String>,
+    /// A tar layer of a model format (ModelPack, KitOps) whose entries are
+    /// the model's files at their paths: unpacked whole at the artifact's
+    /// root, not `artifact.path` taken out of it as from an image.
+    pub whole: bool,
 }
 
 impl Layer {

@@ -129,14 +129,57 @@ pub(super) fn layers_of(
             let size = l["size"]
                 .as_u64()
                 .ok_or_else(|| invalid_manifest(source, &format!("layer {digest} has no size")))?;
+            let media_type = l["mediaType"].as_str().unwrap_or_default().to_owned();
+            let format = ModelFormat::of(&media_type);
+            let tar = tar_compression(&media_type).is_some();
+            // A model format's tar is unpacked whatever it is titled; its
+            // raw file is where its title or filepath says.
+            let whole = format.is_some() && tar;
+            let filepath = || FILEPATHS.iter().find_map(|a| l["annotations"][*a].as_str());
+            let title = match format {
+                _ if whole => None,
+                Some(ModelFormat::ModelPack) => l["annotations"][TITLE].as_str().or_else(filepath),
+                _ => l["annotations"][TITLE].as_str(),
+            };
             Ok(Layer {
                 digest: digest.to_ascii_lowercase(),
                 size,
-                media_type: l["mediaType"].as_str().unwrap_or_default().to_owned(),
-                title: l["annotations"][TITLE].as_str().map(str::to_owned),
+                title: title.map(str::to_owned),
+                whole,
+                media_type,
             })
         })
         .collect()
+}
+
+/// A model packaging format an artifact's layers may be in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelFormat {
+    /// The CNCF ModelPack specification (model-spec), in its current
+    /// `vnd.cncf.model` spelling and the legacy `vnd.cnai.model` one.
+    ModelPack,
+    /// KitOps ModelKits.
+    KitOps,
+}
+
+/// Where a ModelPack raw layer says which file it is (the legacy
+/// spelling too).
+pub(super) const FILEPATHS: [&str; 2] = ["org.cncf.model.filepath", "org.cnai.model.filepath"];
+
+impl ModelFormat {
+    /// The format a layer's media type belongs to, if a model format.
+    pub fn of(media_type: &str) -> Option<ModelFormat> {
+        let m = media_type.to_ascii_lowercase();
+        if m.starts_with("application/vnd.cncf.model.")
+            || m.starts_with("application/vnd.cnai.model.")
+        {
+            Some(ModelFormat::ModelPack)
+        } else if m.starts_with("application/vnd.kitops.modelkit.") {
+            Some(ModelFormat::KitOps)
+        } else {
+            None
+        }
+    }
 }
 
 /// How a tar layer is compressed, by its media type; `None`: not a tar.

@@ -107,6 +107,8 @@ pub(super) async fn place_all(
     for layer in &resolved.layers {
         let size = match &layer.title {
             Some(title) => placing.titled(layer, title).await?,
+            // A model format's tar: its files from the artifact's root.
+            None if layer.whole => placing.tar(layer, "").await?.0,
             None => {
                 any_tar = true;
                 let (bytes, found) = placing.tar(layer, layer_dir).await?;

@@ -336,6 +336,191 @@ async fn a_modelcar_image_is_unpacked_and_a_layer_that_escapes_is_refused_before
     );
 }
 
+/// A plain (uncompressed) tar of `files`.
+fn plain_tar(files: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut builder = tar::Builder::new(Vec::new());
+    for (path, bytes) in files {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(bytes.len() as u64);
+        h.set_mode(0o644);
+        h.set_path(path).unwrap();
+        h.set_cksum();
+        builder.append(&h, *bytes).unwrap();
+    }
+    builder.into_inner().unwrap()
+}
+
+/// Pushes `layers` (media type, bytes, annotations) as an artifact of
+/// `artifact_type` whose config is of `config_type`.
+async fn push_format(
+    reg: &LocalRegistry,
+    repository: &str,
+    artifact_type: &str,
+    config_type: &str,
+    layers: &[(&str, &[u8], serde_json::Value)],
+) -> String {
+    let plain: Vec<(&str, &[u8], Option<&str>)> =
+        layers.iter().map(|(t, b, _)| (*t, *b, None)).collect();
+    let annotations: Vec<serde_json::Value> = layers.iter().map(|(_, _, a)| a.clone()).collect();
+    reg.push_edited(repository, "v1", &plain, |m| {
+        m["artifactType"] = json!(artifact_type);
+        m["config"]["mediaType"] = json!(config_type);
+        for (layer, a) in m["layers"]
+            .as_array_mut()
+            .unwrap()
+            .iter_mut()
+            .zip(annotations)
+        {
+            if !a.is_null() {
+                layer["annotations"] = a;
+            }
+        }
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
+async fn modelpack_in_both_spellings_and_kitops_modelkits_land_as_their_files() {
+    let reg = registry();
+    let h = Harness::start("oci-formats").await;
+    let weights = bytes(4096, 7);
+    let config = tar_gz(&[
+        ("config.json", br#"{"arch":"llama"}"#),
+        ("tokenizer/tok.json", b"{}"),
+    ]);
+    // What modctl writes today: the legacy vnd.cnai.model spelling, a raw
+    // weight named by org.cnai.model.filepath, no title.
+    let legacy = push_format(
+        &reg,
+        "models/legacy",
+        "application/vnd.cnai.model.manifest.v1+json",
+        "application/vnd.cnai.model.config.v1+json",
+        &[
+            (
+                "application/vnd.cnai.model.weight.v1.raw",
+                &weights,
+                json!({"org.cnai.model.filepath": "model.safetensors"}),
+            ),
+            (
+                "application/vnd.cnai.model.weight.config.v1.tar+gzip",
+                &config,
+                json!({"org.cnai.model.filepath": "config.json"}),
+            ),
+        ],
+    )
+    .await;
+    // The current spelling: an uncompressed tar of weights, a raw doc.
+    let shards = plain_tar(&[("weights/a.bin", b"aaaa"), ("weights/b.bin", b"bbbb")]);
+    let current = push_format(
+        &reg,
+        "models/current",
+        "application/vnd.cncf.model.manifest.v1+json",
+        "application/vnd.cncf.model.config.v1+json",
+        &[
+            (
+                "application/vnd.cncf.model.weight.v1.tar",
+                &shards,
+                json!({"org.cncf.model.filepath": "weights"}),
+            ),
+            (
+                "application/vnd.cncf.model.doc.v1.raw",
+                b"# model card",
+                json!({"org.cncf.model.filepath": "docs/README.md"}),
+            ),
+        ],
+    )
+    .await;
+    // A KitOps ModelKit: tars of files from the kit's root.
+    let kit_model = tar_gz(&[("model.gguf", b"GGUF")]);
+    let kit_docs = tar_gz(&[("README.md", b"kit")]);
+    let kit = push_format(
+        &reg,
+        "models/kit",
+        "application/vnd.kitops.modelkit.manifest.v1+json",
+        "application/vnd.kitops.modelkit.config.v1+json",
+        &[
+            (
+                "application/vnd.kitops.modelkit.model.v1.tar+gzip",
+                &kit_model,
+                json!(null),
+            ),
+            (
+                "application/vnd.kitops.modelkit.docs.v1.tar+gzip",
+                &kit_docs,
+                json!(null),
+            ),
+        ],
+    )
+    .await;
+    // A raw layer whose filepath leads out, and one that names no file.
+    let escape = push_format(
+        &reg,
+        "models/escape",
+        "application/vnd.cncf.model.manifest.v1+json",
+        "application/vnd.cncf.model.config.v1+json",
+        &[(
+            "application/vnd.cncf.model.weight.v1.raw",
+            b"x",
+            json!({"org.cncf.model.filepath": "../../etc/passwd"}),
+        )],
+    )
+    .await;
+    let unnamed = push_format(
+        &reg,
+        "models/unnamed",
+        "application/vnd.cncf.model.manifest.v1+json",
+        "application/vnd.cncf.model.config.v1+json",
+        &[(
+            "application/vnd.cncf.model.weight.v1.raw",
+            b"x",
+            json!(null),
+        )],
+    )
+    .await;
+    credentials(&h, &reg, PASSWORD).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let _agent = agent(&h, &cache, "10Mi", &reg, true);
+    let models = [
+        ("legacy", &legacy),
+        ("current", &current),
+        ("kit", &kit),
+        ("escape", &escape),
+        ("unnamed", &unnamed),
+    ];
+    let registry_models = models
+        .iter()
+        .map(|(m, d)| model(m, "1Gi", Some(oci(&reg, &format!("models/{m}@{d}"), "1Mi"))))
+        .collect();
+    create(&h, "gpu", "8Gi", registry_models, 0).await;
+    let mut dirs = std::collections::BTreeMap::new();
+    for m in ["legacy", "current", "kit"] {
+        h.request_nowait("gpu", m).await;
+        dirs.insert(m, loaded_dir(&h, m).await);
+    }
+    let read = |m: &str, path: &str| std::fs::read(dirs[m].join(path)).unwrap();
+    assert_eq!(read("legacy", "model.safetensors"), weights);
+    assert_eq!(read("legacy", "config.json"), br#"{"arch":"llama"}"#);
+    assert_eq!(read("legacy", "tokenizer/tok.json"), b"{}");
+    assert_eq!(read("current", "weights/a.bin"), b"aaaa");
+    assert_eq!(read("current", "weights/b.bin"), b"bbbb");
+    assert_eq!(read("current", "docs/README.md"), b"# model card");
+    assert_eq!(read("kit", "model.gguf"), b"GGUF");
+    assert_eq!(read("kit", "README.md"), b"kit");
+    for (m, reason) in [
+        ("escape", "InvalidArtifact"),
+        ("unnamed", "UnsupportedMediaType"),
+    ] {
+        h.request_nowait("gpu", m).await;
+        let r = h.until_state("gpu", m, ModelState::Failed, 60).await;
+        let st = status_of(&r, m);
+        let message = st.message.as_deref().unwrap_or_default();
+        assert!(message.contains(reason), "{m}: {st:?}");
+    }
+}
+
 #[tokio::test]
 #[ignore = "needs the local control plane: scripts/test.sh runs it with --include-ignored"]
 async fn each_registry_failure_has_its_reason_and_a_stopped_registry_is_waited_out() {
