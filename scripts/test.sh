@@ -122,10 +122,20 @@ fi
 bash scripts/build-tools.sh
 cargo fmt --all -- --check
 cargo clippy --locked --all-targets -- -D warnings
-# The supply chain (deny.toml): licences, banned crates, sources. Not
-# RustSec advisories: their database is on GitHub, out of reach here.
+# The supply chain (deny.toml): licences, banned crates, sources, and the
+# RustSec advisories of the shared snapshot (scripts/advisories.sh; the
+# database's own repository is out of reach here), offline.
 if provide CARGO_DENY scripts/cargo-deny.sh "cargo-deny"; then
-  "$CARGO_DENY" --log-level error check --hide-inclusion-graph licenses bans sources
+  checks=(licenses bans sources)
+  if bash scripts/advisories.sh; then
+    checks+=(advisories)
+  elif [ "${CI:-}" = true ]; then
+    echo "error: no RustSec snapshot for cargo deny check advisories" >&2
+    exit 1
+  else
+    echo "advisories: skipped (no RustSec snapshot)"
+  fi
+  "$CARGO_DENY" --offline --log-level error check --hide-inclusion-graph "${checks[@]}"
 fi
 log=$(mktemp)
 trap 'rm -f "$log"; rm -rf "$early"' EXIT
