@@ -293,6 +293,8 @@ fn gangs() {
                     ..CopyPolicy::default()
                 },
                 dedicated,
+                outages: Vec::new(),
+                pre_move: true,
             };
             let r = replay_fleet(&engine, &[("tp2".into(), 2)], &mut trace, options).unwrap();
             assert_eq!(r.over_budget_steps, 0, "a GPU over its budget: {r:?}");

@@ -6,7 +6,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use model_residency::engine::copies::CopyPolicy;
 use model_residency::quantity::parse_bytes;
 use model_residency::registry;
-use model_residency::simulate::fleet::{FleetOptions, replay_fleet};
+use model_residency::simulate::fleet::{
+    FleetOptions, Outage, parse_failure, parse_maintenance, replay_fleet,
+};
 use model_residency::simulate::foresight::Foresight;
 use model_residency::simulate::trace::TraceReader;
 use model_residency::simulate::{ReplayOptions, Report, replay_names, replay_trace};
@@ -127,6 +129,19 @@ struct FleetArgs {
     /// shared budgets, to compare against.
     #[arg(long, requires = "gangs")]
     dedicated: bool,
+    /// GPU G fails at T seconds (its device tainted NoExecute): its models
+    /// are unloaded and what is in flight there fails (repeatable; with
+    /// --gpus).
+    #[arg(long = "gpu-failure", value_name = "G@T", value_parser = parse_failure)]
+    failures: Vec<Outage>,
+    /// GPU G is announced for maintenance at T seconds (NoSchedule: nothing
+    /// new there) and goes NOTICE seconds later (repeatable; with --gpus).
+    #[arg(long = "gpu-maintenance", value_name = "G@T+NOTICE", value_parser = parse_maintenance)]
+    maintenances: Vec<Outage>,
+    /// Leave out the operator's pre-move (hot models of a GPU in
+    /// maintenance loaded elsewhere before it goes): to compare.
+    #[arg(long)]
+    no_pre_move: bool,
 }
 
 /// `NAME=N`, N from 2 to 64.
@@ -151,6 +166,16 @@ impl FleetArgs {
             ("--copies-delay", self.copies_delay),
             ("--copies-tick", self.copies_tick),
         ];
+        for o in self.failures.iter().chain(&self.maintenances) {
+            if o.gpu >= self.gpus {
+                return Err(Failure::bad_input(format!(
+                    "GPU {} is not one of --gpus {} (0 to {})",
+                    o.gpu,
+                    self.gpus,
+                    self.gpus.saturating_sub(1)
+                )));
+            }
+        }
         for (flag, value) in positive {
             if !(value.is_finite() && value > 0.0) {
                 return Err(Failure::bad_input(format!(
@@ -170,6 +195,13 @@ impl FleetArgs {
                 ..CopyPolicy::default()
             },
             dedicated: self.dedicated,
+            outages: self
+                .failures
+                .iter()
+                .chain(&self.maintenances)
+                .cloned()
+                .collect(),
+            pre_move: !self.no_pre_move,
         })
     }
 }
@@ -225,6 +257,12 @@ pub fn run(args: Args) -> Result<(), Failure> {
     }
     if args.fleet.gpus == 0 {
         return Err(Failure::bad_input("--gpus must be at least 1"));
+    }
+    let outages = args.fleet.failures.len() + args.fleet.maintenances.len();
+    if (outages > 0 || args.fleet.no_pre_move) && args.fleet.gpus < 2 {
+        return Err(Failure::bad_input(
+            "--gpu-failure, --gpu-maintenance and --no-pre-move replay several GPUs: give --gpus 2 or more and --trace",
+        ));
     }
     for (gang, width) in &args.fleet.gangs {
         if engine.id(gang).is_none() {

@@ -64,13 +64,21 @@ pub enum Placement {
 /// Why a residency is no place for any load right now, if it is not:
 /// another residency holds its GPU, or (claim mode) its claim is not
 /// allocated to it.
+/// Whether `r`'s GPU takes no new models (a device taint, its node
+/// cordoned, or a taint just gone: its GpuHealthy condition).
+pub fn takes_no_new_models(r: &ModelResidency) -> bool {
+    r.status.as_ref().is_some_and(|s| {
+        s.conditions.iter().any(|c| {
+            c.type_ == super::conditions::GPU_HEALTHY
+                && (c.status == "False" || c.reason == "HeldOff")
+        })
+    })
+}
+
 fn unusable(r: &ModelResidency) -> Option<&'static str> {
     use crate::residency::reasons::Reason;
     let conditions = &r.status.as_ref()?.conditions;
-    // A tainted GPU, or one on a cordoned node, takes no new models.
-    if conditions.iter().any(|c| {
-        c.type_ == super::conditions::GPU_HEALTHY && (c.status == "False" || c.reason == "HeldOff")
-    }) {
+    if takes_no_new_models(r) {
         return Some(
             "its GPU takes no new models (tainted, its node cordoned, or a taint just gone: see its GpuHealthy condition)",
         );

@@ -268,6 +268,19 @@ impl Snapshot {
                     .map(Arc::new),
             });
         }
+        // A GPU that takes no new models (tainted, cordoned: it is going)
+        // serves a model only while no other GPU has it Ready: once the
+        // copy the operator moved ahead is Ready, new requests go there and
+        // what is in flight finishes.
+        let leaving: Vec<bool> = residencies
+            .iter()
+            .map(|r| crate::residency::placement::takes_no_new_models(r))
+            .collect();
+        for view in models.values_mut() {
+            if view.ready.iter().any(|e| !leaving[e.residency]) {
+                view.ready.retain(|e| !leaving[e.residency]);
+            }
+        }
         Snapshot {
             synced,
             residencies,

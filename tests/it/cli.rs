@@ -648,8 +648,8 @@ fn the_demo_runs_end_to_end() {
         // `top`, and the chart's dashboard and alerts against a real
         // Prometheus scraping the demo's processes.
         "$ model-residency top --once -n models",
-        "SUCCESS: 5 rules found",
-        "10 panels, 18 queries: each answered with series; 5 alerts: each evaluated, each metric it reads present",
+        "SUCCESS: 6 rules found",
+        "12 panels, 22 queries: each answered with series; 6 alerts: each evaluated, each metric it reads present",
         "exited: exit status: 0",
         "== Done in",
     ] {

@@ -601,15 +601,18 @@ impl Scaler {
         enact::publish(&self.ctx, first, now_unplaced, note).await;
     }
 
-    /// Starts removing one copy: the least recently requested (the routers
-    /// refresh each copy's demand time as it serves), ties the last by
-    /// namespace/name. Whether one was started.
+    /// Starts removing one copy: one on a GPU that takes no new models
+    /// first (it is going: the copy the evacuation made elsewhere must
+    /// stay), else the least recently requested (the routers refresh each
+    /// copy's demand time as it serves), ties the last by namespace/name.
+    /// Whether one was started.
     fn remove(&mut self, model: &str, homes: &[Arc<ModelResidency>], copies: &[usize]) -> bool {
         let last_request =
             |i: usize| recorded_time(homes[i].spec.demand.get(model).map(String::as_str));
+        let staying = |i: usize| !crate::residency::placement::takes_no_new_models(&homes[i]);
         let Some(&i) = copies
             .iter()
-            .min_by_key(|&&i| (last_request(i), std::cmp::Reverse(i)))
+            .min_by_key(|&&i| (staying(i), last_request(i), std::cmp::Reverse(i)))
         else {
             return false;
         };

@@ -162,6 +162,15 @@ async fn a_hot_model_is_loaded_elsewhere_before_its_gpu_goes() {
             .any(|e| e.contains("MovedAhead") && e.contains("hot is loaded on staying")),
         "{events:#?}"
     );
+    // New requests go to the copy that stays; the leaving GPU serves only
+    // what it had in flight.
+    let router = crate::support::router::RouterUnderTest::exact(&h).await;
+    for _ in 0..3 {
+        let answer = router.chat("hot").await;
+        crate::support::router::assert_served_by(&answer, "hot");
+        let residency = answer.headers["x-residency"].to_str().unwrap();
+        assert!(residency.ends_with("/staying"), "{residency}");
+    }
 
     // The GPU goes: nothing needs a cold load, the copy serves.
     let gone = json!([{"key": "example.com/maintenance", "effect": "NoExecute"}]);

@@ -22,6 +22,12 @@
 //! copy policy leaves it alone. `--dedicated` gives each gang GPUs of its
 //! own (the first N, then the next) that nothing else may use, and the
 //! single models the rest: what a system without shared budgets does.
+//!
+//! GPUs that fail or go to maintenance (`--gpu-failure`,
+//! `--gpu-maintenance`): [`outages`].
+
+mod outages;
+pub use outages::{Outage, parse_failure, parse_maintenance};
 
 use super::trace::{TraceError, TraceReader};
 use crate::engine::copies::{CopyPolicy, CopyScaler, Step};
@@ -31,7 +37,7 @@ use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 
 /// How the fleet runs.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct FleetOptions {
     pub gpus: usize,
     /// Seconds a request is in flight once its model serves it.
@@ -41,6 +47,10 @@ pub struct FleetOptions {
     pub policy: CopyPolicy,
     /// Each gang's GPUs its own (the rest for the single models).
     pub dedicated: bool,
+    /// GPUs that fail or go to maintenance, and whether hot models are
+    /// moved off a GPU in maintenance before it goes.
+    pub outages: Vec<Outage>,
+    pub pre_move: bool,
 }
 
 /// The outcome of a fleet replay. Field names are the `--output json` keys.
@@ -68,6 +78,11 @@ pub struct FleetReport {
     pub peaks: Vec<u64>,
     /// Seconds requests for gangs waited (part of `wait_seconds`).
     pub gang_wait_seconds: f64,
+    /// With outages: requests in flight on a GPU when it went, and
+    /// models loaded elsewhere before their GPU went (the pre-move).
+    pub failed_requests: u64,
+    pub moved_ahead: u64,
+    pub outages: usize,
 }
 
 impl FleetReport {
@@ -101,6 +116,10 @@ impl FleetReport {
                 ("gangs waiting", format!("{:.1}s", self.gang_wait_seconds)),
             );
         }
+        if self.outages > 0 {
+            rows.push(("failed requests", self.failed_requests.to_string()));
+            rows.push(("moved ahead", self.moved_ahead.to_string()));
+        }
         let most: Vec<String> = self
             .most_copies
             .iter()
@@ -130,6 +149,8 @@ struct Fleet {
     last_use: HashMap<(usize, ModelId), f64>,
     scalers: HashMap<ModelId, CopyScaler>,
     report: FleetReport,
+    /// Each GPU's state through its outages.
+    states: Vec<outages::GpuState>,
 }
 
 impl Fleet {
@@ -153,7 +174,10 @@ impl Fleet {
         (0..self.gpus().len())
             .filter(|&g| {
                 let e = &self.gpus()[g];
-                registered(e, id) && e.is_resident(id) && !e.is_asleep(id)
+                self.states[g] != outages::GpuState::Gone
+                    && registered(e, id)
+                    && e.is_resident(id)
+                    && !e.is_asleep(id)
             })
             .collect()
     }
@@ -163,7 +187,10 @@ impl Fleet {
     fn place(&self, id: ModelId, now: f64, copy: bool) -> Option<usize> {
         let mut best: Option<((u8, f64), usize)> = None;
         for (g, engine) in self.gpus().iter().enumerate() {
-            if !registered(engine, id) || (engine.is_resident(id) && !engine.is_asleep(id)) {
+            if self.states[g] != outages::GpuState::Up
+                || !registered(engine, id)
+                || (engine.is_resident(id) && !engine.is_asleep(id))
+            {
                 continue;
             }
             let Ok(Some(victims)) = engine.plan_load(id) else {
@@ -229,7 +256,13 @@ impl Fleet {
             Some(0)
         } else {
             let holders = self.holders(id);
-            match holders.iter().min_by_key(|&&g| self.count(g, id, now)) {
+            // A GPU that takes no new models serves only while no other
+            // copy can (the router's rule).
+            let leaving = |g: usize| self.states[g] != outages::GpuState::Up;
+            match holders
+                .iter()
+                .min_by_key(|&&g| (leaving(g), self.count(g, id, now)))
+            {
                 Some(&g) => {
                     self.report.hits += 1;
                     Some(g)
@@ -276,9 +309,12 @@ impl Fleet {
                     _ => added,
                 }),
                 Step::Remove => {
+                    // A copy on a GPU that is going first (the operator's
+                    // rule), then the one used longest ago.
                     let oldest = copies.iter().copied().min_by(|&a, &b| {
                         let t = |g| self.last_use.get(&(g, id)).copied().unwrap_or(0.0);
-                        t(a).total_cmp(&t(b))
+                        let up = |g: usize| self.states[g] == outages::GpuState::Up;
+                        up(a).cmp(&up(b)).then(t(a).total_cmp(&t(b)))
                     });
                     oldest.is_some_and(|g| {
                         self.report.copies_removed += 1;
@@ -333,17 +369,20 @@ pub fn replay_fleet(
     if options.dedicated {
         dedicate(&mut gpus, gangs);
     }
+    let outages = options.outages.len();
     let mut fleet = Fleet {
         node: NodeGpus::new(gpus, gangs.iter().cloned()),
         template: template.clone(),
-        options,
+        options: options.clone(),
         in_flight: HashMap::new(),
         last_use: HashMap::new(),
         scalers: HashMap::new(),
         report: FleetReport {
             gpus: count,
+            outages,
             ..FleetReport::default()
         },
+        states: vec![outages::GpuState::Up; count],
     };
     let mut models: Vec<ModelId> = Vec::new();
     let mut next_tick: Option<f64> = None;
@@ -364,10 +403,12 @@ pub fn replay_fleet(
         }
         let mut at = *next_tick.get_or_insert(now);
         while at <= now {
+            fleet.outages_until(at);
             fleet.tick(at, &models);
             at += options.tick;
         }
         next_tick = Some(at);
+        fleet.outages_until(now);
         fleet.request(id, now);
         fleet.check_budgets();
     }
@@ -471,7 +512,50 @@ mod tests {
                 ..CopyPolicy::default()
             },
             dedicated: false,
+            outages: Vec::new(),
+            pre_move: true,
         }
+    }
+
+    /// `chat` once every 10 s for an hour: one copy (GPU 0, the first
+    /// placed), never more.
+    fn steady_chat() -> TraceReader {
+        let mut text = String::from("time,model\n");
+        for s in (0..3600).step_by(10) {
+            writeln!(text, "{s},chat").unwrap();
+        }
+        TraceReader::from_reader(Box::new(std::io::Cursor::new(text.into_bytes())), "steady")
+    }
+
+    #[test]
+    fn a_gpu_in_maintenance_hands_its_hot_model_over_first_and_a_failure_loses_what_is_in_flight() {
+        let run = |outage: Outage, pre_move: bool| {
+            let mut o = options(2);
+            o.outages = vec![outage];
+            o.pre_move = pre_move;
+            replay_fleet(&template(), &[], &mut steady_chat(), o).unwrap()
+        };
+        let maintenance = parse_maintenance("0@1000+300").unwrap();
+        let moved = run(maintenance.clone(), true);
+        let cold = run(maintenance, false);
+        // The first load only (60 s) with the pre-move; a second cold
+        // load when GPU 0 goes without it.
+        assert_eq!((moved.moved_ahead, moved.wait_seconds), (1, 60.0));
+        assert_eq!((cold.moved_ahead, cold.wait_seconds), (0, 120.0));
+        assert_eq!((moved.failed_requests, cold.failed_requests), (0, 0));
+        assert_eq!(moved.over_budget_steps, 0);
+        // A failure at 1001 s: the request of 1000 s, in flight for 2 s,
+        // is lost; the next one loads elsewhere.
+        let failed = run(parse_failure("0@1001").unwrap(), true);
+        assert_eq!(
+            (
+                failed.failed_requests,
+                failed.moved_ahead,
+                failed.wait_seconds
+            ),
+            (1, 0, 120.0)
+        );
+        assert!(moved.to_text().contains("failed requests"));
     }
 
     #[test]
