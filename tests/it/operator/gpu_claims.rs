@@ -56,7 +56,7 @@ async fn until_ready_in(
 }
 
 /// Waits until residency `name`'s condition `type_` is as `ok` wants it.
-async fn until_condition(
+pub(super) async fn until_condition(
     api: &Api<ModelResidency>,
     name: &str,
     type_: &str,

@@ -26,10 +26,9 @@ async fn until_condition(
     type_: &str,
     want: (&str, &str),
 ) -> ModelResidency {
-    eventually(30, &format!("{name} {type_}={want:?}"), || async {
-        let r = h.api.get(name).await.ok()?;
-        let (s, why) = condition(&r, type_)?;
-        (s == want.0 && why == want.1).then_some(r)
+    let what = format!("{type_}={want:?}");
+    super::gpu_claims::until_condition(&h.api, name, type_, &what, |c| {
+        c.status == want.0 && c.reason == want.1
     })
     .await
 }
