@@ -1812,3 +1812,21 @@ fn a_gpu_whose_taint_went_takes_new_models_only_after_the_hold_off() {
     assert_eq!(d.create.len(), 1);
     assert_eq!(condition(&d, "GpuHealthy"), ("True", "TaintRemoved"));
 }
+
+#[test]
+fn a_request_refused_while_the_gpu_took_nothing_new_is_unloaded_once_it_does() {
+    let mut r = residency("10Gi", &[("a", "4Gi", false)], &[("a", 1)]);
+    let d = run_health(&r, &[], 2, &tainted("NoSchedule"));
+    assert_eq!(state(&d, "a"), ModelState::Refused);
+    r.status = Some(d.status);
+    // Healthy again, past the hold-off: no longer Refused, nothing loaded
+    // until its next request.
+    // The taint went at 3 s: held off until 33 s.
+    let hold = crate::residency::health::HOLD_OFF.as_secs() as i64;
+    r.status = Some(run_health(&r, &[], 3, &GpuHealthState::Healthy).status);
+    let d = run_health(&r, &[], 3 + hold + 1, &GpuHealthState::Healthy);
+    let a = d.status.model("a").unwrap();
+    assert_eq!((a.state, a.reason.as_deref()), (ModelState::Unloaded, None));
+    assert!(d.create.is_empty());
+    assert_eq!(condition(&d, "Refused").0, "False");
+}
