@@ -52,7 +52,7 @@ pub async fn run(ctx: Arc<Context>, store: Store<ModelResidency>) {
 }
 
 /// Whether `r`'s GPU takes no new models (its GpuHealthy condition False
-/// with it still serving: NoSchedule or a cordon; or held off).
+/// with it still serving: NoSchedule or a cordon).
 fn leaving(r: &ModelResidency) -> bool {
     r.status.as_ref().is_some_and(|s| {
         s.conditions
@@ -76,11 +76,13 @@ async fn tick(
     store: &Store<ModelResidency>,
     moved: &mut HashMap<(String, String), Instant>,
 ) {
-    let all = store.state();
-    if !all.iter().any(|r| leaving(&cached::unpacked(r.clone()))) {
+    // Nothing tainted or cordoned anywhere (the usual case): no residency
+    // is read, none unpacked.
+    if !ctx.gpus.any_unhealthy() {
         return;
     }
-    let read: Vec<Arc<ModelResidency>> = all
+    let read: Vec<Arc<ModelResidency>> = store
+        .state()
         .into_iter()
         .filter_map(|r| ctx.catalogs.resolve(r).ok())
         .map(cached::unpacked)

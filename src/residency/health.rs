@@ -45,13 +45,24 @@ impl Taint {
     }
 }
 
+/// Why a GPU takes no new models while it still serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Held {
+    /// A taint on its device (NoSchedule, or an effect not known here).
+    Tainted,
+    /// Its node is cordoned.
+    Cordoned,
+    /// Its taint went less than [`HOLD_OFF`] ago.
+    HeldOff,
+}
+
 /// What the GPU may do now.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum GpuHealth {
     #[default]
     Healthy,
-    /// Nothing new loads or wakes; residents stay. Why, in words.
-    NoNewModels(String),
+    /// Nothing new loads or wakes; residents stay. Why, and in words.
+    NoNewModels(Held, String),
     /// Everything is unloaded; nothing loads. Why, in words.
     Gone(String),
 }
@@ -68,23 +79,24 @@ impl GpuHealth {
             return GpuHealth::Gone(said(t));
         }
         if let Some(t) = taints.first() {
-            return GpuHealth::NoNewModels(said(t));
+            return GpuHealth::NoNewModels(Held::Tainted, said(t));
         }
         match cordoned {
-            Some(node) => {
-                GpuHealth::NoNewModels(format!("its node {node} is cordoned (spec.unschedulable)"))
-            }
+            Some(node) => GpuHealth::NoNewModels(
+                Held::Cordoned,
+                format!("its node {node} is cordoned (spec.unschedulable)"),
+            ),
             None => GpuHealth::Healthy,
         }
     }
 
-    /// The condition's reason: the effect, or `Cordoned`.
+    /// The condition's reason: the effect, `Cordoned` or `HeldOff`.
     pub fn reason(&self) -> &'static str {
         match self {
             GpuHealth::Healthy => "Healthy",
-            GpuHealth::NoNewModels(why) if why.contains("cordoned") => "Cordoned",
-            GpuHealth::NoNewModels(why) if why.contains("taint went") => "HeldOff",
-            GpuHealth::NoNewModels(_) => "NoSchedule",
+            GpuHealth::NoNewModels(Held::Tainted, _) => "NoSchedule",
+            GpuHealth::NoNewModels(Held::Cordoned, _) => "Cordoned",
+            GpuHealth::NoNewModels(Held::HeldOff, _) => "HeldOff",
             GpuHealth::Gone(_) => "NoExecute",
         }
     }
@@ -92,7 +104,7 @@ impl GpuHealth {
     pub fn message(&self) -> &str {
         match self {
             GpuHealth::Healthy => "no taint on its device, its node not cordoned",
-            GpuHealth::NoNewModels(why) | GpuHealth::Gone(why) => why,
+            GpuHealth::NoNewModels(_, why) | GpuHealth::Gone(why) => why,
         }
     }
 }

@@ -58,7 +58,7 @@ impl<'a> Decider<'a> {
     fn anticipation(&self) -> Option<(Limits, &'a Forecasts)> {
         let spec = self.input.residency.spec.anticipate.as_ref()?;
         // Nothing new comes to a GPU that takes no new models.
-        let healthy = self.health().0 == crate::residency::health::GpuHealth::Healthy;
+        let healthy = *self.health() == crate::residency::health::GpuHealth::Healthy;
         (spec.enabled && healthy)
             .then(|| spec.limits())
             .zip(self.input.forecasts)

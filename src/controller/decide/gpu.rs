@@ -6,7 +6,7 @@ use crate::api::ModelState;
 use crate::controller::events::{EventReason, ModelEvent};
 use crate::residency::conditions::{ConditionSet, GPU_HEALTHY};
 use crate::residency::gpu::{GpuView, Placement};
-use crate::residency::health::{GpuHealth, HOLD_OFF};
+use crate::residency::health::{GpuHealth, HOLD_OFF, Held};
 use crate::residency::reasons::Reason;
 use crate::residency::state::later;
 use std::time::Duration;
@@ -55,64 +55,33 @@ impl<'a> Decider<'a> {
         }
     }
 
-    /// Whether the GPU takes new models now: not while it is unhealthy,
-    /// nor for [`HOLD_OFF`] after it was (a GPU whose taint toggles takes
-    /// nothing new until it is stable). Why not, in words, and when to
-    /// look again.
-    pub(super) fn health(&self) -> (GpuHealth, Option<Duration>) {
-        if self.input.health != GpuHealth::Healthy {
-            return (self.input.health.clone(), None);
-        }
-        let now = self.input.now;
-        let last = self
-            .previous
-            .conditions
-            .iter()
-            .find(|c| c.type_ == GPU_HEALTHY);
-        let went = match last {
-            None => return (GpuHealth::Healthy, None),
-            Some(c) if c.status == "False" => now,
-            Some(c) => c.last_transition_time.0,
-        };
-        let until = later(went, HOLD_OFF);
-        if until <= now {
-            return (GpuHealth::Healthy, None);
-        }
-        let why = format!(
-            "its device's taint went at {went}; new models wait until {until}, so a GPU whose taint toggles takes nothing new"
-        );
-        let after = now.duration_until(until).unsigned_abs();
-        (GpuHealth::NoNewModels(why), Some(after))
+    /// Whether the GPU takes new models now ([`effective_health`]).
+    pub(super) fn health(&self) -> &GpuHealth {
+        &self.health.0
     }
 
     /// The GpuHealthy condition (listed once the GPU was unhealthy), and
     /// when the hold-off ends.
     pub(super) fn health_condition(&self, set: &mut ConditionSet<'_>) -> Option<Duration> {
-        let (health, recheck) = self.health();
+        let (health, recheck) = &self.health;
         let listed = self
             .previous
             .conditions
             .iter()
-            .any(|c| c.type_ == GPU_HEALTHY);
-        match &health {
-            GpuHealth::Healthy if listed => {
-                let went = self
-                    .previous
-                    .conditions
-                    .iter()
-                    .find(|c| c.type_ == GPU_HEALTHY)
-                    .map(|c| c.last_transition_time.0)
-                    .unwrap_or(self.input.now);
+            .find(|c| c.type_ == GPU_HEALTHY);
+        match (health, listed) {
+            (GpuHealth::Healthy, Some(last)) => {
+                let went = last.last_transition_time.0;
                 let message = format!("its device's taint went at {went}");
                 set.set(GPU_HEALTHY, true, "TaintRemoved", message);
             }
-            GpuHealth::Healthy => {}
-            GpuHealth::NoNewModels(why) if health.reason() == "HeldOff" => {
+            (GpuHealth::Healthy, None) => {}
+            (GpuHealth::NoNewModels(Held::HeldOff, why), _) => {
                 set.set(GPU_HEALTHY, true, "HeldOff", why.clone());
             }
-            h => set.set(GPU_HEALTHY, false, h.reason(), h.message().to_owned()),
+            (h, _) => set.set(GPU_HEALTHY, false, h.reason(), h.message().to_owned()),
         }
-        recheck
+        *recheck
     }
 
     /// A request for a model that is not resident awake on a GPU that
@@ -122,7 +91,7 @@ impl<'a> Decider<'a> {
         if self.engine.is_resident(id) && !self.engine.is_asleep(id) {
             return false;
         }
-        let GpuHealth::NoNewModels(why) = self.health().0 else {
+        let GpuHealth::NoNewModels(_, why) = self.health() else {
             return false;
         };
         let message = format!(
@@ -160,4 +129,33 @@ impl<'a> Decider<'a> {
             self.outcome(&name, ModelState::Unloaded, reason, why);
         }
     }
+}
+
+/// Whether the GPU takes new models now: not while it is unhealthy, nor
+/// for [`HOLD_OFF`] after it was (a GPU whose taint toggles takes nothing
+/// new until it is stable); and when to look again. Decided once per
+/// reconcile.
+pub(super) fn effective_health(
+    input: &super::Observed<'_>,
+    previous: &crate::api::ModelResidencyStatus,
+) -> (GpuHealth, Option<Duration>) {
+    if input.health != GpuHealth::Healthy {
+        return (input.health.clone(), None);
+    }
+    let now = input.now;
+    let last = previous.conditions.iter().find(|c| c.type_ == GPU_HEALTHY);
+    let went = match last {
+        None => return (GpuHealth::Healthy, None),
+        Some(c) if c.status == "False" => now,
+        Some(c) => c.last_transition_time.0,
+    };
+    let until = later(went, HOLD_OFF);
+    if until <= now {
+        return (GpuHealth::Healthy, None);
+    }
+    let why = format!(
+        "its device's taint went at {went}; new models wait until {until}, so a GPU whose taint toggles takes nothing new"
+    );
+    let after = now.duration_until(until).unsigned_abs();
+    (GpuHealth::NoNewModels(Held::HeldOff, why), Some(after))
 }

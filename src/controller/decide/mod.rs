@@ -299,6 +299,8 @@ struct Decider<'a> {
     /// Models brought in ahead of demand and not requested since, with
     /// when ([`anticipate`]).
     anticipated: HashMap<String, Box<str>>,
+    /// Whether the GPU takes new models, and when a hold-off ends.
+    health: (crate::residency::health::GpuHealth, Option<Duration>),
 }
 
 impl<'a> Decider<'a> {
@@ -345,6 +347,7 @@ impl<'a> Decider<'a> {
             gangs: crate::residency::gangs::placements(input.residency),
             gang_refusals: crate::residency::gangs::refusals(input.residency),
             anticipated,
+            health: gpu::effective_health(input, previous),
         };
         decider.end_old_protections();
         decider.end_ready_loads();

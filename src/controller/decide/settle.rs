@@ -215,7 +215,7 @@ impl<'a> Decider<'a> {
                     );
                 }
                 // Refused while the GPU took no new models, and it does.
-                let healthy = self.health().0 == crate::residency::health::GpuHealth::Healthy;
+                let healthy = *self.health() == crate::residency::health::GpuHealth::Healthy;
                 if over && st.state == ModelState::Refused && healthy {
                     st.state = ModelState::Unloaded;
                     st.reason = None;

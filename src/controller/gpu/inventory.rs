@@ -164,6 +164,9 @@ struct Inner {
     /// Slice name -> its devices, as they are decoded once for every
     /// reader (`devices::slice_devices`).
     slices: HashMap<String, Vec<Arc<devices::Device>>>,
+    /// The slices with a tainted device: every reconcile asks its GPU's
+    /// health, and most fleets have none.
+    tainted: std::collections::HashSet<String>,
     /// The cordoned nodes (spec.unschedulable), from their own watch.
     cordoned: std::collections::HashSet<String>,
 }
@@ -250,12 +253,18 @@ impl GpuInventory {
         match event {
             watcher::Event::Apply(s) | watcher::Event::InitApply(s) => {
                 let name = s.metadata.name.clone().unwrap_or_default();
-                inner.slices.insert(name, devices::slice_devices(s));
+                let devices = devices::slice_devices(s);
+                if devices.iter().any(|d| !d.taints.is_empty()) {
+                    inner.tainted.insert(name.clone());
+                } else {
+                    inner.tainted.remove(&name);
+                }
+                inner.slices.insert(name, devices);
             }
             watcher::Event::Delete(s) => {
-                inner
-                    .slices
-                    .remove(s.metadata.name.as_deref().unwrap_or_default());
+                let name = s.metadata.name.as_deref().unwrap_or_default();
+                inner.slices.remove(name);
+                inner.tainted.remove(name);
             }
             watcher::Event::Init => {}
             watcher::Event::InitDone => {
@@ -319,8 +328,9 @@ impl GpuInventory {
     pub fn health(&self, node: &str, device: &str) -> crate::residency::health::GpuHealth {
         let inner = self.inner.lock().expect("gpu inventory lock");
         let taints = inner
-            .slices
-            .values()
+            .tainted
+            .iter()
+            .filter_map(|name| inner.slices.get(name))
             .flatten()
             .filter(|d| d.node == node && !d.taints.is_empty())
             .map(|d| Device::of(d))
@@ -329,6 +339,13 @@ impl GpuInventory {
             .unwrap_or_default();
         let cordoned = inner.cordoned.contains(node).then_some(node);
         crate::residency::health::GpuHealth::of(&taints, cordoned)
+    }
+
+    /// Whether any published device is tainted or any node cordoned: when
+    /// none is, no GPU has anything to move off.
+    pub fn any_unhealthy(&self) -> bool {
+        let inner = self.inner.lock().expect("gpu inventory lock");
+        !inner.tainted.is_empty() || !inner.cordoned.is_empty()
     }
 
     /// Records a watch event of cordoned nodes; returns the nodes whose

@@ -33,21 +33,26 @@ async fn until_condition(
     .await
 }
 
-#[tokio::test]
-#[ignore = "needs the local control plane (scripts/control-plane.sh)"]
-async fn a_tainted_gpu_gives_up_its_models_or_takes_no_new_ones_and_a_cordoned_node_too() {
-    let h = Harness::start("gpu-health").await;
+/// `failing` (GPU 0) and `other` (GPU 1) both list x, y and z; the three
+/// are loaded on `failing`.
+async fn three_on_failing_beside_other(h: &Harness) {
     let models = [
         ("x", "2Gi", false),
         ("y", "2Gi", false),
         ("z", "2Gi", false),
     ];
-    // GPU 0 and GPU 1 of the node.
     h.create("failing", "10Gi", &models).await;
     h.create("other", "10Gi", &models).await;
     for m in ["x", "y", "z"] {
         h.request("failing", m).await;
     }
+}
+
+#[tokio::test]
+#[ignore = "needs the local control plane (scripts/control-plane.sh)"]
+async fn a_tainted_gpu_gives_up_its_models_or_takes_no_new_ones_and_a_cordoned_node_too() {
+    let h = Harness::start("gpu-health").await;
+    three_on_failing_beside_other(&h).await;
     h.request("other", "x").await;
     let client = &h.env.client;
 
@@ -189,16 +194,7 @@ async fn requests_across_a_no_execute_taint_all_succeed_on_the_other_gpu() {
     use crate::support::router::{RouterUnderTest, assert_served_by};
     // Loads that take a second, so requests are held through them.
     let h = Harness::start_with("taint-router", std::time::Duration::from_secs(1)).await;
-    let models = [
-        ("x", "2Gi", false),
-        ("y", "2Gi", false),
-        ("z", "2Gi", false),
-    ];
-    h.create("failing", "10Gi", &models).await;
-    h.create("other", "10Gi", &models).await;
-    for m in ["x", "y", "z"] {
-        h.request("failing", m).await;
-    }
+    three_on_failing_beside_other(&h).await;
     let router = RouterUnderTest::exact(&h).await;
     let gone = json!([{"key": "gpu.nvidia.com/xid", "value": "79", "effect": "NoExecute"}]);
     set_gpu_taints(&h.env.client, &h.node, 0, gone)
