@@ -20,9 +20,13 @@ use std::time::Duration;
 #[tokio::test]
 #[ignore = "needs the local control plane (scripts/control-plane.sh)"]
 async fn a_model_its_forecast_expects_is_loaded_ahead_and_what_was_learnt_outlives_a_restart() {
-    // Loads that take a second: a load of no time saves no wait, and is
-    // never worth what it sends out.
-    let mut h = Harness::start_with("anticipation", Duration::from_secs(1)).await;
+    // Loads that take 2 s. A load of no time saves no wait, so it is never
+    // worth what it sends out; and load times are measured in whole
+    // seconds, so with 1 s loads a's could read 1 s and b's 2 s, and a's
+    // return (chance ~1 times 1 s) no longer beat twice b's expected cost
+    // (0.29 times 2 s): this test failed so in CI once. At 2 s the worst
+    // reading is 2 against 3 s, which clears the margin.
+    let mut h = Harness::start_with("anticipation", Duration::from_secs(2)).await;
     h.create("gpu", "10Gi", &[("a", "6Gi", false), ("b", "6Gi", false)])
         .await;
     h.request("gpu", "a").await;
